@@ -1,0 +1,32 @@
+"""Exceptions with a specific meaning for callers (CLI exit codes, gRPC status codes)."""
+
+
+class JaxloraError(Exception):
+    """Base class of every error jaxlora raises on purpose."""
+
+
+class ModelLoadError(JaxloraError, ValueError):
+    """A base-model file or folder cannot be used; the message names the file and the problem."""
+
+
+class AdapterError(JaxloraError, ValueError):
+    """An adapter cannot be loaded; the message names the adapter, the tensor and the reason."""
+
+
+class UnknownAdapterError(JaxloraError, KeyError):
+    """A request or call named an adapter that is not registered."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else "unknown adapter"
+
+
+class RequestError(JaxloraError, ValueError):
+    """A generation request is invalid (prompt too long, bad sampling values, ...)."""
+
+
+class CapacityError(JaxloraError, RuntimeError):
+    """A bounded resource is full (admission queue, host adapter memory)."""
+
+
+class AdapterInUseError(JaxloraError, RuntimeError):
+    """An adapter cannot be unregistered now: running requests still use it (gRPC FAILED_PRECONDITION)."""

@@ -1,0 +1,49 @@
+"""Loading base models from GGUF files, Hugging Face folders and converted (orbax) checkpoints."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from jaxlora.errors import ModelLoadError
+from jaxlora.loading.default_model import default_model_path
+from jaxlora.model.params import LoadedModel, build_model
+from jaxlora.tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
+
+__all__ = ["default_model_path", "load_model"]
+
+
+def load_model(source: str | Path | None = None, *, dtype: jnp.dtype = jnp.float32) -> tuple[LoadedModel, Tokenizer]:
+    """Loads a base model and its tokenizer.
+
+    Args:
+      source: None for the embedded default (SmolLM2-135M-Instruct GGUF), a `.gguf` file, a Hugging
+        Face folder (config.json + safetensors), or a folder written by `jaxlora convert`.
+      dtype: parameter and activation dtype (float32 or bfloat16).
+    """
+    path = default_model_path() if source is None else Path(source)
+    if path.is_dir():
+        from jaxlora.loading.orbax_ckpt import is_converted, load_converted
+
+        if is_converted(path):
+            return load_converted(path, dtype=dtype)
+        from jaxlora.loading.hf_folder import load_hf_arrays
+
+        config, arrays = load_hf_arrays(path)
+        model = build_model(config, arrays, dtype=dtype, source=str(path))
+        return model, tokenizer_from_folder(path, eos_token_ids=config.eos_token_ids)
+    if path.suffix == ".gguf" or path.is_file():
+        from jaxlora.loading.gguf_file import load_gguf_arrays, metadata
+
+        config, arrays, reader = load_gguf_arrays(path)
+        model = build_model(config, arrays, dtype=dtype, source=str(path))
+        return model, tokenizer_from_gguf(reader, metadata(reader), source=str(path))
+    raise ModelLoadError(f"{path}: no such model file or folder")
+
+
+def timed_load(source: str | Path | None = None, **kw) -> tuple[LoadedModel, Tokenizer, float]:
+    start = time.perf_counter()
+    model, tok = load_model(source, **kw)
+    return model, tok, time.perf_counter() - start

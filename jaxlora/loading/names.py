@@ -1,0 +1,77 @@
+"""Hugging Face tensor names <-> jaxlora flat parameter names (stacked over layers, [in, out])."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import numpy as np
+
+from jaxlora.config import ModelConfig
+from jaxlora.errors import ModelLoadError
+
+# HF per-layer suffix -> (flat name, is a Linear weight that needs [out, in] -> [in, out])
+LAYER_TENSORS: dict[str, tuple[str, bool]] = {
+    "input_layernorm.weight": ("layers.input_layernorm.scale", False),
+    "post_attention_layernorm.weight": ("layers.post_attention_layernorm.scale", False),
+    **{f"self_attn.{m}.weight": (f"layers.self_attn.{m}.kernel", True) for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{f"self_attn.{m}.bias": (f"layers.self_attn.{m}.bias", False) for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{f"mlp.{m}.weight": (f"layers.mlp.{m}.kernel", True) for m in ("gate_proj", "up_proj", "down_proj")},
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def hf_to_flat(tensors: Mapping[str, np.ndarray], config: ModelConfig, *, source: str) -> dict[str, np.ndarray]:
+    """Stacks per-layer HF tensors; unknown or missing tensors raise ModelLoadError naming them."""
+    per_layer: dict[str, list[np.ndarray | None]] = {}
+    flat: dict[str, np.ndarray] = {}
+    for key, value in tensors.items():
+        m = _LAYER_RE.match(key)
+        if m:
+            layer, suffix = int(m.group(1)), m.group(2)
+            if suffix.endswith("rotary_emb.inv_freq"):
+                continue
+            if suffix not in LAYER_TENSORS or layer >= config.num_layers:
+                raise ModelLoadError(f"{source}: unexpected tensor {key}")
+            name, transpose = LAYER_TENSORS[suffix]
+            per_layer.setdefault(name, [None] * config.num_layers)[layer] = value.T if transpose else value
+        elif key == "model.embed_tokens.weight":
+            flat["embed_tokens.embedding"] = value
+        elif key == "model.norm.weight":
+            flat["norm.scale"] = value
+        elif key == "lm_head.weight":
+            if not config.tie_word_embeddings:
+                flat["lm_head.kernel"] = value.T
+        else:
+            raise ModelLoadError(f"{source}: unexpected tensor {key}")
+    for name, layers in per_layer.items():
+        missing = [i for i, a in enumerate(layers) if a is None]
+        if missing:
+            raise ModelLoadError(f"{source}: missing tensor for layer(s) {missing[:5]} of {name}")
+        shapes = {a.shape for a in layers}
+        if len(shapes) != 1:
+            raise ModelLoadError(f"{source}: layers disagree on the shape of {name}: {sorted(shapes)}")
+        flat[name] = np.stack(layers)
+    return flat
+
+
+def flat_to_hf(flat: Mapping[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
+    """The inverse of hf_to_flat: HF tensor names, [out, in] Linear weights, one tensor per layer."""
+    inverse = {name: (suffix, t) for suffix, (name, t) in LAYER_TENSORS.items()}
+    out: dict[str, np.ndarray] = {}
+    for name, value in flat.items():
+        value = np.asarray(value)
+        if name in inverse:
+            suffix, transpose = inverse[name]
+            for i in range(config.num_layers):
+                layer = value[i].T if transpose else value[i]
+                out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(layer)
+        elif name == "embed_tokens.embedding":
+            out["model.embed_tokens.weight"] = value
+        elif name == "norm.scale":
+            out["model.norm.weight"] = value
+        elif name == "lm_head.kernel":
+            out["lm_head.weight"] = np.ascontiguousarray(value.T)
+        else:
+            raise ValueError(f"no Hugging Face name for parameter {name}")
+    return out

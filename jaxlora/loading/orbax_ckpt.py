@@ -1,0 +1,71 @@
+"""Converted checkpoints: params saved with orbax next to config and tokenizer, for fast restarts.
+
+Folder layout:
+    jaxlora_model.json   {"format": 1, "config": ModelConfig fields, "dtype": "float32"}
+    params/              orbax StandardCheckpointer tree of flat name -> array
+    tokenizer.json, tokenizer_config.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxlora.config import ModelConfig, RopeScaling
+from jaxlora.errors import ModelLoadError
+from jaxlora.model.params import LoadedModel, abstract_model, build_model
+from jaxlora.tokenizer import Tokenizer, save_tokenizer, tokenizer_from_folder
+
+MARKER = "jaxlora_model.json"
+FORMAT_VERSION = 1
+
+
+def is_converted(folder: Path) -> bool:
+    return (folder / MARKER).is_file()
+
+
+def save_converted(model: LoadedModel, tokenizer: Tokenizer, out: Path) -> None:
+    out = out.resolve()
+    if (out / "params").exists():
+        raise FileExistsError(f"{out} already holds a converted checkpoint; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dataclasses.asdict(model.config)
+    meta = {"format": FORMAT_VERSION, "config": cfg, "dtype": jnp.dtype(model.dtype).name}
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(out / "params", model.flat_params())
+    save_tokenizer(tokenizer, out)
+    (out / MARKER).write_text(json.dumps(meta, indent=2))
+
+
+def _config_from_dict(d: dict) -> ModelConfig:
+    d = dict(d)
+    if d.get("rope_scaling"):
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+    return ModelConfig(**d)
+
+
+def load_converted(folder: Path, *, dtype: jnp.dtype | None = None) -> tuple[LoadedModel, Tokenizer]:
+    try:
+        meta = json.loads((folder / MARKER).read_text())
+        if meta.get("format") != FORMAT_VERSION:
+            raise ModelLoadError(f"{folder}: checkpoint format {meta.get('format')} != {FORMAT_VERSION}")
+        config = _config_from_dict(meta["config"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{folder / MARKER}: invalid metadata ({e})") from None
+    saved = jnp.dtype(meta.get("dtype", "float32"))
+    _, expected = abstract_model(config, saved)
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in expected.items()}
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            arrays = ckpt.restore((folder / "params").resolve(), target)
+    except Exception as e:
+        raise ModelLoadError(f"{folder}: cannot restore params ({type(e).__name__}: {e})") from None
+    model = build_model(config, arrays, dtype=dtype or saved, source=str(folder))
+    return model, tokenizer_from_folder(folder, eos_token_ids=config.eos_token_ids)

@@ -1,0 +1,78 @@
+"""The one seam where LoRA enters the model: per-row `y += scale * (x @ A[slot]) @ B[slot]`.
+
+Contract (every backend computes exactly this; pallas_kernels documents the math of each op):
+
+    for each token t with slot s = token_slots[t]:
+        h[t]        = x[t] @ bank[group]["a"][s]                 # shrink, all modules of the group
+        y_m[t]     += h[t, i*R:(i+1)*R] @ bank[group]["b"][m][s]  # expand, module m = modules[i]
+
+Slot 0 is all-zero, so base-model rows come out unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from jaxlora.config import LoraBackend
+from jaxlora.lora.bank import GROUPS
+
+GROUP_MODULES: dict[str, tuple[str, ...]] = dict(GROUPS)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraRuntime:
+    """Static choices for the LoRA term inside one jitted step (hashable, never traced)."""
+
+    backend: LoraBackend = LoraBackend.XLA
+    interpret: bool = False  # run Pallas kernels in interpret mode (CPU)
+
+    @classmethod
+    def for_platform(cls, backend: LoraBackend | str, platform: str | None = None) -> "LoraRuntime":
+        """Pallas runs natively on GPU and TPU; on CPU the only way to run it is the interpreter."""
+        platform = platform or jax.default_backend()
+        backend = LoraBackend(backend)
+        return cls(backend=backend, interpret=backend is LoraBackend.PALLAS and platform == "cpu")
+
+
+def apply_group(
+    group: str,
+    group_bank: dict | None,
+    x: jax.Array,
+    outputs: dict[str, jax.Array],
+    token_slots: jax.Array,
+    runtime: LoraRuntime,
+    seg_len: int | None,
+) -> dict[str, jax.Array]:
+    """Adds each row's adapter term to the outputs of one module group.
+
+    Args:
+      group: group name from `bank.GROUPS` (fixes the order of modules along the rank axis).
+      group_bank: this layer's bank entries for the group ({"a": [S, in, G*R], "b": {m: [S, R, out]}}),
+        or None when no module of the group is targeted.
+      x: [N, in] the group's shared input, N = rows * tokens.
+      outputs: module -> [N, out_m], the base projections of every module of the group.
+      token_slots: [N] int32 slot of each token.
+      seg_len: tokens per row when N is rows of equal length sharing a slot (prefill), else None.
+
+    Returns:
+      `outputs` with the LoRA term added to every module the bank holds.
+    """
+    if group_bank is None:
+        return outputs
+    # Pytrees sort dict keys, so the rank-axis order comes from GROUPS, never from the dict.
+    modules = tuple(m for m in GROUP_MODULES[group] if m in group_bank["b"])
+    kw = dict(backend=runtime.backend.value, interpret=runtime.interpret, seg_len=seg_len)
+    h = pallas_kernels.lora_shrink(x, group_bank["a"], token_slots, **kw)
+    ys = pallas_kernels.lora_expand_multi(
+        tuple(outputs[m] for m in modules), h, tuple(group_bank["b"][m] for m in modules), token_slots, **kw
+    )
+    return {**outputs, **dict(zip(modules, ys))}
+
+
+def token_slots_for(slot_ids: jax.Array, tokens_per_row: int) -> jax.Array:
+    """[rows] slot ids -> [rows * tokens_per_row] slot of every token (rows are contiguous)."""
+    return jnp.repeat(slot_ids.astype(jnp.int32), tokens_per_row, total_repeat_length=slot_ids.shape[0] * tokens_per_row)

@@ -1,0 +1,111 @@
+"""The device adapter bank: every slot's LoRA weights, stacked, one array per layer group.
+
+Layout (a plain nested dict, so it is a pytree that jit can donate and lax.scan can slice by layer):
+
+    bank[group]["a"]          [num_layers, max_slots, in_features, len(modules) * max_rank]
+    bank[group]["b"][module]  [num_layers, max_slots, max_rank, out_features]
+
+Modules that read the same input share one group and one shrink: q/k/v read the attention input,
+gate/up read the MLP input. Their A matrices are stacked along the rank axis, so one shrink launch
+serves the whole group; module i of a group uses rank columns [i*R, (i+1)*R). Ranks below R are
+zero-padded (padding adds exact zeros) and the PEFT scale is folded into B. Slot 0 stays all-zero:
+it is the base model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlora.config import LoraConfig, ModelConfig
+
+Bank = dict[str, dict]
+
+# (group name, modules in the group). Modules of one group share their input activation.
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("qkv", ("q_proj", "k_proj", "v_proj")),
+    ("o", ("o_proj",)),
+    ("gate_up", ("gate_proj", "up_proj")),
+    ("down", ("down_proj",)),
+)
+
+
+def bank_groups(lora: LoraConfig) -> list[tuple[str, tuple[str, ...]]]:
+    """The groups that hold at least one targeted module, with only the targeted modules."""
+    out = []
+    for group, modules in GROUPS:
+        targeted = tuple(m for m in modules if m in lora.target_modules)
+        if targeted:
+            out.append((group, targeted))
+    return out
+
+
+def init_bank(model: ModelConfig, lora: LoraConfig, dtype: jnp.dtype = jnp.float32) -> Bank:
+    """An all-zero bank: every slot serves the base model until an adapter is written into it."""
+    bank: Bank = {}
+    L, S, R = model.num_layers, lora.max_slots, lora.max_rank
+    for group, modules in bank_groups(lora):
+        d_in = model.module_shape(modules[0])[0]
+        bank[group] = {
+            "a": jnp.zeros((L, S, d_in, len(modules) * R), dtype),
+            "b": {m: jnp.zeros((L, S, R, model.module_shape(m)[1]), dtype) for m in modules},
+        }
+    return bank
+
+
+def slot_arrays(
+    weights: Mapping[str, tuple[np.ndarray, np.ndarray]], model: ModelConfig, lora: LoraConfig
+) -> Bank:
+    """One slot's worth of bank entries (no slot axis) from per-module (A [L,in,r], B [L,r,out]).
+
+    Modules the adapter does not target get zeros; ranks are zero-padded to R.
+    Raises ValueError if the adapter targets a module the bank does not hold or its rank exceeds R.
+    """
+    L, R = model.num_layers, lora.max_rank
+    extra = set(weights) - set(lora.target_modules)
+    if extra:
+        raise ValueError(f"adapter targets {sorted(extra)}, which this bank does not hold "
+                         f"(bank target_modules={list(lora.target_modules)})")
+    out: Bank = {}
+    for group, modules in bank_groups(lora):
+        d_in = model.module_shape(modules[0])[0]
+        a = np.zeros((L, d_in, len(modules) * R), np.float32)
+        bs = {}
+        for i, m in enumerate(modules):
+            b = np.zeros((L, R, model.module_shape(m)[1]), np.float32)
+            if m in weights:
+                wa, wb = weights[m]
+                r = wa.shape[-1]
+                if r > R:
+                    raise ValueError(f"{m}: rank {r} exceeds the bank's max_rank={R}")
+                a[:, :, i * R:i * R + r] = wa
+                b[:, :r, :] = wb
+            bs[m] = b
+        out[group] = {"a": a, "b": bs}
+    return out
+
+
+def _write(bank: Bank, slot: jax.Array, entries: Bank) -> Bank:
+    return jax.tree_util.tree_map(
+        lambda full, one: full.at[:, slot].set(one.astype(full.dtype)), bank, entries
+    )
+
+
+# The bank is donated: the write happens in place, no second copy of the bank ever exists.
+write_slot = jax.jit(_write, donate_argnums=0)
+
+
+def set_slot(bank: Bank, slot: int, entries: Bank) -> Bank:
+    """Writes one adapter's entries (from `slot_arrays`) into `slot`; returns the new bank."""
+    if slot == 0:
+        raise ValueError("slot 0 is the reserved base-model slot and cannot hold an adapter")
+    return write_slot(bank, jnp.asarray(slot, jnp.int32), entries)
+
+
+def reset_slot(bank: Bank, slot: int) -> Bank:
+    """Zeroes `slot` so that it reproduces the base model exactly."""
+    zeros = jax.tree_util.tree_map(lambda full: jnp.zeros(full.shape[:1] + full.shape[2:], full.dtype), bank)
+    return write_slot(bank, jnp.asarray(slot, jnp.int32), zeros)

@@ -1,0 +1,37 @@
+"""Merging an adapter into the base weights: W' = W + A @ B (PEFT scale already folded into B).
+
+A merged model serves one adapter at the base model's cost: the "heavy steady traffic" path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from jaxlora.model.params import LoadedModel
+
+_MODULE_PARAM = {
+    "q_proj": "layers.self_attn.q_proj.kernel",
+    "k_proj": "layers.self_attn.k_proj.kernel",
+    "v_proj": "layers.self_attn.v_proj.kernel",
+    "o_proj": "layers.self_attn.o_proj.kernel",
+    "gate_proj": "layers.mlp.gate_proj.kernel",
+    "up_proj": "layers.mlp.up_proj.kernel",
+    "down_proj": "layers.mlp.down_proj.kernel",
+}
+
+
+def merged_params(model: LoadedModel, weights: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Flat parameters with every module's delta added.
+
+    weights: module -> (A [L, in, r], B [L, r, out]) with the scale folded into B.
+    Kernels are [L, in, out], so the delta of layer l is A[l] @ B[l]; it is added in float32.
+    """
+    flat = {k: np.asarray(v) for k, v in model.flat_params().items()}
+    for module, (a, b) in weights.items():
+        name = _MODULE_PARAM[module]
+        base = flat[name]
+        delta = np.einsum("lir,lro->lio", a.astype(np.float32), b.astype(np.float32))
+        flat[name] = (base.astype(np.float32) + delta).astype(base.dtype)
+    return flat

@@ -1,0 +1,208 @@
+"""A Llama-family decoder in Flax NNX: GQA, RoPE, RMSNorm, SwiGLU, optional q/k/v(/o) bias.
+
+Layers are stacked (every per-layer parameter has a leading `num_layers` axis) and run with
+`lax.scan`, so compile time does not grow with depth. The model is pure: the KV cache and the
+adapter bank go in as arguments and the updated cache comes back.
+
+Parameter names follow Hugging Face's (`layers.self_attn.q_proj.kernel` is HF's
+`model.layers.{i}.self_attn.q_proj.weight`, transposed to [in, out] and stacked over layers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlora.config import ModelConfig
+from jaxlora.lora.apply import LoraRuntime, apply_group
+from jaxlora.model.kv_cache import KVCache
+from jaxlora.model.rope import apply_rope, inverse_frequencies
+
+_NEG_INF = -1e30
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, param_dtype: jnp.dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # Normalise in float32, cast back, then scale: the order Hugging Face uses.
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...] * xf.astype(x.dtype)
+
+
+def _linear(d_in: int, d_out: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                      kernel_init=nnx.initializers.normal(0.02))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """What one layer needs besides its own weights (the same for every layer).
+
+    positions: [b, t] int32 absolute position of each token.
+    row_ids: [b] int32 cache row of each batch row, or None when batch row i is cache row i.
+    token_slots: [b * t] int32 adapter slot of each token.
+    seg_len: t when t > 1 (rows are contiguous runs sharing a slot), else None.
+    """
+
+    positions: jax.Array
+    row_ids: jax.Array | None
+    token_slots: jax.Array
+    seg_len: int | None
+    runtime: LoraRuntime
+    inv_freq: jax.Array
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.q_proj = _linear(cfg.hidden_size, cfg.q_size, cfg.attention_bias, dtype, rngs)
+        self.k_proj = _linear(cfg.hidden_size, cfg.kv_size, cfg.attention_bias, dtype, rngs)
+        self.v_proj = _linear(cfg.hidden_size, cfg.kv_size, cfg.attention_bias, dtype, rngs)
+        self.o_proj = _linear(cfg.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, rngs)
+
+    def __call__(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lora: dict, s: StepInputs):
+        """x [b, t, D]; k_cache/v_cache [rows, T, KVH, Dh] -> (out [b, t, D], k_cache, v_cache)."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        x2 = x.reshape(b * t, -1)
+        qkv = {"q_proj": self.q_proj(x2), "k_proj": self.k_proj(x2), "v_proj": self.v_proj(x2)}
+        qkv = apply_group("qkv", lora.get("qkv"), x2, qkv, s.token_slots, s.runtime, s.seg_len)
+        q = qkv["q_proj"].reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = qkv["k_proj"].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv["v_proj"].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        q = apply_rope(q, s.positions, s.inv_freq)
+        k = apply_rope(k, s.positions, s.inv_freq)
+        k_cache, v_cache, keys, values = _update_cache(k_cache, v_cache, k, v, s.positions, s.row_ids)
+        attn = _attend(q, keys, values, s.positions)  # [b, t, H * Dh]
+        a2 = attn.reshape(b * t, -1)
+        out = {"o_proj": self.o_proj(a2)}
+        out = apply_group("o", lora.get("o"), a2, out, s.token_slots, s.runtime, s.seg_len)
+        return out["o_proj"].reshape(b, t, -1), k_cache, v_cache
+
+
+def _update_cache(k_cache, v_cache, k, v, positions, row_ids):
+    """Writes this step's k/v at their positions, returns the caches and this batch's key rows."""
+    b = k.shape[0]
+    rows = jnp.arange(b, dtype=jnp.int32) if row_ids is None else row_ids
+    # Out-of-range positions (padding past max_len) and rows (padding rows) are dropped.
+    k_cache = k_cache.at[rows[:, None], positions].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows[:, None], positions].set(v.astype(v_cache.dtype), mode="drop")
+    if row_ids is None:
+        return k_cache, v_cache, k_cache, v_cache
+    return k_cache, v_cache, k_cache[rows], v_cache[rows]
+
+
+def _attend(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Array) -> jax.Array:
+    """Causal GQA over the cache. q [b, t, H, Dh], keys/values [b, T, KVH, Dh] -> [b, t, H*Dh]."""
+    b, t, num_heads, head_dim = q.shape
+    num_kv = keys.shape[2]
+    qg = q.reshape(b, t, num_kv, num_heads // num_kv, head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
+    scores = scores * (head_dim ** -0.5)
+    key_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)
+    mask = key_pos[None, None, :] <= positions[:, :, None]  # [b, t, T]
+    scores = jnp.where(mask[:, None, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, values, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype).reshape(b, t, num_heads * head_dim)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs)
+        self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs)
+        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, rngs)
+
+    def __call__(self, x: jax.Array, lora: dict, s: StepInputs) -> jax.Array:
+        b, t, _ = x.shape
+        x2 = x.reshape(b * t, -1)
+        gu = {"gate_proj": self.gate_proj(x2), "up_proj": self.up_proj(x2)}
+        gu = apply_group("gate_up", lora.get("gate_up"), x2, gu, s.token_slots, s.runtime, s.seg_len)
+        hidden = jax.nn.silu(gu["gate_proj"]) * gu["up_proj"]
+        out = {"down_proj": self.down_proj(hidden)}
+        out = apply_group("down", lora.get("down"), hidden, out, s.token_slots, s.runtime, s.seg_len)
+        return out["down_proj"].reshape(b, t, -1)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=dtype)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, k_cache, v_cache, lora: dict, s: StepInputs):
+        attn, k_cache, v_cache = self.self_attn(self.input_layernorm(x), k_cache, v_cache, lora, s)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x), lora, s)
+        return x, k_cache, v_cache
+
+
+class Llama(nnx.Module):
+    """Decoder-only Llama. `__call__` returns final hidden states; `logits` applies the LM head."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
+                                      embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(cfg, dtype=dtype, rngs=rngs)
+
+        self.layers = make_layers(rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        kv: KVCache,
+        *,
+        bank: dict | None = None,
+        slot_ids: jax.Array | None = None,
+        row_ids: jax.Array | None = None,
+        runtime: LoraRuntime = LoraRuntime(),
+    ) -> tuple[jax.Array, KVCache]:
+        """Runs tokens [b, t] at positions [b, t] through every layer.
+
+        Args:
+          kv: the cache; rows `row_ids` [b] (or rows 0..b-1) are read and written.
+          bank: adapter bank (see jaxlora.lora.bank) or None for the base model alone.
+          slot_ids: [b] int32 adapter slot per row (0 = base model); required with a bank.
+        Returns:
+          (hidden [b, t, D] after the final norm, updated cache)
+        """
+        b, t = tokens.shape
+        if bank is not None and slot_ids is None:
+            raise ValueError("slot_ids are required when a bank is given")
+        token_slots = (jnp.zeros((b * t,), jnp.int32) if slot_ids is None
+                       else jnp.repeat(slot_ids.astype(jnp.int32), t, total_repeat_length=b * t))
+        s = StepInputs(positions=positions.astype(jnp.int32), row_ids=row_ids, token_slots=token_slots,
+                       seg_len=t if t > 1 else None, runtime=runtime,
+                       inv_freq=jnp.asarray(inverse_frequencies(self.cfg)))
+        x = self.embed_tokens(tokens)
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def body(h, xs):
+            state, k_l, v_l, bank_l = xs
+            h, k_l, v_l = nnx.merge(graphdef, state)(h, k_l, v_l, bank_l or {}, s)
+            return h, (k_l, v_l)
+
+        x, (k, v) = jax.lax.scan(body, x, (layer_state, kv.k, kv.v, bank))
+        return self.norm(x), KVCache(k=k, v=v)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [..., D] -> float32 logits [..., vocab]."""
+        if self.lm_head is None:
+            return self.embed_tokens.attend(hidden).astype(jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)

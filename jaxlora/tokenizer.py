@@ -1,0 +1,180 @@
+"""Tokenizer and chat template: `tokenizers` for BPE, jinja2 for the checkpoint's chat template.
+
+Two sources: a Hugging Face `tokenizer.json` (+ `tokenizer_config.json` for the template and special
+tokens), or the byte-level BPE stored in GGUF metadata, rebuilt with the `tokenizers` library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+from jaxlora.errors import ModelLoadError
+
+# llama.cpp pre-tokenizer names -> pre-tokenizer builders (the regexes llama.cpp uses for them).
+_GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _byte_level() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+_PRE_TOKENIZERS = {
+    "gpt2": _byte_level,
+    "default": _byte_level,
+    # SmolLM: every digit on its own, then the GPT-2 regex.
+    "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()]),
+    "llama-bpe": lambda: _split_then_bytes(_LLAMA3_PATTERN),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizer:
+    """Text <-> token ids, plus the chat template and the ids that end generation."""
+
+    hf: HFTokenizer
+    chat_template: str | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    add_bos: bool = False
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = self.hf.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str | None:
+        return self.hf.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """Renders messages ([{"role", "content"}]) with the checkpoint's template (sandboxed jinja2)."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; pass a plain prompt instead of messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"message {i} must be an object with string 'role' and 'content'")
+        return _compile_template(self.chat_template).render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._special_text(self.bos_token_id),
+            eos_token=self._special_text(self.eos_token_ids[0] if self.eos_token_ids else None),
+        )
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        # The template already writes any BOS it wants.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+    def _special_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self.hf.id_to_token(token_id) or "")
+
+
+def _raise(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    # Same environment settings as Hugging Face's chat templating, sandboxed.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    return env.from_string(source)
+
+
+def tokenizer_from_gguf(reader: Any, meta: dict[str, Any], *, source: str) -> Tokenizer:
+    """Rebuilds the byte-level BPE tokenizer stored in GGUF metadata."""
+    from jaxlora.loading.gguf_file import field_array  # local: keeps this module free of gguf
+
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ModelLoadError(f"{source}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE "
+                             "'gpt2'); convert the model to a Hugging Face folder with tokenizer.json")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_TOKENIZERS:
+        raise ModelLoadError(f"{source}: GGUF pre-tokenizer {pre!r} is not supported "
+                             f"(supported: {', '.join(sorted(_PRE_TOKENIZERS))})")
+    tokens = field_array(reader, "tokenizer.ggml.tokens") or []
+    merges = field_array(reader, "tokenizer.ggml.merges") or []
+    types = field_array(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
+    hf = HFTokenizer(bpe)
+    hf.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+    hf.decoder = decoders.ByteLevel()
+    # CONTROL (3) and USER_DEFINED (4) tokens are matched whole, before BPE.
+    hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                           for i, t in enumerate(types) if t in (3, 4)])
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return Tokenizer(
+        hf=hf,
+        chat_template=meta.get("tokenizer.chat_template"),
+        eos_token_ids=() if eos is None else (int(eos),),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+    )
+
+
+def tokenizer_from_folder(folder: Path, *, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+    """`tokenizer.json` + optional `tokenizer_config.json` (template, BOS/EOS) of an HF folder."""
+    tj = folder / "tokenizer.json"
+    if not tj.is_file():
+        raise ModelLoadError(f"{folder}: no tokenizer.json")
+    try:
+        hf = HFTokenizer.from_file(str(tj))
+    except Exception as e:
+        raise ModelLoadError(f"{tj}: cannot read tokenizer ({e})") from None
+    tc_path = folder / "tokenizer_config.json"
+    tc: dict[str, Any] = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
+    template = tc.get("chat_template")
+    jinja_file = folder / "chat_template.jinja"
+    if template is None and jinja_file.is_file():
+        template = jinja_file.read_text()
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+
+    def token_id(key: str) -> int | None:
+        tok = tc.get(key)
+        tok = tok.get("content") if isinstance(tok, dict) else tok
+        return None if tok is None else hf.token_to_id(tok)
+
+    eos = tuple(eos_token_ids) or tuple(i for i in [token_id("eos_token")] if i is not None)
+    return Tokenizer(hf=hf, chat_template=template, eos_token_ids=eos, bos_token_id=token_id("bos_token"),
+                     add_bos=bool(tc.get("add_bos_token", False)))
+
+
+def save_tokenizer(tok: Tokenizer, folder: Path) -> None:
+    """Writes tokenizer.json + tokenizer_config.json so the folder loads with `tokenizer_from_folder`
+    (and with Hugging Face's AutoTokenizer)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.hf.save(str(folder / "tokenizer.json"))
+    cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": tok.add_bos,
+                           "clean_up_tokenization_spaces": False}
+    if tok.chat_template is not None:
+        cfg["chat_template"] = tok.chat_template
+    if tok.eos_token_ids:
+        cfg["eos_token"] = tok.hf.id_to_token(tok.eos_token_ids[0])
+    if tok.bos_token_id is not None:
+        cfg["bos_token"] = tok.hf.id_to_token(tok.bos_token_id)
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))

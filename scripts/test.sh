@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Installs jaxlora with its test dependencies (.venv, Python 3.12) and the Hugging Face reference
+# environment (.venv-ref, Python 3.11 + torch CPU), then runs the whole test suite.
+source "$(dirname "$0")/_venv.sh"
+make_venv test
+bash "$ROOT/scripts/setup_ref_env.sh" "$ROOT/.venv-ref"
+cd "$ROOT"
+export JAXLORA_REF_PYTHON="$ROOT/.venv-ref/bin/python"
+exec "$VENV/bin/python" -m pytest -q "$@"
