@@ -108,6 +108,7 @@ class ModelConfig:
         if self.o_proj_bias and not self.attention_bias:
             raise ValueError("no Hugging Face architecture has an o_proj bias without q/k/v biases")
         out: dict[str, Any] = {
+            "_name_or_path": self.name,
             "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
             "model_type": "qwen2" if qwen2 else "llama",
             "vocab_size": self.vocab_size,
