@@ -11,3 +11,26 @@ def tiny_config(**overrides) -> ModelConfig:
                 max_position_embeddings=128, tie_word_embeddings=True, eos_token_ids=(2,), bos_token_id=1)
     base.update(overrides)
     return ModelConfig(**base)
+
+
+def greedy(model, prompt: list[int], n_new: int, *, bank=None, slot: int = 0, backend="xla"):
+    """(prompt logits [len, vocab], n_new greedy ids) for one row, with the jitted whole-model forward."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxlora.lora.apply import LoraRuntime
+    from jaxlora.model import init_kv_cache
+    from jaxlora.model.forward import forward_logits
+
+    runtime = LoraRuntime.for_platform(backend)
+    slots = None if bank is None else jnp.asarray([slot], jnp.int32)
+    kv = init_kv_cache(model.config, 1, len(prompt) + n_new)
+    logits, kv = forward_logits(model.graphdef, model.params, jnp.asarray([prompt]),
+                                jnp.arange(len(prompt))[None], kv, bank, slots, runtime=runtime)
+    prompt_logits = np.asarray(logits[0])
+    out = [int(prompt_logits[-1].argmax())]
+    for i in range(n_new - 1):
+        logits, kv = forward_logits(model.graphdef, model.params, jnp.asarray([[out[-1]]]),
+                                    jnp.asarray([[len(prompt) + i]]), kv, bank, slots, runtime=runtime)
+        out.append(int(np.asarray(logits)[0, -1].argmax()))
+    return prompt_logits, out

@@ -1,0 +1,55 @@
+"""Counters the pager keeps: how often adapters were resident, how much was paged in, how long it took."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+# Latency samples kept for percentiles; older ones drop off so a long-running server stays bounded.
+MAX_LATENCY_SAMPLES = 10_000
+
+
+@dataclasses.dataclass
+class PagerMetrics:
+    """Cumulative pager counters (mutated by the pager under its lock; read a `snapshot()`).
+
+    Attributes:
+      hits: acquires that found the adapter resident and written.
+      misses: acquires that had to wait for a page-in (scheduled now or already under way).
+      page_ins: slot writes issued by `commit` (prefetches included).
+      prefetches: page-ins scheduled by `prefetch` rather than by a request.
+      evictions: resident adapters pushed out of their slot to make room for another.
+      bytes_moved: host->device bytes of all page-ins.
+      page_in_seconds: per page-in, from scheduling to the commit that issued its write (what a
+        request waits before its slot is usable, ignoring the copy itself, which overlaps the step).
+      transfer_seconds: per page-in, the copy and write themselves; only filled when the pager
+        was built with `time_transfers=True` (it blocks, so it is for benchmarks).
+      timed_bytes, timed_seconds: totals over the timed page-ins, for the achieved GB/s.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    page_ins: int = 0
+    prefetches: int = 0
+    evictions: int = 0
+    bytes_moved: int = 0
+    page_in_seconds: collections.deque[float] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=MAX_LATENCY_SAMPLES))
+    transfer_seconds: collections.deque[float] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=MAX_LATENCY_SAMPLES))
+    timed_bytes: int = 0
+    timed_seconds: float = 0.0
+
+    def snapshot(self) -> dict[str, float | int]:
+        """A flat copy: counters plus p50/p99 latencies in milliseconds (NaN with no samples)."""
+        out: dict[str, float | int] = {
+            "hits": self.hits, "misses": self.misses, "page_ins": self.page_ins,
+            "prefetches": self.prefetches, "evictions": self.evictions, "bytes_moved": self.bytes_moved,
+        }
+        for field, samples in (("page_in", self.page_in_seconds), ("transfer", self.transfer_seconds)):
+            for q in (50, 99):
+                out[f"{field}_ms_p{q}"] = float(np.percentile(samples, q) * 1e3) if samples else float("nan")
+        out["transfer_GBps"] = self.timed_bytes / self.timed_seconds / 1e9 if self.timed_seconds else float("nan")
+        return out
