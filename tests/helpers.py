@@ -34,3 +34,41 @@ def greedy(model, prompt: list[int], n_new: int, *, bank=None, slot: int = 0, ba
                                     jnp.asarray([[len(prompt) + i]]), kv, bank, slots, runtime=runtime)
         out.append(int(np.asarray(logits)[0, -1].argmax()))
     return prompt_logits, out
+
+
+def batched_greedy(model, prompts: list[list[int]], slots: list[int], n_new: int, *, bank=None,
+                   backend="xla") -> list[list[int]]:
+    """Greedy ids for rows of different lengths decoded together in one batch.
+
+    Each row is prefilled on its own into its cache row (segmented LoRA path), then every decode
+    step runs all rows at once, each at its own position, with its own slot (per-row LoRA path).
+    """
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxlora.lora.apply import LoraRuntime
+    from jaxlora.model import init_kv_cache
+    from jaxlora.model.forward import forward_logits
+
+    runtime = LoraRuntime.for_platform(backend)
+    rows = len(prompts)
+    kv = init_kv_cache(model.config, rows, max(map(len, prompts)) + n_new)
+    slot_ids = jnp.asarray(slots, jnp.int32)
+    nxt = []
+    # Prompts are padded to one length so that a single prefill shape is compiled; the padding's
+    # cache entries sit past the prompt and are overwritten by decode before they are ever read.
+    bucket = max(map(len, prompts))
+    for r, prompt in enumerate(prompts):
+        padded = jnp.asarray([list(prompt) + [0] * (bucket - len(prompt))])
+        logits, kv = forward_logits(model.graphdef, model.params, padded, jnp.arange(bucket)[None], kv, bank,
+                                    None if bank is None else slot_ids[r:r + 1],
+                                    jnp.asarray([r], jnp.int32), runtime=runtime)
+        nxt.append(int(np.asarray(logits)[0, len(prompt) - 1].argmax()))
+    out = [[t] for t in nxt]
+    for step in range(n_new - 1):
+        pos = jnp.asarray([[len(p) + step] for p in prompts], jnp.int32)
+        logits, kv = forward_logits(model.graphdef, model.params, jnp.asarray([[o[-1]] for o in out]), pos, kv,
+                                    bank, None if bank is None else slot_ids, runtime=runtime)
+        for r, t in enumerate(np.asarray(logits)[:, -1].argmax(-1)):
+            out[r].append(int(t))
+    return out

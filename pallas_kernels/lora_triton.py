@@ -1,0 +1,424 @@
+"""LoRA shrink / expand as Pallas kernels for the Triton (GPU) backend, segmented and per-row.
+
+Compute, for each segment g of rows sharing adapter slot s_g = seg_slots[g]:
+    shrink: h[rows of g, :]  = x[rows of g, :] @ a[s_g]                       (accumulated in f32)
+    expand: y[rows of g, :] += h[rows of g, c:c+R] @ b[s_g]                   (add fused, in place)
+SGMV (prefill): segment g is rows seg_starts[g] .. seg_starts[g+1]-1, contiguous.
+BGMV (decode): every row has its own slot; the wrapper groups rows by slot (a permutation `order`),
+so a slot shared by many rows is read once per tile of rows, not once per row.
+
+Slot 0 is the "no adapter" slot: its rows get h = 0 and y unchanged, and no bank entry is read.
+
+Work decomposition: rows (in grouped order) are cut into aligned tiles of `block_rows`; a work item
+is one (segment, tile) pair that overlaps, so there are at most ceil(T / block_rows) + G - 1 items.
+Each program handles one item: it loads the tile's rows masked to the segment, the segment's
+adapter block, and writes only its own rows. Triton needs every operation on power-of-two sizes,
+so the rank axis is padded to `rank_pad` by masked loads (the bank is never copied or padded).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import tuning
+
+_F32 = jnp.float32
+MIN_DOT = 16  # Triton's smallest dot operand size along any axis.
+MAX_RANK_PAD = 1024  # widest stacked rank one shrink launch takes (f32 accumulator in registers).
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _pad_pow2(n: int, minimum: int = MIN_DOT) -> int:
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+# -- work items (plain XLA on small int arrays) -------------------------------------------------
+
+
+def work_items(seg_starts: jax.Array, seg_slots: jax.Array, num_tokens: int, block_rows: int):
+    """(segment, tile) pairs covering every row of every non-empty segment.
+
+    Args:
+      seg_starts: [G + 1] int32, nondecreasing row offsets (segment g is [starts[g], starts[g+1])).
+      seg_slots: [G] int32 slot of each segment.
+      num_tokens: T, rows in x.
+      block_rows: tile height.
+
+    Returns:
+      (tile, lo, hi, slot), each [I] int32 with I = ceil(T / block_rows) + G - 1: item i covers
+      rows lo..hi-1 of tile `tile` with adapter `slot`. Unused items have lo == hi and slot 0.
+    """
+    num_segments = seg_slots.shape[0]
+    num_items = pl.cdiv(num_tokens, block_rows) + num_segments - 1
+    start, end = seg_starts[:-1], seg_starts[1:]
+    first_tile, last_tile = start // block_rows, (end - 1) // block_rows
+    tiles_per_seg = jnp.where(end > start, last_tile - first_tile + 1, 0)
+    seg_ids = jnp.arange(num_segments)
+    # Inclusive prefix sum as a [G, G] masked reduction: one fused kernel, not a scan.
+    items_through = jnp.sum(jnp.where(seg_ids[None, :] <= seg_ids[:, None], tiles_per_seg[None, :], 0), axis=1)
+    item = jnp.arange(num_items, dtype=jnp.int32)
+    seg = jnp.sum(items_through[None, :] <= item[:, None], axis=1)  # [I] segment of each item
+    is_used = item < items_through[-1]
+    seg = jnp.minimum(seg, num_segments - 1)
+    tile = first_tile[seg] + item - (items_through[seg] - tiles_per_seg[seg])
+    lo = jnp.maximum(start[seg], tile * block_rows)
+    hi = jnp.minimum(end[seg], tile * block_rows + block_rows)
+    zero = jnp.zeros_like(item)
+    return (
+        jnp.where(is_used, tile, zero).astype(jnp.int32),
+        jnp.where(is_used, lo, zero).astype(jnp.int32),
+        jnp.where(is_used, hi, zero).astype(jnp.int32),
+        jnp.where(is_used, seg_slots[seg], zero).astype(jnp.int32),
+    )
+
+
+def group_rows_by_slot(slot_ids: jax.Array, max_segments: int):
+    """Per-row slots -> (order, seg_starts, seg_slots): rows order[p] in order of slot, one segment per slot.
+
+    Built from [T, T] comparisons rather than a sort and scans: for decode-sized T these fuse into a
+    few small kernels, where argsort + cumsum cost several launches each.
+
+    Args:
+      slot_ids: [T] int32.
+      max_segments: G, an upper bound on the number of distinct slots (min(S, T)).
+
+    Returns:
+      order [T] int32 (position -> row), seg_starts [G + 1] int32, seg_slots [G] int32.
+    """
+    num_tokens = slot_ids.shape[0]
+    row = jnp.arange(num_tokens, dtype=jnp.int32)
+    is_lower = slot_ids[None, :] < slot_ids[:, None]  # [t, u]: slot of u sorts before slot of t
+    is_same_before = (slot_ids[None, :] == slot_ids[:, None]) & (row[None, :] < row[:, None])
+    position = jnp.sum(is_lower | is_same_before, axis=1, dtype=jnp.int32)  # [T] grouped position of row t
+    is_first = ~jnp.any(is_same_before, axis=1)  # [T] first row of its slot
+    seg_of_row = jnp.sum(is_lower & is_first[None, :], axis=1, dtype=jnp.int32)  # [T] distinct slots before
+    order = jnp.sum(jnp.where(position[None, :] == row[:, None], row[None, :], 0), axis=1, dtype=jnp.int32)
+    seg = jnp.arange(max_segments + 1, dtype=jnp.int32)
+    seg_starts = jnp.sum(seg_of_row[None, :] < seg[:, None], axis=1, dtype=jnp.int32)  # [G + 1]
+    is_seg_head = is_first[None, :] & (seg_of_row[None, :] == seg[:-1, None])  # [G, T]
+    seg_slots = jnp.sum(jnp.where(is_seg_head, slot_ids[None, :], 0), axis=1, dtype=jnp.int32)
+    return order, seg_starts, seg_slots
+
+
+# -- kernel bodies ------------------------------------------------------------------------------
+
+
+def _item_rows(item, tile_ref, lo_ref, hi_ref, order_ref, *, block_rows: int, num_tokens: int, has_order: bool):
+    """Rows of work item `item`: (rows [BT] int32, in_item [BT] bool). Rows outside the item are T."""
+    pos = tile_ref[item] * block_rows + jnp.arange(block_rows, dtype=jnp.int32)  # grouped positions
+    in_item = (pos >= lo_ref[item]) & (pos < hi_ref[item])
+    if has_order:
+        rows = pltriton.load(order_ref.at[pos], mask=pos < num_tokens, other=num_tokens)
+    else:
+        rows = pos
+    # An out-of-range row makes a stray access visible (and interpret mode drops such stores).
+    return jnp.where(in_item, rows, num_tokens), in_item
+
+
+def _dot(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
+    return jnp.dot(lhs, rhs.astype(lhs.dtype), preferred_element_type=_F32, precision=precision)
+
+
+def _shrink_kernel(
+    tile_ref, lo_ref, hi_ref, slot_ref, order_ref, x_ref, a_ref, h_ref,
+    *, block_rows: int, block_k: int, k_per_split: int, rank_pad: int, hidden: int, rank: int,
+    num_tokens: int, has_order: bool, is_split: bool,
+):
+    # tile/lo/hi/slot_ref: [I] int32 work items; order_ref: [T] int32 position -> row.
+    # x_ref: [T, D]; a_ref: [S, D, R]; h_ref: [K, T, R] f32 partial sums if is_split else [T, R].
+    item, split = pl.program_id(0), pl.program_id(1)  # read outside pl.when (interpret mode)
+    slot = slot_ref[item]
+    cols = jnp.arange(rank_pad, dtype=jnp.int32)
+    col_ok = cols < rank
+
+    def item_rows():
+        rows, in_item = _item_rows(item, tile_ref, lo_ref, hi_ref, order_ref, block_rows=block_rows,
+                                   num_tokens=num_tokens, has_order=has_order)
+        out_at = (split, rows[:, None], cols[None, :]) if is_split else (rows[:, None], cols[None, :])
+        return rows, in_item, out_at, in_item[:, None] & col_ok[None, :]
+
+    def multiply(step, acc, rows, in_item):  # acc: [BT, RP] f32
+        ks = split * k_per_split + step * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        k_ok = ks < hidden
+        x = pltriton.load(x_ref.at[rows[:, None], ks[None, :]], mask=in_item[:, None] & k_ok[None, :], other=0)
+        a = pltriton.load(a_ref.at[slot, ks[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0)
+        return acc + _dot(x, a)
+
+    @pl.when(slot != 0)
+    def _():
+        rows, in_item, out_at, out_mask = item_rows()
+        step = functools.partial(multiply, rows=rows, in_item=in_item)
+        acc = lax.fori_loop(0, k_per_split // block_k, step, jnp.zeros((block_rows, rank_pad), _F32))
+        pltriton.store(h_ref.at[out_at], acc.astype(h_ref.dtype), mask=out_mask)
+
+    @pl.when((slot == 0) & (lo_ref[item] < hi_ref[item]))
+    def _():  # no adapter: h = 0 without reading the bank
+        _, _, out_at, out_mask = item_rows()
+        pltriton.store(h_ref.at[out_at], jnp.zeros((block_rows, rank_pad), h_ref.dtype), mask=out_mask)
+
+
+def _expand_kernel(
+    tile_ref, lo_ref, hi_ref, slot_ref, order_ref, h_ref, b_ref, y_ref, out_ref,
+    *, block_rows: int, block_out: int, out_steps: int, rank_pad: int, rank: int, h_col: int, out_dim: int,
+    num_tokens: int, has_order: bool,
+):
+    # tile/lo/hi/slot_ref: [I] int32 work items; order_ref: [T] int32 position -> row.
+    # h_ref: [T, C] (this module's columns are h_col .. h_col+R-1); b_ref: [S, R, O];
+    # y_ref: [T, O] base output; out_ref: [T, O], the same buffer as y (aliased).
+    # Program (item, j) covers output columns j*out_steps*block_out .. in out_steps pipelined steps.
+    item, out_split = pl.program_id(0), pl.program_id(1)  # read outside pl.when (interpret mode)
+    slot = slot_ref[item]
+
+    @pl.when(slot != 0)  # no adapter (or an unused item): y stays as it is, nothing is read
+    def _():
+        rows, in_item = _item_rows(item, tile_ref, lo_ref, hi_ref, order_ref, block_rows=block_rows,
+                                   num_tokens=num_tokens, has_order=has_order)
+        r = jnp.arange(rank_pad, dtype=jnp.int32)
+        r_ok = r < rank
+        h = pltriton.load(h_ref.at[rows[:, None], h_col + r[None, :]], mask=in_item[:, None] & r_ok[None, :], other=0)
+
+        def add_block(step, carry):
+            outs = (out_split * out_steps + step) * block_out + jnp.arange(block_out, dtype=jnp.int32)
+            out_ok = outs < out_dim
+            b = pltriton.load(b_ref.at[slot, r[:, None], outs[None, :]], mask=r_ok[:, None] & out_ok[None, :], other=0)
+            mask = in_item[:, None] & out_ok[None, :]
+            at = (rows[:, None], outs[None, :])
+            y = pltriton.load(y_ref.at[at], mask=mask, other=0)
+            pltriton.store(out_ref.at[at], (y.astype(_F32) + _dot(h, b)).astype(out_ref.dtype), mask=mask)
+            return carry
+
+        lax.fori_loop(0, out_steps, add_block, 0)
+
+
+# -- wrappers -----------------------------------------------------------------------------------
+
+
+def _check_pow2(**knobs: int) -> None:
+    for name, value in knobs.items():
+        if not _is_pow2(value):
+            raise ValueError(f"{name}={value} must be a power of two (Triton works on power-of-two blocks)")
+    if knobs.get("block_rows", MIN_DOT) < MIN_DOT:
+        raise ValueError(f"block_rows={knobs['block_rows']} must be >= {MIN_DOT} (Triton dot minimum)")
+
+
+def _check_segments(seg_starts: jax.Array, seg_slots: jax.Array) -> None:
+    if seg_slots.ndim != 1 or seg_starts.shape != (seg_slots.shape[0] + 1,):
+        raise ValueError(f"seg_starts {seg_starts.shape} must be [G + 1] for seg_slots {seg_slots.shape} [G]")
+    if seg_slots.shape[0] == 0:
+        raise ValueError("need at least one segment")
+    for name, arr in (("seg_starts", seg_starts), ("seg_slots", seg_slots)):
+        if not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise ValueError(f"{name} dtype {arr.dtype} must be an integer type")
+
+
+def _check_shrink(x: jax.Array, a: jax.Array) -> None:
+    if x.ndim != 2 or a.ndim != 3 or a.shape[1] != x.shape[1]:
+        raise ValueError(f"shrink needs x [T, D] and a [S, D, R]; got x {x.shape}, a {a.shape}")
+    if not (jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(a.dtype, jnp.floating)):
+        raise ValueError(f"x {x.dtype} and a {a.dtype} must be floating point")
+    if _pad_pow2(a.shape[2]) > MAX_RANK_PAD:
+        raise ValueError(f"stacked rank {a.shape[2]} pads to more than {MAX_RANK_PAD=}; use separate shrinks")
+
+
+def _check_expand(y: jax.Array, h: jax.Array, b: jax.Array, h_col: int) -> None:
+    if y.ndim != 2 or h.ndim != 2 or b.ndim != 3 or h.shape[0] != y.shape[0] or b.shape[2] != y.shape[1]:
+        raise ValueError(f"expand needs y [T, O], h [T, C], b [S, R, O]; got y {y.shape}, h {h.shape}, b {b.shape}")
+    if not 0 <= h_col <= h.shape[1] - b.shape[1]:
+        raise ValueError(f"h_col={h_col} + rank {b.shape[1]} must fit in h's {h.shape[1]} columns")
+    if _pad_pow2(b.shape[1]) > MAX_RANK_PAD:
+        raise ValueError(f"rank {b.shape[1]} pads to more than {MAX_RANK_PAD=}")
+
+
+def _shrink_call(x, a, order, seg_starts, seg_slots, *, block_rows, block_k, split_k, num_warps, num_stages, interpret):
+    num_tokens, hidden = x.shape
+    rank = a.shape[2]
+    rank_pad = _pad_pow2(rank)
+    block_k = min(block_k, _pad_pow2(hidden), max(MIN_DOT, 16384 // rank_pad))  # bound the a tile in registers
+    split_k = max(1, min(split_k, pl.cdiv(hidden, block_k)))
+    k_per_split = pl.cdiv(pl.cdiv(hidden, split_k), block_k) * block_k
+    items = work_items(seg_starts, seg_slots, num_tokens, block_rows)
+    has_order = order is not None
+    order = order if has_order else jnp.zeros((1,), jnp.int32)  # placeholder operand, never read
+    is_split = split_k > 1
+    out_shape = (split_k, num_tokens, rank) if is_split else (num_tokens, rank)
+    kernel = functools.partial(
+        _shrink_kernel, block_rows=block_rows, block_k=block_k, k_per_split=k_per_split, rank_pad=rank_pad,
+        hidden=hidden, rank=rank, num_tokens=num_tokens, has_order=has_order, is_split=is_split,
+    )
+    h = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(out_shape, _F32 if is_split else x.dtype),
+        grid=(items[0].shape[0], split_k),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="lora_shrink",
+    )(*items, order, x, a)
+    return h.sum(axis=0).astype(x.dtype) if is_split else h
+
+
+def _expand_call(y, h, b, order, seg_starts, seg_slots, *, h_col, block_rows, block_out, out_split, num_warps,
+                 num_stages, interpret):
+    num_tokens, out_dim = y.shape
+    rank = b.shape[1]
+    block_out = min(block_out, _pad_pow2(out_dim))
+    num_blocks = pl.cdiv(out_dim, block_out)
+    out_split = max(1, min(out_split, num_blocks))
+    out_steps = pl.cdiv(num_blocks, out_split)
+    items = work_items(seg_starts, seg_slots, num_tokens, block_rows)
+    has_order = order is not None
+    order = order if has_order else jnp.zeros((1,), jnp.int32)
+    kernel = functools.partial(
+        _expand_kernel, block_rows=block_rows, block_out=block_out, out_steps=out_steps, rank_pad=_pad_pow2(rank), rank=rank,
+        h_col=h_col, out_dim=out_dim, num_tokens=num_tokens, has_order=has_order,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+        grid=(items[0].shape[0], pl.cdiv(num_blocks, out_steps)),
+        input_output_aliases={7: 0},  # y: rows without an adapter are never written
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="lora_expand",
+    )(*items, order, h, b, y)
+
+
+def _knobs(op: str, mode: str, num_tokens: int, given: dict) -> dict:
+    knobs = tuning.lookup(op, mode, num_tokens)
+    knobs.update({k: v for k, v in given.items() if v is not None})
+    return knobs
+
+
+_SHRINK_KNOBS = ("block_rows", "block_k", "split_k", "num_warps", "num_stages", "interpret")
+_EXPAND_KNOBS = ("h_col", "block_rows", "block_out", "out_split", "num_warps", "num_stages", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_SHRINK_KNOBS)
+def sgmv_shrink(
+    x: jax.Array, a: jax.Array, seg_starts: jax.Array, seg_slots: jax.Array, *,
+    block_rows: int | None = None, block_k: int | None = None, split_k: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False,
+) -> jax.Array:
+    """Segmented shrink: h[i] = x[i] @ a[seg_slots[g]] for seg_starts[g] <= i < seg_starts[g + 1].
+
+    Args:
+      x: [T, D] float (bf16 or f32), the tokens.
+      a: [S, D, R] adapter bank (R may stack several modules); slot 0 is "no adapter".
+      seg_starts: [G + 1] int32, nondecreasing, seg_starts[0] = 0 and seg_starts[G] = T (empty
+        segments allowed). Rows outside [seg_starts[0], seg_starts[G]) are left undefined.
+      seg_slots: [G] int32 in [0, S).
+      block_rows, block_k, split_k, num_warps, num_stages: tuning knobs (default: tuning.py).
+      interpret: run in the Pallas interpreter (CPU).
+
+    Returns:
+      h: [T, R] in x.dtype, accumulated in f32; rows of slot 0 are exactly 0.
+    """
+    _check_shrink(x, a)
+    _check_segments(seg_starts, seg_slots)
+    knobs = _knobs("shrink", "prefill", x.shape[0], dict(block_rows=block_rows, block_k=block_k, split_k=split_k,
+                                                        num_warps=num_warps, num_stages=num_stages))
+    _check_pow2(block_rows=knobs["block_rows"], block_k=knobs["block_k"])
+    if x.shape[0] == 0:
+        return jnp.zeros((0, a.shape[2]), x.dtype)
+    return _shrink_call(x, a, None, seg_starts.astype(jnp.int32), seg_slots.astype(jnp.int32), interpret=interpret, **knobs)
+
+
+@functools.partial(jax.jit, static_argnames=_SHRINK_KNOBS)
+def bgmv_shrink(
+    x: jax.Array, a: jax.Array, slot_ids: jax.Array, *,
+    block_rows: int | None = None, block_k: int | None = None, split_k: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False,
+) -> jax.Array:
+    """Per-row shrink: h[t] = x[t] @ a[slot_ids[t]]; rows sharing a slot read its adapter once per tile.
+
+    Args:
+      x: [T, D] float (bf16 or f32).
+      a: [S, D, R] adapter bank; slot 0 is "no adapter".
+      slot_ids: [T] int32 in [0, S).
+      block_rows, block_k, split_k, num_warps, num_stages: tuning knobs (default: tuning.py).
+      interpret: run in the Pallas interpreter (CPU).
+
+    Returns:
+      h: [T, R] in x.dtype, accumulated in f32; rows of slot 0 are exactly 0.
+    """
+    _check_shrink(x, a)
+    if slot_ids.shape != (x.shape[0],):
+        raise ValueError(f"slot_ids {slot_ids.shape} must be [T] for x {x.shape}")
+    knobs = _knobs("shrink", "decode", x.shape[0], dict(block_rows=block_rows, block_k=block_k, split_k=split_k,
+                                                       num_warps=num_warps, num_stages=num_stages))
+    _check_pow2(block_rows=knobs["block_rows"], block_k=knobs["block_k"])
+    if x.shape[0] == 0:
+        return jnp.zeros((0, a.shape[2]), x.dtype)
+    order, seg_starts, seg_slots = group_rows_by_slot(slot_ids.astype(jnp.int32), min(a.shape[0], x.shape[0]))
+    return _shrink_call(x, a, order, seg_starts, seg_slots, interpret=interpret, **knobs)
+
+
+@functools.partial(jax.jit, static_argnames=_EXPAND_KNOBS)
+def sgmv_expand(
+    y: jax.Array, h: jax.Array, b: jax.Array, seg_starts: jax.Array, seg_slots: jax.Array, *,
+    h_col: int = 0, block_rows: int | None = None, block_out: int | None = None, out_split: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False,
+) -> jax.Array:
+    """Segmented expand: y[i] += h[i, c:c+R] @ b[seg_slots[g]] for seg_starts[g] <= i < seg_starts[g + 1].
+
+    Args:
+      y: [T, O] float, the base output (updated in place when donated or an intermediate).
+      h: [T, C] float, shrink output; this module reads columns h_col .. h_col + R - 1.
+      b: [S, R, O] adapter bank; slot 0 is "no adapter".
+      seg_starts: [G + 1] int32 nondecreasing; seg_slots: [G] int32 in [0, S).
+      h_col: static first column of this module in h (multi-module shrink).
+      block_rows, block_out, out_split, num_warps, num_stages: tuning knobs (default: tuning.py).
+      interpret: run in the Pallas interpreter (CPU).
+
+    Returns:
+      [T, O] in y.dtype: y plus the LoRA term (f32 accumulate); rows of slot 0, or outside every
+      segment, are y unchanged.
+    """
+    _check_expand(y, h, b, h_col)
+    _check_segments(seg_starts, seg_slots)
+    knobs = _knobs("expand", "prefill", y.shape[0], dict(block_rows=block_rows, block_out=block_out, out_split=out_split,
+                                                        num_warps=num_warps, num_stages=num_stages))
+    _check_pow2(block_rows=knobs["block_rows"], block_out=knobs["block_out"])
+    if y.shape[0] == 0:
+        return y
+    return _expand_call(y, h, b, None, seg_starts.astype(jnp.int32), seg_slots.astype(jnp.int32), h_col=h_col,
+                        interpret=interpret, **knobs)
+
+
+@functools.partial(jax.jit, static_argnames=_EXPAND_KNOBS)
+def bgmv_expand(
+    y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array, *,
+    h_col: int = 0, block_rows: int | None = None, block_out: int | None = None, out_split: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False,
+) -> jax.Array:
+    """Per-row expand: y[t] += h[t, c:c+R] @ b[slot_ids[t]], rows grouped by slot inside.
+
+    Args:
+      y: [T, O] float base output; h: [T, C] float; b: [S, R, O] bank (slot 0 = no adapter);
+      slot_ids: [T] int32 in [0, S); h_col: static first column of this module in h.
+      block_rows, block_out, out_split, num_warps, num_stages: tuning knobs (default: tuning.py).
+      interpret: run in the Pallas interpreter (CPU).
+
+    Returns:
+      [T, O] in y.dtype; rows of slot 0 are y unchanged.
+    """
+    _check_expand(y, h, b, h_col)
+    if slot_ids.shape != (y.shape[0],):
+        raise ValueError(f"slot_ids {slot_ids.shape} must be [T] for y {y.shape}")
+    knobs = _knobs("expand", "decode", y.shape[0], dict(block_rows=block_rows, block_out=block_out, out_split=out_split,
+                                                       num_warps=num_warps, num_stages=num_stages))
+    _check_pow2(block_rows=knobs["block_rows"], block_out=knobs["block_out"])
+    if y.shape[0] == 0:
+        return y
+    order, seg_starts, seg_slots = group_rows_by_slot(slot_ids.astype(jnp.int32), min(b.shape[0], y.shape[0]))
+    return _expand_call(y, h, b, order, seg_starts, seg_slots, h_col=h_col, interpret=interpret, **knobs)

@@ -1,0 +1,55 @@
+"""Tuned block sizes for the Triton LoRA kernels, as data.
+
+Each table maps a token-count bucket (the smallest bucket >= T wins, the last one covers the rest)
+to the knobs of one kernel. `benchmarks/kernels.py --tune` measures candidates on the GPU and prints
+rows in this format; paste them here. Keys:
+
+  block_rows: rows (tokens) per tile, power of two >= 16 (Triton dots need M >= 16).
+  block_k:    shrink only, hidden-size chunk per loop step.
+  split_k:    shrink only, programs sharing one tile's hidden size (more parallelism for small T).
+  block_out:  expand only, output columns per loop step.
+  out_split:  expand only, programs sharing one tile's output columns (each loops over its share).
+  num_warps, num_stages: Triton compiler parameters.
+"""
+
+from __future__ import annotations
+
+# Decode (BGMV: rows grouped by slot inside the wrapper). Measured on the H200, JAX 0.11.2.
+SHRINK_DECODE: dict[int, dict[str, int]] = {
+    16: dict(block_rows=16, block_k=256, split_k=8, num_warps=4, num_stages=3),
+    64: dict(block_rows=16, block_k=256, split_k=4, num_warps=4, num_stages=3),
+    256: dict(block_rows=16, block_k=256, split_k=2, num_warps=4, num_stages=3),
+    512: dict(block_rows=16, block_k=256, split_k=1, num_warps=4, num_stages=3),
+}
+EXPAND_DECODE: dict[int, dict[str, int]] = {
+    16: dict(block_rows=16, block_out=128, out_split=8, num_warps=4, num_stages=3),
+    64: dict(block_rows=16, block_out=128, out_split=16, num_warps=4, num_stages=3),
+    256: dict(block_rows=16, block_out=128, out_split=8, num_warps=4, num_stages=3),
+    512: dict(block_rows=16, block_out=128, out_split=4, num_warps=4, num_stages=3),
+}
+
+# Prefill (SGMV: contiguous segments of tokens sharing a slot).
+SHRINK_PREFILL: dict[int, dict[str, int]] = {
+    1024: dict(block_rows=32, block_k=128, split_k=1, num_warps=4, num_stages=3),
+    1 << 30: dict(block_rows=64, block_k=128, split_k=1, num_warps=4, num_stages=3),
+}
+EXPAND_PREFILL: dict[int, dict[str, int]] = {
+    1024: dict(block_rows=32, block_out=128, out_split=8, num_warps=4, num_stages=3),
+    1 << 30: dict(block_rows=64, block_out=128, out_split=8, num_warps=4, num_stages=3),
+}
+
+TABLES: dict[tuple[str, str], dict[int, dict[str, int]]] = {
+    ("shrink", "decode"): SHRINK_DECODE,
+    ("expand", "decode"): EXPAND_DECODE,
+    ("shrink", "prefill"): SHRINK_PREFILL,
+    ("expand", "prefill"): EXPAND_PREFILL,
+}
+
+
+def lookup(op: str, mode: str, num_tokens: int) -> dict[str, int]:
+    """Knobs for `op` ("shrink" | "expand") in `mode` ("decode" | "prefill") at `num_tokens` rows."""
+    table = TABLES[(op, mode)]
+    for bucket in sorted(table):
+        if num_tokens <= bucket:
+            return dict(table[bucket])
+    return dict(table[max(table)])

@@ -1,0 +1,63 @@
+"""Lower every Triton kernel for CUDA on the CPU machine: catches what interpret mode does not check
+(power-of-two sizes, dot shapes, unsupported ops), with an abstract H200 standing in for the GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+import pallas_kernels as pk
+
+H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
+I32 = jnp.int32
+
+
+def _lower_for_cuda(fn, *args) -> str:
+    with jax.sharding.use_abstract_mesh(H200):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _specs(dtype, num_tokens, hidden, rank, out_dim, num_slots=5, num_segments=3):
+    sd = jax.ShapeDtypeStruct
+    return dict(
+        x=sd((num_tokens, hidden), dtype), a=sd((num_slots, hidden, rank), dtype), y=sd((num_tokens, out_dim), dtype),
+        h=sd((num_tokens, rank), dtype), b=sd((num_slots, rank, out_dim), dtype), slots=sd((num_tokens,), I32),
+        starts=sd((num_segments + 1,), I32), seg_slots=sd((num_segments,), I32),
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("shape", [(37, 2049, 48, 300), (256, 4096, 16, 11008), (2048, 576, 1, 1536)])
+def test_kernels_lower_for_cuda(dtype, shape):
+    s = _specs(dtype, *shape)
+    cases = {
+        "bgmv_shrink": (pk.bgmv_shrink, (s["x"], s["a"], s["slots"])),
+        "sgmv_shrink": (pk.sgmv_shrink, (s["x"], s["a"], s["starts"], s["seg_slots"])),
+        "bgmv_expand": (pk.bgmv_expand, (s["y"], s["h"], s["b"], s["slots"])),
+        "sgmv_expand": (pk.sgmv_expand, (s["y"], s["h"], s["b"], s["starts"], s["seg_slots"])),
+    }
+    for name, (fn, args) in cases.items():
+        assert "__gpu$xla.gpu.triton" in _lower_for_cuda(fn, *args), name
+
+
+def test_multi_module_expand_lowers_for_cuda():
+    s = _specs(jnp.bfloat16, 64, 576, 48, 576)
+    sd = jax.ShapeDtypeStruct
+    bs = tuple(sd((5, 16, o), jnp.bfloat16) for o in (576, 192, 192))
+    ys = tuple(sd((64, o), jnp.bfloat16) for o in (576, 192, 192))
+
+    def step(x, a, ys, bs, slots):
+        h = pk.lora_shrink(x, a, slots, backend="pallas")
+        return pk.lora_expand_multi(ys, h, bs, slots, backend="pallas")
+
+    assert "__gpu$xla.gpu.triton" in _lower_for_cuda(step, s["x"], s["a"], ys, bs, s["slots"])
+
+
+def test_non_power_of_two_block_is_rejected_before_lowering():
+    s = _specs(jnp.bfloat16, 32, 576, 16, 576)
+    with pytest.raises(ValueError, match="power of two"):
+        _lower_for_cuda(lambda x, a, sl: pk.bgmv_shrink(x, a, sl, block_k=96), s["x"], s["a"], s["slots"])
+    with pytest.raises(ValueError, match="block_rows"):
+        _lower_for_cuda(lambda x, a, sl: pk.bgmv_shrink(x, a, sl, block_rows=8), s["x"], s["a"], s["slots"])
