@@ -72,3 +72,16 @@ def batched_greedy(model, prompts: list[list[int]], slots: list[int], n_new: int
         for r, t in enumerate(np.asarray(logits)[:, -1].argmax(-1)):
             out[r].append(int(t))
     return out
+
+
+def tiny_tokenizer(vocab_size: int = 96):
+    """A word-level tokenizer over `w0 .. w{n-1}` (ids = numbers) with a trivial chat template."""
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+
+    from jaxlora.tokenizer import Tokenizer
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    hf = HFTokenizer(models.WordLevel(vocab, unk_token="w0"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    return Tokenizer(hf=hf, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                     eos_token_ids=(2,), bos_token_id=1)

@@ -20,8 +20,7 @@ from jaxlora.loading.orbax_ckpt import save_converted
 from jaxlora.model import init_kv_cache
 from jaxlora.model.forward import forward_logits
 from jaxlora.model.params import build_model, random_model
-from jaxlora.tokenizer import Tokenizer
-from tests.helpers import tiny_config
+from tests.helpers import tiny_config, tiny_tokenizer as _tiny_tokenizer
 
 TOKENS = jnp.array([[3, 17, 42, 5, 88, 9, 1]])
 
@@ -30,16 +29,6 @@ def _logits(model) -> np.ndarray:
     kv = init_kv_cache(model.config, 1, 16)
     pos = jnp.arange(TOKENS.shape[1])[None]
     return np.asarray(forward_logits(model.graphdef, model.params, TOKENS, pos, kv)[0])
-
-
-def _tiny_tokenizer() -> Tokenizer:
-    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
-
-    vocab = {f"w{i}": i for i in range(96)}
-    hf = HFTokenizer(models.WordLevel(vocab, unk_token="w0"))
-    hf.pre_tokenizer = pre_tokenizers.Whitespace()
-    return Tokenizer(hf=hf, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
-                     eos_token_ids=(2,), bos_token_id=1)
 
 
 @pytest.fixture(scope="module", params=[{}, {"tie_word_embeddings": False, "attention_bias": True}],
