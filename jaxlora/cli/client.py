@@ -1,0 +1,67 @@
+"""`jaxlora client --prompt TEXT [--adapter NAME]`: stream one completion from a running server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--api-key", default=os.environ.get("JAXLORA_API_KEY"),
+                   help="sent as 'authorization: Bearer KEY' (default: $JAXLORA_API_KEY)")
+    p.add_argument("--adapter", default="", help="adapter name (default: the base model)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="text to complete")
+    what.add_argument("--list-adapters", action="store_true", help="list the server's adapters and exit")
+    what.add_argument("--info", action="store_true", help="print the server's model and limits and exit")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf import text_format
+
+    from serving.client import InferenceClient
+
+    with InferenceClient(f"{args.host}:{args.port}", api_key=args.api_key, timeout=args.timeout) as client:
+        try:
+            if args.list_adapters:
+                for a in client.list_adapters():
+                    where = f"slot {a.slot}" if a.resident else "host"
+                    print(f"{a.name}\trank {a.rank}\t{','.join(a.target_modules)}\t{where}\t{a.in_flight} in flight")
+                return 0
+            if args.info:
+                print(text_format.MessageToString(client.server_info()), end="")
+                return 0
+            return _stream(client, args)
+        except grpc.RpcError as e:
+            print(f"\njaxlora client: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+
+
+def _stream(client, args: argparse.Namespace) -> int:
+    chat = dict(messages=[{"role": "user", "content": args.prompt}]) if args.chat else dict(prompt=args.prompt)
+    last = None
+    for chunk in client.stream(adapter=args.adapter, max_tokens=args.max_tokens, temperature=args.temperature,
+                               top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, **chat):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        last = chunk
+    sys.stdout.write("\n")
+    if last is not None:
+        from serving.gen import inference_pb2 as pb
+
+        reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+        print(f"[{reason}; {last.prompt_tokens} prompt + {last.completion_tokens} completion tokens]",
+              file=sys.stderr)
+    return 0

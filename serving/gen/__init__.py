@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (python -m serving.gen_proto); do not edit."""

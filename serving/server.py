@@ -1,0 +1,471 @@
+"""The gRPC front door: `jaxlora.v1.Inference` over an `Engine` running in its own thread.
+
+    server, port = build_server(engine, ServerOptions(port=0, adapter_roots=("adapters",)))
+    server.start()      # listening; health NOT_SERVING, Generate answers UNAVAILABLE
+    server.warm_up()    # compiles every shape, starts the engine loop; health SERVING
+    ...
+    server.shutdown()   # drain: health NOT_SERVING, refuse new streams, finish or cancel the rest
+
+Each Generate call runs on a gRPC worker thread. The engine calls back on its loop thread with each
+streamed update; a queue per call carries the updates across to the worker, which turns them into
+responses. When the call ends early (client cancel, deadline) a gRPC callback cancels the engine
+request, which frees its batch row at the next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import importlib.metadata
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jaxlora.engine.request import FinishReason, GenerationRequest, RequestOutput, SamplingParams
+from jaxlora.errors import (
+    AdapterError,
+    AdapterInUseError,
+    CapacityError,
+    JaxloraError,
+    RequestError,
+    UnknownAdapterError,
+)
+from jaxlora.lora.validate import check_adapter_name
+from serving.gen import inference_pb2 as pb
+from serving.gen import inference_pb2_grpc as pb_grpc
+from serving.metrics import ServerMetrics
+from serving.security import AdapterRoots, AuthInterceptor, PathRefused
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "jaxlora.v1.Inference"
+_FINISH_REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
+_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+_MAX_REQUEST_ID = 256
+_POLL_SECONDS = 0.5  # how often a stream waiting for tokens checks that its call and the engine live
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerOptions:
+    """How the server listens and what it allows.
+
+    Attributes:
+      host, port: where to listen (port 0: any free port, reported by build_server).
+      api_key: if set, every RPC but health needs `authorization: Bearer <api_key>` (or the admin key).
+      admin_key: if set, LoadAdapter/UnloadAdapter need it.
+      adapter_roots: folders LoadAdapter may read from; empty disables runtime loading.
+      metrics_port: Prometheus /metrics HTTP port on `host` (None: no endpoint, 0: any free port).
+      max_concurrent_streams: Generate calls in flight; beyond it RESOURCE_EXHAUSTED. Each holds a
+        worker thread, so this also sizes the thread pool.
+      max_message_bytes: largest request or response message.
+      grace_seconds: on shutdown, how long in-flight streams may run before they are cancelled.
+      unload_timeout_seconds: how long UnloadAdapter waits for requests using the adapter.
+      model_name: what GetServerInfo reports as the model (default: the model config's name).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    api_key: str | None = None
+    admin_key: str | None = None
+    adapter_roots: tuple[str, ...] = ()
+    metrics_port: int | None = None
+    max_concurrent_streams: int = 256
+    max_message_bytes: int = 4 * 2**20
+    grace_seconds: float = 30.0
+    unload_timeout_seconds: float = 30.0
+    model_name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "adapter_roots", tuple(str(r) for r in self.adapter_roots))
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port={self.port} must be in [0, 65535]")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port={self.metrics_port} must be in [0, 65535]")
+        for field in ("max_concurrent_streams", "max_message_bytes"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
+        for field in ("grace_seconds", "unload_timeout_seconds"):
+            if not getattr(self, field) >= 0:
+                raise ValueError(f"{field}={getattr(self, field)} must be >= 0")
+        for field in ("api_key", "admin_key"):
+            if getattr(self, field) == "":
+                raise ValueError(f"{field} must not be empty (leave it unset for no key)")
+
+
+class Phase(enum.Enum):
+    WARMING = "warming"  # listening, compiling: Generate is UNAVAILABLE
+    SERVING = "serving"
+    DRAINING = "draining"  # new Generate calls are UNAVAILABLE; running ones finish or are cancelled
+    STOPPED = "stopped"
+
+
+class _Abort(Exception):
+    """Ends the current call with a status code (raised inside handlers, turned into context.abort)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class _Admission:
+    """Phase of the server and the count of Generate calls in flight (thread-safe)."""
+
+    def __init__(self, max_streams: int) -> None:
+        self.max_streams = max_streams
+        self.phase = Phase.WARMING
+        self.num_streams = 0
+        self._lock = threading.Condition()
+
+    @contextlib.contextmanager
+    def stream(self) -> Iterator[None]:
+        with self._lock:
+            if self.phase is Phase.WARMING:
+                raise _Abort(grpc.StatusCode.UNAVAILABLE, "the server is warming up; retry shortly")
+            if self.phase is not Phase.SERVING:
+                raise _Abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            if self.num_streams >= self.max_streams:
+                raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"too many streams in flight ({self.max_streams}); retry later")
+            self.num_streams += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.num_streams -= 1
+                self._lock.notify_all()
+
+    def set_phase(self, phase: Phase) -> Phase:
+        """Sets the phase; returns the previous one."""
+        with self._lock:
+            previous, self.phase = self.phase, phase
+            return previous
+
+    def wait_for_streams(self, timeout: float) -> bool:
+        """Waits until no stream is in flight; False if some still are after `timeout` seconds."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self.num_streams == 0, timeout)
+
+
+def _status_of(error: Exception, *, is_draining: bool = False) -> tuple[grpc.StatusCode, str]:
+    """The status code a library error means for the caller."""
+    match error:
+        case UnknownAdapterError():
+            return grpc.StatusCode.NOT_FOUND, str(error)
+        case PathRefused():
+            return grpc.StatusCode.PERMISSION_DENIED, str(error)
+        case FileNotFoundError():
+            return grpc.StatusCode.NOT_FOUND, str(error)
+        case RequestError() | AdapterError():
+            return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+        case CapacityError() if is_draining:
+            return grpc.StatusCode.UNAVAILABLE, "the server is shutting down"
+        case CapacityError():
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+        case AdapterInUseError():
+            return grpc.StatusCode.FAILED_PRECONDITION, str(error)
+        case JaxloraError():
+            return grpc.StatusCode.FAILED_PRECONDITION, str(error)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}"
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    """The RPC handlers. Errors raised by the engine become status codes (`_status_of`); anything
+    unexpected is logged and answered INTERNAL, and never leaves the handler."""
+
+    def __init__(self, engine: Any, options: ServerOptions, metrics: ServerMetrics, admission: _Admission) -> None:
+        self.engine = engine
+        self.options = options
+        self.metrics = metrics
+        self.admission = admission
+        self.roots = AdapterRoots(options.adapter_roots)
+
+    # Generate.
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        arrival = time.perf_counter()
+        outcome = grpc.StatusCode.CANCELLED  # unless it completes: the client went away mid-stream
+        try:
+            with self._errors_to_status(context), self.admission.stream():
+                yield from self._generate(request, context, arrival)
+            outcome = grpc.StatusCode.OK
+        finally:
+            self.metrics.requests.labels(code=(_code_of(context) or outcome).name).inc()
+
+    def _generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext,
+                  arrival: float) -> Iterator[pb.GenerateResponse]:
+        if len(request.request_id) > _MAX_REQUEST_ID:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id is longer than {_MAX_REQUEST_ID} characters")
+        client_id = request.request_id or uuid.uuid4().hex
+        gen = self._generation_request(request, engine_id=f"{client_id}#{uuid.uuid4().hex[:12]}")
+        updates: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        try:
+            self.engine.submit(gen, callback=updates.put)
+        except JaxloraError as e:
+            raise _Abort(*_status_of(e, is_draining=self.admission.phase is not Phase.SERVING)) from None
+        self.metrics.adapter_requests.labels(adapter=gen.adapter or "").inc()
+        if not context.add_callback(lambda: self.engine.cancel(gen.request_id)):
+            self.engine.cancel(gen.request_id)  # the call ended before the callback could be added
+        first_token: float | None = None
+        for out in self._updates(updates, gen, context):
+            if first_token is None and out.token_ids:
+                first_token = time.perf_counter()
+            if not out.finished:
+                yield pb.GenerateResponse(request_id=client_id, text=out.text, token_ids=out.token_ids)
+                continue
+            self._check_final(out, gen, context)
+            self.metrics.observe_finished(arrival=arrival, first_token=first_token, end=time.perf_counter(),
+                                          prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
+            yield pb.GenerateResponse(request_id=client_id, text=out.text, token_ids=out.token_ids,
+                                      finish_reason=_FINISH_REASONS[out.finish_reason],
+                                      prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
+
+    def _updates(self, updates: queue.SimpleQueue[RequestOutput], gen: GenerationRequest,
+                 context: grpc.ServicerContext) -> Iterator[RequestOutput]:
+        """The engine's updates for one request, up to and including the final one."""
+        while True:
+            try:
+                out = updates.get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                if not self.engine.is_running and updates.empty():
+                    self.engine.cancel(gen.request_id)
+                    raise _Abort(grpc.StatusCode.UNAVAILABLE, "the engine stopped") from None
+                continue
+            yield out
+            if out.finished:
+                return
+
+    def _check_final(self, out: RequestOutput, gen: GenerationRequest, context: grpc.ServicerContext) -> None:
+        """Raises _Abort unless the request finished normally (STOP or LENGTH)."""
+        if out.finish_reason is FinishReason.CANCELLED:
+            if not context.is_active():  # the client went away: nobody to answer
+                raise _Abort(grpc.StatusCode.CANCELLED, "cancelled by the client")
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "the server cancelled the request while shutting down")
+        if out.finish_reason is FinishReason.ERROR:
+            if gen.adapter and not self._has_adapter(gen.adapter):
+                raise _Abort(grpc.StatusCode.NOT_FOUND, f"adapter {gen.adapter!r} was unloaded before the "
+                             f"request started ({out.error})")
+            raise _Abort(grpc.StatusCode.INTERNAL, out.error or "the request failed")
+
+    def _generation_request(self, request: pb.GenerateRequest, *, engine_id: str) -> GenerationRequest:
+        try:
+            has_prompt, has_messages = bool(request.prompt), bool(request.messages)
+            if has_prompt == has_messages:
+                raise RequestError("give exactly one of prompt and messages")
+            given = {f: getattr(request, f) for f in _OPTIONAL_SAMPLING if request.HasField(f)}  # others: defaults
+            sampling = SamplingParams(**given, stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids))
+            messages = [{"role": m.role, "content": m.content} for m in request.messages] if has_messages else None
+            return GenerationRequest(request_id=engine_id, prompt=request.prompt if has_prompt else None,
+                                     messages=messages, adapter=request.adapter or None, sampling=sampling)
+        except JaxloraError as e:
+            raise _Abort(*_status_of(e)) from None
+
+    # Adapters.
+    def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext) -> pb.AdapterInfo:
+        with self._errors_to_status(context):
+            name = check_adapter_name(request.name)
+            if self._has_adapter(name):
+                raise _Abort(grpc.StatusCode.ALREADY_EXISTS, f"adapter {name!r} is already loaded")
+            folder = self.roots.resolve(request.path)
+            info = self.engine.register_adapter(name, folder)
+            log.info("loaded adapter %r from %s", name, folder)
+            return _adapter_info(info)
+
+    def UnloadAdapter(self, request: pb.UnloadAdapterRequest,
+                      context: grpc.ServicerContext) -> pb.UnloadAdapterResponse:
+        with self._errors_to_status(context):
+            self.engine.unregister_adapter(request.name, wait=True, timeout=self.options.unload_timeout_seconds)
+            log.info("unloaded adapter %r", request.name)
+            return pb.UnloadAdapterResponse()
+
+    def ListAdapters(self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext) -> pb.ListAdaptersResponse:
+        with self._errors_to_status(context):
+            return pb.ListAdaptersResponse(adapters=[_adapter_info(a) for a in self.engine.list_adapters()])
+
+    def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.ServicerContext) -> pb.ServerInfo:
+        with self._errors_to_status(context):
+            c, model = self.engine.config, self.engine.model
+            return pb.ServerInfo(
+                version=_version(), model=self.options.model_name or model.config.name,
+                vocab_size=model.config.vocab_size, max_batch=c.max_batch, max_seq_len=c.max_seq_len,
+                max_new_tokens=c.max_new_tokens_limit, max_queue=c.max_queue, max_adapter_slots=c.lora.max_slots,
+                max_lora_rank=c.lora.max_rank, target_modules=list(c.lora.target_modules),
+                lora_backend=str(c.lora.backend), max_concurrent_streams=self.options.max_concurrent_streams,
+                max_message_bytes=self.options.max_message_bytes)
+
+    # Helpers.
+    def _has_adapter(self, name: str) -> bool:
+        pager = getattr(self.engine, "pager", None)
+        return pager is not None and pager.has(name)
+
+    @contextlib.contextmanager
+    def _errors_to_status(self, context: grpc.ServicerContext) -> Iterator[None]:
+        """Turns _Abort and library errors into the call's status; unexpected errors into INTERNAL."""
+        try:
+            yield
+        except _Abort as e:
+            context.abort(e.code, e.message)
+        except (JaxloraError, PathRefused, FileNotFoundError) as e:
+            context.abort(*_status_of(e))
+        except Exception as e:
+            if _code_of(context) is not None:  # context.abort already ran (it raises)
+                raise
+            log.exception("unexpected error in an RPC")
+            context.abort(*_status_of(e))
+
+
+def _code_of(context: grpc.ServicerContext) -> grpc.StatusCode | None:
+    code = getattr(context, "code", lambda: None)()
+    return code if isinstance(code, grpc.StatusCode) else None
+
+
+def _adapter_info(info: Any) -> pb.AdapterInfo:
+    return pb.AdapterInfo(name=info.name, rank=info.rank, target_modules=list(info.target_modules),
+                          resident=info.resident is not None, slot=info.resident or 0, in_flight=info.in_flight,
+                          host_bytes=info.nbytes)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("jaxlora")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class InferenceServer(grpc.Server):
+    """A grpc.Server (delegating to the real one) that also owns the serving lifecycle: warm-up,
+    health status, graceful drain, the metrics endpoint and the engine's background loop."""
+
+    def __init__(self, server: grpc.Server, *, engine: Any, options: ServerOptions, servicer: InferenceServicer,
+                 health_servicer: health.HealthServicer, metrics: ServerMetrics, admission: _Admission,
+                 port: int) -> None:
+        self._server = server
+        self.engine = engine
+        self.options = options
+        self.servicer = servicer
+        self.health = health_servicer
+        self.metrics = metrics
+        self.admission = admission
+        self.port = port
+        self.metrics_port: int | None = None
+
+    @property
+    def phase(self) -> Phase:
+        return self.admission.phase
+
+    # grpc.Server.
+    def add_generic_rpc_handlers(self, generic_rpc_handlers) -> None:
+        self._server.add_generic_rpc_handlers(generic_rpc_handlers)
+
+    def add_registered_method_handlers(self, service_name, method_handlers) -> None:
+        self._server.add_registered_method_handlers(service_name, method_handlers)
+
+    def add_insecure_port(self, address: str) -> int:
+        return self._server.add_insecure_port(address)
+
+    def add_secure_port(self, address: str, server_credentials) -> int:
+        return self._server.add_secure_port(address, server_credentials)
+
+    def start(self) -> None:
+        """Starts listening (health NOT_SERVING until `warm_up`) and the metrics endpoint."""
+        if self.options.metrics_port is not None and self.metrics_port is None:
+            self.metrics_port = self.metrics.serve_http(self.options.host, self.options.metrics_port)
+        self._server.start()
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self._server.wait_for_termination(timeout)
+
+    def stop(self, grace: float | None) -> threading.Event:
+        """Stops at once: cancels in-flight streams (UNAVAILABLE), stops the engine loop."""
+        self.admission.set_phase(Phase.STOPPED)
+        self.health.enter_graceful_shutdown()
+        self.engine.stop(drain=False)
+        self.metrics.close()
+        return self._server.stop(grace)
+
+    # Lifecycle.
+    def warm_up(self) -> None:
+        """Compiles every shape (once per engine), starts the engine loop, then serves."""
+        if self.engine.compiles_after_warmup is None:
+            start = time.perf_counter()
+            self.engine.warmup()
+            # One real request through the whole path (tokenizer, admission, prefill, decode) before
+            # SERVING: a padding-only warm-up can miss a compile, and the first client should not pay.
+            self.engine.generate([GenerationRequest(request_id=f"warmup-{uuid.uuid4().hex}", prompt_ids=[0],
+                                                    sampling=SamplingParams(max_tokens=2))])
+            log.info("warm-up took %.1f s", time.perf_counter() - start)
+        self.engine.start()
+        if self.admission.set_phase(Phase.SERVING) is not Phase.WARMING:
+            self.admission.set_phase(Phase.STOPPED)
+            raise RuntimeError("warm_up() after shutdown")
+        for service in ("", SERVICE_NAME):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+    def drain(self, grace_seconds: float | None = None) -> bool:
+        """Health NOT_SERVING, new streams UNAVAILABLE; in-flight streams get `grace_seconds` to finish,
+        then are cancelled. Returns True if every stream finished by itself."""
+        grace = self.options.grace_seconds if grace_seconds is None else grace_seconds
+        previous = self.admission.set_phase(Phase.DRAINING)
+        if previous in (Phase.DRAINING, Phase.STOPPED):
+            self.admission.set_phase(previous)
+            return True
+        self.health.enter_graceful_shutdown()
+        finished = self.admission.wait_for_streams(grace)
+        if not finished:
+            log.warning("cancelling %d stream(s) still running after the %.1f s grace period",
+                        self.admission.num_streams, grace)
+        self.engine.stop(drain=False)  # cancels what is left; their streams end UNAVAILABLE
+        self.admission.wait_for_streams(max(1.0, 2 * _POLL_SECONDS))
+        return finished
+
+    def shutdown(self, grace_seconds: float | None = None) -> bool:
+        """Graceful: `drain`, then stop listening. Returns True if no stream had to be cancelled."""
+        finished = self.drain(grace_seconds)
+        self.admission.set_phase(Phase.STOPPED)
+        self.metrics.close()
+        self._server.stop(1.0).wait()
+        return finished
+
+
+def build_server(engine: Any, options: ServerOptions = ServerOptions()) -> tuple[InferenceServer, int]:
+    """Builds the server around `engine` and binds `options.host:options.port`.
+
+    Returns the server (not started: call `start()` then `warm_up()`) and the bound port.
+
+    Raises:
+      RuntimeError: the address cannot be bound.
+      OSError: an adapter root does not exist.
+    """
+    admission = _Admission(options.max_concurrent_streams)
+    metrics = ServerMetrics(engine)
+    servicer = InferenceServicer(engine, options, metrics, admission)
+    num_threads = options.max_concurrent_streams + 16  # streams plus room for unary and health calls
+    interceptors = [AuthInterceptor(api_key=options.api_key, admin_key=options.admin_key)]
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="jaxlora-grpc"),
+        interceptors=interceptors, maximum_concurrent_rpcs=num_threads,
+        options=[("grpc.max_receive_message_length", options.max_message_bytes),
+                 ("grpc.max_send_message_length", options.max_message_bytes),
+                 ("grpc.so_reuseport", 0)])
+    pb_grpc.add_InferenceServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    for service in ("", SERVICE_NAME):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"[{options.host}]:{options.port}" if ":" in options.host else f"{options.host}:{options.port}"
+    port = server.add_insecure_port(address)
+    if options.port and port != options.port:
+        raise RuntimeError(f"cannot listen on {address}")
+    wrapped = InferenceServer(server, engine=engine, options=options, servicer=servicer,
+                              health_servicer=health_servicer, metrics=metrics, admission=admission, port=port)
+    return wrapped, port

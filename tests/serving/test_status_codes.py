@@ -1,0 +1,166 @@
+"""One test per row of the status-code table (issue 7), each on a real server."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from serving.server import ServerOptions, build_server
+from tests.serving.support import LONG, BackgroundStream, assert_capacity_whole, connect, rpc_error, running_server, \
+    status_of, wait_until
+
+Code = grpc.StatusCode
+
+
+def test_not_found_unknown_adapter(client):
+    e = rpc_error(lambda: client.generate("hi", adapter="no-such-adapter", max_tokens=2))
+    assert e.code() is Code.NOT_FOUND and "no-such-adapter" in e.details()
+    assert status_of(lambda: client.unload_adapter("no-such-adapter")) is Code.NOT_FOUND
+
+
+@pytest.mark.parametrize("kw, reason", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-3), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=10_000), "max_tokens"),  # above the engine's max_new_tokens_limit
+    (dict(stop_token_ids=[10_000]), "stop_token_ids"),
+    (dict(prompt="x" * 300), "max_seq_len"),  # prompt too long
+    (dict(prompt=""), "exactly one of prompt and messages"),
+    (dict(messages=[{"role": "user", "content": "hi"}]), "exactly one of prompt and messages"),  # both
+])
+def test_invalid_argument_bad_request(client, kw, reason):
+    kw = {"prompt": "hello", **kw}
+    e = rpc_error(lambda: client.generate(kw.pop("prompt"), **kw))
+    assert e.code() is Code.INVALID_ARGUMENT and reason in e.details(), e.details()
+
+
+def test_invalid_argument_bad_adapter_file(client, adapter_root):
+    bad = adapter_root / "corrupt"
+    bad.mkdir(exist_ok=True)
+    (bad / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 4, '
+                                            '"target_modules": ["q_proj"]}')
+    (bad / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    e = rpc_error(lambda: client.load_adapter("corrupt", "corrupt"))
+    assert e.code() is Code.INVALID_ARGUMENT and "adapter_model.safetensors" in e.details(), e.details()
+    assert "corrupt" not in [a.name for a in client.list_adapters()]  # a failed load never registers
+    e = rpc_error(lambda: client.load_adapter("bad/name", "spare-1"))
+    assert e.code() is Code.INVALID_ARGUMENT and "invalid" in e.details()
+
+
+def test_resource_exhausted_stream_limit(engine, adapter_root):
+    with running_server(engine, max_concurrent_streams=2) as server, connect(server) as client:
+        held = [BackgroundStream(client, max_tokens=LONG) for _ in range(2)]
+        for s in held:
+            assert s.first_chunk.wait(30)
+        e = rpc_error(lambda: client.generate("one too many", max_tokens=2))
+        assert e.code() is Code.RESOURCE_EXHAUSTED and "too many streams" in e.details()
+        for s in held:
+            s.call.cancel()
+            s.join()
+        assert_capacity_whole(engine, server)
+        assert client.generate("room again", max_tokens=2).completion_tokens == 2
+
+
+def test_resource_exhausted_admission_queue(engine):
+    """max_batch 16 rows + max_queue 64 waiting: streams beyond that are refused, never queued."""
+    with running_server(engine) as server, connect(server) as client:
+        streams, refused = [], None
+        for i in range(160):  # long streams finish slower than these start: the queue must fill
+            s = BackgroundStream(client, f"fill {i}", max_tokens=LONG)
+            streams.append(s)
+            if s.first_chunk.wait(0.01) and s.error is not None:
+                refused = s
+                break
+        wait_until(lambda: refused is not None or any(s.error is not None for s in streams))
+        refused = refused or next(s for s in streams if s.error is not None)
+        assert refused.code is Code.RESOURCE_EXHAUSTED and "queue is full" in refused.error.details()
+        assert len(streams) > 16 + 64 - 1
+        for s in streams:
+            s.call.cancel()
+        for s in streams:
+            s.join()
+        assert_capacity_whole(engine, server)
+
+
+def test_unavailable_while_warming_up_and_draining(engine):
+    server, port = build_server(engine, ServerOptions(port=0))
+    server.start()
+    try:
+        with connect(server) as client:
+            e = rpc_error(lambda: client.generate("too early", max_tokens=2))
+            assert e.code() is Code.UNAVAILABLE and "warming up" in e.details()
+            server.warm_up()
+            running = BackgroundStream(client, "in flight", max_tokens=60)
+            assert running.first_chunk.wait(30)
+            drain = threading.Thread(target=server.drain, kwargs=dict(grace_seconds=30))
+            drain.start()
+            wait_until(lambda: client.health() == "NOT_SERVING")
+            e = rpc_error(lambda: client.generate("too late", max_tokens=2))
+            assert e.code() is Code.UNAVAILABLE and "shutting down" in e.details()
+            drain.join(60)
+            assert running.join().error is None and len(running.token_ids) == 60  # finished within grace
+    finally:
+        server.shutdown(grace_seconds=0)
+
+
+def test_cancelled_frees_the_row(engine, client, server):
+    cancelled_before = engine.stats()["cancelled"]
+    stream = BackgroundStream(client, max_tokens=LONG, adapter="gamma")
+    assert stream.first_chunk.wait(30)
+    stream.call.cancel()
+    assert stream.join().code is Code.CANCELLED
+    wait_until(lambda: engine.stats()["cancelled"] == cancelled_before + 1)
+    assert_capacity_whole(engine, server)
+    assert len(stream.token_ids) < LONG
+
+
+def test_deadline_exceeded_frees_the_row(engine, client, server):
+    cancelled_before = engine.stats()["cancelled"]
+    e = rpc_error(lambda: client.generate("slow", max_tokens=LONG, adapter="beta", timeout=0.3))
+    assert e.code() is Code.DEADLINE_EXCEEDED
+    wait_until(lambda: engine.stats()["cancelled"] == cancelled_before + 1)
+    assert_capacity_whole(engine, server)
+
+
+def test_unauthenticated_and_permission_denied(engine, adapter_root):
+    with running_server(engine, api_key="user-key", admin_key="admin-key", adapter_roots=(str(adapter_root),)) as srv:
+        with connect(srv) as anonymous:
+            assert status_of(lambda: anonymous.generate("hi", max_tokens=2)) is Code.UNAUTHENTICATED
+            assert anonymous.health() == "SERVING"  # probes need no key
+        with connect(srv, api_key="user-key") as user:
+            assert user.generate("hi", max_tokens=2).completion_tokens == 2
+            assert status_of(lambda: user.load_adapter("spare-2", "spare-2")) is Code.PERMISSION_DENIED
+
+
+def test_failed_precondition_unload_timeout(engine, adapter_root):
+    with running_server(engine, adapter_roots=(str(adapter_root),), unload_timeout_seconds=0.2) as server, \
+            connect(server) as client:
+        client.load_adapter("spare-3", "spare-3")
+        stream = BackgroundStream(client, adapter="spare-3", max_tokens=LONG)
+        assert stream.first_chunk.wait(30)
+        e = rpc_error(lambda: client.unload_adapter("spare-3"))
+        assert e.code() is Code.FAILED_PRECONDITION and "still used" in e.details()
+        assert stream.join().error is None  # the stream was not disturbed
+        client.unload_adapter("spare-3")
+
+
+def test_already_exists(client):
+    e = rpc_error(lambda: client.load_adapter("alpha", "alpha"))
+    assert e.code() is Code.ALREADY_EXISTS
+
+
+def test_internal_error_in_one_request_spares_the_server(engine, client, monkeypatch):
+    real_submit = engine.submit
+
+    def broken_submit(request, callback=None):
+        if request.prompt == "boom":
+            raise ZeroDivisionError("a bug")
+        return real_submit(request, callback)
+
+    monkeypatch.setattr(engine, "submit", broken_submit)
+    e = rpc_error(lambda: client.generate("boom", max_tokens=2))
+    assert e.code() is Code.INTERNAL and "a bug" not in e.details()  # no internals leak to clients
+    assert client.generate("fine", max_tokens=3).completion_tokens == 3
