@@ -7,37 +7,29 @@ Exits 0 after SIGTERM/SIGINT: health goes NOT_SERVING, new streams are refused, 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
 import sys
 import threading
-from pathlib import Path
 
-from jaxlora.cli.common import DTYPES, add_model_args, parse_adapter_flags
+from jaxlora.cli.engine_args import add_engine_args, build_engine
 from jaxlora.errors import JaxloraError
 
 log = logging.getLogger("jaxlora.serve")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
+    add_engine_args(p, adapters_help="register a PEFT adapter folder at start-up")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port; printed at start)")
-    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
-                   help="register a PEFT adapter folder at start-up (repeatable)")
     p.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
                    help="folder LoadAdapter may read adapters from (repeatable; none: no runtime loading)")
-    p.add_argument("--config", type=Path, default=None, help="engine config YAML (see configs/)")
     p.add_argument("--api-key", default=os.environ.get("JAXLORA_API_KEY"),
                    help="require 'authorization: Bearer KEY' on every RPC (default: $JAXLORA_API_KEY)")
     p.add_argument("--admin-key", default=os.environ.get("JAXLORA_ADMIN_KEY"),
                    help="require this key for LoadAdapter/UnloadAdapter (default: $JAXLORA_ADMIN_KEY)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
-    p.add_argument("--max-slots", type=int, default=None, help="device adapter slots, slot 0 included")
-    p.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank")
-    p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory at most")
     p.add_argument("--max-concurrent-streams", type=int, default=256, help="Generate calls in flight at most")
     p.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight streams get at shutdown")
 
@@ -66,28 +58,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace):
-    from jaxlora.adapters import Pager
-    from jaxlora.adapters.registry import slot_nbytes
-    from jaxlora.engine import Engine, EngineConfig
-    from jaxlora.loading import load_model
     from serving.server import ServerOptions, build_server
 
-    adapters = parse_adapter_flags(args.adapter)
-    config = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
-    lora = dataclasses.replace(config.lora, **{k: v for k, v in (("max_slots", args.max_slots),
-                                                                ("max_rank", args.max_lora_rank)) if v is not None})
-    model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
-    capacity = config.host_capacity_bytes
-    if args.max_cpu_loras is not None:
-        if args.max_cpu_loras < 1:
-            raise ValueError(f"--max-cpu-loras={args.max_cpu_loras} must be >= 1")
-        capacity = args.max_cpu_loras * slot_nbytes(model.config, lora, model.dtype)
-    config = dataclasses.replace(config, lora=lora, host_capacity_bytes=capacity)
-    pager = Pager(model.config, lora, host_capacity_bytes=capacity, dtype=model.dtype)
-    for name, path in adapters.items():
-        pager.register(name, path)
-        log.info("registered adapter %r from %s", name, path)
-    engine = Engine(model, tokenizer, config, pager)
+    engine = build_engine(args)
     options = ServerOptions(host=args.host, port=args.port, api_key=args.api_key or None,
                             admin_key=args.admin_key or None, adapter_roots=tuple(args.adapter_root),
                             metrics_port=args.metrics_port, max_concurrent_streams=args.max_concurrent_streams,

@@ -46,6 +46,8 @@ def apply_group(
     token_slots: jax.Array,
     runtime: LoraRuntime,
     seg_len: int | None,
+    *,
+    plan: pallas_kernels.LoraPlan | None = None,
 ) -> dict[str, jax.Array]:
     """Adds each row's adapter term to the outputs of one module group.
 
@@ -57,6 +59,7 @@ def apply_group(
       outputs: module -> [N, out_m], the base projections of every module of the group.
       token_slots: [N] int32 slot of each token.
       seg_len: tokens per row when N is rows of equal length sharing a slot (prefill), else None.
+      plan: `step_plan(...)` for these token_slots, built once per step; None builds one per op.
 
     Returns:
       `outputs` with the LoRA term added to every module the bank holds.
@@ -65,12 +68,24 @@ def apply_group(
         return outputs
     # Pytrees sort dict keys, so the rank-axis order comes from GROUPS, never from the dict.
     modules = tuple(m for m in GROUP_MODULES[group] if m in group_bank["b"])
-    kw = dict(backend=runtime.backend.value, interpret=runtime.interpret, seg_len=seg_len)
+    kw = dict(backend=runtime.backend.value, interpret=runtime.interpret, seg_len=seg_len, plan=plan)
     h = pallas_kernels.lora_shrink(x, group_bank["a"], token_slots, **kw)
     ys = pallas_kernels.lora_expand_multi(
         tuple(outputs[m] for m in modules), h, tuple(group_bank["b"][m] for m in modules), token_slots, **kw
     )
     return {**outputs, **dict(zip(modules, ys))}
+
+
+def step_plan(bank: dict | None, token_slots: jax.Array, runtime: LoraRuntime,
+              seg_len: int | None) -> pallas_kernels.LoraPlan | None:
+    """The row grouping shared by every LoRA op of one step (all layers, all groups); None without a bank.
+
+    bank leaves are stacked over layers, [L, S, ...], so axis 1 is the slot count.
+    """
+    if not bank:
+        return None
+    num_slots = jax.tree.leaves(bank)[0].shape[1]
+    return pallas_kernels.lora_plan(token_slots, num_slots=num_slots, seg_len=seg_len, backend=runtime.backend.value)
 
 
 def token_slots_for(slot_ids: jax.Array, tokens_per_row: int) -> jax.Array:

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import pallas_kernels
 from jaxlora.config import ModelConfig
-from jaxlora.lora.apply import LoraRuntime, apply_group
+from jaxlora.lora.apply import LoraRuntime, apply_group, step_plan
 from jaxlora.model.kv_cache import KVCache
 from jaxlora.model.rope import apply_rope, inverse_frequencies
 
@@ -49,6 +50,8 @@ class StepInputs:
     row_ids: [b] int32 cache row of each batch row, or None when batch row i is cache row i.
     token_slots: [b * t] int32 adapter slot of each token.
     seg_len: t when t > 1 (rows are contiguous runs sharing a slot), else None.
+    lora_plan: the row grouping every LoRA op of this step shares (built once, before the layer
+      scan), or None without a bank.
     """
 
     positions: jax.Array
@@ -57,6 +60,7 @@ class StepInputs:
     seg_len: int | None
     runtime: LoraRuntime
     inv_freq: jax.Array
+    lora_plan: pallas_kernels.LoraPlan | None = None
 
 
 class Attention(nnx.Module):
@@ -67,36 +71,43 @@ class Attention(nnx.Module):
         self.v_proj = _linear(cfg.hidden_size, cfg.kv_size, cfg.attention_bias, dtype, rngs)
         self.o_proj = _linear(cfg.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, rngs)
 
-    def __call__(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lora: dict, s: StepInputs):
-        """x [b, t, D]; k_cache/v_cache [rows, T, KVH, Dh] -> (out [b, t, D], k_cache, v_cache)."""
+    def __call__(self, x: jax.Array, kv: KVCache, layer: jax.Array, lora: dict, s: StepInputs):
+        """x [b, t, D]; kv: every layer's cache; layer: this layer's index -> (out [b, t, D], kv)."""
         cfg = self.cfg
         b, t, _ = x.shape
         x2 = x.reshape(b * t, -1)
         qkv = {"q_proj": self.q_proj(x2), "k_proj": self.k_proj(x2), "v_proj": self.v_proj(x2)}
-        qkv = apply_group("qkv", lora.get("qkv"), x2, qkv, s.token_slots, s.runtime, s.seg_len)
+        qkv = apply_group("qkv", lora.get("qkv"), x2, qkv, s.token_slots, s.runtime, s.seg_len,
+                          plan=s.lora_plan)
         q = qkv["q_proj"].reshape(b, t, cfg.num_heads, cfg.head_dim)
         k = qkv["k_proj"].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = qkv["v_proj"].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         q = apply_rope(q, s.positions, s.inv_freq)
         k = apply_rope(k, s.positions, s.inv_freq)
-        k_cache, v_cache, keys, values = _update_cache(k_cache, v_cache, k, v, s.positions, s.row_ids)
+        kv, keys, values = _update_cache(kv, layer, k, v, s.positions, s.row_ids)
         attn = _attend(q, keys, values, s.positions)  # [b, t, H * Dh]
         a2 = attn.reshape(b * t, -1)
         out = {"o_proj": self.o_proj(a2)}
-        out = apply_group("o", lora.get("o"), a2, out, s.token_slots, s.runtime, s.seg_len)
-        return out["o_proj"].reshape(b, t, -1), k_cache, v_cache
+        out = apply_group("o", lora.get("o"), a2, out, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan)
+        return out["o_proj"].reshape(b, t, -1), kv
 
 
-def _update_cache(k_cache, v_cache, k, v, positions, row_ids):
-    """Writes this step's k/v at their positions, returns the caches and this batch's key rows."""
+def _update_cache(kv: KVCache, layer: jax.Array, k, v, positions, row_ids):
+    """Writes this step's k/v of one layer at their positions; returns the cache and this batch's
+    keys and values of that layer ([b, T, KVH, Dh]).
+
+    The whole cache rides in the layer scan's carry and only the new tokens are scattered into it,
+    so a step moves the cache once (attention's read) instead of copying every layer in and out.
+    """
     b = k.shape[0]
     rows = jnp.arange(b, dtype=jnp.int32) if row_ids is None else row_ids
     # Out-of-range positions (padding past max_len) and rows (padding rows) are dropped.
-    k_cache = k_cache.at[rows[:, None], positions].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[rows[:, None], positions].set(v.astype(v_cache.dtype), mode="drop")
+    index = (layer, rows[:, None], positions)
+    kv = KVCache(k=kv.k.at[index].set(k.astype(kv.k.dtype), mode="drop"),
+                 v=kv.v.at[index].set(v.astype(kv.v.dtype), mode="drop"))
     if row_ids is None:
-        return k_cache, v_cache, k_cache, v_cache
-    return k_cache, v_cache, k_cache[rows], v_cache[rows]
+        return kv, kv.k[layer], kv.v[layer]
+    return kv, kv.k[layer, rows], kv.v[layer, rows]
 
 
 def _attend(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Array) -> jax.Array:
@@ -124,10 +135,12 @@ class MLP(nnx.Module):
         b, t, _ = x.shape
         x2 = x.reshape(b * t, -1)
         gu = {"gate_proj": self.gate_proj(x2), "up_proj": self.up_proj(x2)}
-        gu = apply_group("gate_up", lora.get("gate_up"), x2, gu, s.token_slots, s.runtime, s.seg_len)
+        gu = apply_group("gate_up", lora.get("gate_up"), x2, gu, s.token_slots, s.runtime, s.seg_len,
+                          plan=s.lora_plan)
         hidden = jax.nn.silu(gu["gate_proj"]) * gu["up_proj"]
         out = {"down_proj": self.down_proj(hidden)}
-        out = apply_group("down", lora.get("down"), hidden, out, s.token_slots, s.runtime, s.seg_len)
+        out = apply_group("down", lora.get("down"), hidden, out, s.token_slots, s.runtime, s.seg_len,
+                          plan=s.lora_plan)
         return out["down_proj"].reshape(b, t, -1)
 
 
@@ -138,11 +151,11 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, k_cache, v_cache, lora: dict, s: StepInputs):
-        attn, k_cache, v_cache = self.self_attn(self.input_layernorm(x), k_cache, v_cache, lora, s)
+    def __call__(self, x, kv: KVCache, layer: jax.Array, lora: dict, s: StepInputs):
+        attn, kv = self.self_attn(self.input_layernorm(x), kv, layer, lora, s)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x), lora, s)
-        return x, k_cache, v_cache
+        return x, kv
 
 
 class Llama(nnx.Module):
@@ -187,19 +200,24 @@ class Llama(nnx.Module):
             raise ValueError("slot_ids are required when a bank is given")
         token_slots = (jnp.zeros((b * t,), jnp.int32) if slot_ids is None
                        else jnp.repeat(slot_ids.astype(jnp.int32), t, total_repeat_length=b * t))
+        seg_len = t if t > 1 else None
+        # Which rows use which slot is the same in every layer: group them once, not per op.
+        plan = step_plan(bank, token_slots, runtime, seg_len)
         s = StepInputs(positions=positions.astype(jnp.int32), row_ids=row_ids, token_slots=token_slots,
-                       seg_len=t if t > 1 else None, runtime=runtime,
-                       inv_freq=jnp.asarray(inverse_frequencies(self.cfg)))
+                       seg_len=seg_len, runtime=runtime, inv_freq=jnp.asarray(inverse_frequencies(self.cfg)),
+                       lora_plan=plan)
         x = self.embed_tokens(tokens)
         graphdef, layer_state = nnx.split(self.layers)
 
-        def body(h, xs):
-            state, k_l, v_l, bank_l = xs
-            h, k_l, v_l = nnx.merge(graphdef, state)(h, k_l, v_l, bank_l or {}, s)
-            return h, (k_l, v_l)
+        def body(carry, xs):
+            h, kv = carry
+            state, layer, bank_l = xs
+            h, kv = nnx.merge(graphdef, state)(h, kv, layer, bank_l or {}, s)
+            return (h, kv), None
 
-        x, (k, v) = jax.lax.scan(body, x, (layer_state, kv.k, kv.v, bank))
-        return self.norm(x), KVCache(k=k, v=v)
+        layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+        (x, kv), _ = jax.lax.scan(body, (x, kv), (layer_state, layers, bank))
+        return self.norm(x), kv
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., D] -> float32 logits [..., vocab]."""

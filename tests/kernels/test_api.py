@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
+from pallas_kernels import tuning
 from tests.kernels.kernel_data import assert_close, random_array
 
 
@@ -22,10 +23,14 @@ def test_backends_agree(rng, seg_len):
     slots = jnp.asarray(np.repeat(rng.integers(0, slots_n, units), tokens // units).astype(np.int32))
 
     def run(backend, interpret=False):
-        fn = jax.jit(lambda x, a, ys, bs, s: (lambda h: (h, pk.lora_expand_multi(
-            ys, h, bs, s, backend=backend, interpret=interpret, seg_len=seg_len)))(
-            pk.lora_shrink(x, a, s, backend=backend, interpret=interpret, seg_len=seg_len)))
-        return fn(x, a, ys, bs, slots)
+        # The plan is built outside the jitted ops and passed in as a pytree, as the model does.
+        def step(x, a, ys, bs, plan):
+            kw = dict(backend=backend, interpret=interpret, seg_len=seg_len, plan=plan)
+            h = pk.lora_shrink(x, a, None, **kw)
+            return h, pk.lora_expand_multi(ys, h, bs, None, **kw)
+
+        plan = jax.jit(lambda s: pk.lora_plan(s, num_slots=slots_n, seg_len=seg_len, backend=backend))(slots)
+        return jax.jit(step)(x, a, ys, bs, plan)
 
     h_ref, ys_ref = run("loop")
     for backend, interpret in [("xla", False), ("ragged", False), ("onehot", False), ("pallas", True)]:
@@ -49,3 +54,31 @@ def test_bad_input_raises(rng):
         pk.lora_expand_multi((x, x), x[:, :5], (a[:, :2, :16], a[:, :2, :16]), slots, backend="xla")
     with pytest.raises(ValueError, match="h_col"):
         pk.bgmv_expand(x, x[:, :4], random_array(rng, (3, 4, 16), jnp.float32), slots, h_col=2, interpret=True)
+
+
+def test_plan_must_match_the_op(rng):
+    x = random_array(rng, (8, 16), jnp.float32)
+    a = random_array(rng, (3, 16, 4), jnp.float32)
+    slots = jnp.asarray([0, 1, 2, 1, 1, 0, 2, 2], jnp.int32)
+    plan = pk.lora_plan(slots, num_slots=3, backend="xla")
+    with pytest.raises(ValueError, match="plan"):
+        pk.lora_shrink(x, a, None, backend="ragged", plan=plan)  # built for another backend
+    with pytest.raises(ValueError, match="plan"):
+        pk.lora_shrink(x, a, None, backend="xla", seg_len=4, plan=plan)
+    with pytest.raises(ValueError, match="plan"):
+        pk.lora_shrink(x[:4], a, None, backend="xla", plan=plan)
+    with pytest.raises(ValueError, match="slot_ids or a plan"):
+        pk.lora_shrink(x, a, None, backend="xla")
+    with pytest.raises(ValueError, match="backend"):
+        pk.lora_plan(slots, num_slots=3, backend="cuda")
+    np.testing.assert_array_equal(pk.lora_shrink(x, a, None, backend="xla", plan=plan),
+                                  pk.lora_shrink(x, a, slots, backend="xla"))
+
+
+def test_pallas_plan_holds_the_tables_work_items(rng):
+    slots = jnp.asarray(rng.integers(0, 5, 40), jnp.int32)
+    plan = pk.lora_plan(slots, num_slots=5, backend="pallas")
+    assert tuning.lookup("shrink", "decode", 40)["block_rows"] in plan.groups.items
+    np.testing.assert_array_equal(plan.groups.order, np.argsort(np.asarray(slots), kind="stable"))
+    leaves = jax.tree.leaves(plan)
+    assert all(isinstance(leaf, jax.Array) for leaf in leaves)  # static fields stay out of the pytree

@@ -35,7 +35,10 @@ def test_kernels_lower_for_cuda(dtype, shape):
     cases = {
         "bgmv_shrink": (pk.bgmv_shrink, (s["x"], s["a"], s["slots"])),
         "sgmv_shrink": (pk.sgmv_shrink, (s["x"], s["a"], s["starts"], s["seg_slots"])),
-        "bgmv_expand": (pk.bgmv_expand, (s["y"], s["h"], s["b"], s["slots"])),
+        "bgmv_expand_rows": (lambda *a: pk.bgmv_expand(*a, impl="rows", block_rows=4), (s["y"], s["h"], s["b"], s["slots"])),
+        "bgmv_expand_grouped": (lambda *a: pk.bgmv_expand(*a, impl="grouped"), (s["y"], s["h"], s["b"], s["slots"])),
+        "bgmv_expand_grouped_small": (lambda *a: pk.bgmv_expand(*a, impl="grouped", block_rows=4),
+                                      (s["y"], s["h"], s["b"], s["slots"])),
         "sgmv_expand": (pk.sgmv_expand, (s["y"], s["h"], s["b"], s["starts"], s["seg_slots"])),
     }
     for name, (fn, args) in cases.items():

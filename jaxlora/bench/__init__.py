@@ -1,0 +1,1 @@
+"""Benchmarks that ship with the package (`jaxlora bench`); research scripts live in benchmarks/."""

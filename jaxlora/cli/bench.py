@@ -1,0 +1,50 @@
+"""`jaxlora bench`: end-to-end decode speed against the memory-bandwidth floor (jaxlora.bench.e2e).
+
+    jaxlora bench --tiny --out /tmp/bench          # CPU, toy model, seconds
+    jaxlora bench --out benchmarks/results         # GPU: Llama-2-7B shape, the issue-8 plan
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+BACKENDS = ("pallas", "xla", "ragged")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"),
+                   help="folder for e2e.json, e2e.md and the plots")
+    p.add_argument("--tiny", action="store_true", help="toy model on the CPU (runs in seconds)")
+    p.add_argument("--budget-s", type=float, default=300.0,
+                   help="wall-clock budget: no new group starts once it is spent")
+    p.add_argument("--backend", action="append", choices=BACKENDS, help="repeatable; default: all three")
+    p.add_argument("--steps", type=int, default=10, help="decode steps timed back to back per cell")
+    p.add_argument("--prefill-batch", type=int, default=8, help="rows per prefill call")
+    p.add_argument("--hf-peer", type=Path, default=None,
+                   help="results of benchmarks/hf_peer.py to include as hf-peft rows")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="run nothing: re-render e2e.md and the plots into --out from this e2e.json "
+                        "(merging --hf-peer rows if given)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxlora.bench import e2e
+
+    if args.steps < 1 or args.budget_s <= 0 or args.prefill_batch < 1:
+        print("jaxlora bench: --steps and --prefill-batch must be >= 1, --budget-s > 0", file=sys.stderr)
+        return 2
+    if args.from_json is not None:
+        payload = e2e.rerender(args.from_json, args.out, hf_peer=args.hf_peer)
+        print(f"rendered {args.out / 'e2e.md'} from {args.from_json} ({len(payload['rows'])} rows)")
+        return 0
+    opts = e2e.Options(out=args.out, tiny=args.tiny, budget_s=args.budget_s,
+                       backends=tuple(args.backend or BACKENDS), steps=args.steps,
+                       prefill_batch=args.prefill_batch, hf_peer=args.hf_peer, plots=not args.no_plots,
+                       command="jaxlora bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]))
+    payload = e2e.run(opts)
+    print(f"wrote {args.out / 'e2e.json'} ({len(payload['rows'])} rows, {len(payload['not_run'])} groups not run)")
+    return 0

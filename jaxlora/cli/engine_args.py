@@ -1,0 +1,66 @@
+"""Flags and construction shared by every command that runs the engine (generate, demo, serve)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from pathlib import Path
+
+from jaxlora.cli.common import add_model_args, parse_adapter_flags
+from jaxlora.config import LoraBackend
+
+log = logging.getLogger(__name__)
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, adapters_help: str = "register a PEFT adapter folder") -> None:
+    add_model_args(p)
+    p.set_defaults(dtype=None)  # None: the engine config's dtype decides
+    p.add_argument("--config", type=Path, default=None, help="engine config YAML (see configs/)")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                   help=f"{adapters_help} under NAME (repeatable)")
+    p.add_argument("--max-slots", type=int, default=None, help="device adapter slots, slot 0 (base) included")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank the bank holds")
+    p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory at most")
+    p.add_argument("--lora-backend", choices=[b.value for b in LoraBackend], default=None,
+                   help="how the per-row LoRA term is computed (default: the config's)")
+
+
+def engine_config(args: argparse.Namespace, model_config=None):
+    """The EngineConfig from --config with the flag overrides applied."""
+    from jaxlora.engine import EngineConfig
+
+    config = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
+    lora_overrides = {k: v for k, v in (("max_slots", args.max_slots), ("max_rank", args.max_lora_rank),
+                                        ("backend", args.lora_backend)) if v is not None}
+    config = dataclasses.replace(config, lora=dataclasses.replace(config.lora, **lora_overrides))
+    if args.dtype is not None:
+        config = dataclasses.replace(config, dtype=args.dtype)
+    return config
+
+
+def build_engine(args: argparse.Namespace, extra_adapters: dict[str, str] | None = None):
+    """Loads the model, registers the --adapter folders, returns an (un-warmed) Engine.
+
+    Raises JaxloraError / ValueError / OSError with a message fit for the command line.
+    """
+    from jaxlora.adapters import Pager
+    from jaxlora.adapters.registry import slot_nbytes
+    from jaxlora.cli.common import DTYPES
+    from jaxlora.engine import Engine
+    from jaxlora.loading import load_model
+
+    adapters = {**(extra_adapters or {}), **parse_adapter_flags(args.adapter)}
+    config = engine_config(args)
+    model, tokenizer = load_model(args.model, dtype=DTYPES[config.dtype])
+    capacity = config.host_capacity_bytes
+    if args.max_cpu_loras is not None:
+        if args.max_cpu_loras < 1:
+            raise ValueError(f"--max-cpu-loras={args.max_cpu_loras} must be >= 1")
+        capacity = args.max_cpu_loras * slot_nbytes(model.config, config.lora, model.dtype)
+        config = dataclasses.replace(config, host_capacity_bytes=capacity)
+    pager = Pager(model.config, config.lora, host_capacity_bytes=capacity, dtype=model.dtype)
+    for name, path in adapters.items():
+        pager.register(name, path)
+        log.info("registered adapter %r from %s", name, path)
+    return Engine(model, tokenizer, config, pager)

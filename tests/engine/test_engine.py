@@ -1,0 +1,226 @@
+"""The engine end to end on a tiny random model: continuous batching of mixed-adapter traffic gives
+each request exactly its solo greedy tokens, with zero compiles after warm-up."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxlora.engine.request import FinishReason, GenerationRequest, SamplingParams
+from jaxlora.errors import CapacityError, RequestError, UnknownAdapterError
+from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
+from jaxlora.model import init_kv_cache
+from tests.engine.conftest import ADAPTERS, engine_config, make_engine
+
+PRINTABLE_IDS = np.arange(4, 99)
+
+
+def traffic(n: int, seed: int = 0) -> list[GenerationRequest]:
+    """Every adapter and the base model, prompts of 1..30 tokens (some chunked), 1..24 new tokens."""
+    rng = np.random.default_rng(seed)
+    adapters = [None, *ADAPTERS]
+    out = []
+    for i in range(n):
+        prompt = [1, *rng.choice(PRINTABLE_IDS, int(rng.integers(0, 30))).tolist()]
+        out.append(GenerationRequest(request_id=f"r{i}", prompt_ids=prompt, adapter=adapters[i % len(adapters)],
+                                     sampling=SamplingParams(max_tokens=int(rng.integers(1, 25)))))
+    return out
+
+
+def reference_greedy(parts, request: GenerationRequest) -> list[int]:
+    """Greedy tokens by recomputing the whole sequence each step: no cache reuse, no batching, its
+    own bank with the adapter alone in slot 1."""
+    model, tok, adapters = parts
+    lora = engine_config().lora
+    bank = init_bank(model.config, lora)
+    slot = 0
+    if request.adapter:
+        bank = set_slot(bank, 1, slot_arrays(adapters[request.adapter].weights, model.config, lora))
+        slot = 1
+    T = 64
+
+    @jax.jit
+    def next_token(params, bank, tokens, length, slot):
+        mod = nnx.merge(model.graphdef, params)
+        kv = init_kv_cache(model.config, 1, T)
+        hidden, _ = mod(tokens[None], jnp.arange(T)[None], kv, bank=bank, slot_ids=slot[None])
+        return jnp.argmax(mod.logits(hidden[0, length - 1]))
+
+    ids = list(request.prompt_ids)
+    out = []
+    for _ in range(request.sampling.max_tokens):
+        padded = np.zeros(T, np.int32)
+        padded[:len(ids)] = ids
+        t = int(next_token(model.params, bank, padded, np.int32(len(ids)), np.int32(slot)))
+        out.append(t)
+        if t in tok.eos_token_ids:
+            break
+        ids.append(t)
+    return out
+
+
+def test_mixed_traffic_matches_solo_runs_with_zero_compiles(engine, parts):
+    requests = traffic(16)
+    with jax.no_tracing():
+        handles = [engine.submit(r) for r in requests[:6]]
+        for _ in range(3):
+            engine.step()
+        handles += [engine.submit(r) for r in requests[6:11]]  # arrivals while others decode
+        for _ in range(4):
+            engine.step()
+        handles += [engine.submit(r) for r in requests[11:]]
+        engine.run_until_idle()
+        batched = [h.result(0) for h in handles]
+        solo = [engine.generate([r])[0] for r in requests]
+    assert engine.compiles_after_warmup == 0
+    for r, b, s in zip(requests, batched, solo):
+        assert b.token_ids == s.token_ids, r.request_id
+        assert b.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        assert b.completion_tokens == len(b.token_ids) <= r.sampling.max_tokens
+    # Paging happened (5 adapters, 3 slots) and the rows really used their adapters.
+    stats = engine.stats()
+    assert stats["pager"]["page_ins"] >= len(ADAPTERS) and stats["running"] == stats["waiting"] == 0
+    assert engine.pager.snapshot()["refcounts"] == {}
+    for i in (0, 1, 2):  # the base model and two adapters against a cache-free reference
+        assert list(batched[i].token_ids) == reference_greedy(parts, requests[i]), requests[i].request_id
+    same_prompt = [GenerationRequest(request_id=f"p{a}", prompt_ids=[1, 40, 41, 42], adapter=a,
+                                     sampling=SamplingParams(max_tokens=8)) for a in (None, *ADAPTERS)]
+    outs = engine.generate(same_prompt)
+    assert len({o.token_ids for o in outs}) == len(outs), "adapters must change the greedy tokens"
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
+    hot = SamplingParams(max_tokens=12, temperature=1.3, top_p=0.95, top_k=40, seed=7)
+    req = GenerationRequest(request_id="s", prompt_ids=[1, 50, 60, 70], adapter="a1", sampling=hot)
+    alone = engine.generate([req])[0]
+    crowd = traffic(5, seed=3) + [req]
+    with_others = engine.generate(crowd)[-1]
+    assert alone.token_ids == with_others.token_ids
+    other_seed = engine.generate([GenerationRequest(request_id="s2", prompt_ids=[1, 50, 60, 70], adapter="a1",
+                                                    sampling=SamplingParams(max_tokens=12, temperature=1.3,
+                                                                            top_p=0.95, top_k=40, seed=8))])[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+@pytest.mark.parametrize("sampling", [
+    dict(temperature=0.0, top_k=5, top_p=0.5, seed=3),  # temperature 0 is greedy whatever else is set
+    dict(temperature=2.0, top_k=1, seed=4),  # top-k 1 is greedy
+    dict(temperature=0.7, top_p=1e-6, seed=5),  # top-p that keeps only the best token is greedy
+])
+def test_degenerate_sampling_equals_greedy(engine, sampling):
+    prompt = [1, 44, 73, 80, 80, 83]
+    greedy = engine.generate([GenerationRequest(request_id="g", prompt_ids=prompt, adapter="a2",
+                                                sampling=SamplingParams(max_tokens=10))])[0]
+    sampled = engine.generate([GenerationRequest(request_id="x", prompt_ids=prompt, adapter="a2",
+                                                 sampling=SamplingParams(max_tokens=10, **sampling))])[0]
+    assert sampled.token_ids == greedy.token_ids
+
+
+def test_stop_strings_cut_the_text_exactly_and_stream_consistently(engine):
+    base = GenerationRequest(request_id="full", prompt="Hello", sampling=SamplingParams(max_tokens=24))
+    full = engine.generate([base])[0]
+    text = full.text
+    assert len(text) >= 8, text
+    stop = text[4:6]
+    cut = text[:text.index(stop)]
+    streamed = []
+    req = GenerationRequest(request_id="cut", prompt="Hello", sampling=SamplingParams(max_tokens=24, stop=("zzzzz", stop)))
+    handle = engine.submit(req, callback=streamed.append)
+    engine.run_until_idle()
+    out = handle.result(0)
+    assert out.text == cut and out.finish_reason is FinishReason.STOP
+    assert "".join(o.text for o in streamed) == cut and streamed[-1].finished
+    assert all(not o.finished for o in streamed[:-1])
+    assert list(handle) == streamed  # the handle streams the same updates
+    # A stop token id ends generation at that token.
+    stop_id = full.token_ids[3]
+    first = full.token_ids.index(stop_id)
+    out = engine.generate([GenerationRequest(request_id="sid", prompt="Hello",
+                                             sampling=SamplingParams(max_tokens=24, stop_token_ids=(stop_id,)))])[0]
+    assert out.token_ids == full.token_ids[:first + 1] and out.finish_reason is FinishReason.STOP
+    assert out.text == text[:first]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(prompt_ids=[1] * 60, sampling=SamplingParams(max_tokens=8)), RequestError, "max_seq_len"),
+    (dict(prompt="hi", sampling=SamplingParams(max_tokens=33)), RequestError, "limit"),
+    (dict(prompt="hi", adapter="nope"), UnknownAdapterError, "nope"),
+    (dict(prompt_ids=[1, 500]), RequestError, "500"),
+    (dict(prompt_ids=[]), RequestError, "empty"),
+])
+def test_bad_requests_fail_alone(engine, kwargs, error, match):
+    kwargs = {"prompt_ids": None, **kwargs}
+    good = engine.submit(GenerationRequest(request_id="good", prompt_ids=[1, 5, 6], sampling=SamplingParams(max_tokens=3)))
+    with pytest.raises(error, match=match):
+        engine.submit(GenerationRequest(request_id="bad", **{k: v for k, v in kwargs.items() if v is not None}))
+    engine.run_until_idle()
+    assert good.result(0).finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=0), "max_tokens=0"), (dict(temperature=-0.5), "temperature=-0.5"),
+    (dict(top_p=0.0), "top_p=0.0"), (dict(top_p=1.5), "top_p=1.5"), (dict(top_k=-1), "top_k=-1"),
+    (dict(seed=1.5), "seed=1.5"), (dict(stop=("",)), "stop"),
+])
+def test_sampling_params_name_the_bad_value(kwargs, match):
+    with pytest.raises(RequestError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_cancel_frees_row_and_adapter_pin(engine):
+    long_ = GenerationRequest(request_id="long", prompt_ids=[1, 9, 9], adapter="a3", sampling=SamplingParams(max_tokens=32))
+    engine.run_until_idle()
+    handle = engine.submit(long_)
+    for _ in range(4):
+        engine.step()
+    assert engine.stats()["running"] == 1
+    assert engine.cancel("long") and not engine.cancel("never-submitted")
+    engine.step()
+    out = handle.result(0)
+    assert out.finish_reason is FinishReason.CANCELLED and 0 < out.completion_tokens < 32
+    assert engine.stats()["running"] == 0 and engine.pager.snapshot()["refcounts"] == {}
+
+
+def test_queue_full_raises_capacity_error(parts):
+    small = make_engine(parts, max_queue=2)  # same shapes: shares the compiled steps
+    reqs = [GenerationRequest(request_id=f"q{i}", prompt_ids=[1, 7], sampling=SamplingParams(max_tokens=2)) for i in range(3)]
+    small.submit(reqs[0])
+    small.submit(reqs[1])
+    with pytest.raises(CapacityError):
+        small.submit(reqs[2])
+    with pytest.raises(RequestError, match="in flight"):
+        small.submit(reqs[0])
+    small.run_until_idle()
+    small.submit(reqs[2])
+    small.run_until_idle()
+    assert small.compiles_after_warmup == 0
+
+
+def test_background_loop_serves_threads_and_drains_on_stop(engine):
+    requests = traffic(8, seed=5)
+    expected = [o.token_ids for o in engine.generate(requests)]
+    engine.start()
+    try:
+        results: dict[str, tuple[int, ...]] = {}
+
+        def client(r):
+            results[r.request_id] = engine.submit(r).result(60).token_ids
+
+        threads = [threading.Thread(target=client, args=(r,)) for r in requests]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [results[r.request_id] for r in requests] == expected
+        assert [o.token_ids for o in engine.generate(requests)] == expected  # generate() on the loop
+        late = engine.submit(GenerationRequest(request_id="late", prompt_ids=[1, 8], sampling=SamplingParams(max_tokens=20)))
+    finally:
+        engine.stop(drain=True, timeout=60)
+    assert late.result(0).finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    with pytest.raises(CapacityError):
+        engine.submit(GenerationRequest(request_id="after", prompt_ids=[1, 8]))
