@@ -1,0 +1,105 @@
+"""The engine with many more adapters than device slots: paging must be invisible in the tokens."""
+
+import json
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from jaxlora.adapters import Pager
+from jaxlora.engine import Engine, GenerationRequest, SamplingParams
+from jaxlora.errors import AdapterError, UnknownAdapterError
+from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
+from jaxlora.lora.peft_format import save_peft_adapter
+from tests.adapters.adapter_factory import random_host_adapters, tiny_lora
+from tests.engine.conftest import engine_config
+from tests.engine.fakes import char_tokenizer, tiny_model
+from tests.helpers import greedy
+
+NUM_REGISTERED, NUM_USED, NUM_REQUESTS, MAX_TOKENS, PROMPT_LEN = 1000, 200, 300, 6, 6
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, tok = tiny_model(), char_tokenizer()
+    lora = tiny_lora(max_slots=8)  # 7 adapter slots + the base slot
+    config = engine_config(max_batch=8, lora=lora, max_wait_steps=16)
+    pager = Pager(model.config, lora, dtype=model.dtype)
+    adapters = random_host_adapters(NUM_REGISTERED, model.config, lora, seed=3)
+    for adapter in adapters:
+        pager.register(adapter.name, adapter)
+    engine = Engine(model, tok, config, pager)
+    engine.warmup()
+    return model, lora, engine, {a.name: a for a in adapters}
+
+
+def _power_law_requests(seed: int = 0) -> list[GenerationRequest]:
+    # S-LoRA's workload: adapter popularity ~ rank^-1 over the adapters in use.
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, NUM_USED + 1)
+    picks = rng.choice(NUM_USED, NUM_REQUESTS, p=weights / weights.sum())
+    return [GenerationRequest(request_id=f"r{i}", prompt_ids=[int(t) for t in rng.integers(4, 99, PROMPT_LEN)],
+                              adapter=f"lora-{int(a) * (NUM_REGISTERED // NUM_USED)}",
+                              sampling=SamplingParams(max_tokens=MAX_TOKENS))
+            for i, a in enumerate(picks)]
+
+
+def test_1000_adapters_8_slots_power_law_traffic_matches_solo_runs(setup):
+    model, lora, engine, adapters = setup
+    requests = _power_law_requests()
+    page_ins_before = engine.pager.metrics.page_ins
+    with jax.no_tracing():
+        results = engine.generate(requests)
+    assert engine.compiles_after_warmup == 0
+    page_ins = engine.pager.metrics.page_ins - page_ins_before
+    print(json.dumps({"registered": NUM_REGISTERED, "slots": lora.max_slots, "requests": len(requests),
+                      "adapters_used": len({r.adapter for r in requests}), "page_ins": page_ins,
+                      "compiles_after_warmup": engine.compiles_after_warmup}))
+    assert page_ins >= len({r.adapter for r in requests})
+
+    # Solo reference: each request alone, its adapter the only one in a fresh 2-slot bank.
+    bank = init_bank(model.config, lora)
+    current = None
+    eos = set(engine.tokenizer.eos_token_ids)
+    for req, out in sorted(zip(requests, results), key=lambda p: p[0].adapter):
+        if req.adapter != current:
+            current = req.adapter
+            bank = set_slot(bank, 1, slot_arrays(adapters[current].weights, model.config, lora))
+        _, expected = greedy(model, list(req.prompt_ids), MAX_TOKENS, bank=bank, slot=1)
+        got = list(out.token_ids)
+        assert out.error is None, out.error
+        assert got == expected[:len(got)], req.request_id
+        assert len(got) == MAX_TOKENS or got[-1] in eos, req.request_id
+    assert engine.pager.snapshot()["refcounts"] == {}
+
+
+def test_unregister_in_use_and_corrupt_register_leave_others_unaffected(setup, tmp_path):
+    model, lora, engine, adapters = setup
+    req = GenerationRequest(request_id="busy", prompt_ids=[1, 40, 41], adapter="lora-5",
+                            sampling=SamplingParams(max_tokens=MAX_TOKENS))
+    other = GenerationRequest(request_id="other", prompt_ids=[1, 50, 51], adapter="lora-10",
+                              sampling=SamplingParams(max_tokens=MAX_TOKENS))
+    expected = engine.generate([other])[0].token_ids
+    busy = engine.submit(req)
+    engine.step()  # lora-5 is now pinned by a running request
+    waiter = threading.Thread(target=engine.unregister_adapter, args=("lora-5",), kwargs={"timeout": 60})
+    waiter.start()
+
+    # A corrupt adapter (NaN weights) is refused while serving; nothing else changes.
+    w = adapters["lora-7"].weights
+    bad = {m: (np.full_like(a, np.nan), b) for m, (a, b) in w.items()}
+    save_peft_adapter(tmp_path / "bad", weights=bad, rank=adapters["lora-7"].rank, alpha=8)
+    with pytest.raises(AdapterError, match="NaN|non-finite|finite"):
+        engine.register_adapter("bad", tmp_path / "bad")
+
+    second = engine.submit(other)
+    engine.run_until_idle()
+    waiter.join(60)
+    assert not waiter.is_alive()
+    assert busy.result(0).error is None and len(busy.result(0).token_ids) >= 1
+    assert second.result(0).token_ids == expected
+    with pytest.raises(UnknownAdapterError):
+        engine.submit(GenerationRequest(request_id="gone", prompt_ids=[1, 2], adapter="lora-5"))
+    assert engine.generate([other])[0].token_ids == expected
+    assert not engine.pager.has("bad")
