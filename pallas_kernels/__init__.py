@@ -1,20 +1,23 @@
 """LoRA kernels for multi-adapter serving: shrink h = x @ A[slot], expand y += h @ B[slot].
 
 Imports only jax and numpy; usable on its own. `lora_shrink`, `lora_expand` and
-`lora_expand_multi` are the interface the model calls (see `api` for the contract); the segmented
+`lora_expand_multi` (with `lora_plan`, built once per step) are the interface the model calls (see `api` for the contract); the segmented
 (SGMV) and per-row (BGMV) Triton kernels are public too, and `reference` holds the naive versions.
 """
 
 from pallas_kernels import reference, tuning
 from pallas_kernels.api import BACKENDS, lora_expand, lora_expand_multi, lora_shrink
 from pallas_kernels.lora_triton import bgmv_expand, bgmv_shrink, sgmv_expand, sgmv_shrink
+from pallas_kernels.plan import LoraPlan, lora_plan
 
 __all__ = [
     "BACKENDS",
+    "LoraPlan",
     "bgmv_expand",
     "bgmv_shrink",
     "lora_expand",
     "lora_expand_multi",
+    "lora_plan",
     "lora_shrink",
     "reference",
     "sgmv_expand",

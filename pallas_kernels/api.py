@@ -16,6 +16,10 @@ einsum), "loop" (Python loop over rows; tests only). `seg_len` (static) says tha
 T = rows * seg_len with each contiguous run of seg_len tokens on one slot (prefill, SGMV); None
 means every token may have its own slot (decode, BGMV). All three are static; everything else may
 be traced, and nothing forces a host sync.
+
+`plan=` (from `lora_plan`, built once per step) carries the row grouping each backend needs, so
+ops that share the step's slot_ids do not recompute it; without it each op builds its own. The
+pallas decode expand picks between its grouped and per-row kernels by a static rule in tuning.py.
 """
 
 from __future__ import annotations
@@ -24,8 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import lora_triton, reference
-
-BACKENDS = ("pallas", "xla", "ragged", "onehot", "loop")
+from pallas_kernels.plan import BACKENDS, LoraPlan, check_plan, lora_plan
 
 
 def _check_backend(backend: str) -> None:
@@ -38,65 +41,76 @@ def _check_seg_len(num_tokens: int, seg_len: int | None) -> None:
         raise ValueError(f"seg_len={seg_len} must be positive and divide the {num_tokens} tokens")
 
 
-def _segments(num_tokens: int, slot_ids: jax.Array, seg_len: int) -> tuple[jax.Array, jax.Array]:
-    """Equal runs of seg_len tokens -> (seg_starts [N + 1], seg_slots [N])."""
-    num_rows = num_tokens // seg_len
-    seg_starts = jnp.arange(num_rows + 1, dtype=jnp.int32) * seg_len
-    return seg_starts, slot_ids[::seg_len].astype(jnp.int32)
+def _resolve_plan(plan: LoraPlan | None, slot_ids: jax.Array | None, *, backend: str, seg_len: int | None,
+                  num_tokens: int, num_slots: int) -> LoraPlan:
+    _check_backend(backend)
+    _check_seg_len(num_tokens, seg_len)
+    if plan is None:
+        if slot_ids is None:
+            raise ValueError("need slot_ids or a plan")
+        if slot_ids.shape != (num_tokens,):
+            raise ValueError(f"slot_ids {slot_ids.shape} must be [T] with T={num_tokens}")
+        return lora_plan(slot_ids, num_slots=num_slots, seg_len=seg_len, backend=backend)
+    check_plan(plan, backend=backend, seg_len=seg_len, num_tokens=num_tokens, num_slots=num_slots)
+    return plan
 
 
 def lora_shrink(
-    x: jax.Array, a: jax.Array, slot_ids: jax.Array, *, backend: str, interpret: bool = False,
-    seg_len: int | None = None,
+    x: jax.Array, a: jax.Array, slot_ids: jax.Array | None, *, backend: str, interpret: bool = False,
+    seg_len: int | None = None, plan: LoraPlan | None = None,
 ) -> jax.Array:
     """h[t] = x[t] @ a[slot_ids[t]].
 
     Args:
       x: [T, D] bf16 or f32 tokens.
       a: [S, D, R] adapter bank (R may stack several modules), slot 0 all zero.
-      slot_ids: [T] int32 in [0, S).
+      slot_ids: [T] int32 in [0, S) (may be None when a plan is given).
       backend: "pallas" | "xla" | "ragged" | "onehot" | "loop".
       interpret: pallas only, run the kernel in the interpreter (CPU).
       seg_len: static; tokens come in contiguous runs of seg_len sharing a slot (prefill).
+      plan: `lora_plan(slot_ids, num_slots=S, seg_len=seg_len, backend=backend)`, built once per step.
 
     Returns:
       h: [T, R] in x.dtype (f32 accumulation).
     """
-    _check_backend(backend)
-    _check_seg_len(x.shape[0], seg_len)
+    plan = _resolve_plan(plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=x.shape[0],
+                         num_slots=a.shape[0])
+    slot_ids = plan.slot_ids
     if backend == "pallas":
-        if seg_len is None:
+        mode = "decode" if seg_len is None else "prefill"
+        if x.shape[0] == 0:
             return lora_triton.bgmv_shrink(x, a, slot_ids, interpret=interpret)
-        seg_starts, seg_slots = _segments(x.shape[0], slot_ids, seg_len)
-        return lora_triton.sgmv_shrink(x, a, seg_starts, seg_slots, interpret=interpret)
+        return lora_triton.grouped_shrink(x, a, plan.groups, mode=mode, interpret=interpret)
     if backend == "xla":
         return reference.shrink_xla(x, a, slot_ids, seg_len)
     if backend == "ragged":
-        return reference.shrink_ragged(x, a, slot_ids)
+        return reference.shrink_ragged(x, a, slot_ids, (plan.sort_order, plan.group_sizes))
     if backend == "onehot":
         return reference.shrink_onehot(x, a, slot_ids)
     return reference.shrink_loop(x, a, slot_ids)
 
 
-def _expand_one(y, h, b, slot_ids, h_col, *, backend, interpret, seg_len):
+def _expand_one(y, h, b, plan: LoraPlan, h_col, *, backend, interpret, seg_len):
+    slot_ids = plan.slot_ids
     if backend == "pallas":
+        if y.shape[0] == 0:
+            return y
         if seg_len is None:
-            return lora_triton.bgmv_expand(y, h, b, slot_ids, h_col=h_col, interpret=interpret)
-        seg_starts, seg_slots = _segments(y.shape[0], slot_ids, seg_len)
-        return lora_triton.sgmv_expand(y, h, b, seg_starts, seg_slots, h_col=h_col, interpret=interpret)
+            return lora_triton.decode_expand(y, h, b, slot_ids, plan.groups, h_col=h_col, interpret=interpret)
+        return lora_triton.grouped_expand(y, h, b, plan.groups, mode="prefill", h_col=h_col, interpret=interpret)
     h = h[:, h_col : h_col + b.shape[1]]
     if backend == "xla":
         return reference.expand_xla(y, h, b, slot_ids, seg_len)
     if backend == "ragged":
-        return reference.expand_ragged(y, h, b, slot_ids)
+        return reference.expand_ragged(y, h, b, slot_ids, (plan.sort_order, plan.group_sizes))
     if backend == "onehot":
         return reference.expand_onehot(y, h, b, slot_ids)
     return reference.expand_loop(y, h, b, slot_ids)
 
 
 def lora_expand(
-    y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array, *, backend: str, interpret: bool = False,
-    seg_len: int | None = None,
+    y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array | None, *, backend: str, interpret: bool = False,
+    seg_len: int | None = None, plan: LoraPlan | None = None,
 ) -> jax.Array:
     """y_new[t] = y[t] + h[t] @ b[slot_ids[t]].
 
@@ -104,22 +118,22 @@ def lora_expand(
       y: [T, O] base output (bf16 or f32).
       h: [T, R] shrink output.
       b: [S, R, O] adapter bank, slot 0 all zero.
-      slot_ids: [T] int32 in [0, S).
-      backend, interpret, seg_len: as in `lora_shrink`.
+      slot_ids: [T] int32 in [0, S) (may be None when a plan is given).
+      backend, interpret, seg_len, plan: as in `lora_shrink`.
 
     Returns:
       [T, O] in y.dtype (f32 accumulation); rows on slot 0 equal y.
     """
-    _check_backend(backend)
-    _check_seg_len(y.shape[0], seg_len)
     if h.ndim != 2 or b.ndim != 3 or h.shape[1] != b.shape[1]:
         raise ValueError(f"h {h.shape} must be [T, R] for b {b.shape} [S, R, O]")
-    return _expand_one(y, h, b, slot_ids, 0, backend=backend, interpret=interpret, seg_len=seg_len)
+    plan = _resolve_plan(plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=y.shape[0],
+                         num_slots=b.shape[0])
+    return _expand_one(y, h, b, plan, 0, backend=backend, interpret=interpret, seg_len=seg_len)
 
 
 def lora_expand_multi(
-    ys: tuple[jax.Array, ...], h: jax.Array, bs: tuple[jax.Array, ...], slot_ids: jax.Array, *, backend: str,
-    interpret: bool = False, seg_len: int | None = None,
+    ys: tuple[jax.Array, ...], h: jax.Array, bs: tuple[jax.Array, ...], slot_ids: jax.Array | None, *, backend: str,
+    interpret: bool = False, seg_len: int | None = None, plan: LoraPlan | None = None,
 ) -> tuple[jax.Array, ...]:
     """ys_new[g][t] = ys[g][t] + h[t, g*R:(g+1)*R] @ bs[g][slot_ids[t]], for the G modules of one shrink.
 
@@ -127,8 +141,8 @@ def lora_expand_multi(
       ys: G base outputs, ys[g] [T, O_g].
       h: [T, G*R], the stacked shrink output.
       bs: G banks, bs[g] [S, R, O_g], each with the same R.
-      slot_ids: [T] int32 in [0, S).
-      backend, interpret, seg_len: as in `lora_shrink`.
+      slot_ids: [T] int32 in [0, S) (may be None when a plan is given).
+      backend, interpret, seg_len, plan: as in `lora_shrink`.
 
     Returns:
       tuple of G arrays, [T, O_g] in ys[g].dtype.
@@ -136,11 +150,12 @@ def lora_expand_multi(
     _check_backend(backend)
     if len(ys) != len(bs) or not ys:
         raise ValueError(f"need one bank per output and at least one; got {len(ys)} outputs, {len(bs)} banks")
-    _check_seg_len(h.shape[0], seg_len)
     rank = bs[0].shape[1]
     if any(b.ndim != 3 or b.shape[1] != rank for b in bs) or h.ndim != 2 or h.shape[1] != len(bs) * rank:
         raise ValueError(f"h {h.shape} must be [T, G*R] for G={len(bs)} banks of rank {[b.shape for b in bs]}")
+    plan = _resolve_plan(plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=h.shape[0],
+                         num_slots=bs[0].shape[0])
     return tuple(
-        _expand_one(y, h, b, slot_ids, g * rank, backend=backend, interpret=interpret, seg_len=seg_len)
+        _expand_one(y, h, b, plan, g * rank, backend=backend, interpret=interpret, seg_len=seg_len)
         for g, (y, b) in enumerate(zip(ys, bs))
     )

@@ -12,12 +12,20 @@ Slot 0 is the "no adapter" slot: its rows get h = 0 and y unchanged, and no bank
 Work decomposition: rows (in grouped order) are cut into aligned tiles of `block_rows`; a work item
 is one (segment, tile) pair that overlaps, so there are at most ceil(T / block_rows) + G - 1 items.
 Each program handles one item: it loads the tile's rows masked to the segment, the segment's
-adapter block, and writes only its own rows. Triton needs every operation on power-of-two sizes,
+adapter block, and writes only its own rows. The grouping is plain XLA on small int arrays; a caller
+that runs many ops over the same rows (a model step: every layer, every module group) builds it once
+as `RowGroups` and passes it in.
+
+Expand has a second decode form, per row (`impl="rows"`): program (row block, column block) reads
+each row's own b[slot] columns with one gather load and needs no grouping at all. It wins when most
+rows have their own adapter (nothing to share, no indirection, no wasted tile rows); the grouped form
+wins when many rows share one. `tuning.py` picks one per token-count bucket (a static rule). Triton needs every operation on power-of-two sizes,
 so the rank axis is padded to `rank_pad` by masked loads (the bank is never copied or padded).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -110,6 +118,44 @@ def group_rows_by_slot(slot_ids: jax.Array, max_segments: int):
     return order, seg_starts, seg_slots
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowGroups:
+    """Rows grouped by slot, and the (segment, tile) work items for each tile height used.
+
+    order: [T] int32 grouped position -> row, or None when rows already come in segments (prefill).
+    seg_starts: [G + 1] int32 segment offsets in grouped order; seg_slots: [G] int32 slot of each.
+    items: block_rows -> (tile, lo, hi, slot), each [I] int32 (see `work_items`).
+    """
+
+    order: jax.Array | None
+    seg_starts: jax.Array
+    seg_slots: jax.Array
+    items: dict[int, tuple[jax.Array, jax.Array, jax.Array, jax.Array]]
+
+
+def make_row_groups(slot_ids: jax.Array, *, num_slots: int, seg_len: int | None,
+                    block_rows: tuple[int, ...]) -> RowGroups:
+    """Groups the T rows of slot_ids [T] by slot (decode) or cuts them into runs of seg_len (prefill)."""
+    num_tokens = slot_ids.shape[0]
+    slot_ids = slot_ids.astype(jnp.int32)
+    if seg_len is None:
+        order, seg_starts, seg_slots = group_rows_by_slot(slot_ids, max(1, min(num_slots, num_tokens)))
+    else:
+        order = None
+        seg_starts = jnp.arange(num_tokens // seg_len + 1, dtype=jnp.int32) * seg_len
+        seg_slots = slot_ids[::seg_len]
+    items = {br: work_items(seg_starts, seg_slots, num_tokens, br) for br in sorted(set(block_rows))}
+    return RowGroups(order=order, seg_starts=seg_starts, seg_slots=seg_slots, items=items)
+
+
+def _items_for(groups: RowGroups, num_tokens: int, block_rows: int):
+    """The work items for this tile height: precomputed if the groups hold them, else built now."""
+    if block_rows in groups.items:
+        return groups.items[block_rows]
+    return work_items(groups.seg_starts, groups.seg_slots, num_tokens, block_rows)
+
+
 # -- kernel bodies ------------------------------------------------------------------------------
 
 
@@ -128,6 +174,13 @@ def _item_rows(item, tile_ref, lo_ref, hi_ref, order_ref, *, block_rows: int, nu
 def _dot(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
     precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
     return jnp.dot(lhs, rhs.astype(lhs.dtype), preferred_element_type=_F32, precision=precision)
+
+
+def _rank_product(h: jax.Array, b: jax.Array) -> jax.Array:
+    """h [BT, RP] @ b [RP, BO] in f32: a tensor-core dot from 16 rows up, else multiply and sum over RP."""
+    if h.shape[0] >= MIN_DOT:
+        return _dot(h, b)
+    return jnp.sum(h.astype(_F32)[:, :, None] * b.astype(_F32)[None, :, :], axis=1)
 
 
 def _shrink_kernel(
@@ -195,21 +248,43 @@ def _expand_kernel(
             mask = in_item[:, None] & out_ok[None, :]
             at = (rows[:, None], outs[None, :])
             y = pltriton.load(y_ref.at[at], mask=mask, other=0)
-            pltriton.store(out_ref.at[at], (y.astype(_F32) + _dot(h, b)).astype(out_ref.dtype), mask=mask)
+            pltriton.store(out_ref.at[at], (y.astype(_F32) + _rank_product(h, b)).astype(out_ref.dtype), mask=mask)
             return carry
 
         lax.fori_loop(0, out_steps, add_block, 0)
 
 
+def _expand_rows_kernel(
+    slot_ref, h_ref, b_ref, y_ref, out_ref,
+    *, block_rows: int, block_out: int, rank_pad: int, rank: int, h_col: int, out_dim: int, num_tokens: int,
+):
+    # slot_ref: [T] int32; h_ref: [T, C] (this module's columns h_col .. h_col+R-1); b_ref: [S, R, O];
+    # y_ref: [T, O] base output; out_ref: [T, O], aliased to y.
+    # Program (i, j): rows i*BT .. and columns j*BO .., each row reading its own b[slot] columns.
+    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+    outs = pl.program_id(1) * block_out + jnp.arange(block_out, dtype=jnp.int32)
+    slots = pltriton.load(slot_ref.at[rows], mask=rows < num_tokens, other=0)  # [BT]
+    is_used = (rows < num_tokens) & (slots != 0)  # slot 0 rows read nothing and keep y
+    r = jnp.arange(rank_pad, dtype=jnp.int32)
+    r_ok, out_ok = r < rank, outs < out_dim
+    h = pltriton.load(h_ref.at[rows[:, None], h_col + r[None, :]], mask=is_used[:, None] & r_ok[None, :], other=0)
+    b_mask = is_used[:, None, None] & r_ok[None, :, None] & out_ok[None, None, :]
+    b = pltriton.load(b_ref.at[slots[:, None, None], r[None, :, None], outs[None, None, :]], mask=b_mask, other=0)
+    mask = is_used[:, None] & out_ok[None, :]
+    y = pltriton.load(y_ref.at[rows[:, None], outs[None, :]], mask=mask, other=0)
+    delta = jnp.sum(h.astype(_F32)[:, :, None] * b.astype(_F32), axis=1)  # [BT, BO]
+    pltriton.store(out_ref.at[rows[:, None], outs[None, :]], (y.astype(_F32) + delta).astype(out_ref.dtype), mask=mask)
+
+
 # -- wrappers -----------------------------------------------------------------------------------
 
 
-def _check_pow2(**knobs: int) -> None:
+def _check_pow2(min_rows: int = MIN_DOT, **knobs: int) -> None:
     for name, value in knobs.items():
         if not _is_pow2(value):
             raise ValueError(f"{name}={value} must be a power of two (Triton works on power-of-two blocks)")
-    if knobs.get("block_rows", MIN_DOT) < MIN_DOT:
-        raise ValueError(f"block_rows={knobs['block_rows']} must be >= {MIN_DOT} (Triton dot minimum)")
+    if knobs.get("block_rows", min_rows) < min_rows:
+        raise ValueError(f"block_rows={knobs['block_rows']} must be >= {min_rows} (Triton dot minimum)")
 
 
 def _check_segments(seg_starts: jax.Array, seg_slots: jax.Array) -> None:
@@ -240,14 +315,18 @@ def _check_expand(y: jax.Array, h: jax.Array, b: jax.Array, h_col: int) -> None:
         raise ValueError(f"rank {b.shape[1]} pads to more than {MAX_RANK_PAD=}")
 
 
-def _shrink_call(x, a, order, seg_starts, seg_slots, *, block_rows, block_k, split_k, num_warps, num_stages, interpret):
+# Largest [rows, rank_pad, block_out] product a multiply-and-sum expand keeps in registers.
+MAX_PRODUCT_ELEMS = 16384
+EXPAND_IMPLS = ("grouped", "rows")
+
+
+def _shrink_call(x, a, order, items, *, block_rows, block_k, split_k, num_warps, num_stages, interpret):
     num_tokens, hidden = x.shape
     rank = a.shape[2]
     rank_pad = _pad_pow2(rank)
     block_k = min(block_k, _pad_pow2(hidden), max(MIN_DOT, 16384 // rank_pad))  # bound the a tile in registers
     split_k = max(1, min(split_k, pl.cdiv(hidden, block_k)))
     k_per_split = pl.cdiv(pl.cdiv(hidden, split_k), block_k) * block_k
-    items = work_items(seg_starts, seg_slots, num_tokens, block_rows)
     has_order = order is not None
     order = order if has_order else jnp.zeros((1,), jnp.int32)  # placeholder operand, never read
     is_split = split_k > 1
@@ -267,20 +346,24 @@ def _shrink_call(x, a, order, seg_starts, seg_slots, *, block_rows, block_k, spl
     return h.sum(axis=0).astype(x.dtype) if is_split else h
 
 
-def _expand_call(y, h, b, order, seg_starts, seg_slots, *, h_col, block_rows, block_out, out_split, num_warps,
-                 num_stages, interpret):
+def _product_block_out(block_out: int, block_rows: int, rank_pad: int, out_dim: int) -> int:
+    if block_rows < MIN_DOT:  # multiply-and-sum: bound the [rows, rank, cols] product
+        block_out = min(block_out, max(MIN_DOT, MAX_PRODUCT_ELEMS // (block_rows * rank_pad)))
+    return min(block_out, _pad_pow2(out_dim))
+
+
+def _expand_call(y, h, b, order, items, *, h_col, block_rows, block_out, out_split, num_warps, num_stages, interpret):
     num_tokens, out_dim = y.shape
     rank = b.shape[1]
-    block_out = min(block_out, _pad_pow2(out_dim))
+    block_out = _product_block_out(block_out, block_rows, _pad_pow2(rank), out_dim)
     num_blocks = pl.cdiv(out_dim, block_out)
     out_split = max(1, min(out_split, num_blocks))
     out_steps = pl.cdiv(num_blocks, out_split)
-    items = work_items(seg_starts, seg_slots, num_tokens, block_rows)
     has_order = order is not None
     order = order if has_order else jnp.zeros((1,), jnp.int32)
     kernel = functools.partial(
-        _expand_kernel, block_rows=block_rows, block_out=block_out, out_steps=out_steps, rank_pad=_pad_pow2(rank), rank=rank,
-        h_col=h_col, out_dim=out_dim, num_tokens=num_tokens, has_order=has_order,
+        _expand_kernel, block_rows=block_rows, block_out=block_out, out_steps=out_steps, rank_pad=_pad_pow2(rank),
+        rank=rank, h_col=h_col, out_dim=out_dim, num_tokens=num_tokens, has_order=has_order,
     )
     return pl.pallas_call(
         kernel,
@@ -291,6 +374,26 @@ def _expand_call(y, h, b, order, seg_starts, seg_slots, *, h_col, block_rows, bl
         interpret=interpret,
         name="lora_expand",
     )(*items, order, h, b, y)
+
+
+def _expand_rows_call(y, h, b, slot_ids, *, h_col, block_rows, block_out, num_warps, num_stages, interpret):
+    num_tokens, out_dim = y.shape
+    rank = b.shape[1]
+    rank_pad = _pad_pow2(rank)
+    block_out = _product_block_out(block_out, min(block_rows, MIN_DOT // 2), rank_pad, out_dim)
+    kernel = functools.partial(
+        _expand_rows_kernel, block_rows=block_rows, block_out=block_out, rank_pad=rank_pad, rank=rank, h_col=h_col,
+        out_dim=out_dim, num_tokens=num_tokens,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+        grid=(pl.cdiv(num_tokens, block_rows), pl.cdiv(out_dim, block_out)),
+        input_output_aliases={3: 0},  # y: rows without an adapter are never written
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="lora_expand_rows",
+    )(slot_ids.astype(jnp.int32), h, b, y)
 
 
 def _knobs(op: str, mode: str, num_tokens: int, given: dict) -> dict:
@@ -323,14 +426,10 @@ def sgmv_shrink(
     Returns:
       h: [T, R] in x.dtype, accumulated in f32; rows of slot 0 are exactly 0.
     """
-    _check_shrink(x, a)
     _check_segments(seg_starts, seg_slots)
-    knobs = _knobs("shrink", "prefill", x.shape[0], dict(block_rows=block_rows, block_k=block_k, split_k=split_k,
-                                                        num_warps=num_warps, num_stages=num_stages))
-    _check_pow2(block_rows=knobs["block_rows"], block_k=knobs["block_k"])
-    if x.shape[0] == 0:
-        return jnp.zeros((0, a.shape[2]), x.dtype)
-    return _shrink_call(x, a, None, seg_starts.astype(jnp.int32), seg_slots.astype(jnp.int32), interpret=interpret, **knobs)
+    groups = RowGroups(order=None, seg_starts=seg_starts.astype(jnp.int32), seg_slots=seg_slots.astype(jnp.int32),
+                       items={})
+    return grouped_shrink(x, a, groups, mode="prefill", interpret=interpret, **_given(locals(), _SHRINK_KNOBS))
 
 
 @functools.partial(jax.jit, static_argnames=_SHRINK_KNOBS)
@@ -354,13 +453,24 @@ def bgmv_shrink(
     _check_shrink(x, a)
     if slot_ids.shape != (x.shape[0],):
         raise ValueError(f"slot_ids {slot_ids.shape} must be [T] for x {x.shape}")
-    knobs = _knobs("shrink", "decode", x.shape[0], dict(block_rows=block_rows, block_k=block_k, split_k=split_k,
-                                                       num_warps=num_warps, num_stages=num_stages))
+    groups = make_row_groups(slot_ids, num_slots=a.shape[0], seg_len=None, block_rows=())
+    return grouped_shrink(x, a, groups, mode="decode", interpret=interpret, **_given(locals(), _SHRINK_KNOBS))
+
+
+def grouped_shrink(x: jax.Array, a: jax.Array, groups: RowGroups, *, mode: str, interpret: bool = False,
+                   **knobs: int | None) -> jax.Array:
+    """Shrink over precomputed row groups (`make_row_groups`); `mode` ("decode" | "prefill") picks the tuning row.
+
+    The math, shapes and knobs are those of `bgmv_shrink` / `sgmv_shrink`; a model step builds the
+    groups once and reuses them in every layer.
+    """
+    _check_shrink(x, a)
+    knobs = _knobs("shrink", mode, x.shape[0], knobs)
     _check_pow2(block_rows=knobs["block_rows"], block_k=knobs["block_k"])
     if x.shape[0] == 0:
         return jnp.zeros((0, a.shape[2]), x.dtype)
-    order, seg_starts, seg_slots = group_rows_by_slot(slot_ids.astype(jnp.int32), min(a.shape[0], x.shape[0]))
-    return _shrink_call(x, a, order, seg_starts, seg_slots, interpret=interpret, **knobs)
+    items = _items_for(groups, x.shape[0], knobs["block_rows"])
+    return _shrink_call(x, a, groups.order, items, interpret=interpret, **knobs)
 
 
 @functools.partial(jax.jit, static_argnames=_EXPAND_KNOBS)
@@ -384,41 +494,75 @@ def sgmv_expand(
       [T, O] in y.dtype: y plus the LoRA term (f32 accumulate); rows of slot 0, or outside every
       segment, are y unchanged.
     """
-    _check_expand(y, h, b, h_col)
     _check_segments(seg_starts, seg_slots)
-    knobs = _knobs("expand", "prefill", y.shape[0], dict(block_rows=block_rows, block_out=block_out, out_split=out_split,
-                                                        num_warps=num_warps, num_stages=num_stages))
-    _check_pow2(block_rows=knobs["block_rows"], block_out=knobs["block_out"])
-    if y.shape[0] == 0:
-        return y
-    return _expand_call(y, h, b, None, seg_starts.astype(jnp.int32), seg_slots.astype(jnp.int32), h_col=h_col,
-                        interpret=interpret, **knobs)
+    groups = RowGroups(order=None, seg_starts=seg_starts.astype(jnp.int32), seg_slots=seg_slots.astype(jnp.int32),
+                       items={})
+    knobs = _given(locals(), _EXPAND_KNOBS)
+    return grouped_expand(y, h, b, groups, mode="prefill", h_col=h_col, interpret=interpret, **knobs)
 
 
-@functools.partial(jax.jit, static_argnames=_EXPAND_KNOBS)
+@functools.partial(jax.jit, static_argnames=_EXPAND_KNOBS + ("impl",))
 def bgmv_expand(
     y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array, *,
-    h_col: int = 0, block_rows: int | None = None, block_out: int | None = None, out_split: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False,
+    h_col: int = 0, impl: str | None = None, block_rows: int | None = None, block_out: int | None = None,
+    out_split: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
-    """Per-row expand: y[t] += h[t, c:c+R] @ b[slot_ids[t]], rows grouped by slot inside.
+    """Per-row expand: y[t] += h[t, c:c+R] @ b[slot_ids[t]].
+
+    Two implementations compute it (`impl`, default from tuning.py by token count): "grouped"
+    sorts rows by slot so that each tile of rows sharing a slot reads b[slot] once; "rows" reads
+    each row's own b[slot] columns, with no grouping. The choice is a static rule, benchmarked both
+    ways in benchmarks/kernels.py.
 
     Args:
       y: [T, O] float base output; h: [T, C] float; b: [S, R, O] bank (slot 0 = no adapter);
       slot_ids: [T] int32 in [0, S); h_col: static first column of this module in h.
-      block_rows, block_out, out_split, num_warps, num_stages: tuning knobs (default: tuning.py).
+      impl: "grouped" | "rows" (default: tuning.py).
+      block_rows, block_out, out_split, num_warps, num_stages: tuning knobs (default: tuning.py);
+        out_split applies to "grouped" only.
       interpret: run in the Pallas interpreter (CPU).
 
     Returns:
       [T, O] in y.dtype; rows of slot 0 are y unchanged.
     """
-    _check_expand(y, h, b, h_col)
     if slot_ids.shape != (y.shape[0],):
         raise ValueError(f"slot_ids {slot_ids.shape} must be [T] for y {y.shape}")
-    knobs = _knobs("expand", "decode", y.shape[0], dict(block_rows=block_rows, block_out=block_out, out_split=out_split,
-                                                       num_warps=num_warps, num_stages=num_stages))
-    _check_pow2(block_rows=knobs["block_rows"], block_out=knobs["block_out"])
+    knobs = _given(locals(), _EXPAND_KNOBS + ("impl",))
+    impl = knobs.get("impl") or tuning.lookup("expand", "decode", y.shape[0])["impl"]
+    groups = None if impl == "rows" else make_row_groups(slot_ids, num_slots=b.shape[0], seg_len=None, block_rows=())
+    return decode_expand(y, h, b, slot_ids, groups, h_col=h_col, interpret=interpret, **knobs)
+
+
+def decode_expand(y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array, groups: RowGroups | None, *,
+                  h_col: int = 0, interpret: bool = False, **knobs) -> jax.Array:
+    """`bgmv_expand` with the grouping precomputed (needed unless impl is "rows")."""
+    knobs = _knobs("expand", "decode", y.shape[0], knobs)
+    if knobs["impl"] not in EXPAND_IMPLS:
+        raise ValueError(f"impl={knobs['impl']!r} must be one of {EXPAND_IMPLS}")
+    if knobs.pop("impl") == "grouped":
+        return grouped_expand(y, h, b, groups, mode="decode", h_col=h_col, interpret=interpret, **knobs)
+    _check_expand(y, h, b, h_col)
+    knobs.pop("out_split", None)
+    _check_pow2(min_rows=1, block_rows=knobs["block_rows"], block_out=knobs["block_out"])
     if y.shape[0] == 0:
         return y
-    order, seg_starts, seg_slots = group_rows_by_slot(slot_ids.astype(jnp.int32), min(b.shape[0], y.shape[0]))
-    return _expand_call(y, h, b, order, seg_starts, seg_slots, h_col=h_col, interpret=interpret, **knobs)
+    return _expand_rows_call(y, h, b, slot_ids, h_col=h_col, interpret=interpret, **knobs)
+
+
+def grouped_expand(y: jax.Array, h: jax.Array, b: jax.Array, groups: RowGroups, *, mode: str, h_col: int = 0,
+                   interpret: bool = False, **knobs: int | None) -> jax.Array:
+    """Expand over precomputed row groups; math, shapes and knobs as in `sgmv_expand` / `bgmv_expand`."""
+    _check_expand(y, h, b, h_col)
+    knobs = {"out_split": 1, **_knobs("expand", mode, y.shape[0], knobs)}
+    knobs.pop("impl", None)
+    _check_pow2(min_rows=1, block_rows=knobs["block_rows"], block_out=knobs["block_out"])
+    if y.shape[0] == 0:
+        return y
+    items = _items_for(groups, y.shape[0], knobs["block_rows"])
+    return _expand_call(y, h, b, groups.order, items, h_col=h_col, interpret=interpret, **knobs)
+
+
+def _given(scope: dict, names: tuple[str, ...]) -> dict:
+    """The tuning knobs a caller set explicitly (None means: take tuning.py's)."""
+    return {n: scope[n] for n in names if n not in ("h_col", "interpret") and scope[n] is not None}

@@ -71,21 +71,22 @@ def expand_onehot(y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array)
 
 # -- lax.ragged_dot over rows sorted by slot -----------------------------------------------------
 
-def _sort_by_slot(slot_ids: jax.Array, num_slots: int) -> tuple[jax.Array, jax.Array]:
+def sort_by_slot(slot_ids: jax.Array, num_slots: int) -> tuple[jax.Array, jax.Array]:
+    """slot_ids [T] -> (rows in stable slot order [T], rows per slot [S])."""
     order = jnp.argsort(slot_ids, stable=True)
     group_sizes = jnp.bincount(slot_ids, length=num_slots).astype(jnp.int32)
     return order, group_sizes
 
 
-def shrink_ragged(x: jax.Array, a: jax.Array, slot_ids: jax.Array) -> jax.Array:
-    order, group_sizes = _sort_by_slot(slot_ids, a.shape[0])
+def shrink_ragged(x: jax.Array, a: jax.Array, slot_ids: jax.Array, sort: tuple | None = None) -> jax.Array:
+    order, group_sizes = sort if sort is not None else sort_by_slot(slot_ids, a.shape[0])
     h_sorted = lax.ragged_dot(x[order], a, group_sizes, preferred_element_type=_F32)
     h = jnp.zeros_like(h_sorted).at[order].set(h_sorted)
     return h.astype(x.dtype)
 
 
-def expand_ragged(y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array) -> jax.Array:
-    order, group_sizes = _sort_by_slot(slot_ids, b.shape[0])
+def expand_ragged(y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array, sort: tuple | None = None) -> jax.Array:
+    order, group_sizes = sort if sort is not None else sort_by_slot(slot_ids, b.shape[0])
     delta_sorted = lax.ragged_dot(h[order], b, group_sizes, preferred_element_type=_F32)
     delta = jnp.zeros_like(delta_sorted).at[order].set(delta_sorted)
     return (y.astype(_F32) + delta).astype(y.dtype)

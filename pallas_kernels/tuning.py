@@ -9,36 +9,45 @@ rows in this format; paste them here. Keys:
   split_k:    shrink only, programs sharing one tile's hidden size (more parallelism for small T).
   block_out:  expand only, output columns per loop step.
   out_split:  expand only, programs sharing one tile's output columns (each loops over its share).
+  impl:       decode expand only, "grouped" (rows sorted by slot, b read once per tile) or "rows"
+              (each row reads its own b columns; no grouping). block_rows may go below 16 for
+              expand: under 16 rows the product is a multiply-and-sum, not a tensor-core dot.
   num_warps, num_stages: Triton compiler parameters.
+
+The static rule for decode expand: the bucket's impl is the one with the smaller summed time over
+the benchmark's distinct-adapter counts at that row count (1, 16, T/4, T), since how many adapters a
+batch uses is data, not shape.
 """
 
 from __future__ import annotations
 
-# Decode (BGMV: rows grouped by slot inside the wrapper). Measured on the H200, JAX 0.11.2.
-SHRINK_DECODE: dict[int, dict[str, int]] = {
+# Decode (BGMV). Measured on the H200, JAX 0.11.2. The 256 buckets were tuned on 2026-11-29
+# (`benchmarks/kernels.py all`, summed over 16 and 256 distinct adapters; see results/kernels.md);
+# the 16, 64 and 512 buckets are not yet tuned with the per-row expand (device time ran out).
+SHRINK_DECODE: dict[int, dict[str, int | str]] = {
     16: dict(block_rows=16, block_k=256, split_k=8, num_warps=4, num_stages=3),
     64: dict(block_rows=16, block_k=256, split_k=4, num_warps=4, num_stages=3),
-    256: dict(block_rows=16, block_k=256, split_k=2, num_warps=4, num_stages=3),
+    256: dict(block_rows=16, block_k=256, split_k=8, num_warps=4, num_stages=3),  # tuned 2026-11-29
     512: dict(block_rows=16, block_k=256, split_k=1, num_warps=4, num_stages=3),
 }
-EXPAND_DECODE: dict[int, dict[str, int]] = {
-    16: dict(block_rows=16, block_out=128, out_split=8, num_warps=4, num_stages=3),
-    64: dict(block_rows=16, block_out=128, out_split=16, num_warps=4, num_stages=3),
-    256: dict(block_rows=16, block_out=128, out_split=8, num_warps=4, num_stages=3),
-    512: dict(block_rows=16, block_out=128, out_split=4, num_warps=4, num_stages=3),
+EXPAND_DECODE: dict[int, dict[str, int | str]] = {
+    16: dict(impl="grouped", block_rows=16, block_out=128, out_split=8, num_warps=4, num_stages=3),
+    64: dict(impl="rows", block_rows=4, block_out=256, out_split=1, num_warps=4, num_stages=1),
+    256: dict(impl="rows", block_rows=1, block_out=512, out_split=1, num_warps=4, num_stages=1),  # tuned 2026-11-29
+    512: dict(impl="rows", block_rows=4, block_out=256, out_split=1, num_warps=4, num_stages=1),
 }
 
 # Prefill (SGMV: contiguous segments of tokens sharing a slot).
-SHRINK_PREFILL: dict[int, dict[str, int]] = {
+SHRINK_PREFILL: dict[int, dict[str, int | str]] = {
     1024: dict(block_rows=32, block_k=128, split_k=1, num_warps=4, num_stages=3),
     1 << 30: dict(block_rows=64, block_k=128, split_k=1, num_warps=4, num_stages=3),
 }
-EXPAND_PREFILL: dict[int, dict[str, int]] = {
+EXPAND_PREFILL: dict[int, dict[str, int | str]] = {
     1024: dict(block_rows=32, block_out=128, out_split=8, num_warps=4, num_stages=3),
     1 << 30: dict(block_rows=64, block_out=128, out_split=8, num_warps=4, num_stages=3),
 }
 
-TABLES: dict[tuple[str, str], dict[int, dict[str, int]]] = {
+TABLES: dict[tuple[str, str], dict[int, dict[str, int | str]]] = {
     ("shrink", "decode"): SHRINK_DECODE,
     ("expand", "decode"): EXPAND_DECODE,
     ("shrink", "prefill"): SHRINK_PREFILL,
@@ -46,7 +55,7 @@ TABLES: dict[tuple[str, str], dict[int, dict[str, int]]] = {
 }
 
 
-def lookup(op: str, mode: str, num_tokens: int) -> dict[str, int]:
+def lookup(op: str, mode: str, num_tokens: int) -> dict[str, int | str]:
     """Knobs for `op` ("shrink" | "expand") in `mode` ("decode" | "prefill") at `num_tokens` rows."""
     table = TABLES[(op, mode)]
     for bucket in sorted(table):
