@@ -328,6 +328,9 @@ def main() -> None:
     parser.add_argument("--exponents", type=float, nargs="+", default=[1.0, 0.5, 0.1])
     parser.add_argument("--host-memory", choices=[m.value for m in HostMemory], default="auto")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--registered", type=int, default=None,
+                        help="registered adapters per setting (default: the setting's own, 2000 for s1)")
+    parser.add_argument("--requests", type=int, default=None, help="requests per run (default: the setting's)")
     args = parser.parse_args()
     model = TINY if args.tiny else LLAMA2_7B
     dev = jax.devices()[0]
@@ -339,7 +342,12 @@ def main() -> None:
     base = random_base(model, jax.random.key(0))
     rows = []
     for name in args.setting or ["s1", "full"]:
-        rows += run_setting(settings(args.tiny)[name], model, args.exponents, base, args.host_memory)
+        setting = settings(args.tiny)[name]
+        if args.registered is not None:
+            setting = dataclasses.replace(setting, registered=max(args.registered, setting.slots))
+        if args.requests is not None:
+            setting = dataclasses.replace(setting, requests=args.requests)
+        rows += run_setting(setting, model, args.exponents, base, args.host_memory)
     payload = {"device": str(dev.device_kind), "jax_version": jax.__version__, "h2d_pinned_GBps": pinned,
                "h2d_pageable_GBps": pageable, "h2d_bytes": h2d_bytes, "model": model.name,
                "step": "stand-in (layer scan: base projections + XLA-gather LoRA, no attention/KV)",

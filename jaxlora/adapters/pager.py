@@ -22,6 +22,10 @@ evicted, so no row of a step in flight can see its adapter change under it.
 Threads: the engine loop calls acquire/release/commit/prefetch; gRPC threads call
 register/unregister/list. One lock guards all bookkeeping; only the engine thread touches `bank`, and
 the device calls in `commit` run with the lock released.
+
+Tensor parallelism: with a `mesh` the bank is split over the devices S-LoRA style
+(jaxlora.parallel.sharding) and every page-in copies each device its own slice of the adapter
+before the in-place slot write, so the written bank keeps its layout.
 """
 
 from __future__ import annotations
@@ -82,7 +86,9 @@ class Pager:
       host_capacity_bytes: budget for registered adapters in host memory; None = unbounded.
       dtype: the bank's dtype; host copies are kept in it, so a page-in is a plain copy.
       host_memory: where host copies live (pinned_host on accelerators by default).
-      device: the device holding the bank (default: the first device).
+      device: the device holding the bank (default: the first device); with a mesh, where host
+        copies are pinned.
+      mesh: a tensor-parallel mesh (jaxlora.parallel.make_mesh) to split the bank over, or None.
       max_page_ins_per_commit: cap on slot writes issued by one `commit` (None = all pending), to
         bound how much copying overlaps one decode step.
       time_transfers: block on every page-in to time it (fills `metrics.transfer_seconds`; for
@@ -100,6 +106,7 @@ class Pager:
         device: jax.Device | None = None,
         max_page_ins_per_commit: int | None = None,
         time_transfers: bool = False,
+        mesh: jax.sharding.Mesh | None = None,
     ) -> None:
         if max_page_ins_per_commit is not None and max_page_ins_per_commit < 1:
             raise ValueError(f"{max_page_ins_per_commit=} must be >= 1 or None")
@@ -126,7 +133,22 @@ class Pager:
         self._waiting: dict[str, None] = {}  # pinned, no slot yet (every slot pinned); FIFO
         self._unregistering: set[str] = set()
 
+        self.mesh: jax.sharding.Mesh | None = None
+        self._entry_sharding = self._device_sharding  # where a slot's entries go before the write
         self.bank: Bank = jax.device_put(init_bank(model_config, lora_config, self.dtype), self._device_sharding)
+        if mesh is not None:
+            self.place_on(mesh)
+        else:
+            self._warm_up()
+
+    def place_on(self, mesh: jax.sharding.Mesh) -> None:
+        """Splits the bank over a tensor-parallel mesh (keeping every written slot) and compiles the
+        sharded slot write. Call before serving, from the engine thread."""
+        from jaxlora.parallel.sharding import shard_bank, slot_shardings
+
+        self.bank = shard_bank(self.bank, mesh)
+        self._entry_sharding = slot_shardings(self.bank, mesh)
+        self.mesh = mesh
         self._warm_up()
 
     # ---------------------------------------------------------------- registry (any thread)
@@ -386,7 +408,7 @@ class Pager:
         start = time.perf_counter()
         if entries is None:
             entries = self._zeros_entries()
-        on_device = jax.device_put(entries, self._device_sharding)
+        on_device = jax.device_put(entries, self._entry_sharding)
         self.bank = set_slot(self.bank, slot, on_device)
         if not self.time_transfers:
             return None

@@ -240,6 +240,11 @@ def slot_pattern(batch: int, distinct: int) -> np.ndarray:
     return (1 + np.arange(batch) % distinct).astype(np.int32)
 
 
+def _step_static(runner) -> dict:
+    """The static arguments the runner itself passes to its jitted steps (same compiled step)."""
+    return dict(getattr(runner, "_static", None) or dict(graphdef=runner.model.graphdef, runtime=runner.runtime))
+
+
 def time_decode(runner, bank: Bank, slot_ids: np.ndarray, position: int, steps: int) -> float:
     """Milliseconds per call of the engine's jitted decode step, `steps` calls back to back."""
     from jaxlora.engine.runner import decode_step
@@ -251,7 +256,7 @@ def time_decode(runner, bank: Bank, slot_ids: np.ndarray, position: int, steps: 
     positions = jnp.full((B,), position, jnp.int32)
     slots = jnp.asarray(slot_ids)
     sampling = jax.device_put(SamplingArrays.zeros(B))
-    static = dict(graphdef=runner.model.graphdef, runtime=runner.runtime)
+    static = _step_static(runner)
     kv = runner.kv
     for _ in range(2):
         ids, kv = decode_step(runner.model.params, bank, kv, tokens, positions, slots, sampling, **static)
@@ -279,7 +284,7 @@ def time_prefill(runner, bank: Bank, slot: int, prompt_len: int, reps: int = 3) 
     slot_ids[0] = slot
     last_idx = np.full(P, prompt_len - 1, np.int32)
     sampling = sampling_arrays([], P)
-    static = dict(graphdef=runner.model.graphdef, runtime=runner.runtime)
+    static = _step_static(runner)
     times = []
     for _ in range(reps + 1):
         t0 = time.perf_counter()

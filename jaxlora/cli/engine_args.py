@@ -24,6 +24,19 @@ def add_engine_args(p: argparse.ArgumentParser, *, adapters_help: str = "registe
     p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory at most")
     p.add_argument("--lora-backend", choices=[b.value for b in LoraBackend], default=None,
                    help="how the per-row LoRA term is computed (default: the config's)")
+    add_tensor_parallel_arg(p)
+
+
+def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="split every layer over N devices (default: the config's mesh.tensor, 1)")
+
+
+def with_tensor_parallel(config, tensor_parallel: int | None):
+    """`config` (an EngineConfig) with mesh.tensor set from --tensor-parallel, if given."""
+    if tensor_parallel is None:
+        return config
+    return dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, tensor=tensor_parallel))
 
 
 def engine_config(args: argparse.Namespace, model_config=None):
@@ -36,7 +49,7 @@ def engine_config(args: argparse.Namespace, model_config=None):
     config = dataclasses.replace(config, lora=dataclasses.replace(config.lora, **lora_overrides))
     if args.dtype is not None:
         config = dataclasses.replace(config, dtype=args.dtype)
-    return config
+    return with_tensor_parallel(config, getattr(args, "tensor_parallel", None))
 
 
 def build_engine(args: argparse.Namespace, extra_adapters: dict[str, str] | None = None):
@@ -53,13 +66,20 @@ def build_engine(args: argparse.Namespace, extra_adapters: dict[str, str] | None
     adapters = {**(extra_adapters or {}), **parse_adapter_flags(args.adapter)}
     config = engine_config(args)
     model, tokenizer = load_model(args.model, dtype=DTYPES[config.dtype])
+    mesh = None
+    if config.mesh.is_sharded:  # fail before the pager and the engine allocate anything
+        from jaxlora.parallel import make_mesh
+        from jaxlora.parallel.sharding import check_divisible
+
+        check_divisible(model.config, config.mesh.tensor)
+        mesh = make_mesh(config.mesh)
     capacity = config.host_capacity_bytes
     if args.max_cpu_loras is not None:
         if args.max_cpu_loras < 1:
             raise ValueError(f"--max-cpu-loras={args.max_cpu_loras} must be >= 1")
         capacity = args.max_cpu_loras * slot_nbytes(model.config, config.lora, model.dtype)
         config = dataclasses.replace(config, host_capacity_bytes=capacity)
-    pager = Pager(model.config, config.lora, host_capacity_bytes=capacity, dtype=model.dtype)
+    pager = Pager(model.config, config.lora, host_capacity_bytes=capacity, dtype=model.dtype, mesh=mesh)
     for name, path in adapters.items():
         pager.register(name, path)
         log.info("registered adapter %r from %s", name, path)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import yaml
 
 from jaxlora.config import LoraConfig
+from jaxlora.parallel.mesh import MeshConfig
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -37,6 +38,7 @@ class EngineConfig:
       lora: the adapter bank's static limits.
       dtype: parameter, activation and KV cache dtype name.
       host_capacity_bytes: host memory for registered adapters (None: unbounded).
+      mesh: devices the engine spans (`mesh: {tensor: 2}` splits every layer over two devices).
     """
 
     max_batch: int = 8
@@ -50,6 +52,7 @@ class EngineConfig:
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     dtype: str = "float32"
     host_capacity_bytes: int | None = None
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self) -> None:
         for field in ("max_batch", "max_seq_len", "prefill_batch", "max_new_tokens_limit", "max_queue",
@@ -92,6 +95,8 @@ class EngineConfig:
             if "target_modules" in lora:
                 lora["target_modules"] = tuple(lora["target_modules"])
             d["lora"] = LoraConfig(**lora)
+        if isinstance(d.get("mesh"), dict):
+            d["mesh"] = MeshConfig(**d["mesh"])
         if "prefill_buckets" in d:
             d["prefill_buckets"] = tuple(d["prefill_buckets"])
         return cls(**d)

@@ -116,6 +116,10 @@ class Engine:
         self.config = config
         self.pager = pager
         self.runner = Runner(model, config, runtime=runtime or LoraRuntime.for_platform(config.lora.backend))
+        if pager is not None and self.runner.mesh is not None and getattr(pager, "mesh", None) != self.runner.mesh:
+            if not hasattr(pager, "place_on"):
+                raise ValueError(f"config.mesh={config.mesh} needs a pager that can split its bank (Pager.place_on)")
+            pager.place_on(self.runner.mesh)
         self.scheduler = Scheduler(max_batch=config.max_batch, prefill_batch=config.prefill_batch,
                                    prefill_buckets=config.prefill_buckets, max_adapters=config.adapter_cap,
                                    max_wait_steps=config.max_wait_steps, slots=pager)

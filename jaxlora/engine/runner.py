@@ -6,7 +6,8 @@ Two jitted functions, each compiled once per static shape at warm-up:
             last_idx[P], sampling[P]) -> (next_ids[P], kv)       one per bucket, P = prefill_batch
     decode(params, bank, kv*, tokens[B], positions[B], slot_ids[B], sampling[B]) -> (next_ids[B], kv)
 
-(* donated: the cache is updated in place.) Padding rows are harmless by construction: a prefill
+(* donated: the cache is updated in place.) With `config.mesh.tensor > 1` the same steps run per shard
+under `shard_map` (jaxlora.parallel): params, bank and cache stay split over the mesh. Padding rows are harmless by construction: a prefill
 padding row has row id B (out of range, its cache writes are dropped); an idle decode row sits at
 position max_seq_len (its write is dropped too) and its sampled id is ignored.
 """
@@ -29,6 +30,8 @@ from jaxlora.lora.apply import LoraRuntime
 from jaxlora.lora.bank import Bank
 from jaxlora.model import KVCache, init_kv_cache
 from jaxlora.model.params import LoadedModel
+from jaxlora.parallel import make_mesh
+from jaxlora.parallel.sharding import init_sharded_kv_cache, shard_params, shard_step
 
 
 # Traces of either step in this process: each is a compile. Module level, so engines with equal
@@ -40,27 +43,36 @@ def num_traces() -> int:
     return _num_traces
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "runtime"), donate_argnames=("kv",))
-def prefill_step(params, bank, kv, tokens, positions, row_ids, slot_ids, last_idx, sampling, *, graphdef, runtime):
+@functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "mesh"), donate_argnames=("kv",))
+def prefill_step(params, bank, kv, tokens, positions, row_ids, slot_ids, last_idx, sampling, *, graphdef, runtime,
+                 mesh=None):
     """Prefill chunks of P rows; samples each row's token after position last_idx. See module doc."""
     global _num_traces
     _num_traces += 1
-    mod = nnx.merge(graphdef, params)
-    hidden, kv = mod(tokens, positions, kv, bank=bank, slot_ids=None if bank is None else slot_ids,
-                     row_ids=row_ids, runtime=runtime)
-    last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]  # [P, D]
-    return sample(mod.logits(last), sampling), kv
+
+    def step(params, bank, kv, tokens, positions, row_ids, slot_ids, last_idx, sampling, *, tensor_axis):
+        mod = nnx.merge(graphdef, params)
+        hidden, kv = mod(tokens, positions, kv, bank=bank, slot_ids=None if bank is None else slot_ids,
+                         row_ids=row_ids, runtime=runtime, tensor_axis=tensor_axis)
+        last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]  # [P, D]
+        return sample(mod.logits(last, tensor_axis=tensor_axis), sampling), kv
+
+    return shard_step(step, mesh)(params, bank, kv, tokens, positions, row_ids, slot_ids, last_idx, sampling)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "runtime"), donate_argnames=("kv",))
-def decode_step(params, bank, kv, tokens, positions, slot_ids, sampling, *, graphdef, runtime):
+@functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "mesh"), donate_argnames=("kv",))
+def decode_step(params, bank, kv, tokens, positions, slot_ids, sampling, *, graphdef, runtime, mesh=None):
     """One token for each of the B rows (batch row i is cache row i)."""
     global _num_traces
     _num_traces += 1
-    mod = nnx.merge(graphdef, params)
-    hidden, kv = mod(tokens[:, None], positions[:, None], kv, bank=bank,
-                     slot_ids=None if bank is None else slot_ids, runtime=runtime)
-    return sample(mod.logits(hidden[:, 0]), sampling), kv
+
+    def step(params, bank, kv, tokens, positions, slot_ids, sampling, *, tensor_axis):
+        mod = nnx.merge(graphdef, params)
+        hidden, kv = mod(tokens[:, None], positions[:, None], kv, bank=bank,
+                         slot_ids=None if bank is None else slot_ids, runtime=runtime, tensor_axis=tensor_axis)
+        return sample(mod.logits(hidden[:, 0], tensor_axis=tensor_axis), sampling), kv
+
+    return shard_step(step, mesh)(params, bank, kv, tokens, positions, slot_ids, sampling)
 
 
 class Runner:
@@ -70,8 +82,19 @@ class Runner:
         self.model = model
         self.config = config
         self.runtime = runtime
-        self.kv: KVCache = init_kv_cache(model.config, config.max_batch, config.max_seq_len, model.dtype)
+        # One device: no mesh, the steps run unsharded exactly as before.
+        self.mesh = make_mesh(config.mesh) if config.mesh.is_sharded else None
+        self.params = model.params if self.mesh is None else shard_params(model.params, model.config, self.mesh)
+        self.kv: KVCache = self._new_cache()
         self._static = dict(graphdef=model.graphdef, runtime=runtime)
+        if self.mesh is not None:  # one device: the same jit cache key as callers that never pass a mesh
+            self._static["mesh"] = self.mesh
+
+    def _new_cache(self) -> KVCache:
+        cfg, model = self.config, self.model
+        if self.mesh is None:
+            return init_kv_cache(model.config, cfg.max_batch, cfg.max_seq_len, model.dtype)
+        return init_sharded_kv_cache(model.config, cfg.max_batch, cfg.max_seq_len, model.dtype, self.mesh)
 
     # Host side.
     def prefill(self, bank: Bank | None, plan: PrefillPlan) -> jax.Array:
@@ -88,7 +111,7 @@ class Runner:
             positions[i] += c.start
             row_ids[i], slot_ids[i], last_idx[i] = r.row, r.slot, c.length - 1
         sampling = sampling_arrays([c.request for c in plan.chunks], P)
-        next_ids, self.kv = prefill_step(self.model.params, bank, self.kv, tokens, positions, row_ids,
+        next_ids, self.kv = prefill_step(self.params, bank, self.kv, tokens, positions, row_ids,
                                           slot_ids, last_idx, sampling, **self._static)
         return next_ids
 
@@ -103,13 +126,13 @@ class Runner:
             tokens[r.row], positions[r.row], slot_ids[r.row] = r.last_token, r.next_position, r.slot
             by_row[r.row] = r
         sampling = sampling_arrays(by_row, B)
-        next_ids, self.kv = decode_step(self.model.params, bank, self.kv, tokens, positions, slot_ids, sampling,
+        next_ids, self.kv = decode_step(self.params, bank, self.kv, tokens, positions, slot_ids, sampling,
                                      **self._static)
         return next_ids
 
     def reset_cache(self) -> None:
         """A fresh cache (after a failed step, whose donated cache may be gone)."""
-        self.kv = init_kv_cache(self.model.config, self.config.max_batch, self.config.max_seq_len, self.model.dtype)
+        self.kv = self._new_cache()
 
     def warmup(self, bank: Bank | None) -> None:
         """Compiles every shape: each prefill bucket and the decode step, all rows padding."""

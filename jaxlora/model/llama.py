@@ -21,6 +21,7 @@ from jaxlora.config import ModelConfig
 from jaxlora.lora.apply import LoraRuntime, apply_group, step_plan
 from jaxlora.model.kv_cache import KVCache
 from jaxlora.model.rope import apply_rope, inverse_frequencies
+from jaxlora.parallel import layers as tp
 
 _NEG_INF = -1e30
 
@@ -52,6 +53,8 @@ class StepInputs:
     seg_len: t when t > 1 (rows are contiguous runs sharing a slot), else None.
     lora_plan: the row grouping every LoRA op of this step shares (built once, before the layer
       scan), or None without a bank.
+    tensor_axis: the mesh axis the weights are split over when the step runs per shard under
+      `shard_map` (jaxlora.parallel), else None. Head counts then come from the local shapes.
     """
 
     positions: jax.Array
@@ -61,6 +64,7 @@ class StepInputs:
     runtime: LoraRuntime
     inv_freq: jax.Array
     lora_plan: pallas_kernels.LoraPlan | None = None
+    tensor_axis: str | None = None
 
 
 class Attention(nnx.Module):
@@ -79,17 +83,27 @@ class Attention(nnx.Module):
         qkv = {"q_proj": self.q_proj(x2), "k_proj": self.k_proj(x2), "v_proj": self.v_proj(x2)}
         qkv = apply_group("qkv", lora.get("qkv"), x2, qkv, s.token_slots, s.runtime, s.seg_len,
                           plan=s.lora_plan)
-        q = qkv["q_proj"].reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = qkv["k_proj"].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = qkv["v_proj"].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        # -1 heads: under tensor parallelism this shard holds num_heads / n of them.
+        q = qkv["q_proj"].reshape(b, t, -1, cfg.head_dim)
+        k = qkv["k_proj"].reshape(b, t, -1, cfg.head_dim)
+        v = qkv["v_proj"].reshape(b, t, -1, cfg.head_dim)
         q = apply_rope(q, s.positions, s.inv_freq)
         k = apply_rope(k, s.positions, s.inv_freq)
         kv, keys, values = _update_cache(kv, layer, k, v, s.positions, s.row_ids)
         attn = _attend(q, keys, values, s.positions)  # [b, t, H * Dh]
         a2 = attn.reshape(b * t, -1)
-        out = {"o_proj": self.o_proj(a2)}
+        if s.tensor_axis is None:
+            out = {"o_proj": self.o_proj(a2)}
+        else:  # row-parallel: the bias joins after the all-reduce, or every shard would add it
+            out = {"o_proj": a2 @ self.o_proj.kernel[...]}
         out = apply_group("o", lora.get("o"), a2, out, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan)
-        return out["o_proj"].reshape(b, t, -1), kv
+        o = out["o_proj"]
+        if s.tensor_axis is not None:
+            # Base and LoRA partial sums share one all-reduce (A is split on the input side, B whole).
+            o = tp.all_reduce(o, s.tensor_axis)
+            if self.o_proj.bias is not None:
+                o = o + self.o_proj.bias[...]
+        return o.reshape(b, t, -1), kv
 
 
 def _update_cache(kv: KVCache, layer: jax.Array, k, v, positions, row_ids):
@@ -141,7 +155,8 @@ class MLP(nnx.Module):
         out = {"down_proj": self.down_proj(hidden)}
         out = apply_group("down", lora.get("down"), hidden, out, s.token_slots, s.runtime, s.seg_len,
                           plan=s.lora_plan)
-        return out["down_proj"].reshape(b, t, -1)
+        # Row-parallel under tensor parallelism: base and LoRA partial sums share one all-reduce.
+        return tp.all_reduce(out["down_proj"], s.tensor_axis).reshape(b, t, -1)
 
 
 class DecoderLayer(nnx.Module):
@@ -185,6 +200,7 @@ class Llama(nnx.Module):
         slot_ids: jax.Array | None = None,
         row_ids: jax.Array | None = None,
         runtime: LoraRuntime = LoraRuntime(),
+        tensor_axis: str | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Runs tokens [b, t] at positions [b, t] through every layer.
 
@@ -192,6 +208,8 @@ class Llama(nnx.Module):
           kv: the cache; rows `row_ids` [b] (or rows 0..b-1) are read and written.
           bank: adapter bank (see jaxlora.lora.bank) or None for the base model alone.
           slot_ids: [b] int32 adapter slot per row (0 = base model); required with a bank.
+          tensor_axis: set only inside `shard_map` over a tensor-parallel mesh (jaxlora.parallel),
+            where params, bank and cache are this device's shards.
         Returns:
           (hidden [b, t, D] after the final norm, updated cache)
         """
@@ -205,8 +223,12 @@ class Llama(nnx.Module):
         plan = step_plan(bank, token_slots, runtime, seg_len)
         s = StepInputs(positions=positions.astype(jnp.int32), row_ids=row_ids, token_slots=token_slots,
                        seg_len=seg_len, runtime=runtime, inv_freq=jnp.asarray(inverse_frequencies(self.cfg)),
-                       lora_plan=plan)
-        x = self.embed_tokens(tokens)
+                       lora_plan=plan, tensor_axis=tensor_axis)
+        if tensor_axis is None:
+            x = self.embed_tokens(tokens)
+        else:
+            x = tp.embed(self.embed_tokens.embedding[...], tokens, vocab_size=self.cfg.vocab_size,
+                         axis=tensor_axis).astype(self.embed_tokens.dtype)
         graphdef, layer_state = nnx.split(self.layers)
 
         def body(carry, xs):
@@ -219,8 +241,13 @@ class Llama(nnx.Module):
         (x, kv), _ = jax.lax.scan(body, (x, kv), (layer_state, layers, bank))
         return self.norm(x), kv
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden [..., D] -> float32 logits [..., vocab]."""
+    def logits(self, hidden: jax.Array, *, tensor_axis: str | None = None) -> jax.Array:
+        """hidden [..., D] -> float32 logits [..., vocab] (on every device under tensor parallelism)."""
+        if tensor_axis is not None:
+            tied = self.lm_head is None
+            weight = self.embed_tokens.embedding[...] if tied else self.lm_head.kernel[...]
+            return tp.project_logits(hidden, weight, vocab_size=self.cfg.vocab_size, transposed=tied,
+                                     axis=tensor_axis).astype(jnp.float32)
         if self.lm_head is None:
             return self.embed_tokens.attend(hidden).astype(jnp.float32)
         return self.lm_head(hidden).astype(jnp.float32)

@@ -1,0 +1,244 @@
+"""Runs the tensor-parallel checks on fake CPU devices and prints one JSON object.
+
+Started by test_tensor_parallel.py as `python tests/parallel/tp_worker.py` with
+XLA_FLAGS=--xla_force_host_platform_device_count=4 in its environment: the flag must be set before
+jax is imported, which a pytest process has already done.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlora.adapters import Pager
+from jaxlora.config import TARGET_MODULES, LoraConfig, ModelConfig
+from jaxlora.engine.engine import Engine
+from jaxlora.engine.request import GenerationRequest, SamplingParams
+from jaxlora.engine.runner import decode_step
+from jaxlora.engine.sampling import SamplingArrays
+from jaxlora.lora.apply import LoraRuntime
+from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
+from jaxlora.model import init_kv_cache
+from jaxlora.model.forward import forward_logits
+from jaxlora.model.params import random_model
+from jaxlora.parallel import MeshConfig, make_mesh
+from jaxlora.parallel.forward import sharded_forward_logits
+from jaxlora.parallel.sharding import (
+    KV_SPEC,
+    bank_specs,
+    shard_bank,
+    shard_kv,
+    shard_model,
+)
+from tests.engine.conftest import engine_config
+from tests.engine.fakes import char_tokenizer, random_adapter, tiny_model
+
+TENSOR_SIZES = (2, 4)
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+               "collective-broadcast")
+
+# Raw forward: vocab 96 is split by vocabulary (tied embedding), q/k/v and o carry biases.
+RAW_CONFIG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=8,
+                         num_kv_heads=4, head_dim=8, tie_word_embeddings=True, attention_bias=True,
+                         o_proj_bias=True, max_position_embeddings=64)
+RAW_LORA = LoraConfig(max_slots=5, max_rank=4)
+RAW_SLOTS = (3, 0, 1, 4, 2, 1)  # shuffled, a base row, a repeated adapter
+PROMPT_LEN, NEW_TOKENS = 5, 6
+
+
+def raw_bank(config: ModelConfig, lora: LoraConfig) -> dict:
+    """Four adapters with different module sets and ranks in slots 1..4 (slot 0 stays the base)."""
+    rng = np.random.default_rng(1)
+    module_sets = (TARGET_MODULES, ("q_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj"),
+                   ("k_proj", "down_proj"))
+    bank = init_bank(config, lora)
+    for slot, (modules, rank) in enumerate(zip(module_sets, (4, 2, 3, 1)), start=1):
+        weights = {m: (rng.standard_normal((config.num_layers, config.module_shape(m)[0], rank), np.float32) * 0.4,
+                       rng.standard_normal((config.num_layers, rank, config.module_shape(m)[1]), np.float32) * 0.4)
+                   for m in modules}
+        bank = set_slot(bank, slot, slot_arrays(weights, config, lora))
+    return bank
+
+
+def raw_greedy(model, bank, mesh, backend: str) -> tuple[list[list[int]], np.ndarray]:
+    """Prefill every row (one segment each), then NEW_TOKENS - 1 batched decode steps; greedy ids
+    per row and the prefill logits."""
+    cfg = model.config
+    rows = len(RAW_SLOTS)
+    runtime = LoraRuntime.for_platform(backend)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (rows, PROMPT_LEN)), jnp.int32)
+    slots = jnp.asarray(RAW_SLOTS, jnp.int32)
+    kv = init_kv_cache(cfg, rows, PROMPT_LEN + NEW_TOKENS)
+    params = model.params
+    if mesh is not None:
+        params, bank, kv = shard_model(model, mesh).params, shard_bank(bank, mesh), shard_kv(kv, mesh)
+
+    def forward(tok, pos, kv):
+        if mesh is None:
+            return forward_logits(model.graphdef, params, tok, pos, kv, bank, slots, runtime=runtime)
+        return sharded_forward_logits(model.graphdef, params, tok, pos, kv, bank, slots, mesh=mesh, runtime=runtime)
+
+    positions = jnp.broadcast_to(jnp.arange(PROMPT_LEN, dtype=jnp.int32), (rows, PROMPT_LEN))
+    logits, kv = forward(tokens, positions, kv)
+    prefill_logits = np.asarray(logits)
+    out = [[int(t)] for t in prefill_logits[:, -1].argmax(-1)]
+    for i in range(NEW_TOKENS - 1):
+        last = jnp.asarray([[r[-1]] for r in out], jnp.int32)
+        logits, kv = forward(last, jnp.full((rows, 1), PROMPT_LEN + i, jnp.int32), kv)
+        for r, t in zip(out, np.asarray(logits)[:, -1].argmax(-1)):
+            r.append(int(t))
+    if mesh is not None:
+        assert _same_spec(kv.k.sharding.spec, KV_SPEC), kv.k.sharding  # the donated cache kept its layout
+    return out, prefill_logits
+
+
+def check_raw(result: dict) -> None:
+    model = random_model(RAW_CONFIG, seed=3, std=0.2)
+    bank = raw_bank(RAW_CONFIG, RAW_LORA)
+    ref_tokens, ref_logits = raw_greedy(model, bank, None, "xla")
+    result["raw"] = {"reference": ref_tokens}
+    for n in TENSOR_SIZES:
+        tokens, logits = raw_greedy(model, bank, make_mesh(MeshConfig(tensor=n)), "xla")
+        result["raw"][f"tp{n}"] = tokens
+        result["raw"][f"tp{n}_max_logit_diff"] = float(np.abs(logits - ref_logits).max())
+    # Pallas kernels per shard (interpreted on CPU: slow, so decode-shaped prefill of one token).
+    mesh = make_mesh(MeshConfig(tensor=2))
+    runtime = LoraRuntime.for_platform("pallas")
+    tok = jnp.asarray(np.arange(len(RAW_SLOTS))[:, None] + 7, jnp.int32)
+    pos = jnp.zeros_like(tok)
+    slots = jnp.asarray(RAW_SLOTS, jnp.int32)
+    ref, _ = forward_logits(model.graphdef, model.params, tok, pos, init_kv_cache(RAW_CONFIG, len(RAW_SLOTS), 4),
+                            bank, slots, runtime=runtime)
+    got, _ = sharded_forward_logits(model.graphdef, shard_model(model, mesh).params, tok, pos,
+                                    shard_kv(init_kv_cache(RAW_CONFIG, len(RAW_SLOTS), 4), mesh),
+                                    shard_bank(bank, mesh), slots, mesh=mesh, runtime=runtime)
+    result["raw"]["pallas_tp2_max_logit_diff"] = float(np.abs(np.asarray(got) - np.asarray(ref)).max())
+
+
+# Engine: the char tokenizer's vocabulary (99) divides by neither 2 nor 4, so embedding and LM head
+# are split by hidden size here (the other layout from the raw check).
+ENGINE_MODEL = {"num_heads": 8, "num_kv_heads": 4, "head_dim": 4, "hidden_size": 32, "intermediate_size": 64}
+ENGINE_ADAPTERS = ("a0", "a1", "a2", "a3", "a4")  # five adapters over three slots: evictions too
+
+
+def engine_requests() -> list[GenerationRequest]:
+    rng = np.random.default_rng(0)
+    adapters = [None, *ENGINE_ADAPTERS]
+    return [GenerationRequest(request_id=f"r{i}", adapter=adapters[i % len(adapters)],
+                              prompt_ids=[1, *rng.integers(4, 99, int(rng.integers(2, 20))).tolist()],
+                              sampling=SamplingParams(max_tokens=int(rng.integers(4, 10))))
+            for i in range(9)]
+
+
+def run_engine(model, tokenizer, adapters, tensor: int) -> tuple[Engine, list[list[int]]]:
+    config = engine_config(mesh=MeshConfig(tensor=tensor))
+    pager = Pager(model.config, config.lora, dtype=model.dtype)  # the engine splits its bank
+    for name, adapter in adapters.items():
+        pager.register(name, adapter)
+    engine = Engine(model, tokenizer, config, pager)
+    engine.warmup()
+    finals = engine.generate(engine_requests())
+    assert engine.compiles_after_warmup == 0, engine.compiles_after_warmup
+    assert all(f.error is None for f in finals), [f.error for f in finals]
+    return engine, [list(f.token_ids) for f in finals]
+
+
+def check_engine(result: dict) -> Engine:
+    model, tokenizer = tiny_model(**ENGINE_MODEL), char_tokenizer()
+    lora = engine_config().lora
+    adapters = {n: random_adapter(n, model.config, lora, seed=i + 1) for i, n in enumerate(ENGINE_ADAPTERS)}
+    result["engine"] = {}
+    engine = None
+    for n in (1, *TENSOR_SIZES):
+        engine, tokens = run_engine(model, tokenizer, adapters, n)
+        result["engine"][f"tp{n}"] = tokens
+    bank = engine.pager.bank  # after page-ins and evictions: still split as bank_specs says
+    want = jax.tree.leaves(bank_specs(bank), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    got = [x.sharding.spec for x in jax.tree.leaves(bank)]
+    result["engine"]["bank_layout_kept"] = all(_same_spec(g, w) for g, w in zip(got, want))
+    result["engine"]["kv_spec"] = str(engine.runner.kv.k.sharding.spec)
+    result["engine"]["page_ins"] = engine.pager.metrics.page_ins
+    return engine
+
+
+def _same_spec(a, b) -> bool:
+    strip = lambda s: tuple(s) + (None,) * (8 - len(tuple(s)))
+    return strip(a) == strip(b)
+
+
+def _computations(hlo: str) -> dict[str, str]:
+    """name -> body text of each HLO computation."""
+    out, name, lines = {}, None, []
+    for line in hlo.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if m and name is None:
+            name, lines = m.group(1), []
+        elif line == "}" and name is not None:
+            out[name] = "\n".join(lines)
+            name = None
+        elif name is not None:
+            lines.append(line)
+    return out
+
+
+def _collectives(text: str) -> list[tuple[str, str]]:
+    """(op, result shape) of every collective instruction in `text`."""
+    ops = "|".join(COLLECTIVES)
+    return re.findall(rf"= (\S+) ({ops})(?:-start)?\(", text)
+
+
+def check_hlo(engine: Engine, result: dict) -> None:
+    """Collectives of the engine's compiled decode step (tp=4), split into the layer scan's body and
+    the rest."""
+    runner, cfg = engine.runner, engine.config
+    B = cfg.max_batch
+    args = (runner.params, engine.pager.bank, runner.kv, np.zeros(B, np.int32), np.zeros(B, np.int32),
+            np.zeros(B, np.int32), SamplingArrays.zeros(B))
+    hlo = decode_step.lower(*args, **runner._static).compile().as_text()
+    result["hlo"] = _split_collectives(hlo)
+
+
+def _split_collectives(hlo: str) -> dict:
+    """The collectives of the layer scan's while body, and those of the whole module."""
+    comps = _computations(hlo)
+    bodies = re.findall(r"while\(.*?body=%?([\w.\-]+)", hlo)
+    layer_bodies = [b for b in bodies if _collectives(comps.get(b, ""))]
+    return {
+        "num_while_with_collectives": len(layer_bodies),
+        "layer_body": [list(c) for c in _collectives(comps[layer_bodies[0]])] if layer_bodies else [],
+        "all": [list(c) for c in _collectives(hlo)],
+    }
+
+
+def check_raw_hlo(result: dict) -> None:
+    """Collectives of a decode-shaped sharded forward (tp=4) with the vocab-parallel layout."""
+    model, mesh = random_model(RAW_CONFIG, seed=3), make_mesh(MeshConfig(tensor=4))
+    rows = len(RAW_SLOTS)
+    tok = jnp.zeros((rows, 1), jnp.int32)
+    hlo = sharded_forward_logits.lower(
+        model.graphdef, shard_model(model, mesh).params, tok, tok, shard_kv(init_kv_cache(RAW_CONFIG, rows, 8), mesh),
+        shard_bank(raw_bank(RAW_CONFIG, RAW_LORA), mesh), jnp.asarray(RAW_SLOTS, jnp.int32), mesh=mesh,
+        runtime=LoraRuntime.for_platform("xla")).compile().as_text()
+    result["raw_hlo"] = _split_collectives(hlo)
+
+
+def main() -> None:
+    assert jax.device_count() >= 4, f"need 4 fake devices, found {jax.devices()}"
+    result: dict = {}
+    check_raw(result)
+    check_raw_hlo(result)
+    engine = check_engine(result)
+    check_hlo(engine, result)
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
