@@ -194,6 +194,7 @@ class ResidentBank:
     def __init__(self, bank: Bank, max_slots: int, num_adapters: int) -> None:
         self.bank = bank
         self.max_slots = max_slots
+        self.mesh = None
         self._slots = {adapter_name(i): i + 1 for i in range(num_adapters)}
 
     def has(self, name: str) -> bool:
@@ -213,6 +214,13 @@ class ResidentBank:
 
     def commit(self) -> None:
         pass
+
+    def place_on(self, mesh) -> None:
+        """Splits the bank over a tensor-parallel mesh (the Engine calls this)."""
+        from jaxlora.parallel.sharding import shard_bank
+
+        self.bank = shard_bank(self.bank, mesh)
+        self.mesh = mesh
 
 
 def adapter_name(i: int) -> str:
@@ -242,7 +250,7 @@ def slot_pattern(batch: int, distinct: int) -> np.ndarray:
 
 def _step_static(runner) -> dict:
     """The static arguments the runner itself passes to its jitted steps (same compiled step)."""
-    return dict(getattr(runner, "_static", None) or dict(graphdef=runner.model.graphdef, runtime=runner.runtime))
+    return dict(runner._static)
 
 
 def time_decode(runner, bank: Bank, slot_ids: np.ndarray, position: int, steps: int) -> float:
@@ -259,11 +267,11 @@ def time_decode(runner, bank: Bank, slot_ids: np.ndarray, position: int, steps: 
     static = _step_static(runner)
     kv = runner.kv
     for _ in range(2):
-        ids, kv = decode_step(runner.model.params, bank, kv, tokens, positions, slots, sampling, **static)
+        ids, kv = decode_step(runner.params, bank, kv, tokens, positions, slots, sampling, **static)
     ids.block_until_ready()
     t0 = time.perf_counter()
     for _ in range(steps):
-        ids, kv = decode_step(runner.model.params, bank, kv, ids, positions, slots, sampling, **static)
+        ids, kv = decode_step(runner.params, bank, kv, ids, positions, slots, sampling, **static)
     ids.block_until_ready()
     runner.kv = kv
     return (time.perf_counter() - t0) / steps * 1e3
@@ -288,7 +296,7 @@ def time_prefill(runner, bank: Bank, slot: int, prompt_len: int, reps: int = 3) 
     times = []
     for _ in range(reps + 1):
         t0 = time.perf_counter()
-        ids, runner.kv = prefill_step(runner.model.params, bank, runner.kv, tokens, positions, row_ids, slot_ids,
+        ids, runner.kv = prefill_step(runner.params, bank, runner.kv, tokens, positions, row_ids, slot_ids,
                                       last_idx, sampling, **static)
         int(jax.device_get(ids)[0])
         times.append(time.perf_counter() - t0)
@@ -321,9 +329,10 @@ def run_engine(engine, batch: int, prompt_len: int, gen_len: int, distinct: int,
 
 
 def run_group(group: Group, model, tokenizer, *, hbm: float, steps: int, prefill_batch: int,
-              emit: Callable[[dict, dict], None]) -> None:
+              emit: Callable[[dict, dict], None], tensor_parallel: int = 1) -> None:
     """Builds the engine of `group`, warms it up, and emits one (row, details) per distinct count."""
     from jaxlora.engine.config import EngineConfig
+    from jaxlora.parallel.mesh import MeshConfig
     from jaxlora.engine.engine import Engine
     from jaxlora.engine.runner import Runner, num_traces
     from jaxlora.lora.apply import LoraRuntime
@@ -334,7 +343,8 @@ def run_group(group: Group, model, tokenizer, *, hbm: float, steps: int, prefill
                       backend=group.backend)
     config = EngineConfig(max_batch=group.batch, max_seq_len=group.max_seq_len, prefill_buckets=(group.prompt_len,),
                           prefill_batch=min(prefill_batch, group.batch), max_new_tokens_limit=group.gen_len,
-                          max_queue=max(1024, 2 * group.batch), lora=lora, dtype=jnp.dtype(model.dtype).name)
+                          max_queue=max(1024, 2 * group.batch), lora=lora, dtype=jnp.dtype(model.dtype).name,
+                          mesh=MeshConfig(tensor=tensor_parallel))
     runtime = LoraRuntime.for_platform(group.backend)
     t0 = time.perf_counter()
     bank = random_bank(cfg, lora, max(group.distinct), model.dtype)
@@ -346,7 +356,10 @@ def run_group(group: Group, model, tokenizer, *, hbm: float, steps: int, prefill
         run_engine(engine, group.batch, group.prompt_len, 2, max(group.distinct), seed=0)  # first-run costs
     else:
         engine, runner = None, Runner(model, config, runtime=runtime)
+        if runner.mesh is not None:
+            source.place_on(runner.mesh)
         time_decode(runner, bank, slot_pattern(group.batch, 0), group.prompt_len, steps=1)
+    bank = source.bank  # split over the mesh when tensor_parallel > 1
     setup_s = time.perf_counter() - t0
     traces0 = num_traces()
     print(f"  setup (bank, compile, warm-up) {setup_s:.1f} s", flush=True)
@@ -591,6 +604,7 @@ class Options:
     hf_peer: Path | None = None
     plots: bool = True
     command: str = ""
+    tensor_parallel: int = 1
 
 
 def run(opts: Options) -> dict:
@@ -611,6 +625,7 @@ def run(opts: Options) -> dict:
     jax.block_until_ready(model.params)
     tokenizer = word_tokenizer(model_cfg.vocab_size)
     payload = {"device": str(dev.device_kind), "jax_version": jax.__version__, "hbm_GBps": round(hbm, 1),
+               "tensor_parallel": opts.tensor_parallel,
                "model": model_cfg.name, "command": opts.command, "rows": [], "details": [], "not_run": [],
                "notes": []}
     if opts.hf_peer is not None and opts.hf_peer.exists():
@@ -634,7 +649,7 @@ def run(opts: Options) -> dict:
         print(f"[{i}] {group.label} ({left:.0f} s left)", flush=True)
         try:
             run_group(group, model, tokenizer, hbm=hbm, steps=opts.steps, prefill_batch=opts.prefill_batch,
-                      emit=emit)
+                      emit=emit, tensor_parallel=opts.tensor_parallel)
         except Exception as e:  # one broken group must not lose the others
             payload["not_run"].append({"group": group.label, "reason": f"failed: {type(e).__name__}: {e}"[:500]})
             print(f"  FAILED {type(e).__name__}: {e}", flush=True)
