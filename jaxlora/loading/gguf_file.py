@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxlora.config import ModelConfig, RopeScaling
 from jaxlora.errors import ModelLoadError
+from jaxlora.loading.names import stack_layers
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 Q = gguf.GGMLQuantizationType
@@ -136,9 +137,5 @@ def load_gguf_arrays(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], gg
             raise ModelLoadError(f"{path}: per-dimension rope_freqs are not supported")
         else:
             raise ModelLoadError(f"{path}: unexpected tensor {t.name}")
-    for name, layers in per_layer.items():
-        missing = [i for i, a in enumerate(layers) if a is None]
-        if missing:
-            raise ModelLoadError(f"{path}: missing tensor for layer(s) {missing[:5]} of {name}")
-        flat[name] = np.stack(layers)
+    flat.update(stack_layers(per_layer, source=str(path)))
     return config, flat, reader

@@ -44,6 +44,14 @@ def hf_to_flat(tensors: Mapping[str, np.ndarray], config: ModelConfig, *, source
                 flat["lm_head.kernel"] = value.T
         else:
             raise ModelLoadError(f"{source}: unexpected tensor {key}")
+    flat.update(stack_layers(per_layer, source=source))
+    return flat
+
+
+def stack_layers(per_layer: Mapping[str, list[np.ndarray | None]], *, source: str) -> dict[str, np.ndarray]:
+    """Per-layer lists -> stacked [num_layers, ...] arrays; a missing layer or a shape mismatch is a
+    ModelLoadError naming the parameter."""
+    out = {}
     for name, layers in per_layer.items():
         missing = [i for i, a in enumerate(layers) if a is None]
         if missing:
@@ -51,8 +59,8 @@ def hf_to_flat(tensors: Mapping[str, np.ndarray], config: ModelConfig, *, source
         shapes = {a.shape for a in layers}
         if len(shapes) != 1:
             raise ModelLoadError(f"{source}: layers disagree on the shape of {name}: {sorted(shapes)}")
-        flat[name] = np.stack(layers)
-    return flat
+        out[name] = np.stack(layers)
+    return out
 
 
 def flat_to_hf(flat: Mapping[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
