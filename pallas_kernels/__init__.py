@@ -2,11 +2,15 @@
 
 Imports only jax and numpy; usable on its own. `lora_shrink`, `lora_expand` and
 `lora_expand_multi` (with `lora_plan`, built once per step) are the interface the model calls (see `api` for the contract); the segmented
-(SGMV) and per-row (BGMV) Triton kernels are public too, and `reference` holds the naive versions.
+(SGMV) and per-row (BGMV) Triton kernels are public too (their TPU scalar-prefetch variants as `tpu_*`), and `reference` holds the naive versions.
 """
 
 from pallas_kernels import reference, tuning
 from pallas_kernels.api import BACKENDS, lora_expand, lora_expand_multi, lora_shrink
+from pallas_kernels.lora_tpu import bgmv_expand as tpu_bgmv_expand
+from pallas_kernels.lora_tpu import bgmv_shrink as tpu_bgmv_shrink
+from pallas_kernels.lora_tpu import sgmv_expand as tpu_sgmv_expand
+from pallas_kernels.lora_tpu import sgmv_shrink as tpu_sgmv_shrink
 from pallas_kernels.lora_triton import bgmv_expand, bgmv_shrink, sgmv_expand, sgmv_shrink
 from pallas_kernels.plan import LoraPlan, lora_plan
 
@@ -22,5 +26,9 @@ __all__ = [
     "reference",
     "sgmv_expand",
     "sgmv_shrink",
+    "tpu_bgmv_expand",
+    "tpu_bgmv_shrink",
+    "tpu_sgmv_expand",
+    "tpu_sgmv_shrink",
     "tuning",
 ]

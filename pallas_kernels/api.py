@@ -10,7 +10,9 @@ Products accumulate in float32; h comes back in x.dtype and each y in its own dt
 modules that read the same input stacks their A's along the rank axis (a [S, D, G*R]); G*R need not
 be a power of two.
 
-Backends: "pallas" (Triton kernels on GPU; `interpret=True` runs them on CPU), "xla" (gather
+Backends: "pallas" (Triton kernels on GPU; `interpret=True` runs them on CPU), "pallas_tpu" (Mosaic
+TPU kernels picking the slot by scalar prefetch; `interpret=True` runs them in TPU interpret mode on
+CPU), "xla" (gather
 a[slot_ids] + einsum), "ragged" (lax.ragged_dot over rows sorted by slot), "onehot" (one-hot
 einsum), "loop" (Python loop over rows; tests only). `seg_len` (static) says that tokens come as
 T = rows * seg_len with each contiguous run of seg_len tokens on one slot (prefill, SGMV); None
@@ -18,7 +20,8 @@ means every token may have its own slot (decode, BGMV). All three are static; ev
 be traced, and nothing forces a host sync.
 
 `plan=` (from `lora_plan`, built once per step) carries the row grouping each backend needs, so
-ops that share the step's slot_ids do not recompute it; without it each op builds its own. The
+ops that share the step's slot_ids do not recompute it; without it each op builds its own. A
+"pallas_tpu" plan carries only slot_ids (its kernels sort rows / build work items per call). The
 pallas decode expand picks between its grouped and per-row kernels by a static rule in tuning.py.
 """
 
@@ -27,7 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import lora_triton, reference
+from pallas_kernels import lora_tpu, lora_triton, reference
 from pallas_kernels.plan import BACKENDS, LoraPlan, check_plan, lora_plan
 
 
@@ -65,8 +68,8 @@ def lora_shrink(
       x: [T, D] bf16 or f32 tokens.
       a: [S, D, R] adapter bank (R may stack several modules), slot 0 all zero.
       slot_ids: [T] int32 in [0, S) (may be None when a plan is given).
-      backend: "pallas" | "xla" | "ragged" | "onehot" | "loop".
-      interpret: pallas only, run the kernel in the interpreter (CPU).
+      backend: "pallas" | "pallas_tpu" | "xla" | "ragged" | "onehot" | "loop".
+      interpret: pallas / pallas_tpu only, run the kernel in the (TPU) interpreter on CPU.
       seg_len: static; tokens come in contiguous runs of seg_len sharing a slot (prefill).
       plan: `lora_plan(slot_ids, num_slots=S, seg_len=seg_len, backend=backend)`, built once per step.
 
@@ -81,6 +84,10 @@ def lora_shrink(
         if x.shape[0] == 0:
             return lora_triton.bgmv_shrink(x, a, slot_ids, interpret=interpret)
         return lora_triton.grouped_shrink(x, a, plan.groups, mode=mode, interpret=interpret)
+    if backend == "pallas_tpu":
+        if seg_len is None:
+            return lora_tpu.bgmv_shrink(x, a, slot_ids, interpret=interpret)
+        return lora_tpu.sgmv_shrink(x, a, *_tpu_segments(slot_ids, seg_len), interpret=interpret)
     if backend == "xla":
         return reference.shrink_xla(x, a, slot_ids, seg_len)
     if backend == "ragged":
@@ -88,6 +95,12 @@ def lora_shrink(
     if backend == "onehot":
         return reference.shrink_onehot(x, a, slot_ids)
     return reference.shrink_loop(x, a, slot_ids)
+
+
+def _tpu_segments(slot_ids: jax.Array, seg_len: int) -> tuple[jax.Array, jax.Array]:
+    """Prefill runs of seg_len tokens -> (seg_starts [N + 1], seg_slots [N]) for the TPU SGMV kernels."""
+    num_segments = slot_ids.shape[0] // seg_len
+    return jnp.arange(num_segments + 1, dtype=jnp.int32) * seg_len, slot_ids[::seg_len]
 
 
 def _expand_one(y, h, b, plan: LoraPlan, h_col, *, backend, interpret, seg_len):
@@ -98,6 +111,10 @@ def _expand_one(y, h, b, plan: LoraPlan, h_col, *, backend, interpret, seg_len):
         if seg_len is None:
             return lora_triton.decode_expand(y, h, b, slot_ids, plan.groups, h_col=h_col, interpret=interpret)
         return lora_triton.grouped_expand(y, h, b, plan.groups, mode="prefill", h_col=h_col, interpret=interpret)
+    if backend == "pallas_tpu":
+        if seg_len is None:
+            return lora_tpu.bgmv_expand(y, h, b, slot_ids, h_col=h_col, interpret=interpret)
+        return lora_tpu.sgmv_expand(y, h, b, *_tpu_segments(slot_ids, seg_len), h_col=h_col, interpret=interpret)
     h = h[:, h_col : h_col + b.shape[1]]
     if backend == "xla":
         return reference.expand_xla(y, h, b, slot_ids, seg_len)

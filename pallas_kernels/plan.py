@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import lora_triton, reference, tuning
 
-BACKENDS = ("pallas", "xla", "ragged", "onehot", "loop")
+BACKENDS = ("pallas", "xla", "ragged", "onehot", "loop", "pallas_tpu")
 
 
 def _static(**kw):
