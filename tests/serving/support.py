@@ -18,11 +18,13 @@ from serving.server import InferenceServer, ServerOptions, build_server
 from tests.engine.fakes import random_adapter
 
 LORA = LoraConfig(max_slots=4, max_rank=4)  # 3 adapter slots: a fourth adapter in use forces paging
-ENGINE_CONFIG = EngineConfig(max_batch=16, max_seq_len=256, prefill_buckets=(32,), prefill_batch=4,
-                             max_new_tokens_limit=192, max_queue=64, lora=LORA)
+ENGINE_CONFIG = EngineConfig(max_batch=16, max_seq_len=4096, prefill_buckets=(32,), prefill_batch=4,
+                             max_new_tokens_limit=4000, max_queue=64, lora=LORA)
 ADAPTERS = ("alpha", "beta", "gamma", "delta")  # registered at start-up
 SPARE_ADAPTERS = tuple(f"spare-{i}" for i in range(6))  # in the adapter root, for LoadAdapter tests
-LONG = 190  # max_tokens of a stream meant to outlive what a test does to it (~1 s or more)
+# max_tokens of a stream meant to outlive what a test does to it: thousands of decode steps, several
+# seconds even on an idle machine, so a 0.3 s deadline or a cancel always lands first.
+LONG = 3900
 
 
 def write_adapter(folder: Path, model_config, *, seed: int, rank: int = 4) -> Path:

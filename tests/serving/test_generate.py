@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxlora.engine import GenerationRequest, SamplingParams
 from serving.gen import inference_pb2 as pb
-from tests.serving.support import ADAPTERS, BackgroundStream, assert_capacity_whole, connect
+from tests.serving.support import ADAPTERS, ENGINE_CONFIG, BackgroundStream, assert_capacity_whole, connect
 
 # (adapter, prompt, sampling): every adapter, the base model, a chat prompt, a seeded sample, a stop string.
 CASES = [
@@ -57,7 +57,7 @@ def test_chat_messages_and_defaults(client):
     out = client.generate(messages=[{"role": "user", "content": "hi"}], adapter="alpha", max_tokens=5)
     assert out.completion_tokens == len(out.token_ids) <= 5 and out.prompt_tokens > 2
     info = client.server_info()
-    assert info.max_new_tokens == 192 and info.max_lora_rank == 4 and info.max_adapter_slots == 4
+    assert info.max_new_tokens == ENGINE_CONFIG.max_new_tokens_limit and info.max_lora_rank == 4 and info.max_adapter_slots == 4
     assert "q_proj" in info.target_modules
 
 

@@ -27,7 +27,7 @@ def test_not_found_unknown_adapter(client):
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=10_000), "max_tokens"),  # above the engine's max_new_tokens_limit
     (dict(stop_token_ids=[10_000]), "stop_token_ids"),
-    (dict(prompt="x" * 300), "max_seq_len"),  # prompt too long
+    (dict(prompt="x" * 5000), "max_seq_len"),  # prompt too long
     (dict(prompt=""), "exactly one of prompt and messages"),
     (dict(messages=[{"role": "user", "content": "hi"}]), "exactly one of prompt and messages"),  # both
 ])
