@@ -49,7 +49,7 @@ from jaxlora.adapters.registry import (
     prepare_adapter,
     slot_nbytes,
 )
-from jaxlora.adapters.slot_table import SlotTable
+from jaxlora.adapters.slot_table import SlotTable, invariant
 from jaxlora.config import LoraConfig, ModelConfig
 from jaxlora.errors import AdapterInUseError, UnknownAdapterError
 from jaxlora.lora.bank import Bank, init_bank, set_slot
@@ -325,16 +325,16 @@ class Pager:
                                   if self._table.refcount(n)}}
 
     def check(self) -> None:
-        """Raises AssertionError if the bookkeeping is inconsistent (for tests)."""
+        """Raises RuntimeError naming the broken invariant if the bookkeeping is inconsistent (tests)."""
         with self._lock:
             self._table.check()
             resident = self._table.resident()
-            assert self._ready <= set(resident), "a ready adapter has no slot"
-            assert all(n in self._registry for n in resident), "an unregistered adapter holds a slot"
-            assert not self._ready & {n for n in self._pending.values() if n}, "ready and pending at once"
-            assert all(self._table.name_in(s) == n for s, n in self._pending.items() if n), "stale write"
-            assert all(self._table.refcount(n) > 0 and n not in resident for n in self._waiting), "bad wait"
-            assert not self._waiting or not self._table.can_assign(), "a waiting adapter could have a slot"
+            invariant(self._ready <= set(resident), "a ready adapter has no slot")
+            invariant(all(n in self._registry for n in resident), "an unregistered adapter holds a slot")
+            invariant(not self._ready & {n for n in self._pending.values() if n}, "ready and pending at once")
+            invariant(all(self._table.name_in(s) == n for s, n in self._pending.items() if n), "stale write")
+            invariant(all(self._table.refcount(n) > 0 and n not in resident for n in self._waiting), "bad wait")
+            invariant(not self._waiting or not self._table.can_assign(), "a waiting adapter could have a slot")
 
     # ---------------------------------------------------------------- internals (lock held)
     def _lookup(self, name: str) -> RegisteredAdapter:

@@ -118,10 +118,17 @@ class SlotTable:
         return None
 
     def check(self) -> None:
-        """Raises AssertionError if the table is inconsistent (for tests)."""
-        assert set(self._slot_of) == set(self._lru), "LRU order and residents differ"
-        assert all(self._name_in[s] == n for n, s in self._slot_of.items()), "slot maps disagree"
-        assert len(self._name_in) == len(self._slot_of), "a slot holds two adapters"
-        assert not set(self._free) & set(self._name_in), "a free slot is occupied"
-        assert sorted(self._free + list(self._name_in)) == list(range(1, self.num_slots)), "slots lost"
-        assert all(c > 0 for c in self._refcount.values()), "non-positive refcount"
+        """Raises RuntimeError naming the broken invariant if the table is inconsistent (tests)."""
+        invariant(set(self._slot_of) == set(self._lru), "LRU order and residents differ")
+        invariant(all(self._name_in[s] == n for n, s in self._slot_of.items()), "slot maps disagree")
+        invariant(len(self._name_in) == len(self._slot_of), "a slot holds two adapters")
+        invariant(not set(self._free) & set(self._name_in), "a free slot is occupied")
+        invariant(sorted(self._free + list(self._name_in)) == list(range(1, self.num_slots)), "slots lost")
+        invariant(all(c > 0 for c in self._refcount.values()), "non-positive refcount")
+
+
+def invariant(holds: bool, what: str) -> None:
+    """Raises RuntimeError when a bookkeeping invariant does not hold."""
+    # An exception, not `assert`: these checks must also run under `python -O`.
+    if not holds:
+        raise RuntimeError(f"slot bookkeeping broken: {what}")
