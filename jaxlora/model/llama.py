@@ -18,7 +18,7 @@ from flax import nnx
 
 import pallas_kernels
 from jaxlora.config import ModelConfig
-from jaxlora.lora.apply import LoraRuntime, apply_group, step_plan
+from jaxlora.lora.apply import LoraRuntime, apply_group, step_plan, token_slots_for
 from jaxlora.model.kv_cache import KVCache
 from jaxlora.model.rope import apply_rope, inverse_frequencies
 from jaxlora.parallel import layers as tp
@@ -216,8 +216,7 @@ class Llama(nnx.Module):
         b, t = tokens.shape
         if bank is not None and slot_ids is None:
             raise ValueError("slot_ids are required when a bank is given")
-        token_slots = (jnp.zeros((b * t,), jnp.int32) if slot_ids is None
-                       else jnp.repeat(slot_ids.astype(jnp.int32), t, total_repeat_length=b * t))
+        token_slots = jnp.zeros((b * t,), jnp.int32) if slot_ids is None else token_slots_for(slot_ids, t)
         seg_len = t if t > 1 else None
         # Which rows use which slot is the same in every layer: group them once, not per op.
         plan = step_plan(bank, token_slots, runtime, seg_len)

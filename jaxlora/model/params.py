@@ -42,10 +42,13 @@ def _flat(state: nnx.State) -> list[tuple[tuple, jax.Array]]:
     return [(path, var.get_value()) for path, var in nnx.to_flat_state(state)]
 
 
+def _abstract_state(config: ModelConfig, dtype: jnp.dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(nnx.eval_shape(lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0))))
+
+
 def abstract_model(config: ModelConfig, dtype: jnp.dtype) -> tuple[nnx.GraphDef, dict[str, jax.ShapeDtypeStruct]]:
     """The graph and the expected name -> (shape, dtype) of every parameter, without allocating."""
-    model = nnx.eval_shape(lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(model)
+    graphdef, state = _abstract_state(config, dtype)
     return graphdef, {".".join(map(str, p)): v for p, v in _flat(state)}
 
 
@@ -55,7 +58,8 @@ def build_model(config: ModelConfig, arrays: Mapping[str, np.ndarray | jax.Array
 
     Raises ModelLoadError naming `source` and the offending tensor.
     """
-    graphdef, expected = abstract_model(config, dtype)
+    graphdef, state = _abstract_state(config, dtype)
+    expected = {".".join(map(str, p)): v for p, v in _flat(state)}
     missing = sorted(set(expected) - set(arrays))
     if missing:
         raise ModelLoadError(f"{source}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -66,8 +70,6 @@ def build_model(config: ModelConfig, arrays: Mapping[str, np.ndarray | jax.Array
         if tuple(arrays[name].shape) != tuple(spec.shape):
             raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(arrays[name].shape)}, "
                                  f"expected {tuple(spec.shape)}")
-    model = nnx.eval_shape(lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    _, state = nnx.split(model)
     for path, var in nnx.to_flat_state(state):
         var.set_value(jnp.asarray(arrays[".".join(map(str, path))], dtype=dtype))
     return LoadedModel(config=config, graphdef=graphdef, params=state, dtype=jnp.dtype(dtype))
