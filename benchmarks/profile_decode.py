@@ -1,18 +1,27 @@
-"""Where the decode step's time goes (Llama-2-7B shape, bf16, batch 64): ablations, one H200 call.
+"""Where the decode step's time goes (Llama-2-7B shape, bf16, batch 64): one H200 call.
 
-  full        the engine's jitted decode step, no adapters (bank=None), cache of prompt+gen = 256
-  short_kv    the same with an 8-position cache: attention and KV traffic almost gone
-  scan_mm     only the seven projections per layer, lax.scan over the stacked weights (as the model)
-  loop_mm     the same matmuls, a Python loop over per-layer weight arrays (no dynamic slicing)
-  + copies in the compiled full step larger than 64 MB (a weight or KV copy per layer shows here)
+  step variants   the engine's jitted decode step, no adapters, for each (layer loop, attention)
+                  choice: lax.scan or unrolled layers x XLA einsum or Pallas decode attention
+  lora variants   the fastest base variant with 64 distinct rank-16 all-module adapters, per LoRA
+                  backend (xla, ragged, pallas)
+  matmul probes   the seven projections alone: lax.scan over stacked weights, unrolled static
+                  slices of the stacked weights, and a loop over separate per-layer arrays
+  profiles        per-op device time (XLA Ops line of the profiler) for the base variants and the
+                  pallas LoRA step, top ops by total time
 
-    PYTHONPATH=. python3 benchmarks/profile_decode.py
+    PYTHONPATH=. python3 benchmarks/profile_decode.py [--tiny] [--out DIR] [--only NAME ...]
+
+Writes DIR/profile_decode.json when --out is given.
 """
 
 from __future__ import annotations
 
-import re
+import argparse
+import collections
+import glob
+import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,15 +30,164 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jaxlora.bench.e2e import LLAMA2_7B, TINY, time_decode  # noqa: E402
-from jaxlora.config import TARGET_MODULES  # noqa: E402
+from jaxlora.bench.e2e import LLAMA2_7B, TINY, hbm_gbps, random_bank, slot_pattern, time_decode  # noqa: E402
+from jaxlora.config import TARGET_MODULES, LoraConfig  # noqa: E402
 from jaxlora.engine.config import EngineConfig  # noqa: E402
 from jaxlora.engine.runner import Runner  # noqa: E402
 from jaxlora.lora.apply import LoraRuntime  # noqa: E402
 from jaxlora.model.params import random_model  # noqa: E402
 
-B = 64
-MODEL = TINY if "--tiny" in sys.argv else LLAMA2_7B
+BASE_VARIANTS = {
+    "scan/xla-attn": dict(),
+    "scan/pallas-attn": dict(attention="pallas"),
+    "unroll/xla-attn": dict(unroll_layers=True),
+    "unroll/pallas-attn": dict(attention="pallas", unroll_layers=True),
+}
+
+
+def device_op_times(fn, steps: int = 5) -> list[tuple[str, float, int]]:
+    """(op name, total ms per call, launches per call) on the GPU from a profiler trace of `fn()`."""
+    from jax.profiler import ProfileData
+
+    jax.block_until_ready(fn())
+    d = tempfile.mkdtemp()
+    jax.profiler.start_trace(d)
+    jax.block_until_ready([fn() for _ in range(steps)])
+    jax.profiler.stop_trace()
+    totals: dict[str, float] = collections.defaultdict(float)
+    counts: dict[str, int] = collections.defaultdict(int)
+    for path in glob.glob(d + "/**/*.xplane.pb", recursive=True):
+        for plane in ProfileData.from_file(path).planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                if line.name != "XLA Ops":
+                    continue
+                for ev in line.events:
+                    totals[ev.name] += ev.duration_ns / 1e6 / steps
+                    counts[ev.name] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])
+    return [(name, round(ms, 3), counts[name] // steps) for name, ms in ranked]
+
+
+def print_ops(title: str, ops: list[tuple[str, float, int]], top: int = 18) -> None:
+    total = sum(ms for _, ms, _ in ops)
+    print(f"  device ops of {title}: {total:.2f} ms per step in {sum(n for *_, n in ops)} launches", flush=True)
+    for name, ms, n in ops[:top]:
+        print(f"    {ms:8.3f} ms  x{n:<4d} {name[:110]}", flush=True)
+
+
+def step_fn(runner, bank, slots, position):
+    from jaxlora.engine.runner import decode_step
+    from jaxlora.engine.sampling import SamplingArrays
+
+    B = runner.config.max_batch
+    tokens = jnp.zeros((B,), jnp.int32)
+    positions = jnp.full((B,), position, jnp.int32)
+    sampling = jax.device_put(SamplingArrays.zeros(B))
+    static = dict(graphdef=runner.model.graphdef, runtime=runner.runtime)
+
+    def run():
+        ids, runner.kv = decode_step(runner.params, bank, runner.kv, tokens, positions, jnp.asarray(slots), sampling,
+                                     **static)
+        return ids
+    return run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--out")
+    p.add_argument("--only", nargs="*", default=None)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--no-profile", action="store_true")
+    args = p.parse_args()
+    model_cfg = TINY if args.tiny else LLAMA2_7B
+    B, seq, position = args.batch, 256, 192
+    interpret = jax.default_backend() == "cpu"
+    results: dict = {"device": jax.devices()[0].device_kind, "batch": B, "max_seq_len": seq, "position": position}
+    if not args.tiny:
+        results["hbm_GBps"] = round(hbm_gbps(), 1)
+        print("hbm GB/s", results["hbm_GBps"], flush=True)
+    if not interpret:
+        check_attention_kernel()
+    model = random_model(model_cfg, dtype=jnp.bfloat16)
+
+    def runner_for(runtime: LoraRuntime, lora: LoraConfig | None = None) -> Runner:
+        config = EngineConfig(max_batch=B, max_seq_len=seq, prefill_buckets=(8,), prefill_batch=1,
+                              max_new_tokens_limit=seq - 1, dtype="bfloat16", **({"lora": lora} if lora else {}))
+        return Runner(model, config, runtime=runtime)
+
+    base: dict[str, float] = {}
+    for name, kw in BASE_VARIANTS.items():
+        if args.only and name not in args.only:
+            continue
+        t0 = time.perf_counter()
+        runner = runner_for(LoraRuntime(interpret=interpret, **kw))
+        zeros = np.zeros(B, np.int32)
+        try:
+            time_decode(runner, None, zeros, position, steps=1)
+        except Exception as e:  # a probe: report and go on to the next variant
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+            continue
+        compile_s = time.perf_counter() - t0
+        base[name] = time_decode(runner, None, zeros, position, steps=10)
+        print(f"{name}: {base[name]:.3f} ms (compile + first steps {compile_s:.1f} s)", flush=True)
+        if not args.no_profile and not interpret:
+            ops = device_op_times(step_fn(runner, None, zeros, position))
+            print_ops(name, ops)
+            results.setdefault("ops", {})[name] = ops[:30]
+        del runner
+    results["base_step_ms"] = base
+    best = min(base, key=base.get) if base else "scan/pallas-attn"
+    print("fastest base variant:", best, flush=True)
+
+    lora_steps: dict[str, float] = {}
+    if not args.only or "lora" in args.only:
+        lora = LoraConfig(max_slots=65, max_rank=16, target_modules=TARGET_MODULES, backend="xla")
+        bank = random_bank(model_cfg, lora, 64, jnp.bfloat16)
+        slots = slot_pattern(B, 64)
+        for backend in ("xla", "ragged", "pallas"):
+            runner = runner_for(LoraRuntime(backend=backend, interpret=interpret, **BASE_VARIANTS[best]),
+                                lora=LoraConfig(max_slots=65, max_rank=16, target_modules=TARGET_MODULES,
+                                                backend=backend))
+            time_decode(runner, bank, slots, position, steps=1)
+            lora_steps[backend] = time_decode(runner, bank, slots, position, steps=10)
+            print(f"lora {backend} d=64 r16 all ({best}): {lora_steps[backend]:.3f} ms", flush=True)
+            if backend == "pallas" and not args.no_profile and not interpret:
+                ops = device_op_times(step_fn(runner, bank, slots, position))
+                print_ops(f"pallas lora ({best})", ops, top=25)
+                results.setdefault("ops", {})["lora-pallas"] = ops[:40]
+            del runner
+        del bank
+    results["lora_step_ms"] = lora_steps
+
+    if not args.only or "mm" in args.only:
+        results["matmul_ms"] = matmul_probes(model, model_cfg, B)
+    print("RESULTS", json.dumps({k: v for k, v in results.items() if k != "ops"}), flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "profile_decode.json").write_text(json.dumps(results, indent=1))
+
+
+def check_attention_kernel() -> None:
+    """The Pallas decode-attention kernel against the dense reference at a 7B-like shape, natively."""
+    from pallas_kernels import decode_attention
+    from pallas_kernels.reference import decode_attention_reference
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    shape = (3, 8, 256, 32, 128)
+    k = jax.random.normal(keys[0], shape, jnp.bfloat16)
+    v = jax.random.normal(keys[1], shape, jnp.bfloat16)
+    q = jax.random.normal(keys[2], (6, 32, 128), jnp.bfloat16)
+    lengths = jnp.array([1, 7, 64, 65, 200, 300], jnp.int32)
+    try:
+        out = decode_attention(q, k, v, jnp.int32(2), lengths)
+        ref = decode_attention_reference(q, k, v, 2, lengths)
+        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
+        print(f"decode_attention native vs reference: max abs diff {err:.2e}", flush=True)
+    except Exception as e:
+        print(f"decode_attention native FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
 
 
 def timed(fn, *args, reps: int = 10) -> float:
@@ -40,68 +198,36 @@ def timed(fn, *args, reps: int = 10) -> float:
     return (time.perf_counter() - t0) / reps * 1e3
 
 
-def main() -> None:
-    model = random_model(MODEL, dtype=jnp.bfloat16)
+def _layer(h, lw):
+    q = h @ lw["q_proj"]
+    q = q.at[:, :lw["k_proj"].shape[1]].add(h @ lw["k_proj"] + h @ lw["v_proj"])
+    h = h + q @ lw["o_proj"]
+    a = jax.nn.silu(h @ lw["gate_proj"]) * (h @ lw["up_proj"])
+    return (h + a @ lw["down_proj"]).astype(h.dtype)
+
+
+def matmul_probes(model, model_cfg, B: int) -> dict[str, float]:
     flat = model.flat_params()
     w = {m: flat[f"layers.{'self_attn' if m[0] in 'qkvo' else 'mlp'}.{m}.kernel"] for m in TARGET_MODULES}
-    results = {}
-    for name, seq in (("full", 256), ("short_kv", 16)):
-        config = EngineConfig(max_batch=B, max_seq_len=seq, prefill_buckets=(8,), prefill_batch=1,
-                              max_new_tokens_limit=seq - 1, dtype="bfloat16")
-        runner = Runner(model, config, runtime=LoraRuntime())
-        results[name] = time_decode(runner, None, np.zeros(B, np.int32), seq // 2, steps=1)
-        results[name] = time_decode(runner, None, np.zeros(B, np.int32), seq // 2, steps=10)
-        print(name, round(results[name], 3), "ms", flush=True)
-        if name == "full":
-            from jaxlora.engine.runner import decode_step
-            from jaxlora.engine.sampling import SamplingArrays
-            hlo = decode_step.lower(model.params, None, runner.kv, np.zeros(B, np.int32), np.zeros(B, np.int32),
-                                    np.zeros(B, np.int32), SamplingArrays.zeros(B), graphdef=model.graphdef,
-                                    runtime=runner.runtime).compile().as_text()
-            big = []
-            for line in hlo.splitlines():
-                m = re.search(r"= (bf16|f32)\[([\d,]+)\]\S* (copy|dynamic-slice|dynamic-update-slice|fusion)\(", line)
-                if m:
-                    n = np.prod([int(d) for d in m.group(2).split(",")]) * (2 if m.group(1) == "bf16" else 4)
-                    if n > 64e6:
-                        big.append(f"{m.group(3)} {m.group(1)}[{m.group(2)}] {n / 1e6:.0f} MB")
-            print("big ops in the compiled step:", len(big), flush=True)
-            for b in sorted(set(big), key=big.count, reverse=True)[:12]:
-                print("  ", big.count(b), "x", b, flush=True)
-        del runner
+    x = jnp.ones((B, model_cfg.hidden_size), jnp.bfloat16)
+    out = {}
+    out["scan_mm"] = timed(jax.jit(lambda w, x: jax.lax.scan(lambda h, lw: (_layer(h, lw), None), x, w)[0]), w, x)
 
-    x = jnp.ones((B, MODEL.hidden_size), jnp.bfloat16)
-
-    @jax.jit
-    def scan_mm(w, x):
-        def layer(h, lw):
-            q = h @ lw["q_proj"]
-            q = q.at[:, :lw["k_proj"].shape[1]].add(h @ lw["k_proj"] + h @ lw["v_proj"])
-            h = h + q @ lw["o_proj"]
-            a = jax.nn.silu(h @ lw["gate_proj"]) * (h @ lw["up_proj"])
-            return (h + a @ lw["down_proj"]).astype(h.dtype), None
-        return jax.lax.scan(layer, x, w)[0]
-
-    results["scan_mm"] = timed(scan_mm, w, x)
-    print("scan_mm", round(results["scan_mm"], 3), "ms", flush=True)
-    layers = [{m: w[m][i] for m in w} for i in range(MODEL.num_layers)]
+    def unrolled(w, x):
+        for i in range(model_cfg.num_layers):
+            x = _layer(x, {m: a[i] for m, a in w.items()})
+        return x
+    out["unroll_static_slices_mm"] = timed(jax.jit(unrolled), w, x)
+    layers = [{m: w[m][i] for m in w} for i in range(model_cfg.num_layers)]
     jax.block_until_ready(layers)
-    del w, flat
 
-    @jax.jit
-    def loop_mm(layers, x):
-        h = x
+    def loop(layers, x):
         for lw in layers:
-            q = h @ lw["q_proj"]
-            q = q.at[:, :lw["k_proj"].shape[1]].add(h @ lw["k_proj"] + h @ lw["v_proj"])
-            h = h + q @ lw["o_proj"]
-            a = jax.nn.silu(h @ lw["gate_proj"]) * (h @ lw["up_proj"])
-            h = (h + a @ lw["down_proj"]).astype(h.dtype)
-        return h
-
-    results["loop_mm"] = timed(loop_mm, layers, x)
-    print("loop_mm", round(results["loop_mm"], 3), "ms", flush=True)
-    print("RESULTS", results, flush=True)
+            x = _layer(x, lw)
+        return x
+    out["separate_arrays_mm"] = timed(jax.jit(loop), layers, x)
+    print("matmul probes (ms):", {k: round(v, 3) for k, v in out.items()}, flush=True)
+    return out
 
 
 if __name__ == "__main__":

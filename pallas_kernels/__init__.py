@@ -1,4 +1,5 @@
-"""LoRA kernels for multi-adapter serving: shrink h = x @ A[slot], expand y += h @ B[slot].
+"""LoRA kernels for multi-adapter serving: shrink h = x @ A[slot], expand y += h @ B[slot]; and the
+decode-attention kernel the model's decode step uses on GPU (`decode_attention`).
 
 Imports only jax and numpy; usable on its own. `lora_shrink`, `lora_expand` and
 `lora_expand_multi` (with `lora_plan`, built once per step) are the interface the model calls (see `api` for the contract); the segmented
@@ -6,6 +7,7 @@ Imports only jax and numpy; usable on its own. `lora_shrink`, `lora_expand` and
 """
 
 from pallas_kernels import reference, tuning
+from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.api import BACKENDS, lora_expand, lora_expand_multi, lora_shrink
 from pallas_kernels.lora_tpu import bgmv_expand as tpu_bgmv_expand
 from pallas_kernels.lora_tpu import bgmv_shrink as tpu_bgmv_shrink
@@ -18,6 +20,7 @@ __all__ = [
     "BACKENDS",
     "LoraPlan",
     "bgmv_expand",
+    "decode_attention",
     "bgmv_shrink",
     "lora_expand",
     "lora_expand_multi",

@@ -37,7 +37,7 @@ def greedy(model, prompt: list[int], n_new: int, *, bank=None, slot: int = 0, ba
 
 
 def batched_greedy(model, prompts: list[list[int]], slots: list[int], n_new: int, *, bank=None,
-                   backend="xla") -> list[list[int]]:
+                   backend="xla", runtime=None) -> list[list[int]]:
     """Greedy ids for rows of different lengths decoded together in one batch.
 
     Each row is prefilled on its own into its cache row (segmented LoRA path), then every decode
@@ -50,7 +50,7 @@ def batched_greedy(model, prompts: list[list[int]], slots: list[int], n_new: int
     from jaxlora.model import init_kv_cache
     from jaxlora.model.forward import forward_logits
 
-    runtime = LoraRuntime.for_platform(backend)
+    runtime = runtime or LoraRuntime.for_platform(backend)
     rows = len(prompts)
     kv = init_kv_cache(model.config, rows, max(map(len, prompts)) + n_new)
     slot_ids = jnp.asarray(slots, jnp.int32)

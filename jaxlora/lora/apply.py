@@ -23,19 +23,46 @@ from jaxlora.lora.bank import GROUPS
 GROUP_MODULES: dict[str, tuple[str, ...]] = dict(GROUPS)
 
 
+ATTENTION_BACKENDS = ("xla", "pallas")
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraRuntime:
-    """Static choices for the LoRA term inside one jitted step (hashable, never traced)."""
+    """Static kernel choices for one jitted model step (hashable, never traced).
+
+    backend: how the LoRA term is computed.
+    interpret: run Pallas kernels in interpret mode (CPU).
+    attention: "pallas" runs decode steps (one token per row) through
+      `pallas_kernels.decode_attention`, which reads only each row's valid positions straight out of
+      the stacked cache; "xla" uses the dense masked einsum (prefill always does).
+    unroll_layers: run the layers as an unrolled Python loop instead of `lax.scan` (same math; lets
+      XLA see each layer's weights as a static slice, at the cost of compile time growing with depth).
+    """
 
     backend: LoraBackend = LoraBackend.XLA
-    interpret: bool = False  # run Pallas kernels in interpret mode (CPU)
+    interpret: bool = False
+    attention: str = "xla"
+    unroll_layers: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", LoraBackend(self.backend))  # accept the string form too
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention={self.attention!r} must be one of {ATTENTION_BACKENDS}")
 
     @classmethod
-    def for_platform(cls, backend: LoraBackend | str, platform: str | None = None) -> "LoraRuntime":
-        """Pallas runs natively on GPU and TPU; on CPU the only way to run it is the interpreter."""
+    def for_platform(cls, backend: LoraBackend | str, platform: str | None = None, *,
+                     attention: str = "auto", unroll_layers: bool = False) -> "LoraRuntime":
+        """Pallas runs natively on GPU and TPU; on CPU the only way to run it is the interpreter.
+
+        attention="auto" picks the Pallas decode-attention kernel on GPU and XLA elsewhere.
+        """
         platform = platform or jax.default_backend()
         backend = LoraBackend(backend)
-        return cls(backend=backend, interpret=backend is LoraBackend.PALLAS and platform == "cpu")
+        if attention == "auto":
+            attention = "pallas" if platform == "gpu" else "xla"
+        uses_pallas = backend is LoraBackend.PALLAS or attention == "pallas"
+        return cls(backend=backend, interpret=uses_pallas and platform == "cpu", attention=attention,
+                   unroll_layers=unroll_layers)
 
 
 def apply_group(

@@ -89,8 +89,14 @@ class Attention(nnx.Module):
         v = qkv["v_proj"].reshape(b, t, -1, cfg.head_dim)
         q = apply_rope(q, s.positions, s.inv_freq)
         k = apply_rope(k, s.positions, s.inv_freq)
-        kv, keys, values = _update_cache(kv, layer, k, v, s.positions, s.row_ids)
-        attn = _attend(q, keys, values, s.positions)  # [b, t, H * Dh]
+        if t == 1 and s.row_ids is None and s.runtime.attention == "pallas":
+            # Decode: write the new key/value in place, then read only valid positions of this layer.
+            kv = _write_cache(kv, layer, k, v, s.positions, jnp.arange(b, dtype=jnp.int32))
+            attn = pallas_kernels.decode_attention(q[:, 0], kv.k, kv.v, layer, s.positions[:, 0] + 1,
+                                                   interpret=s.runtime.interpret).reshape(b, t, -1)
+        else:
+            kv, keys, values = _update_cache(kv, layer, k, v, s.positions, s.row_ids)
+            attn = _attend(q, keys, values, s.positions)  # [b, t, H * Dh]
         a2 = attn.reshape(b * t, -1)
         if s.tensor_axis is None:
             out = {"o_proj": self.o_proj(a2)}
@@ -115,13 +121,18 @@ def _update_cache(kv: KVCache, layer: jax.Array, k, v, positions, row_ids):
     """
     b = k.shape[0]
     rows = jnp.arange(b, dtype=jnp.int32) if row_ids is None else row_ids
-    # Out-of-range positions (padding past max_len) and rows (padding rows) are dropped.
-    index = (layer, rows[:, None], positions)
-    kv = KVCache(k=kv.k.at[index].set(k.astype(kv.k.dtype), mode="drop"),
-                 v=kv.v.at[index].set(v.astype(kv.v.dtype), mode="drop"))
+    kv = _write_cache(kv, layer, k, v, positions, rows)
     if row_ids is None:
         return kv, kv.k[layer], kv.v[layer]
     return kv, kv.k[layer, rows], kv.v[layer, rows]
+
+
+def _write_cache(kv: KVCache, layer: jax.Array, k, v, positions, rows) -> KVCache:
+    """Scatters k/v [b, t, KVH, Dh] of one layer at (rows [b], positions [b, t]) into the cache."""
+    # Out-of-range positions (padding past max_len) and rows (padding rows) are dropped.
+    index = (layer, rows[:, None], positions)
+    return KVCache(k=kv.k.at[index].set(k.astype(kv.k.dtype), mode="drop"),
+                   v=kv.v.at[index].set(v.astype(kv.v.dtype), mode="drop"))
 
 
 def _attend(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Array) -> jax.Array:
@@ -237,7 +248,13 @@ class Llama(nnx.Module):
             return (h, kv), None
 
         layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        (x, kv), _ = jax.lax.scan(body, (x, kv), (layer_state, layers, bank))
+        if runtime.unroll_layers:
+            carry = (x, kv)
+            for i in range(self.cfg.num_layers):
+                carry, _ = body(carry, jax.tree.map(lambda a: a[i], (layer_state, layers, bank)))
+            x, kv = carry
+        else:
+            (x, kv), _ = jax.lax.scan(body, (x, kv), (layer_state, layers, bank))
         return self.norm(x), kv
 
     def logits(self, hidden: jax.Array, *, tensor_axis: str | None = None) -> jax.Array:
