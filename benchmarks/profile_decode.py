@@ -58,14 +58,19 @@ def device_op_times(fn, steps: int = 5) -> list[tuple[str, float, int]]:
     counts: dict[str, int] = collections.defaultdict(int)
     for path in glob.glob(d + "/**/*.xplane.pb", recursive=True):
         for plane in ProfileData.from_file(path).planes:
-            if not plane.name.startswith("/device:GPU"):
+            if "GPU" not in plane.name and "gpu" not in plane.name:
                 continue
-            for line in plane.lines:
-                if line.name != "XLA Ops":
-                    continue
+            lines = list(plane.lines)
+            names = [line.name for line in lines]
+            print(f"    (plane {plane.name}: lines {names[:8]})", flush=True)
+            # Kernel launches sit on the stream lines; an "XLA Ops" line, when present, names HLO ops.
+            pick = [ln for ln in lines if ln.name == "XLA Ops"] or [ln for ln in lines if "Stream" in ln.name]
+            for line in pick:
                 for ev in line.events:
-                    totals[ev.name] += ev.duration_ns / 1e6 / steps
-                    counts[ev.name] += 1
+                    stats = dict((k, v) for k, v in ev.stats) if ev.stats else {}
+                    name = str(stats.get("hlo_op", ev.name))
+                    totals[name] += ev.duration_ns / 1e6 / steps
+                    counts[name] += 1
     ranked = sorted(totals.items(), key=lambda kv: -kv[1])
     return [(name, round(ms, 3), counts[name] // steps) for name, ms in ranked]
 
