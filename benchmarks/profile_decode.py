@@ -67,7 +67,10 @@ def device_op_times(fn, steps: int = 5) -> list[tuple[str, float, int]]:
             pick = [ln for ln in lines if ln.name == "XLA Ops"] or [ln for ln in lines if "Stream" in ln.name]
             for line in pick:
                 for ev in line.events:
-                    stats = dict((k, v) for k, v in ev.stats) if ev.stats else {}
+                    try:
+                        stats = dict(ev.stats)
+                    except (TypeError, ValueError):
+                        stats = {}
                     name = str(stats.get("hlo_op", ev.name))
                     totals[name] += ev.duration_ns / 1e6 / steps
                     counts[name] += 1
