@@ -83,6 +83,14 @@ def print_ops(title: str, ops: list[tuple[str, float, int]], top: int = 18) -> N
     print(f"  device ops of {title}: {total:.2f} ms per step in {sum(n for *_, n in ops)} launches", flush=True)
     for name, ms, n in ops[:top]:
         print(f"    {ms:8.3f} ms  x{n:<4d} {name[:110]}", flush=True)
+    # Group by kernel family (name up to the first digit/dot): what a kind of op costs in all layers.
+    families: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for name, ms, n in ops:
+        key = name.split(".")[0].rstrip("0123456789_")[:60]
+        families[key][0] += ms
+        families[key][1] += n
+    for key, (ms, n) in sorted(families.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"    family {ms:8.3f} ms  x{n:<5d} {key}", flush=True)
 
 
 def step_fn(runner, bank, slots, position):
@@ -162,10 +170,10 @@ def main() -> None:
             time_decode(runner, bank, slots, position, steps=1)
             lora_steps[backend] = time_decode(runner, bank, slots, position, steps=10)
             print(f"lora {backend} d=64 r16 all ({best}): {lora_steps[backend]:.3f} ms", flush=True)
-            if backend == "pallas" and not args.no_profile and not interpret:
+            if backend != "ragged" and not args.no_profile and not interpret:
                 ops = device_op_times(step_fn(runner, bank, slots, position))
-                print_ops(f"pallas lora ({best})", ops, top=25)
-                results.setdefault("ops", {})["lora-pallas"] = ops[:40]
+                print_ops(f"{backend} lora ({best})", ops, top=30)
+                results.setdefault("ops", {})[f"lora-{backend}"] = ops[:60]
             del runner
         del bank
     results["lora_step_ms"] = lora_steps
