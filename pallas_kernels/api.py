@@ -19,6 +19,11 @@ T = rows * seg_len with each contiguous run of seg_len tokens on one slot (prefi
 means every token may have its own slot (decode, BGMV). All three are static; everything else may
 be traced, and nothing forces a host sync.
 
+`layer=` (int32 scalar, may be traced) says that the bank is the whole stack over layers, a
+[L, S, D, R] / b [L, S, R, O], and the op uses layer `layer`. The Triton kernels then read that
+layer in place; the XLA backends index it (a slice XLA fuses into their gather). Slicing a layer
+out of the bank before a `pallas_call` would copy every slot of it on every call.
+
 `plan=` (from `lora_plan`, built once per step) carries the row grouping each backend needs, so
 ops that share the step's slot_ids do not recompute it; without it each op builds its own. A
 "pallas_tpu" plan carries only slot_ids (its kernels sort rows / build work items per call). The
@@ -58,32 +63,45 @@ def _resolve_plan(plan: LoraPlan | None, slot_ids: jax.Array | None, *, backend:
     return plan
 
 
+def _layer_of(bank: jax.Array, layer: jax.Array | None, ndim: int) -> jax.Array:
+    """The layer's [S, ., .] bank for the backends that take one (XLA fuses the index into its gather)."""
+    if layer is None:
+        if bank.ndim != ndim:
+            raise ValueError(f"bank {bank.shape} must have {ndim} axes without a layer index")
+        return bank
+    if bank.ndim != ndim + 1:
+        raise ValueError(f"bank {bank.shape} must have {ndim + 1} axes (a leading layer axis) with a layer index")
+    return jax.lax.dynamic_index_in_dim(bank, layer, axis=0, keepdims=False)
+
+
 def lora_shrink(
     x: jax.Array, a: jax.Array, slot_ids: jax.Array | None, *, backend: str, interpret: bool = False,
-    seg_len: int | None = None, plan: LoraPlan | None = None,
+    seg_len: int | None = None, plan: LoraPlan | None = None, layer: jax.Array | None = None,
 ) -> jax.Array:
     """h[t] = x[t] @ a[slot_ids[t]].
 
     Args:
       x: [T, D] bf16 or f32 tokens.
-      a: [S, D, R] adapter bank (R may stack several modules), slot 0 all zero.
+      a: [S, D, R] adapter bank (R may stack several modules), slot 0 all zero; [L, S, D, R] with `layer`.
       slot_ids: [T] int32 in [0, S) (may be None when a plan is given).
       backend: "pallas" | "pallas_tpu" | "xla" | "ragged" | "onehot" | "loop".
       interpret: pallas / pallas_tpu only, run the kernel in the (TPU) interpreter on CPU.
       seg_len: static; tokens come in contiguous runs of seg_len sharing a slot (prefill).
       plan: `lora_plan(slot_ids, num_slots=S, seg_len=seg_len, backend=backend)`, built once per step.
+      layer: int32 scalar; `a` is then the whole stacked bank (see the module doc).
 
     Returns:
       h: [T, R] in x.dtype (f32 accumulation).
     """
     plan = _resolve_plan(plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=x.shape[0],
-                         num_slots=a.shape[0])
+                         num_slots=a.shape[-3])
     slot_ids = plan.slot_ids
     if backend == "pallas":
         mode = "decode" if seg_len is None else "prefill"
         if x.shape[0] == 0:
-            return lora_triton.bgmv_shrink(x, a, slot_ids, interpret=interpret)
-        return lora_triton.grouped_shrink(x, a, plan.groups, mode=mode, interpret=interpret)
+            return jnp.zeros((0, a.shape[-1]), x.dtype)
+        return lora_triton.grouped_shrink(x, a, plan.groups, mode=mode, interpret=interpret, layer=layer)
+    a = _layer_of(a, layer, 3)
     if backend == "pallas_tpu":
         if seg_len is None:
             return lora_tpu.bgmv_shrink(x, a, slot_ids, interpret=interpret)
@@ -103,14 +121,17 @@ def _tpu_segments(slot_ids: jax.Array, seg_len: int) -> tuple[jax.Array, jax.Arr
     return jnp.arange(num_segments + 1, dtype=jnp.int32) * seg_len, slot_ids[::seg_len]
 
 
-def _expand_one(y, h, b, plan: LoraPlan, h_col, *, backend, interpret, seg_len):
+def _expand_one(y, h, b, plan: LoraPlan, h_col, *, backend, interpret, seg_len, layer=None):
     slot_ids = plan.slot_ids
     if backend == "pallas":
         if y.shape[0] == 0:
             return y
         if seg_len is None:
-            return lora_triton.decode_expand(y, h, b, slot_ids, plan.groups, h_col=h_col, interpret=interpret)
-        return lora_triton.grouped_expand(y, h, b, plan.groups, mode="prefill", h_col=h_col, interpret=interpret)
+            return lora_triton.decode_expand(y, h, b, slot_ids, plan.groups, h_col=h_col, interpret=interpret,
+                                             layer=layer)
+        return lora_triton.grouped_expand(y, h, b, plan.groups, mode="prefill", h_col=h_col, interpret=interpret,
+                                          layer=layer)
+    b = _layer_of(b, layer, 3)
     if backend == "pallas_tpu":
         if seg_len is None:
             return lora_tpu.bgmv_expand(y, h, b, slot_ids, h_col=h_col, interpret=interpret)
@@ -127,39 +148,39 @@ def _expand_one(y, h, b, plan: LoraPlan, h_col, *, backend, interpret, seg_len):
 
 def lora_expand(
     y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array | None, *, backend: str, interpret: bool = False,
-    seg_len: int | None = None, plan: LoraPlan | None = None,
+    seg_len: int | None = None, plan: LoraPlan | None = None, layer: jax.Array | None = None,
 ) -> jax.Array:
     """y_new[t] = y[t] + h[t] @ b[slot_ids[t]].
 
     Args:
       y: [T, O] base output (bf16 or f32).
       h: [T, R] shrink output.
-      b: [S, R, O] adapter bank, slot 0 all zero.
+      b: [S, R, O] adapter bank, slot 0 all zero; [L, S, R, O] with `layer`.
       slot_ids: [T] int32 in [0, S) (may be None when a plan is given).
-      backend, interpret, seg_len, plan: as in `lora_shrink`.
+      backend, interpret, seg_len, plan, layer: as in `lora_shrink`.
 
     Returns:
       [T, O] in y.dtype (f32 accumulation); rows on slot 0 equal y.
     """
-    if h.ndim != 2 or b.ndim != 3 or h.shape[1] != b.shape[1]:
-        raise ValueError(f"h {h.shape} must be [T, R] for b {b.shape} [S, R, O]")
+    if h.ndim != 2 or b.ndim != (3 if layer is None else 4) or h.shape[1] != b.shape[-2]:
+        raise ValueError(f"h {h.shape} must be [T, R] for b {b.shape} [(L,) S, R, O]")
     plan = _resolve_plan(plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=y.shape[0],
-                         num_slots=b.shape[0])
-    return _expand_one(y, h, b, plan, 0, backend=backend, interpret=interpret, seg_len=seg_len)
+                         num_slots=b.shape[-3])
+    return _expand_one(y, h, b, plan, 0, backend=backend, interpret=interpret, seg_len=seg_len, layer=layer)
 
 
 def lora_expand_multi(
     ys: tuple[jax.Array, ...], h: jax.Array, bs: tuple[jax.Array, ...], slot_ids: jax.Array | None, *, backend: str,
-    interpret: bool = False, seg_len: int | None = None, plan: LoraPlan | None = None,
+    interpret: bool = False, seg_len: int | None = None, plan: LoraPlan | None = None, layer: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """ys_new[g][t] = ys[g][t] + h[t, g*R:(g+1)*R] @ bs[g][slot_ids[t]], for the G modules of one shrink.
 
     Args:
       ys: G base outputs, ys[g] [T, O_g].
       h: [T, G*R], the stacked shrink output.
-      bs: G banks, bs[g] [S, R, O_g], each with the same R.
+      bs: G banks, bs[g] [S, R, O_g] ([L, S, R, O_g] with `layer`), each with the same R.
       slot_ids: [T] int32 in [0, S) (may be None when a plan is given).
-      backend, interpret, seg_len, plan: as in `lora_shrink`.
+      backend, interpret, seg_len, plan, layer: as in `lora_shrink`.
 
     Returns:
       tuple of G arrays, [T, O_g] in ys[g].dtype.
@@ -167,12 +188,12 @@ def lora_expand_multi(
     _check_backend(backend)
     if len(ys) != len(bs) or not ys:
         raise ValueError(f"need one bank per output and at least one; got {len(ys)} outputs, {len(bs)} banks")
-    rank = bs[0].shape[1]
-    if any(b.ndim != 3 or b.shape[1] != rank for b in bs) or h.ndim != 2 or h.shape[1] != len(bs) * rank:
+    rank, ndim = bs[0].shape[-2], 3 if layer is None else 4
+    if any(b.ndim != ndim or b.shape[-2] != rank for b in bs) or h.ndim != 2 or h.shape[1] != len(bs) * rank:
         raise ValueError(f"h {h.shape} must be [T, G*R] for G={len(bs)} banks of rank {[b.shape for b in bs]}")
     plan = _resolve_plan(plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=h.shape[0],
-                         num_slots=bs[0].shape[0])
+                         num_slots=bs[0].shape[-3])
     return tuple(
-        _expand_one(y, h, b, plan, g * rank, backend=backend, interpret=interpret, seg_len=seg_len)
+        _expand_one(y, h, b, plan, g * rank, backend=backend, interpret=interpret, seg_len=seg_len, layer=layer)
         for g, (y, b) in enumerate(zip(ys, bs))
     )

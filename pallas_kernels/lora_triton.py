@@ -184,14 +184,15 @@ def _rank_product(h: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def _shrink_kernel(
-    tile_ref, lo_ref, hi_ref, slot_ref, order_ref, x_ref, a_ref, h_ref,
+    layer_ref, tile_ref, lo_ref, hi_ref, slot_ref, order_ref, x_ref, a_ref, h_ref,
     *, block_rows: int, block_k: int, k_per_split: int, rank_pad: int, hidden: int, rank: int,
     num_tokens: int, has_order: bool, is_split: bool,
 ):
     # tile/lo/hi/slot_ref: [I] int32 work items; order_ref: [T] int32 position -> row.
-    # x_ref: [T, D]; a_ref: [S, D, R]; h_ref: [K, T, R] f32 partial sums if is_split else [T, R].
+    # layer_ref: [1] int32; x_ref: [T, D]; a_ref: [L, S, D, R];
+    # h_ref: [K, T, R] f32 partial sums if is_split else [T, R].
     item, split = pl.program_id(0), pl.program_id(1)  # read outside pl.when (interpret mode)
-    slot = slot_ref[item]
+    slot, layer = slot_ref[item], layer_ref[0]
     cols = jnp.arange(rank_pad, dtype=jnp.int32)
     col_ok = cols < rank
 
@@ -205,7 +206,7 @@ def _shrink_kernel(
         ks = split * k_per_split + step * block_k + jnp.arange(block_k, dtype=jnp.int32)
         k_ok = ks < hidden
         x = pltriton.load(x_ref.at[rows[:, None], ks[None, :]], mask=in_item[:, None] & k_ok[None, :], other=0)
-        a = pltriton.load(a_ref.at[slot, ks[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0)
+        a = pltriton.load(a_ref.at[layer, slot, ks[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0)
         return acc + _dot(x, a)
 
     @pl.when(slot != 0)
@@ -222,16 +223,16 @@ def _shrink_kernel(
 
 
 def _expand_kernel(
-    tile_ref, lo_ref, hi_ref, slot_ref, order_ref, h_ref, b_ref, y_ref, out_ref,
+    layer_ref, tile_ref, lo_ref, hi_ref, slot_ref, order_ref, h_ref, b_ref, y_ref, out_ref,
     *, block_rows: int, block_out: int, out_steps: int, rank_pad: int, rank: int, h_col: int, out_dim: int,
     num_tokens: int, has_order: bool,
 ):
     # tile/lo/hi/slot_ref: [I] int32 work items; order_ref: [T] int32 position -> row.
-    # h_ref: [T, C] (this module's columns are h_col .. h_col+R-1); b_ref: [S, R, O];
+    # h_ref: [T, C] (this module's columns are h_col .. h_col+R-1); layer_ref: [1] int32; b_ref: [L, S, R, O];
     # y_ref: [T, O] base output; out_ref: [T, O], the same buffer as y (aliased).
     # Program (item, j) covers output columns j*out_steps*block_out .. in out_steps pipelined steps.
     item, out_split = pl.program_id(0), pl.program_id(1)  # read outside pl.when (interpret mode)
-    slot = slot_ref[item]
+    slot, layer = slot_ref[item], layer_ref[0]
 
     @pl.when(slot != 0)  # no adapter (or an unused item): y stays as it is, nothing is read
     def _():
@@ -244,7 +245,7 @@ def _expand_kernel(
         def add_block(step, carry):
             outs = (out_split * out_steps + step) * block_out + jnp.arange(block_out, dtype=jnp.int32)
             out_ok = outs < out_dim
-            b = pltriton.load(b_ref.at[slot, r[:, None], outs[None, :]], mask=r_ok[:, None] & out_ok[None, :], other=0)
+            b = pltriton.load(b_ref.at[layer, slot, r[:, None], outs[None, :]], mask=r_ok[:, None] & out_ok[None, :], other=0)
             mask = in_item[:, None] & out_ok[None, :]
             at = (rows[:, None], outs[None, :])
             y = pltriton.load(y_ref.at[at], mask=mask, other=0)
@@ -255,12 +256,14 @@ def _expand_kernel(
 
 
 def _expand_rows_kernel(
-    slot_ref, h_ref, b_ref, y_ref, out_ref,
+    layer_ref, slot_ref, h_ref, b_ref, y_ref, out_ref,
     *, block_rows: int, block_out: int, rank_pad: int, rank: int, h_col: int, out_dim: int, num_tokens: int,
 ):
-    # slot_ref: [T] int32; h_ref: [T, C] (this module's columns h_col .. h_col+R-1); b_ref: [S, R, O];
+    # layer_ref: [1] int32; slot_ref: [T] int32; h_ref: [T, C] (this module's columns h_col .. h_col+R-1);
+    # b_ref: [L, S, R, O];
     # y_ref: [T, O] base output; out_ref: [T, O], aliased to y.
     # Program (i, j): rows i*BT .. and columns j*BO .., each row reading its own b[slot] columns.
+    layer = layer_ref[0]
     rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
     outs = pl.program_id(1) * block_out + jnp.arange(block_out, dtype=jnp.int32)
     slots = pltriton.load(slot_ref.at[rows], mask=rows < num_tokens, other=0)  # [BT]
@@ -269,7 +272,7 @@ def _expand_rows_kernel(
     r_ok, out_ok = r < rank, outs < out_dim
     h = pltriton.load(h_ref.at[rows[:, None], h_col + r[None, :]], mask=is_used[:, None] & r_ok[None, :], other=0)
     b_mask = is_used[:, None, None] & r_ok[None, :, None] & out_ok[None, None, :]
-    b = pltriton.load(b_ref.at[slots[:, None, None], r[None, :, None], outs[None, None, :]], mask=b_mask, other=0)
+    b = pltriton.load(b_ref.at[layer, slots[:, None, None], r[None, :, None], outs[None, None, :]], mask=b_mask, other=0)
     mask = is_used[:, None] & out_ok[None, :]
     y = pltriton.load(y_ref.at[rows[:, None], outs[None, :]], mask=mask, other=0)
     delta = jnp.sum(h.astype(_F32)[:, :, None] * b.astype(_F32), axis=1)  # [BT, BO]
@@ -298,21 +301,22 @@ def _check_segments(seg_starts: jax.Array, seg_slots: jax.Array) -> None:
 
 
 def _check_shrink(x: jax.Array, a: jax.Array) -> None:
-    if x.ndim != 2 or a.ndim != 3 or a.shape[1] != x.shape[1]:
-        raise ValueError(f"shrink needs x [T, D] and a [S, D, R]; got x {x.shape}, a {a.shape}")
+    """a: [S, D, R], or [L, S, D, R] with a layer index."""
+    if x.ndim != 2 or a.ndim not in (3, 4) or a.shape[-2] != x.shape[1]:
+        raise ValueError(f"shrink needs x [T, D] and a [(L,) S, D, R]; got x {x.shape}, a {a.shape}")
     if not (jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(a.dtype, jnp.floating)):
         raise ValueError(f"x {x.dtype} and a {a.dtype} must be floating point")
-    if _pad_pow2(a.shape[2]) > MAX_RANK_PAD:
-        raise ValueError(f"stacked rank {a.shape[2]} pads to more than {MAX_RANK_PAD=}; use separate shrinks")
+    if _pad_pow2(a.shape[-1]) > MAX_RANK_PAD:
+        raise ValueError(f"stacked rank {a.shape[-1]} pads to more than {MAX_RANK_PAD=}; use separate shrinks")
 
 
 def _check_expand(y: jax.Array, h: jax.Array, b: jax.Array, h_col: int) -> None:
-    if y.ndim != 2 or h.ndim != 2 or b.ndim != 3 or h.shape[0] != y.shape[0] or b.shape[2] != y.shape[1]:
-        raise ValueError(f"expand needs y [T, O], h [T, C], b [S, R, O]; got y {y.shape}, h {h.shape}, b {b.shape}")
-    if not 0 <= h_col <= h.shape[1] - b.shape[1]:
-        raise ValueError(f"h_col={h_col} + rank {b.shape[1]} must fit in h's {h.shape[1]} columns")
-    if _pad_pow2(b.shape[1]) > MAX_RANK_PAD:
-        raise ValueError(f"rank {b.shape[1]} pads to more than {MAX_RANK_PAD=}")
+    if y.ndim != 2 or h.ndim != 2 or b.ndim not in (3, 4) or h.shape[0] != y.shape[0] or b.shape[-1] != y.shape[1]:
+        raise ValueError(f"expand needs y [T, O], h [T, C], b [(L,) S, R, O]; got y {y.shape}, h {h.shape}, b {b.shape}")
+    if not 0 <= h_col <= h.shape[1] - b.shape[-2]:
+        raise ValueError(f"h_col={h_col} + rank {b.shape[-2]} must fit in h's {h.shape[1]} columns")
+    if _pad_pow2(b.shape[-2]) > MAX_RANK_PAD:
+        raise ValueError(f"rank {b.shape[-2]} pads to more than {MAX_RANK_PAD=}")
 
 
 # Largest [rows, rank_pad, block_out] product a multiply-and-sum expand keeps in registers.
@@ -320,9 +324,10 @@ MAX_PRODUCT_ELEMS = 16384
 EXPAND_IMPLS = ("grouped", "rows")
 
 
-def _shrink_call(x, a, order, items, *, block_rows, block_k, split_k, num_warps, num_stages, interpret):
+def _shrink_call(x, a, layer, order, items, *, block_rows, block_k, split_k, num_warps, num_stages, interpret):
+    # a: [L, S, D, R]; layer: [1] int32.
     num_tokens, hidden = x.shape
-    rank = a.shape[2]
+    rank = a.shape[3]
     rank_pad = _pad_pow2(rank)
     block_k = min(block_k, _pad_pow2(hidden), max(MIN_DOT, 16384 // rank_pad))  # bound the a tile in registers
     split_k = max(1, min(split_k, pl.cdiv(hidden, block_k)))
@@ -342,7 +347,7 @@ def _shrink_call(x, a, order, items, *, block_rows, block_k, split_k, num_warps,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="lora_shrink",
-    )(*items, order, x, a)
+    )(layer, *items, order, x, a)
     return h.sum(axis=0).astype(x.dtype) if is_split else h
 
 
@@ -352,9 +357,10 @@ def _product_block_out(block_out: int, block_rows: int, rank_pad: int, out_dim: 
     return min(block_out, _pad_pow2(out_dim))
 
 
-def _expand_call(y, h, b, order, items, *, h_col, block_rows, block_out, out_split, num_warps, num_stages, interpret):
+def _expand_call(y, h, b, layer, order, items, *, h_col, block_rows, block_out, out_split, num_warps, num_stages, interpret):
+    # b: [L, S, R, O]; layer: [1] int32.
     num_tokens, out_dim = y.shape
-    rank = b.shape[1]
+    rank = b.shape[2]
     block_out = _product_block_out(block_out, block_rows, _pad_pow2(rank), out_dim)
     num_blocks = pl.cdiv(out_dim, block_out)
     out_split = max(1, min(out_split, num_blocks))
@@ -369,16 +375,17 @@ def _expand_call(y, h, b, order, items, *, h_col, block_rows, block_out, out_spl
         kernel,
         out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
         grid=(items[0].shape[0], pl.cdiv(num_blocks, out_steps)),
-        input_output_aliases={7: 0},  # y: rows without an adapter are never written
+        input_output_aliases={8: 0},  # y: rows without an adapter are never written
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="lora_expand",
-    )(*items, order, h, b, y)
+    )(layer, *items, order, h, b, y)
 
 
-def _expand_rows_call(y, h, b, slot_ids, *, h_col, block_rows, block_out, num_warps, num_stages, interpret):
+def _expand_rows_call(y, h, b, layer, slot_ids, *, h_col, block_rows, block_out, num_warps, num_stages, interpret):
+    # b: [L, S, R, O]; layer: [1] int32.
     num_tokens, out_dim = y.shape
-    rank = b.shape[1]
+    rank = b.shape[2]
     rank_pad = _pad_pow2(rank)
     block_out = _product_block_out(block_out, min(block_rows, MIN_DOT // 2), rank_pad, out_dim)
     kernel = functools.partial(
@@ -389,11 +396,11 @@ def _expand_rows_call(y, h, b, slot_ids, *, h_col, block_rows, block_out, num_wa
         kernel,
         out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
         grid=(pl.cdiv(num_tokens, block_rows), pl.cdiv(out_dim, block_out)),
-        input_output_aliases={3: 0},  # y: rows without an adapter are never written
+        input_output_aliases={4: 0},  # y: rows without an adapter are never written
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="lora_expand_rows",
-    )(slot_ids.astype(jnp.int32), h, b, y)
+    )(layer, slot_ids.astype(jnp.int32), h, b, y)
 
 
 def _knobs(op: str, mode: str, num_tokens: int, given: dict) -> dict:
@@ -458,19 +465,22 @@ def bgmv_shrink(
 
 
 def grouped_shrink(x: jax.Array, a: jax.Array, groups: RowGroups, *, mode: str, interpret: bool = False,
-                   **knobs: int | None) -> jax.Array:
+                   layer: jax.Array | None = None, **knobs: int | None) -> jax.Array:
     """Shrink over precomputed row groups (`make_row_groups`); `mode` ("decode" | "prefill") picks the tuning row.
 
     The math, shapes and knobs are those of `bgmv_shrink` / `sgmv_shrink`; a model step builds the
-    groups once and reuses them in every layer.
+    groups once and reuses them in every layer. With `layer` (int32 scalar, may be traced), `a` is
+    the whole stacked bank [L, S, D, R] and the kernel reads layer `layer` of it in place: slicing
+    it first would copy every slot of that layer on each call.
     """
     _check_shrink(x, a)
+    a, layer = _layered(a, layer)
     knobs = _knobs("shrink", mode, x.shape[0], knobs)
     _check_pow2(block_rows=knobs["block_rows"], block_k=knobs["block_k"])
     if x.shape[0] == 0:
-        return jnp.zeros((0, a.shape[2]), x.dtype)
+        return jnp.zeros((0, a.shape[-1]), x.dtype)
     items = _items_for(groups, x.shape[0], knobs["block_rows"])
-    return _shrink_call(x, a, groups.order, items, interpret=interpret, **knobs)
+    return _shrink_call(x, a, layer, groups.order, items, interpret=interpret, **knobs)
 
 
 @functools.partial(jax.jit, static_argnames=_EXPAND_KNOBS)
@@ -535,32 +545,50 @@ def bgmv_expand(
 
 
 def decode_expand(y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array, groups: RowGroups | None, *,
-                  h_col: int = 0, interpret: bool = False, **knobs) -> jax.Array:
-    """`bgmv_expand` with the grouping precomputed (needed unless impl is "rows")."""
+                  h_col: int = 0, interpret: bool = False, layer: jax.Array | None = None, **knobs) -> jax.Array:
+    """`bgmv_expand` with the grouping precomputed (needed unless impl is "rows").
+
+    With `layer`, b is the stacked bank [L, S, R, O] (see `grouped_shrink`)."""
     knobs = _knobs("expand", "decode", y.shape[0], knobs)
     if knobs["impl"] not in EXPAND_IMPLS:
         raise ValueError(f"impl={knobs['impl']!r} must be one of {EXPAND_IMPLS}")
     if knobs.pop("impl") == "grouped":
-        return grouped_expand(y, h, b, groups, mode="decode", h_col=h_col, interpret=interpret, **knobs)
+        return grouped_expand(y, h, b, groups, mode="decode", h_col=h_col, interpret=interpret, layer=layer,
+                              **knobs)
     _check_expand(y, h, b, h_col)
+    b, layer = _layered(b, layer)
     knobs.pop("out_split", None)
     _check_pow2(min_rows=1, block_rows=knobs["block_rows"], block_out=knobs["block_out"])
     if y.shape[0] == 0:
         return y
-    return _expand_rows_call(y, h, b, slot_ids, h_col=h_col, interpret=interpret, **knobs)
+    return _expand_rows_call(y, h, b, layer, slot_ids, h_col=h_col, interpret=interpret, **knobs)
 
 
 def grouped_expand(y: jax.Array, h: jax.Array, b: jax.Array, groups: RowGroups, *, mode: str, h_col: int = 0,
-                   interpret: bool = False, **knobs: int | None) -> jax.Array:
-    """Expand over precomputed row groups; math, shapes and knobs as in `sgmv_expand` / `bgmv_expand`."""
+                   interpret: bool = False, layer: jax.Array | None = None, **knobs: int | None) -> jax.Array:
+    """Expand over precomputed row groups; math, shapes and knobs as in `sgmv_expand` / `bgmv_expand`.
+
+    With `layer`, b is the stacked bank [L, S, R, O] (see `grouped_shrink`)."""
     _check_expand(y, h, b, h_col)
+    b, layer = _layered(b, layer)
     knobs = {"out_split": 1, **_knobs("expand", mode, y.shape[0], knobs)}
     knobs.pop("impl", None)
     _check_pow2(min_rows=1, block_rows=knobs["block_rows"], block_out=knobs["block_out"])
     if y.shape[0] == 0:
         return y
     items = _items_for(groups, y.shape[0], knobs["block_rows"])
-    return _expand_call(y, h, b, groups.order, items, h_col=h_col, interpret=interpret, **knobs)
+    return _expand_call(y, h, b, layer, groups.order, items, h_col=h_col, interpret=interpret, **knobs)
+
+
+def _layered(bank: jax.Array, layer: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """bank [S, ...] without a layer, or [L, S, ...] with one -> ([L, S, ...], layer as [1] int32)."""
+    if layer is None:
+        if bank.ndim != 3:
+            raise ValueError(f"bank {bank.shape} must be [S, ., .] without a layer index")
+        return bank[None], jnp.zeros((1,), jnp.int32)
+    if bank.ndim != 4:
+        raise ValueError(f"bank {bank.shape} must be [L, S, ., .] with a layer index")
+    return bank, jnp.reshape(layer, (1,)).astype(jnp.int32)
 
 
 def _given(scope: dict, names: tuple[str, ...]) -> dict:

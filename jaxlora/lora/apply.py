@@ -51,12 +51,16 @@ class LoraRuntime:
 
     @classmethod
     def for_platform(cls, backend: LoraBackend | str, platform: str | None = None, *,
-                     attention: str = "auto", unroll_layers: bool = False) -> "LoraRuntime":
+                     attention: str = "auto", unroll_layers: bool | None = None) -> "LoraRuntime":
         """Pallas runs natively on GPU and TPU; on CPU the only way to run it is the interpreter.
 
-        attention="auto" picks the Pallas decode-attention kernel on GPU and XLA elsewhere.
+        attention="auto" picks the Pallas decode-attention kernel on GPU and XLA elsewhere;
+        unroll_layers=None unrolls decode steps on GPU (see `Llama.__call__`) and scans elsewhere,
+        where compile time matters more.
         """
         platform = platform or jax.default_backend()
+        if unroll_layers is None:
+            unroll_layers = platform == "gpu"
         backend = LoraBackend(backend)
         if attention == "auto":
             attention = "pallas" if platform == "gpu" else "xla"
@@ -75,18 +79,20 @@ def apply_group(
     seg_len: int | None,
     *,
     plan: pallas_kernels.LoraPlan | None = None,
+    layer: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """Adds each row's adapter term to the outputs of one module group.
 
     Args:
       group: group name from `bank.GROUPS` (fixes the order of modules along the rank axis).
-      group_bank: this layer's bank entries for the group ({"a": [S, in, G*R], "b": {m: [S, R, out]}}),
-        or None when no module of the group is targeted.
+      group_bank: the group's bank entries ({"a": [S, in, G*R], "b": {m: [S, R, out]}}), or None when
+        no module of the group is targeted. With `layer`, the entries of every layer ([L, S, ...]).
       x: [N, in] the group's shared input, N = rows * tokens.
       outputs: module -> [N, out_m], the base projections of every module of the group.
       token_slots: [N] int32 slot of each token.
       seg_len: tokens per row when N is rows of equal length sharing a slot (prefill), else None.
       plan: `step_plan(...)` for these token_slots, built once per step; None builds one per op.
+      layer: int32 scalar, this layer's index into a stacked group_bank (the kernels read it in place).
 
     Returns:
       `outputs` with the LoRA term added to every module the bank holds.
@@ -95,7 +101,7 @@ def apply_group(
         return outputs
     # Pytrees sort dict keys, so the rank-axis order comes from GROUPS, never from the dict.
     modules = tuple(m for m in GROUP_MODULES[group] if m in group_bank["b"])
-    kw = dict(backend=runtime.backend.value, interpret=runtime.interpret, seg_len=seg_len, plan=plan)
+    kw = dict(backend=runtime.backend.value, interpret=runtime.interpret, seg_len=seg_len, plan=plan, layer=layer)
     h = pallas_kernels.lora_shrink(x, group_bank["a"], token_slots, **kw)
     ys = pallas_kernels.lora_expand_multi(
         tuple(outputs[m] for m in modules), h, tuple(group_bank["b"][m] for m in modules), token_slots, **kw

@@ -82,3 +82,35 @@ def test_pallas_plan_holds_the_tables_work_items(rng):
     np.testing.assert_array_equal(plan.groups.order, np.argsort(np.asarray(slots), kind="stable"))
     leaves = jax.tree.leaves(plan)
     assert all(isinstance(leaf, jax.Array) for leaf in leaves)  # static fields stay out of the pytree
+
+
+@pytest.mark.parametrize("seg_len", [None, 4])
+def test_stacked_bank_with_a_layer_index_reads_that_layer(rng, seg_len):
+    """bank [L, S, ...] + layer (traced) equals passing bank[layer], on every backend; other layers
+    hold NaN so a read of the wrong layer shows."""
+    dtype, tokens, hidden, rank, outs, slots_n, layers = jnp.float32, 16, 40, 4, (24, 8), 6, 3
+    x = random_array(rng, (tokens, hidden), dtype)
+    a = random_array(rng, (layers, slots_n, hidden, 2 * rank), dtype, 0.1).at[:, 0].set(0)
+    bs = tuple(random_array(rng, (layers, slots_n, rank, o), dtype, 0.3).at[:, 0].set(0) for o in outs)
+    ys = tuple(random_array(rng, (tokens, o), dtype) for o in outs)
+    units = tokens if seg_len is None else tokens // seg_len
+    slots = jnp.asarray(np.repeat(rng.integers(0, slots_n, units), tokens // units).astype(np.int32))
+    layer = 1
+    poison = lambda arr: arr.at[jnp.arange(layers) != layer].set(jnp.nan)  # noqa: E731
+    a_poisoned, bs_poisoned = poison(a), tuple(poison(b) for b in bs)
+    for backend, interpret in [("xla", False), ("ragged", False), ("pallas", True)]:
+        kw = dict(backend=backend, interpret=interpret, seg_len=seg_len)
+
+        @jax.jit
+        def stacked(x, a, ys, bs, layer):
+            h = pk.lora_shrink(x, a, slots, layer=layer, **kw)
+            return h, pk.lora_expand_multi(ys, h, bs, slots, layer=layer, **kw)
+
+        h, got = stacked(x, a_poisoned, ys, bs_poisoned, jnp.int32(layer))
+        h_want = pk.lora_shrink(x, a[layer], slots, **kw)
+        want = pk.lora_expand_multi(ys, h_want, tuple(b[layer] for b in bs), slots, **kw)
+        assert_close(h, h_want, dtype)
+        for g, w in zip(got, want):
+            assert_close(g, w, dtype)
+    with pytest.raises(ValueError, match="axes"):
+        pk.lora_shrink(x, a[0], slots, backend="xla", layer=jnp.int32(0))
