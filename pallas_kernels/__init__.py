@@ -8,7 +8,7 @@ Imports only jax and numpy; usable on its own. `lora_shrink`, `lora_expand` and
 
 from pallas_kernels import reference, tuning
 from pallas_kernels.decode_attention import decode_attention
-from pallas_kernels.api import BACKENDS, lora_expand, lora_expand_multi, lora_shrink
+from pallas_kernels.api import BACKENDS, lora_expand, lora_expand_multi, lora_group, lora_shrink
 from pallas_kernels.lora_tpu import bgmv_expand as tpu_bgmv_expand
 from pallas_kernels.lora_tpu import bgmv_shrink as tpu_bgmv_shrink
 from pallas_kernels.lora_tpu import sgmv_expand as tpu_sgmv_expand
@@ -24,6 +24,7 @@ __all__ = [
     "bgmv_shrink",
     "lora_expand",
     "lora_expand_multi",
+    "lora_group",
     "lora_plan",
     "lora_shrink",
     "reference",

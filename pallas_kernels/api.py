@@ -5,6 +5,7 @@ For each token t with slot s = slot_ids[t] (slot 0 = "no adapter", an all-zero b
     lora_shrink:        h[t, :]   = x[t, :] @ a[s]                        a [S, D, R]   -> h [T, R]
     lora_expand:        y[t, :]  += h[t, :] @ b[s]                        b [S, R, O]   -> y [T, O]
     lora_expand_multi:  ys[g][t] += h[t, g*R:(g+1)*R] @ bs[g][s]          bs[g] [S, R, O_g]
+    lora_group:         lora_shrink then lora_expand_multi, as one op (the model's LoRA seam)
 
 Products accumulate in float32; h comes back in x.dtype and each y in its own dtype. A shrink for G
 modules that read the same input stacks their A's along the rank axis (a [S, D, G*R]); G*R need not
@@ -35,7 +36,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import lora_tpu, lora_triton, reference
+from pallas_kernels import lora_tpu, lora_triton, reference, tuning
 from pallas_kernels.plan import BACKENDS, LoraPlan, check_plan, lora_plan
 
 
@@ -197,3 +198,34 @@ def lora_expand_multi(
         _expand_one(y, h, b, plan, g * rank, backend=backend, interpret=interpret, seg_len=seg_len, layer=layer)
         for g, (y, b) in enumerate(zip(ys, bs))
     )
+
+
+def lora_group(
+    x: jax.Array, a: jax.Array, ys: tuple[jax.Array, ...], bs: tuple[jax.Array, ...], slot_ids: jax.Array | None, *,
+    backend: str, interpret: bool = False, seg_len: int | None = None, plan: LoraPlan | None = None,
+    layer: jax.Array | None = None,
+) -> tuple[jax.Array, ...]:
+    """ys_new[g][t] = ys[g][t] + (x[t] @ a[s])[g*R:(g+1)*R] @ bs[g][s], s = slot_ids[t]: a module group's LoRA term.
+
+    The same as `lora_shrink` followed by `lora_expand_multi`. On "pallas" in decode (seg_len None)
+    with the per-row expand, it runs as two launches for the whole group
+    (`lora_triton.decode_group`: the shrink's float32 split-K partials go straight to one expand
+    launch over every module), and h is not rounded to x.dtype in between.
+
+    Args:
+      x: [T, D]; a: [S, D, G*R]; ys: G outputs [T, O_g]; bs: G banks [S, R, O_g] (a leading L axis
+        on a and bs with `layer`); slot_ids, backend, interpret, seg_len, plan, layer: as in `lora_shrink`.
+
+    Returns:
+      tuple of G arrays, [T, O_g] in ys[g].dtype.
+    """
+    _check_backend(backend)
+    kw = dict(backend=backend, interpret=interpret, seg_len=seg_len, layer=layer)
+    if backend == "pallas" and seg_len is None and x.shape[0] and \
+            tuning.lookup("expand", "decode", x.shape[0]).get("impl") == "rows":
+        plan = _resolve_plan(plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=x.shape[0],
+                             num_slots=a.shape[-3])
+        return lora_triton.decode_group(x, a, tuple(ys), tuple(bs), plan.slot_ids, plan.groups, layer=layer,
+                                        interpret=interpret)
+    h = lora_shrink(x, a, slot_ids, plan=plan, **kw)
+    return lora_expand_multi(tuple(ys), h, tuple(bs), slot_ids, plan=plan, **kw)

@@ -279,6 +279,43 @@ def _expand_rows_kernel(
     pltriton.store(out_ref.at[rows[:, None], outs[None, :]], (y.astype(_F32) + delta).astype(out_ref.dtype), mask=mask)
 
 
+def _expand_rows_multi_kernel(
+    layer_ref, slot_ref, h_ref, *refs,
+    num_modules: int, block_rows: int, block_out: int, rank_pad: int, rank: int, out_dims: tuple[int, ...],
+    first_block: tuple[int, ...], num_parts: int, num_tokens: int,
+):
+    # layer_ref: [1] int32; slot_ref: [T] int32; h_ref: [K, T, G*R] f32 split-K partial sums of the
+    # group's shrink (summed here, as they are loaded); refs: G banks b_g [L, S, R, O_g], G base
+    # outputs y_g [T, O_g], then G outputs aliased to the y_g.
+    # Program (i, j): rows i*BT .. and column block j of the concatenated outputs; module g owns
+    # blocks first_block[g] .. first_block[g+1]-1, so one launch covers every module of the group.
+    b_refs, y_refs, out_refs = refs[:num_modules], refs[num_modules:2 * num_modules], refs[2 * num_modules:]
+    layer, j = layer_ref[0], pl.program_id(1)
+    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+    slots = pltriton.load(slot_ref.at[rows], mask=rows < num_tokens, other=0)  # [BT]
+    is_used = (rows < num_tokens) & (slots != 0)  # slot 0 rows read nothing and keep y
+    r = jnp.arange(rank_pad, dtype=jnp.int32)
+    r_ok = r < rank
+    for g in range(num_modules):
+        @pl.when((j >= first_block[g]) & (j < first_block[g + 1]))
+        def _(g=g):
+            outs = (j - first_block[g]) * block_out + jnp.arange(block_out, dtype=jnp.int32)
+            out_ok = outs < out_dims[g]
+            h_at = (rows[:, None], g * rank + r[None, :])
+            h_mask = is_used[:, None] & r_ok[None, :]
+            h = pltriton.load(h_ref.at[(0,) + h_at], mask=h_mask, other=0)
+            for k in range(1, num_parts):
+                h = h + pltriton.load(h_ref.at[(k,) + h_at], mask=h_mask, other=0)
+            b_mask = is_used[:, None, None] & r_ok[None, :, None] & out_ok[None, None, :]
+            b = pltriton.load(b_refs[g].at[layer, slots[:, None, None], r[None, :, None], outs[None, None, :]],
+                              mask=b_mask, other=0)
+            mask = is_used[:, None] & out_ok[None, :]
+            at = (rows[:, None], outs[None, :])
+            y = pltriton.load(y_refs[g].at[at], mask=mask, other=0)
+            delta = jnp.sum(h[:, :, None] * b.astype(_F32), axis=1)  # [BT, BO]; h is f32 already
+            pltriton.store(out_refs[g].at[at], (y.astype(_F32) + delta).astype(out_refs[g].dtype), mask=mask)
+
+
 # -- wrappers -----------------------------------------------------------------------------------
 
 
@@ -324,8 +361,10 @@ MAX_PRODUCT_ELEMS = 16384
 EXPAND_IMPLS = ("grouped", "rows")
 
 
-def _shrink_call(x, a, layer, order, items, *, block_rows, block_k, split_k, num_warps, num_stages, interpret):
-    # a: [L, S, D, R]; layer: [1] int32.
+def _shrink_call(x, a, layer, order, items, *, block_rows, block_k, split_k, num_warps, num_stages, interpret,
+                 keep_partials: bool = False):
+    # a: [L, S, D, R]; layer: [1] int32. keep_partials: return the f32 split-K partial sums [K, T, R]
+    # unreduced (K >= 1), for a consumer that sums them as it loads (saves a reduction launch).
     num_tokens, hidden = x.shape
     rank = a.shape[3]
     rank_pad = _pad_pow2(rank)
@@ -334,7 +373,7 @@ def _shrink_call(x, a, layer, order, items, *, block_rows, block_k, split_k, num
     k_per_split = pl.cdiv(pl.cdiv(hidden, split_k), block_k) * block_k
     has_order = order is not None
     order = order if has_order else jnp.zeros((1,), jnp.int32)  # placeholder operand, never read
-    is_split = split_k > 1
+    is_split = split_k > 1 or keep_partials
     out_shape = (split_k, num_tokens, rank) if is_split else (num_tokens, rank)
     kernel = functools.partial(
         _shrink_kernel, block_rows=block_rows, block_k=block_k, k_per_split=k_per_split, rank_pad=rank_pad,
@@ -348,6 +387,8 @@ def _shrink_call(x, a, layer, order, items, *, block_rows, block_k, split_k, num
         interpret=interpret,
         name="lora_shrink",
     )(layer, *items, order, x, a)
+    if keep_partials:
+        return h
     return h.sum(axis=0).astype(x.dtype) if is_split else h
 
 
@@ -578,6 +619,72 @@ def grouped_expand(y: jax.Array, h: jax.Array, b: jax.Array, groups: RowGroups, 
         return y
     items = _items_for(groups, y.shape[0], knobs["block_rows"])
     return _expand_call(y, h, b, layer, groups.order, items, h_col=h_col, interpret=interpret, **knobs)
+
+
+def decode_group(
+    x: jax.Array, a: jax.Array, ys: tuple[jax.Array, ...], bs: tuple[jax.Array, ...], slot_ids: jax.Array,
+    groups: RowGroups, *, layer: jax.Array | None = None, interpret: bool = False,
+) -> tuple[jax.Array, ...]:
+    """One module group's whole LoRA term in decode, in two launches whatever the module count:
+
+        ys[g][t] += (x[t] @ a[s])[g*R:(g+1)*R] @ bs[g][s],   s = slot_ids[t]
+
+    The grouped shrink keeps its split-K partial sums in float32 and the per-row expand adds them up
+    as it loads them, writing every module's output in one launch (column blocks of all modules in
+    one grid). Against shrink + reduction + one expand per module this saves 1 + (G - 1) launches
+    per group, which is what a decode-sized LoRA op costs (a few us each).
+
+    Args:
+      x: [T, D]; a: [S, D, G*R] (or [L, S, D, G*R] with `layer`); ys: G outputs [T, O_g];
+      bs: G banks [S, R, O_g] (or [L, S, R, O_g]); slot_ids: [T] int32; groups: `make_row_groups`
+      of slot_ids (decode) with the shrink's tile height.
+
+    Returns:
+      the G updated outputs, each in its own dtype (f32 accumulation).
+    """
+    _check_shrink(x, a)
+    if len(ys) != len(bs) or not ys:
+        raise ValueError(f"need one bank per output; got {len(ys)} outputs, {len(bs)} banks")
+    rank = bs[0].shape[-2]
+    if a.shape[-1] != len(bs) * rank:
+        raise ValueError(f"a {a.shape} must stack G={len(bs)} ranks of {rank}")
+    ndim = 3 if layer is None else 4
+    for y, b in zip(ys, bs):
+        if y.ndim != 2 or y.shape[0] != x.shape[0] or b.ndim != ndim or b.shape[-2] != rank or b.shape[-1] != y.shape[1]:
+            raise ValueError(f"output {y.shape} [T, O] does not fit bank {b.shape} [(L,) S, R={rank}, O]")
+    stacked = layer is not None
+    a, layer = _layered(a, layer)
+    bs = tuple(b if stacked else b[None] for b in bs)
+    num_tokens = x.shape[0]
+    if num_tokens == 0:
+        return ys
+    shrink = _knobs("shrink", "decode", num_tokens, {})
+    _check_pow2(block_rows=shrink["block_rows"], block_k=shrink["block_k"])
+    items = _items_for(groups, num_tokens, shrink["block_rows"])
+    parts = _shrink_call(x, a, layer, groups.order, items, interpret=interpret, keep_partials=True, **shrink)
+    expand = _knobs("expand", "decode", num_tokens, {})
+    rank_pad = _pad_pow2(rank)
+    out_dims = tuple(y.shape[1] for y in ys)
+    block_rows = expand["block_rows"] if expand.get("impl") == "rows" else 1
+    block_out = _product_block_out(expand["block_out"], min(block_rows, MIN_DOT // 2), rank_pad, max(out_dims))
+    _check_pow2(min_rows=1, block_rows=block_rows, block_out=block_out)
+    blocks = [pl.cdiv(o, block_out) for o in out_dims]
+    first_block = tuple(int(sum(blocks[:g])) for g in range(len(blocks) + 1))
+    kernel = functools.partial(
+        _expand_rows_multi_kernel, num_modules=len(ys), block_rows=block_rows, block_out=block_out,
+        rank_pad=rank_pad, rank=rank, out_dims=out_dims, first_block=first_block, num_parts=parts.shape[0],
+        num_tokens=num_tokens,
+    )
+    first_y = 3 + len(bs)  # operands: layer, slot_ids, partials, banks, outputs
+    return tuple(pl.pallas_call(
+        kernel,
+        out_shape=tuple(jax.ShapeDtypeStruct(y.shape, y.dtype) for y in ys),
+        grid=(pl.cdiv(num_tokens, block_rows), first_block[-1]),
+        input_output_aliases={first_y + g: g for g in range(len(ys))},  # rows without an adapter keep y
+        compiler_params=pltriton.CompilerParams(num_warps=expand["num_warps"], num_stages=expand["num_stages"]),
+        interpret=interpret,
+        name="lora_decode_expand_group",
+    )(layer, slot_ids.astype(jnp.int32), parts, *bs, *ys))
 
 
 def _layered(bank: jax.Array, layer: jax.Array | None) -> tuple[jax.Array, jax.Array]:

@@ -102,10 +102,8 @@ def apply_group(
     # Pytrees sort dict keys, so the rank-axis order comes from GROUPS, never from the dict.
     modules = tuple(m for m in GROUP_MODULES[group] if m in group_bank["b"])
     kw = dict(backend=runtime.backend.value, interpret=runtime.interpret, seg_len=seg_len, plan=plan, layer=layer)
-    h = pallas_kernels.lora_shrink(x, group_bank["a"], token_slots, **kw)
-    ys = pallas_kernels.lora_expand_multi(
-        tuple(outputs[m] for m in modules), h, tuple(group_bank["b"][m] for m in modules), token_slots, **kw
-    )
+    ys = pallas_kernels.lora_group(x, group_bank["a"], tuple(outputs[m] for m in modules),
+                                   tuple(group_bank["b"][m] for m in modules), token_slots, **kw)
     return {**outputs, **dict(zip(modules, ys))}
 
 

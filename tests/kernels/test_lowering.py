@@ -58,6 +58,21 @@ def test_multi_module_expand_lowers_for_cuda():
     assert "__gpu$xla.gpu.triton" in _lower_for_cuda(step, s["x"], s["a"], ys, bs, s["slots"])
 
 
+def test_fused_decode_group_on_a_stacked_bank_lowers_for_cuda():
+    """The model's decode path: two Triton launches per group, the layer index traced."""
+    sd = jax.ShapeDtypeStruct
+    x, slots = sd((64, 576), jnp.bfloat16), sd((64,), jnp.int32)
+    a = sd((3, 5, 576, 48), jnp.bfloat16)
+    bs = tuple(sd((3, 5, 16, o), jnp.bfloat16) for o in (576, 192, 192))
+    ys = tuple(sd((64, o), jnp.bfloat16) for o in (576, 192, 192))
+
+    def step(x, a, ys, bs, slots, layer):
+        return pk.lora_group(x, a, ys, bs, slots, backend="pallas", layer=layer)
+
+    text = _lower_for_cuda(step, x, a, ys, bs, slots, sd((), jnp.int32))
+    assert text.count("__gpu$xla.gpu.triton") == 2
+
+
 def test_non_power_of_two_block_is_rejected_before_lowering():
     s = _specs(jnp.bfloat16, 32, 576, 16, 576)
     with pytest.raises(ValueError, match="power of two"):
