@@ -42,6 +42,7 @@ import numpy as np
 
 from jaxlora.adapters.metrics import PagerMetrics
 from jaxlora.adapters.registry import (
+    FlatLayout,
     HostMemory,
     RegisteredAdapter,
     Registry,
@@ -52,7 +53,7 @@ from jaxlora.adapters.registry import (
 from jaxlora.adapters.slot_table import SlotTable, invariant
 from jaxlora.config import LoraConfig, ModelConfig
 from jaxlora.errors import AdapterInUseError, UnknownAdapterError
-from jaxlora.lora.bank import Bank, init_bank, set_slot
+from jaxlora.lora.bank import Bank, init_bank, write_slot_flat
 from jaxlora.lora.host_adapter import HostAdapter
 from jaxlora.lora.validate import check_adapter_name
 
@@ -118,6 +119,9 @@ class Pager:
         self.time_transfers = time_transfers
         self.metrics = PagerMetrics()
         self.slot_nbytes = slot_nbytes(model_config, lora_config, self.dtype)
+        self.layout = FlatLayout.for_bank(model_config, lora_config, self.dtype)
+        if self.layout.nbytes != self.slot_nbytes:
+            raise AssertionError(f"flat layout holds {self.layout.nbytes} bytes, a slot {self.slot_nbytes}")
         self._device = device or jax.devices()[0]
         self._host_sharding = host_sharding(self._device, HostMemory(host_memory))
         self._device_sharding = jax.sharding.SingleDeviceSharding(
@@ -134,7 +138,8 @@ class Pager:
         self._unregistering: set[str] = set()
 
         self.mesh: jax.sharding.Mesh | None = None
-        self._entry_sharding = self._device_sharding  # where a slot's entries go before the write
+        self._entry_sharding = self._device_sharding  # where an adapter's flat buffer goes before the write
+        self._zeros_flat = self._on_host(self.layout.zeros())  # what a reset writes
         self.bank: Bank = jax.device_put(init_bank(model_config, lora_config, self.dtype), self._device_sharding)
         if mesh is not None:
             self.place_on(mesh)
@@ -144,10 +149,14 @@ class Pager:
     def place_on(self, mesh: jax.sharding.Mesh) -> None:
         """Splits the bank over a tensor-parallel mesh (keeping every written slot) and compiles the
         sharded slot write. Call before serving, from the engine thread."""
-        from jaxlora.parallel.sharding import shard_bank, slot_shardings
+        from jaxlora.parallel.sharding import shard_bank
 
         self.bank = shard_bank(self.bank, mesh)
-        self._entry_sharding = slot_shardings(self.bank, mesh)
+        # The flat buffer is copied whole to every device of the mesh (replicated); the jitted write
+        # slices out what each shard of the bank holds, on the device. That moves more bytes than
+        # per-shard copies, but each device has its own host link and the write compiles once, like
+        # the single-device one.
+        self._entry_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.mesh = mesh
         self._warm_up()
 
@@ -168,7 +177,7 @@ class Pager:
             self._registry.reserve(name, self.slot_nbytes)
         try:
             adapter = prepare_adapter(name, source, model=self.model_config, lora=self.lora_config,
-                                      dtype=self.dtype, sharding=self._host_sharding)
+                                      dtype=self.dtype, sharding=self._host_sharding, layout=self.layout)
         except BaseException:
             with self._lock:
                 self._registry.cancel(name)
@@ -309,12 +318,17 @@ class Pager:
 
     # ---------------------------------------------------------------- tests and metrics
     def host_entries(self, name: str) -> Bank:
-        """The host copy of an adapter's slot entries, as numpy arrays."""
+        """The host copy of an adapter's slot entries, as a pytree of numpy arrays (unpacked from
+        its flat buffer)."""
+        return self.host_adapter(name).entries
+
+    def host_adapter(self, name: str) -> RegisteredAdapter:
+        """The registered adapter as stored (its `flat` buffer, layout and byte count)."""
         with self._lock:
             adapter = self._registry.get(name)  # also while draining for unregister
         if adapter is None:
             raise UnknownAdapterError(f"adapter {name!r} is not registered")
-        return jax.tree_util.tree_map(np.asarray, adapter.entries)
+        return adapter
 
     def snapshot(self) -> dict:
         """Slot table and queues, for tests and debugging."""
@@ -377,12 +391,12 @@ class Pager:
             del self._waiting[name]
             self._schedule(name, may_wait=True)
 
-    def _take_pending(self) -> list[tuple[int, str | None, Bank | None]]:
+    def _take_pending(self) -> list[tuple[int, str | None, np.ndarray | jax.Array | None]]:
         num = len(self._pending) if self.max_page_ins_per_commit is None else self.max_page_ins_per_commit
         ops = []
         for slot in list(self._pending)[:num]:
             name = self._pending.pop(slot)
-            ops.append((slot, name, None if name is None else self._registry.get(name).entries))
+            ops.append((slot, name, None if name is None else self._registry.get(name).flat))
         return ops
 
     def _finish_write(self, slot: int, name: str | None, seconds: float | None) -> None:
@@ -403,21 +417,25 @@ class Pager:
             self._ready.add(name)
 
     # ---------------------------------------------------------------- device work (engine thread, no lock)
-    def _write(self, slot: int, entries: Bank | None) -> float | None:
-        """Copies entries (None: zeros) to the device and writes them into `slot` of the donated bank."""
+    def _write(self, slot: int, flat: np.ndarray | jax.Array | None) -> float | None:
+        """Copies one adapter's flat buffer (None: zeros) to the device in one transfer and writes it
+        into `slot` of the donated bank. With `time_transfers`, blocks and returns the seconds from
+        the copy's dispatch to the written bank."""
         start = time.perf_counter()
-        if entries is None:
-            entries = self._zeros_entries()
-        on_device = jax.device_put(entries, self._entry_sharding)
-        self.bank = set_slot(self.bank, slot, on_device)
+        if flat is None:
+            flat = self._zeros_flat
+        on_device = jax.device_put(flat, self._entry_sharding)
+        self.bank = write_slot_flat(self.bank, slot, on_device)
         if not self.time_transfers:
             return None
         jax.block_until_ready(self.bank)
         return time.perf_counter() - start
 
-    def _zeros_entries(self) -> Bank:
-        return jax.tree_util.tree_map(
-            lambda full: np.zeros(full.shape[:1] + full.shape[2:], full.dtype), self.bank)
+    def _on_host(self, flat: np.ndarray) -> np.ndarray | jax.Array:
+        """`flat` where registered adapters live (pinned_host, or numpy)."""
+        if self._host_sharding is None:
+            return flat
+        return jax.block_until_ready(jax.device_put(flat, self._host_sharding))
 
     def warmup(self) -> None:
         """Compiles the slot write. The constructor already did, so this is a no-op kept for callers
@@ -428,8 +446,5 @@ class Pager:
 
         Writes zeros into slot 1, which only ever holds zeros or an adapter queued after this runs.
         """
-        entries = self._zeros_entries()
-        if self._host_sharding is not None:
-            entries = jax.device_put(entries, self._host_sharding)
-        self._write(1, entries)
+        self._write(1, self._zeros_flat)
         jax.block_until_ready(self.bank)

@@ -109,3 +109,42 @@ def reset_slot(bank: Bank, slot: int) -> Bank:
     """Zeroes `slot` so that it reproduces the base model exactly."""
     zeros = jax.tree_util.tree_map(lambda full: jnp.zeros(full.shape[:1] + full.shape[2:], full.dtype), bank)
     return write_slot(bank, jnp.asarray(slot, jnp.int32), zeros)
+
+
+def flat_slot_layout(bank: Bank) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Where each entry of one slot lies in a flat (1-D) host buffer: (offset, shape) per leaf.
+
+    Leaves are in `jax.tree_util.tree_leaves` order of the bank; shapes drop the slot axis, as in
+    `slot_arrays`. Works on arrays and on `jax.ShapeDtypeStruct`s (only shapes are read), so a layout
+    depends on the bank's shapes alone: every adapter of one bank shares it.
+    """
+    out, offset = [], 0
+    for full in jax.tree_util.tree_leaves(bank):
+        shape = tuple(full.shape[:1]) + tuple(full.shape[2:])
+        out.append((offset, shape))
+        offset += int(np.prod(shape))
+    return tuple(out)
+
+
+def _write_flat(bank: Bank, slot: jax.Array, flat: jax.Array) -> Bank:
+    leaves, treedef = jax.tree_util.tree_flatten(bank)
+    written = []
+    for full, (offset, shape) in zip(leaves, flat_slot_layout(bank)):
+        one = flat[offset:offset + int(np.prod(shape))].reshape(shape)  # static slice: layout is static
+        written.append(full.at[:, slot].set(one.astype(full.dtype)))
+    return jax.tree_util.tree_unflatten(treedef, written)
+
+
+# Donated like write_slot: the slot is written in place.
+write_slot_flat_jit = jax.jit(_write_flat, donate_argnums=0)
+
+
+def write_slot_flat(bank: Bank, slot: int, flat: jax.Array) -> Bank:
+    """Writes one adapter's entries, packed into one 1-D buffer per `flat_slot_layout`, into `slot`.
+
+    Produces exactly what `set_slot` does with the unpacked entries; one copy to the device instead
+    of one per leaf. Returns the new bank (the old one is donated).
+    """
+    if slot == 0:
+        raise ValueError("slot 0 is the reserved base-model slot and cannot hold an adapter")
+    return write_slot_flat_jit(bank, jnp.asarray(slot, jnp.int32), flat)
