@@ -4,28 +4,32 @@ Life of a page-in:
 
     acquire(name)     pin the adapter; resident and written -> its slot (a hit), else pick a slot
                       (free, or the least recently used unpinned one) and queue a write -> None
-    commit()          between decode steps: copy queued adapters host->device and write them into
-                      their slots of the donated bank; they are ready for the next step
+    commit()          right after a step is dispatched: per queued adapter, ONE host->device copy of
+                      its flat host buffer (registry.FlatLayout) and one jitted in-place write into
+                      its slot of the donated bank (bank.write_slot_flat); ready for the next step
     is_ready(name)    the slot once written (the engine polls this; acquire is called once per request)
     release(name)     unpin; an unpinned slot may be evicted for another adapter
 
-Engine loop order, per step: admit (acquire once per new request; `can_place` says whether it would
-get a slot), `prefetch` the queue head, build slot ids from `is_ready`, dispatch step N with `bank`,
-then `commit()`, then block on step N's tokens, then `release` finished requests. Read `pager.bank`
-afresh for every step: `commit` donates the old one.
+Engine loop order, per step (jaxlora.engine.Engine.step): admit (acquire once per new request;
+`can_place` says whether it would get a slot), `prefetch` the queue head, build slot ids from
+`is_ready`, dispatch step N with `bank`, then `commit()`, then block on step N's tokens, then
+`release` finished requests. A step with nothing to dispatch still calls `commit()`, so requests
+waiting for a page-in progress. Read `pager.bank` afresh for every step: `commit` donates the old one.
 
 Overlap comes from JAX's asynchronous dispatch: `commit` returns as soon as the copies and writes are
-enqueued. The write consumes the bank the step in flight reads, so XLA orders it after that step,
-and the next step consumes the written bank, so it waits for the write. A pinned slot is never
-evicted, so no row of a step in flight can see its adapter change under it.
+enqueued, while step N is still running on the device, so the host->device copies run under it. The
+write consumes the bank step N reads, so it is ordered after that step, and step N+1 consumes the
+written bank, so it waits for the write. A pinned slot is never evicted, so no row of a step in
+flight can see its adapter change under it.
 
 Threads: the engine loop calls acquire/release/commit/prefetch; gRPC threads call
 register/unregister/list. One lock guards all bookkeeping; only the engine thread touches `bank`, and
 the device calls in `commit` run with the lock released.
 
 Tensor parallelism: with a `mesh` the bank is split over the devices S-LoRA style
-(jaxlora.parallel.sharding) and every page-in copies each device its own slice of the adapter
-before the in-place slot write, so the written bank keeps its layout.
+(jaxlora.parallel.sharding); every page-in copies the adapter's flat buffer whole to each device of
+the mesh (replicated, still one buffer) and the jitted write keeps each shard's part, so the written
+bank keeps its layout.
 """
 
 from __future__ import annotations
@@ -303,10 +307,12 @@ class Pager:
                 self.metrics.prefetches += 1
 
     def commit(self) -> None:
-        """Issues the queued page-ins: async host->device copies and in-place slot writes.
+        """Issues the queued page-ins: per adapter one async host->device copy of its flat buffer
+        and one in-place slot write.
 
-        Called by the engine between decode steps; returns without waiting for the copies. The
-        written adapters are ready (is_ready) from the next step on. Only the engine thread may call it.
+        Called by the engine right after it dispatches a step (before blocking on its tokens), so
+        the copies overlap that step; returns without waiting for them. The written adapters are
+        ready (is_ready) from the next step on. Only the engine thread may call it.
         """
         with self._lock:
             self._serve_waiting()

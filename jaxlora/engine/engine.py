@@ -8,6 +8,14 @@
 
 `submit` and `cancel` are thread-safe; everything else runs on the loop's thread (the caller of
 `step`, or the thread `start` spawns). Callbacks run on the loop's thread and must be quick.
+
+Adapter page-ins overlap the step. A step admits requests (pinning their adapters, which queues
+page-ins for adapters not on the device), dispatches prefill and decode on the current bank, and only
+then calls the pager's `commit()`: the host->device copies of the queued adapters run while the step
+is in flight, and their in-place slot writes consume the bank that step reads, so JAX orders them
+after it. The engine then blocks on the step's sampled ids. Adapters written by that commit are
+ready (`is_ready`) for the next step's admission. A step with nothing to run still commits, so
+requests waiting for a page-in make progress.
 """
 
 from __future__ import annotations
@@ -171,21 +179,24 @@ class Engine:
 
     # The loop.
     def step(self) -> list[RequestOutput]:
-        """One engine step: admit, one prefill call and one decode call, stream the new tokens."""
+        """One engine step: admit, one prefill call and one decode call, issue the pager's queued
+        page-ins (they overlap the dispatched calls), stream the new tokens."""
         outputs: list[RequestOutput] = []
         self._take_inbox(outputs)
         admitted, failed = self.scheduler.schedule()
         for req, err in failed:
             self._finish(req, FinishReason.ERROR, outputs, error=str(err))
-        if self.pager is not None:
-            self.pager.commit()
         bank = None if self.pager is None else self.pager.bank
         plan = self.scheduler.plan_prefill()
         decoding = self.scheduler.decode_requests()
         if plan is None and not decoding:
+            self._commit_page_ins()  # nothing to overlap: issue them now, so waiting requests progress
             return outputs
         prefill_ids = None if plan is None else self.runner.prefill(bank, plan)
         decode_ids = self.runner.decode(bank, decoding) if decoding else None
+        del bank  # the commit donates it; the dispatched calls hold their own references
+        # Page-ins queued by this step's admissions (and earlier ones) go out while the step runs.
+        self._commit_page_ins()
         # The one host round trip of the step: the sampled ids, needed for stop checks.
         prefill_ids, decode_ids = jax.device_get((prefill_ids, decode_ids))
         self._counters.steps += 1
@@ -202,6 +213,10 @@ class Engine:
             for req in decoding:
                 self._append_token(req, int(decode_ids[req.row]), outputs)
         return outputs
+
+    def _commit_page_ins(self) -> None:
+        if self.pager is not None:
+            self.pager.commit()
 
     def has_work(self) -> bool:
         with self._lock:
