@@ -224,3 +224,43 @@ def test_background_loop_serves_threads_and_drains_on_stop(engine):
     assert late.result(0).finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
     with pytest.raises(CapacityError):
         engine.submit(GenerationRequest(request_id="after", prompt_ids=[1, 8]))
+
+
+def test_page_ins_are_committed_after_the_step_is_dispatched(engine, monkeypatch):
+    """commit() runs after prefill/decode are dispatched and before the sampled ids are fetched, so the
+    copies overlap the step; a step with nothing to run still commits, so waiting requests progress."""
+    events: list[str] = []
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(engine.pager, "commit", spy("commit", engine.pager.commit))
+    monkeypatch.setattr(engine.runner, "prefill", spy("prefill", engine.runner.prefill))
+    monkeypatch.setattr(engine.runner, "decode", spy("decode", engine.runner.decode))
+    monkeypatch.setattr(jax, "device_get", spy("device_get", jax.device_get))
+    engine.run_until_idle()
+    events.clear()
+    engine.step()  # idle: nothing dispatched, the commit still happens
+    assert events == ["commit"]
+    # Every adapter in turn (5 adapters, 3 slots): requests wait for page-ins, then run.
+    requests = [GenerationRequest(request_id=f"order{i}", prompt_ids=[1, 30 + i, 31], adapter=a,
+                                  sampling=SamplingParams(max_tokens=3)) for i, a in enumerate(ADAPTERS)]
+    page_ins = engine.pager.metrics.page_ins
+    with jax.no_tracing():
+        for out in engine.generate(requests):
+            assert out.error is None and out.completion_tokens >= 1
+    assert engine.pager.metrics.page_ins > page_ins and engine.compiles_after_warmup == 0
+    steps, current = [], []
+    for e in events:
+        current.append(e)
+        if e in ("device_get",) or current == ["commit"]:
+            steps.append(current)
+            current = []
+    assert not current and steps
+    for s in steps:
+        if s == ["commit"]:
+            continue  # a step with nothing to run
+        assert s[-2:] == ["commit", "device_get"] and set(s[:-2]) <= {"prefill", "decode"} and s[:-2], s
