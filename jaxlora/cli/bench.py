@@ -29,6 +29,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="results of benchmarks/hf_peer.py to include as hf-peft rows")
     p.add_argument("--no-plots", action="store_true")
     add_tensor_parallel_arg(p)
+    p.add_argument("--skip-groups", type=int, default=0,
+                   help="start at this index of the GPU plan (continue an earlier, budget-limited run)")
+    p.add_argument("--merge-json", type=Path, default=None,
+                   help="an earlier part's e2e.json whose jaxlora rows are kept in this run's results")
     p.add_argument("--from-json", type=Path, default=None,
                    help="run nothing: re-render e2e.md and the plots into --out from this e2e.json "
                         "(merging --hf-peer rows if given)")
@@ -47,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     opts = e2e.Options(out=args.out, tiny=args.tiny, budget_s=args.budget_s,
                        backends=tuple(args.backend or BACKENDS), steps=args.steps,
                        prefill_batch=args.prefill_batch, hf_peer=args.hf_peer, plots=not args.no_plots,
-                       tensor_parallel=args.tensor_parallel or 1,
+                       tensor_parallel=args.tensor_parallel or 1, skip_groups=args.skip_groups,
+                       merge_json=args.merge_json,
                        command="jaxlora bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]))
     payload = e2e.run(opts)
     print(f"wrote {args.out / 'e2e.json'} ({len(payload['rows'])} rows, {len(payload['not_run'])} groups not run)")

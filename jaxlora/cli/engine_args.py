@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, adapters_help: str = "registe
     p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory at most")
     p.add_argument("--lora-backend", choices=[b.value for b in LoraBackend], default=None,
                    help="how the per-row LoRA term is computed (default: the config's)")
+    p.add_argument("--attention", choices=("auto", "pallas", "xla"), default=None,
+                   help="decode attention: the Pallas kernel, XLA, or auto (Pallas on GPU; the config's by default)")
     add_tensor_parallel_arg(p)
 
 
@@ -49,6 +51,8 @@ def engine_config(args: argparse.Namespace, model_config=None):
     config = dataclasses.replace(config, lora=dataclasses.replace(config.lora, **lora_overrides))
     if args.dtype is not None:
         config = dataclasses.replace(config, dtype=args.dtype)
+    if getattr(args, "attention", None) is not None:
+        config = dataclasses.replace(config, attention=args.attention)
     return with_tensor_parallel(config, getattr(args, "tensor_parallel", None))
 
 

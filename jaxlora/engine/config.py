@@ -39,6 +39,7 @@ class EngineConfig:
       dtype: parameter, activation and KV cache dtype name.
       host_capacity_bytes: host memory for registered adapters (None: unbounded).
       mesh: devices the engine spans (`mesh: {tensor: 2}` splits every layer over two devices).
+      attention: decode attention, "auto" (the Pallas kernel on GPU, XLA elsewhere), "pallas" or "xla".
     """
 
     max_batch: int = 8
@@ -53,6 +54,7 @@ class EngineConfig:
     dtype: str = "float32"
     host_capacity_bytes: int | None = None
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         for field in ("max_batch", "max_seq_len", "prefill_batch", "max_new_tokens_limit", "max_queue",
@@ -73,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"max_adapters_per_batch={cap} must be in [1, max_slots-1={self.lora.max_slots - 1}]")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {_DTYPES}")
+        if self.attention not in ("auto", "pallas", "xla"):
+            raise ValueError(f"attention={self.attention!r} must be one of ('auto', 'pallas', 'xla')")
         if self.host_capacity_bytes is not None and self.host_capacity_bytes < 1:
             raise ValueError(f"host_capacity_bytes={self.host_capacity_bytes} must be >= 1")
 
