@@ -123,7 +123,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.pager = pager
-        self.runner = Runner(model, config, runtime=runtime or LoraRuntime.for_platform(config.lora.backend))
+        self.runner = Runner(model, config, runtime=runtime or LoraRuntime.for_platform(config.lora.backend,
+                                                                                       attention=config.attention))
         if pager is not None and self.runner.mesh is not None and getattr(pager, "mesh", None) != self.runner.mesh:
             if not hasattr(pager, "place_on"):
                 raise ValueError(f"config.mesh={config.mesh} needs a pager that can split its bank (Pager.place_on)")
