@@ -16,14 +16,26 @@ The step is a stand-in until the engine lands: a jitted layer scan over the base
 each row's LoRA term gathered from the bank by slot id (no attention, no KV cache, one token per row).
 It reads the base weights and the rows' adapters once per step like a decode step does.
 
+A page-in is one host->device copy of the adapter's flat (1-D) host buffer plus one jitted in-place
+slot write (jaxlora.adapters.pager). `page_in_GBps` is the adapter's bytes over the wall time from
+dispatching that copy to the written bank being ready, page-ins issued one at a time with the pager's
+blocking `time_transfers` mode (nothing else in flight); compare it with `h2d_pinned_GBps` (one 1 GiB
+pinned copy) and `h2d_pinned_adapter_GBps` (one pinned copy of an adapter's size).
+
+Registration: a few random weight sets are drawn once and every registered adapter is a copy of one
+of them (each registration still validates, packs and pins its own host buffer), on a few threads,
+so 2,000 S1 adapters register in seconds.
+
     python benchmarks/paging.py                # H200: both settings -> benchmarks/results/paging.{json,md,png}
     python benchmarks/paging.py --tiny         # CPU smoke run at toy size
-    python benchmarks/paging.py --setting s1 --exponents 1 0.1
+    python benchmarks/paging.py --setting s1 --registered 2000 --exponents 1 0.1
+    python benchmarks/paging.py --setting full --host-gb 60 --budget-s 900
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -163,20 +175,34 @@ def adapter_pool(model: ModelConfig, setting: Setting, num: int = 8) -> list[dic
     return pool
 
 
-def register_all(pager: Pager, pool: list[dict], setting: Setting, num: int) -> float:
+def register_all(pager: Pager, pool: list[dict], setting: Setting, num: int, threads: int | None = None) -> float:
+    """Registers a0..a{num-1} (copies of the pool's weight sets) from a few threads; returns seconds.
+
+    `Pager.register` is thread-safe and its work (validate, pack, pin) is numpy and device copies
+    that release the GIL, so threads overlap it.
+    """
+    adapters = [HostAdapter(name=f"pool{i}", rank=setting.rank, target_modules=setting.modules,
+                            weights=pool[i]) for i in range(len(pool))]
+
+    def register(i: int) -> None:
+        pager.register(f"a{i}", adapters[i % len(adapters)])  # registered under its own name
+
+    threads = threads or min(8, os.cpu_count() or 1)
     t0 = time.perf_counter()
-    for i in range(num):
-        adapter = HostAdapter(name=f"a{i}", rank=setting.rank, target_modules=setting.modules,
-                              weights=pool[i % len(pool)])
-        pager.register(adapter.name, adapter)
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool_:
+        list(pool_.map(register, range(num)))
     return time.perf_counter() - t0
 
 
-def num_registered(setting: Setting, slot_bytes: int) -> int:
+def num_registered(setting: Setting, slot_bytes: int, host_bytes: int | None) -> int:
+    """The setting's count, or as many as `host_bytes` (default: half the free memory) holds."""
+    if host_bytes is None:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        host_bytes = int(0.5 * free)
+    fit = int(host_bytes // slot_bytes)
     if setting.registered is not None:
-        return setting.registered
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return max(setting.slots, min(setting.max_registered, int(0.5 * free // slot_bytes)))
+        return min(setting.registered, fit)
+    return min(setting.max_registered, fit)
 
 
 def run_loop(pager: Pager, step, base, model: ModelConfig, setting: Setting, requests: list[str]) -> dict:
@@ -232,13 +258,20 @@ def timed_page_ins(pager: Pager, names: list[str]) -> tuple[float, float]:
     return float(np.median(samples)) * 1e3, gbps
 
 
-def run_setting(setting: Setting, model: ModelConfig, exponents: list[float], base, host_memory: str) -> list[dict]:
+def run_setting(setting: Setting, model: ModelConfig, exponents: list[float], base, host_memory: str, *,
+                host_bytes: int | None = None, deadline: float = float("inf"),
+                on_row=lambda row: None) -> list[dict]:
+    """Rows for each exponent; stops before an exponent once time.perf_counter() passes `deadline`."""
     lora = LoraConfig(max_slots=setting.slots + 1, max_rank=setting.rank, target_modules=setting.modules)
     step = make_step(lora)
     pool = adapter_pool(model, setting)
     rows = []
-    pager = Pager(model, lora, dtype=DTYPE, host_memory=host_memory)
-    registered = num_registered(setting, pager.slot_nbytes)
+    pager = Pager(model, lora, dtype=DTYPE, host_memory=host_memory, host_capacity_bytes=host_bytes)
+    registered = num_registered(setting, pager.slot_nbytes, host_bytes)
+    if registered < setting.slots + 1:
+        print(f"[{setting.name}] skipped: the host budget holds {registered} adapters of "
+              f"{pager.slot_nbytes / 2**20:.1f} MiB, not more than the {setting.slots} slots", flush=True)
+        return []
     reg_s = register_all(pager, pool, setting, registered)
     print(f"[{setting.name}] registered {registered} x {pager.slot_nbytes / 2**20:.1f} MiB in {reg_s:.1f} s",
           flush=True)
@@ -253,6 +286,9 @@ def run_setting(setting: Setting, model: ModelConfig, exponents: list[float], ba
     register_all(pageable, pool, setting, setting.slots + 1)
     rng = np.random.default_rng(1)
     for alpha in exponents:
+        if time.perf_counter() > deadline:
+            print(f"[{setting.name}] time budget spent: skipping exponent {alpha} and after", flush=True)
+            break
         idx = (rng.power(alpha, setting.requests) * registered).astype(int)
         # Warm-up (compiles the step), then the measured runs.
         run_loop(resident, step, base, model, dataclasses.replace(setting, requests=setting.rows, new_tokens=2),
@@ -268,6 +304,7 @@ def run_setting(setting: Setting, model: ModelConfig, exponents: list[float], ba
         row = {
             "setting": setting.name, "rank": setting.rank, "modules": list(setting.modules),
             "adapter_MB": round(pager.slot_nbytes / 1e6, 2), "registered": registered, "slots": setting.slots,
+            "registration_s": round(reg_s, 2), "host_GB_registered": round(registered * pager.slot_nbytes / 1e9, 2),
             "rows": setting.rows, "requests": setting.requests, "new_tokens": setting.new_tokens,
             "popularity_exponent": alpha, "distinct_adapters": int(len(set(idx))),
             "tokens_per_s": round(paged["tokens_per_s"], 1),
@@ -282,13 +319,14 @@ def run_setting(setting: Setting, model: ModelConfig, exponents: list[float], ba
         }
         print(json.dumps(row), flush=True)
         rows.append(row)
+        on_row(row)
     return rows
 
 
 # -- output -----------------------------------------------------------------------------------------
 
 
-def write_results(payload: dict, out: Path) -> None:
+def write_results(payload: dict, out: Path, plot: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "paging.json").write_text(json.dumps(payload, indent=1))
     cols = ["setting", "registered", "slots", "popularity_exponent", "tokens_per_s", "all_resident_tokens_per_s",
@@ -296,10 +334,13 @@ def write_results(payload: dict, out: Path) -> None:
     lines = [f"# Adapter paging ({payload['device']}, jax {payload['jax_version']})", "",
              f"Command: `{payload['command']}`", "",
              f"Host->device: pinned {payload['h2d_pinned_GBps']} GB/s, pageable {payload['h2d_pageable_GBps']} GB/s "
-             f"({payload['h2d_bytes'] / 1e6:.0f} MB copies). Step: {payload['step']}.", "",
+             f"({payload['h2d_bytes'] / 1e6:.0f} MB copies); pinned at one adapter's size: "
+             f"{payload.get('h2d_pinned_adapter_GBps')}. Step: {payload['step']}.", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in payload["rows"]]
     (out / "paging.md").write_text("\n".join(lines) + "\n")
+    if not plot or not payload["rows"]:
+        return
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -331,27 +372,49 @@ def main() -> None:
     parser.add_argument("--registered", type=int, default=None,
                         help="registered adapters per setting (default: the setting's own, 2000 for s1)")
     parser.add_argument("--requests", type=int, default=None, help="requests per run (default: the setting's)")
+    parser.add_argument("--host-gb", type=float, default=None,
+                        help="host budget for registered adapters, GB; caps --registered, and the 'full' setting "
+                             "registers as many as fit (default: half the free memory)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="stop starting new settings/exponents after this many seconds; results so far are written")
     args = parser.parse_args()
+    t_start = time.perf_counter()
+    deadline = t_start + args.budget_s if args.budget_s is not None else float("inf")
+    host_bytes = int(args.host_gb * 1e9) if args.host_gb is not None else None
     model = TINY if args.tiny else LLAMA2_7B
     dev = jax.devices()[0]
     print("device", dev.device_kind, "jax", jax.__version__, flush=True)
     h2d_bytes = (1 << 20) if args.tiny else (1 << 30)
     pinned = round(h2d_gbps(h2d_bytes, pinned=True), 2) if has_pinned_host() else None
     pageable = round(h2d_gbps(h2d_bytes, pinned=False), 2)
-    print(f"h2d GB/s: pinned {pinned}, pageable {pageable}", flush=True)
+    adapter_bytes = 16_777_216 if not args.tiny else 1 << 16  # one S1 adapter (rank 8, q/k/v/o, bf16)
+    pinned_small = round(h2d_gbps(adapter_bytes, pinned=True, reps=30), 2) if has_pinned_host() else None
+    print(f"h2d GB/s: pinned {pinned}, pageable {pageable}, pinned at {adapter_bytes / 1e6:.1f} MB {pinned_small}",
+          flush=True)
     base = random_base(model, jax.random.key(0))
-    rows = []
-    for name in args.setting or ["s1", "full"]:
-        setting = settings(args.tiny)[name]
-        if args.registered is not None:
-            setting = dataclasses.replace(setting, registered=max(args.registered, setting.slots))
-        if args.requests is not None:
-            setting = dataclasses.replace(setting, requests=args.requests)
-        rows += run_setting(setting, model, args.exponents, base, args.host_memory)
+    rows: list[dict] = []
     payload = {"device": str(dev.device_kind), "jax_version": jax.__version__, "h2d_pinned_GBps": pinned,
-               "h2d_pageable_GBps": pageable, "h2d_bytes": h2d_bytes, "model": model.name,
+               "h2d_pageable_GBps": pageable, "h2d_bytes": h2d_bytes, "h2d_pinned_adapter_GBps": pinned_small,
+               "h2d_adapter_bytes": adapter_bytes, "model": model.name, "host_gb": args.host_gb,
+               "budget_s": args.budget_s,
                "step": "stand-in (layer scan: base projections + XLA-gather LoRA, no attention/KV)",
                "command": "python " + " ".join(sys.argv), "rows": rows}
+    not_run = []
+    for name in args.setting or ["s1", "full"]:
+        if time.perf_counter() > deadline:
+            print(f"time budget spent: skipping setting {name}", flush=True)
+            not_run.append(name)
+            continue
+        setting = settings(args.tiny)[name]
+        if args.registered is not None:
+            setting = dataclasses.replace(setting, registered=max(args.registered, setting.slots + 1))
+        if args.requests is not None:
+            setting = dataclasses.replace(setting, requests=args.requests)
+        # Results are rewritten after every row, so a run cut short still leaves what it measured.
+        run_setting(setting, model, args.exponents, base, args.host_memory, host_bytes=host_bytes,
+                    deadline=deadline, on_row=lambda row: (rows.append(row), write_results(payload, args.out, plot=False)))
+    payload["not_run"] = not_run
+    payload["seconds"] = round(time.perf_counter() - t_start, 1)
     write_results(payload, args.out)
     print(f"wrote {args.out / 'paging.json'}", flush=True)
 
