@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # Device calls for issues 8 and 6, each under a hard wall clock (one call may run 600 s at most).
-#   bash benchmarks/run_h200.sh OUT_DIR TOTAL_S 1                   # e2e plan head, paging, HF peer
-#   bash benchmarks/run_h200.sh OUT_DIR TOTAL_S 2 SKIP PART1_JSON   # the rest of the e2e plan
-# Part 1 runs the engine benchmark first (its top groups carry the targets), then the paging
-# benchmark, then the Hugging Face peer in its own process; each part gets a share of the budget
-# and stops adding cases when it is spent (results are rewritten after every case).
+#   bash benchmarks/run_h200.sh OUT_DIR TOTAL_S 1 [SKIP EARLIER_JSON]  # `jaxlora bench`, plan order
+#   bash benchmarks/run_h200.sh OUT_DIR TOTAL_S 2                      # paging (S1), then the HF peer
+# Every benchmark stops adding cases when its budget is spent and rewrites its results after every
+# case, so a cut run keeps what it measured. The HF peer runs last, in its own process (torch).
 set -o pipefail
 out="${1:?OUT_DIR}"; total="${2:-580}"; part="${3:-1}"
 t0=$(date +%s)
@@ -13,19 +12,14 @@ export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 log="$out/log_part$part.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$log"
 
-if [ "$part" = 2 ]; then
-  budget=$(( $(left) - 25 ))
-  echo "== e2e part 2 from group $4, budget ${budget} s" | tee -a "$log"
+if [ "$part" = 1 ]; then
+  budget=$(( $(left) - 40 ))
+  echo "== e2e, budget ${budget} s" | tee -a "$log"
   PYTHONPATH=. timeout $(( $(left) - 5 )) python3 -m jaxlora.cli.main bench --out "$out" --budget-s "$budget" \
-    --skip-groups "$4" --merge-json "$5" --no-plots 2>&1 | grep -v "^WARNING\|Deprecation" | tee -a "$log"
+    --no-plots ${4:+--skip-groups "$4" --merge-json "$5"} 2>&1 | grep -v "^WARNING\|Deprecation" | tee -a "$log"
   echo "== done at $(( $(date +%s) - t0 )) s" | tee -a "$log"
   exit 0
 fi
-
-budget=$(( $(left) - 300 ))
-echo "== e2e part 1, budget ${budget} s" | tee -a "$log"
-PYTHONPATH=. timeout $(( budget + 40 )) python3 -m jaxlora.cli.main bench --out "$out" --budget-s "$budget" \
-  --no-plots 2>&1 | grep -v "^WARNING\|Deprecation" | tee -a "$log"
 
 echo "== paging ($(left) s left)" | tee -a "$log"
 PYTHONPATH=. timeout $(( $(left) - 150 )) python3 benchmarks/paging.py --setting s1 --exponents 1 0.1 \
