@@ -17,9 +17,10 @@ Engine loop order, per step (jaxlora.engine.Engine.step): admit (acquire once pe
 waiting for a page-in progress. Read `pager.bank` afresh for every step: `commit` donates the old one.
 
 Overlap comes from JAX's asynchronous dispatch: `commit` returns as soon as the copies and writes are
-enqueued, while step N is still running on the device, so the host->device copies run under it. The
-write consumes the bank step N reads, so it is ordered after that step, and step N+1 consumes the
-written bank, so it waits for the write. A pinned slot is never evicted, so no row of a step in
+enqueued, while step N is still running on the device, so the host->device copies run under it:
+`commit` issues every copy first (they read nothing of the bank), then the writes. A write consumes
+the bank step N reads, so it is ordered after that step, and step N+1 consumes the written bank, so
+it waits for the writes. A pinned slot is never evicted, so no row of a step in
 flight can see its adapter change under it.
 
 Threads: the engine loop calls acquire/release/commit/prefetch; gRPC threads call
@@ -29,7 +30,8 @@ the device calls in `commit` run with the lock released.
 Tensor parallelism: with a `mesh` the bank is split over the devices S-LoRA style
 (jaxlora.parallel.sharding); every page-in copies the adapter's flat buffer whole to each device of
 the mesh (replicated, still one buffer) and the jitted write keeps each shard's part, so the written
-bank keeps its layout.
+bank keeps its layout. The copy is staged: host -> the pager's `device` (the one pinned_host copy),
+then device -> every device of the mesh.
 """
 
 from __future__ import annotations
@@ -157,9 +159,9 @@ class Pager:
 
         self.bank = shard_bank(self.bank, mesh)
         # The flat buffer is copied whole to every device of the mesh (replicated); the jitted write
-        # slices out what each shard of the bank holds, on the device. That moves more bytes than
-        # per-shard copies, but each device has its own host link and the write compiles once, like
-        # the single-device one.
+        # slices out what each shard of the bank holds, on the device, and compiles once like the
+        # single-device one. The copy goes host -> `device` first (one transfer off pinned_host, the
+        # path the single-device pager uses), then device -> mesh over the device links (see _write).
         self._entry_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.mesh = mesh
         self._warm_up()
@@ -317,7 +319,15 @@ class Pager:
         with self._lock:
             self._serve_waiting()
             ops = self._take_pending()
-        done = [(slot, name, self._write(slot, entries)) for slot, name, entries in ops]
+        if self.time_transfers:  # one at a time, each copy and write timed on its own
+            done = [(slot, name, self._write(slot, flat)) for slot, name, flat in ops]
+        else:
+            # Every copy first: they need nothing from the bank, so all of them start at once, under
+            # the step in flight; each write then waits only for its own copy (and that step).
+            copies = [(slot, name, self._to_device(flat)) for slot, name, flat in ops]
+            for slot, _, on_device in copies:
+                self.bank = write_slot_flat(self.bank, slot, on_device)
+            done = [(slot, name, None) for slot, name, _ in copies]
         with self._lock:
             for slot, name, seconds in done:
                 self._finish_write(slot, name, seconds)
@@ -428,14 +438,20 @@ class Pager:
         into `slot` of the donated bank. With `time_transfers`, blocks and returns the seconds from
         the copy's dispatch to the written bank."""
         start = time.perf_counter()
-        if flat is None:
-            flat = self._zeros_flat
-        on_device = jax.device_put(flat, self._entry_sharding)
-        self.bank = write_slot_flat(self.bank, slot, on_device)
+        self.bank = write_slot_flat(self.bank, slot, self._to_device(flat))
         if not self.time_transfers:
             return None
         jax.block_until_ready(self.bank)
         return time.perf_counter() - start
+
+    def _to_device(self, flat: np.ndarray | jax.Array | None) -> jax.Array:
+        """Starts the copy of one flat buffer (None: zeros) to where the slot write reads it."""
+        if flat is None:
+            flat = self._zeros_flat
+        if self.mesh is None:
+            return jax.device_put(flat, self._entry_sharding)
+        # host -> one device in one copy, then replicated device-to-device over the mesh
+        return jax.device_put(jax.device_put(flat, self._device_sharding), self._entry_sharding)
 
     def _on_host(self, flat: np.ndarray) -> np.ndarray | jax.Array:
         """`flat` where registered adapters live (pinned_host, or numpy)."""
