@@ -13,9 +13,9 @@ Adapter page-ins overlap the step. A step admits requests (pinning their adapter
 page-ins for adapters not on the device), dispatches prefill and decode on the current bank, and only
 then calls the pager's `commit()`: the host->device copies of the queued adapters run while the step
 is in flight, and their in-place slot writes consume the bank that step reads, so JAX orders them
-after it. The engine then blocks on the step's sampled ids. Adapters written by that commit are
-ready (`is_ready`) for the next step's admission. A step with nothing to run still commits, so
-requests waiting for a page-in make progress.
+after it. The engine then blocks on the *previous* step's sampled ids (it runs one step behind,
+see `Engine.step`). Adapters written by that commit are ready (`is_ready`) for the next step's
+admission. A step with nothing to run still commits, so requests waiting for a page-in make progress.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from jaxlora.engine.request import (
     RequestOutput,
 )
 from jaxlora.engine.runner import Runner, num_traces
-from jaxlora.engine.scheduler import Scheduler
+from jaxlora.engine.scheduler import PrefillPlan, Scheduler
 from jaxlora.errors import CapacityError, JaxloraError, RequestError, UnknownAdapterError
 from jaxlora.lora.apply import LoraRuntime
 from jaxlora.model.params import LoadedModel
@@ -141,6 +141,7 @@ class Engine:
         self._seeds = random.Random()
         self._counters = _Counters()
         self._traces_at_warmup: int | None = None
+        self._inflight: _Inflight | None = None  # the dispatched step whose ids are not read yet
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._draining = False
@@ -180,8 +181,17 @@ class Engine:
 
     # The loop.
     def step(self) -> list[RequestOutput]:
-        """One engine step: admit, one prefill call and one decode call, issue the pager's queued
-        page-ins (they overlap the dispatched calls), stream the new tokens."""
+        """One engine step: admit; dispatch one decode call and one prefill call; issue the pager's
+        queued page-ins (they overlap the dispatched calls); then read the *previous* step's sampled
+        ids and stream those tokens.
+
+        The engine runs one step behind: step N+1 is on the device's queue before the host blocks on
+        step N's ids, so the host's work (stop checks, detokenizing, scheduling, building the next
+        inputs) overlaps device work instead of leaving the device idle between steps. Rows whose
+        token is not read yet are fed from the device (`Runner.decode`). The cost: a request that
+        stops on an EOS id or a stop string has one extra row-step computed and thrown away;
+        `max_tokens` is known in advance and never overshoots.
+        """
         outputs: list[RequestOutput] = []
         self._take_inbox(outputs)
         admitted, failed = self.scheduler.schedule()
@@ -189,17 +199,17 @@ class Engine:
             self._finish(req, FinishReason.ERROR, outputs, error=str(err))
         bank = None if self.pager is None else self.pager.bank
         plan = self.scheduler.plan_prefill()
-        decoding = self.scheduler.decode_requests()
+        decoding = [r for r in self.scheduler.decode_requests() if r.num_dispatched < r.sampling.max_tokens]
         if plan is None and not decoding:
             self._commit_page_ins()  # nothing to overlap: issue them now, so waiting requests progress
+            self._read_inflight(outputs)
             return outputs
-        prefill_ids = None if plan is None else self.runner.prefill(bank, plan)
+        # Decode first: it may read the previous prefill's ids, which this step's prefill replaces.
         decode_ids = self.runner.decode(bank, decoding) if decoding else None
+        prefill_ids = None if plan is None else self.runner.prefill(bank, plan)
         del bank  # the commit donates it; the dispatched calls hold their own references
         # Page-ins queued by this step's admissions (and earlier ones) go out while the step runs.
         self._commit_page_ins()
-        # The one host round trip of the step: the sampled ids, needed for stop checks.
-        prefill_ids, decode_ids = jax.device_get((prefill_ids, decode_ids))
         self._counters.steps += 1
         if plan is not None:
             self._counters.prefill_calls += 1
@@ -208,12 +218,33 @@ class Engine:
                 req.num_prefilled += chunk.length
                 if chunk.is_last:
                     req.phase = Phase.DECODE
-                    self._append_token(req, int(prefill_ids[i]), outputs)
+                    req.num_pending, req.pending_src = req.num_pending + 1, self.config.max_batch + i
         if decoding:
             self._counters.decode_calls += 1
             for req in decoding:
-                self._append_token(req, int(decode_ids[req.row]), outputs)
+                req.num_pending, req.pending_src = req.num_pending + 1, req.row
+        self._read_inflight(outputs)
+        self._inflight = _Inflight(plan=plan, decoding=decoding, prefill_ids=prefill_ids, decode_ids=decode_ids)
         return outputs
+
+    def _read_inflight(self, outputs: list[RequestOutput]) -> None:
+        """Blocks on the previous step's sampled ids (the one host round trip) and streams them."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        prefill_ids, decode_ids = jax.device_get((inflight.prefill_ids, inflight.decode_ids))
+        if inflight.plan is not None:
+            for i, chunk in enumerate(inflight.plan.chunks):
+                if chunk.is_last:
+                    self._take_token(chunk.request, int(prefill_ids[i]), outputs)
+        for req in inflight.decoding:
+            self._take_token(req, int(decode_ids[req.row]), outputs)
+
+    def _take_token(self, req: Request, token: int, outputs: list[RequestOutput]) -> None:
+        if req.is_finished:  # stopped (or cancelled) after this step was dispatched: a wasted row
+            return
+        req.num_pending -= 1
+        self._append_token(req, token, outputs)
 
     def _commit_page_ins(self) -> None:
         if self.pager is not None:
@@ -221,7 +252,10 @@ class Engine:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._inbox or self._cancels) or not self.scheduler.is_idle
+            return bool(self._inbox or self._cancels) or not self._is_idle()
+
+    def _is_idle(self) -> bool:
+        return self.scheduler.is_idle and self._inflight is None
 
     def run_until_idle(self) -> None:
         while self.has_work():
@@ -240,6 +274,8 @@ class Engine:
                 try:
                     handles[i] = self.submit(r)
                 except CapacityError:
+                    if self._stopping and not self.is_running:
+                        raise  # stopped for good: waiting would never make room
                     break
                 except JaxloraError as e:
                     results[i] = _error_output(r.request_id, str(e))
@@ -292,9 +328,9 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._inbox or self._cancels or self._stopping) and self.scheduler.is_idle:
+                while not (self._inbox or self._cancels or self._stopping) and self._is_idle():
                     self._wake.wait()
-                if self._stopping and not self._inbox and not self._cancels and self.scheduler.is_idle:
+                if self._stopping and not self._inbox and not self._cancels and self._is_idle():
                     return
             try:
                 self.step()
@@ -444,10 +480,21 @@ class Engine:
                 log.exception("callback of request %s raised", out.request_id)
 
     def _fail_all(self, message: str) -> None:
+        self._inflight = None  # its ids may never arrive; its requests fail below
         outputs: list[RequestOutput] = []
         for req in list(self.scheduler.running.values()):
             self._finish(req, FinishReason.ERROR, outputs, error=message)
         self.runner.reset_cache()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inflight:
+    """A dispatched step whose sampled ids the host has not read: next_ids [P] and [B] on device."""
+
+    plan: PrefillPlan | None
+    decoding: list[Request]
+    prefill_ids: jax.Array | None
+    decode_ids: jax.Array | None
 
 
 def _error_output(request_id: str, error: str) -> FinalOutput:

@@ -166,6 +166,11 @@ class Request:
         self.has_pin = False  # holds one pager acquire of its adapter (released at finish)
         self.num_prefilled = 0
         self.output_ids: list[int] = []
+        # Tokens sampled by dispatched steps whose ids the host has not read yet (0, 1, or 2 for the
+        # moment between dispatching step N+1 and reading step N), and where the newest one is in the
+        # runner's last outputs (see jaxlora.engine.runner).
+        self.num_pending = 0
+        self.pending_src = -1
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
 
@@ -178,13 +183,18 @@ class Request:
         return len(self.output_ids)
 
     @property
+    def num_dispatched(self) -> int:
+        """Output tokens read plus those still in flight."""
+        return self.num_output + self.num_pending
+
+    @property
     def last_token(self) -> int:
         return self.output_ids[-1]
 
     @property
     def next_position(self) -> int:
-        """Position of the token fed to the next decode step (the last sampled one)."""
-        return self.num_prompt + self.num_output - 1
+        """Position of the token fed to the next decode step (the last sampled one, read or not)."""
+        return self.num_prompt + self.num_dispatched - 1
 
     @property
     def is_finished(self) -> bool:

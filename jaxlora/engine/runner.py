@@ -4,7 +4,13 @@ Two jitted functions, each compiled once per static shape at warm-up:
 
     prefill(params, bank, kv*, tokens[P, bucket], positions[P, bucket], row_ids[P], slot_ids[P],
             last_idx[P], sampling[P]) -> (next_ids[P], kv)       one per bucket, P = prefill_batch
-    decode(params, bank, kv*, tokens[B], positions[B], slot_ids[B], sampling[B]) -> (next_ids[B], kv)
+    decode(params, bank, kv*, tokens[B], positions[B], slot_ids[B], sampling[B], feed) -> (next_ids[B], kv)
+
+A decode row's input token may still be on the device: the engine dispatches step N+1 before it
+reads step N's ids (one step behind, so the host's work overlaps the device's). `feed` = (src [B],
+last_decode_ids [B], last_prefill_ids [P]) says where each row's token comes from: src = -1 is the
+host's `tokens[b]`, src in [0, B) is the previous decode's id of that row, src = B + i is row i of
+the previous prefill's ids. The runner keeps those last outputs itself.
 
 (* donated: the cache is updated in place.) With `config.mesh.tensor > 1` the same steps run per shard
 under `shard_map` (jaxlora.parallel): params, bank and cache stay split over the mesh. Padding rows are harmless by construction: a prefill
@@ -61,10 +67,14 @@ def prefill_step(params, bank, kv, tokens, positions, row_ids, slot_ids, last_id
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "mesh"), donate_argnames=("kv",))
-def decode_step(params, bank, kv, tokens, positions, slot_ids, sampling, *, graphdef, runtime, mesh=None):
-    """One token for each of the B rows (batch row i is cache row i)."""
+def decode_step(params, bank, kv, tokens, positions, slot_ids, sampling, feed=None, *, graphdef, runtime, mesh=None):
+    """One token for each of the B rows (batch row i is cache row i); `feed` as in the module doc."""
     global _num_traces
     _num_traces += 1
+    if feed is not None:
+        src, last_decode, last_prefill = feed
+        on_device = jnp.concatenate([last_decode, last_prefill])[jnp.maximum(src, 0)]
+        tokens = jnp.where(src >= 0, on_device, tokens)
 
     def step(params, bank, kv, tokens, positions, slot_ids, sampling, *, tensor_axis):
         mod = nnx.merge(graphdef, params)
@@ -89,6 +99,9 @@ class Runner:
         self._static = dict(graphdef=model.graphdef, runtime=runtime)
         if self.mesh is not None:  # one device: the same jit cache key as callers that never pass a mesh
             self._static["mesh"] = self.mesh
+        # The last sampled ids of each step function, still on the device (see the module doc).
+        self.last_decode_ids: jax.Array | np.ndarray = np.zeros(config.max_batch, np.int32)
+        self.last_prefill_ids: jax.Array | np.ndarray = np.zeros(config.prefill_batch, np.int32)
 
     def _new_cache(self) -> KVCache:
         cfg, model = self.config, self.model
@@ -113,21 +126,34 @@ class Runner:
         sampling = sampling_arrays([c.request for c in plan.chunks], P)
         next_ids, self.kv = prefill_step(self.params, bank, self.kv, tokens, positions, row_ids,
                                           slot_ids, last_idx, sampling, **self._static)
+        self.last_prefill_ids = next_ids
         return next_ids
 
     def decode(self, bank: Bank | None, requests: Sequence[Request]) -> jax.Array:
-        """One token for every decoding request; returns next ids [B] indexed by row."""
+        """One token for every decoding request; returns next ids [B] indexed by row.
+
+        A request whose last token is still on the device (`r.pending_src >= 0`, an index into the
+        last decode's and prefill's ids as in the module doc) is fed from there; call `decode`
+        before `prefill` in a step, so that `last_prefill_ids` are still the previous step's.
+        """
         B = self.config.max_batch
         tokens = np.zeros(B, np.int32)
+        src = np.full(B, -1, np.int32)
         positions = np.full(B, self.config.max_seq_len, np.int32)
         slot_ids = np.zeros(B, np.int32)
         by_row: list[Request | None] = [None] * B
         for r in requests:
-            tokens[r.row], positions[r.row], slot_ids[r.row] = r.last_token, r.next_position, r.slot
+            if r.num_pending:
+                src[r.row] = r.pending_src
+            else:
+                tokens[r.row] = r.last_token
+            positions[r.row], slot_ids[r.row] = r.next_position, r.slot
             by_row[r.row] = r
         sampling = sampling_arrays(by_row, B)
-        next_ids, self.kv = decode_step(self.params, bank, self.kv, tokens, positions, slot_ids, sampling,
-                                     **self._static)
+        feed = (src, self.last_decode_ids, self.last_prefill_ids)
+        next_ids, self.kv = decode_step(self.params, bank, self.kv, tokens, positions, slot_ids, sampling, feed,
+                                        **self._static)
+        self.last_decode_ids = next_ids
         return next_ids
 
     def reset_cache(self) -> None:
@@ -152,5 +178,5 @@ def sampling_arrays(requests: Sequence[Request | None], rows: int) -> SamplingAr
             continue
         p = r.sampling
         s.temperature[i], s.top_k[i], s.top_p[i] = p.temperature, p.top_k, p.top_p
-        s.seed[i], s.counter[i] = r.seed, r.num_output
+        s.seed[i], s.counter[i] = r.seed, r.num_dispatched  # index of the token this step samples
     return s

@@ -201,31 +201,6 @@ def test_queue_full_raises_capacity_error(parts):
     assert small.compiles_after_warmup == 0
 
 
-def test_background_loop_serves_threads_and_drains_on_stop(engine):
-    requests = traffic(8, seed=5)
-    expected = [o.token_ids for o in engine.generate(requests)]
-    engine.start()
-    try:
-        results: dict[str, tuple[int, ...]] = {}
-
-        def client(r):
-            results[r.request_id] = engine.submit(r).result(60).token_ids
-
-        threads = [threading.Thread(target=client, args=(r,)) for r in requests]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert [results[r.request_id] for r in requests] == expected
-        assert [o.token_ids for o in engine.generate(requests)] == expected  # generate() on the loop
-        late = engine.submit(GenerationRequest(request_id="late", prompt_ids=[1, 8], sampling=SamplingParams(max_tokens=20)))
-    finally:
-        engine.stop(drain=True, timeout=60)
-    assert late.result(0).finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
-    with pytest.raises(CapacityError):
-        engine.submit(GenerationRequest(request_id="after", prompt_ids=[1, 8]))
-
-
 def test_page_ins_are_committed_after_the_step_is_dispatched(engine, monkeypatch):
     """commit() runs after prefill/decode are dispatched and before the sampled ids are fetched, so the
     copies overlap the step; a step with nothing to run still commits, so waiting requests progress."""
@@ -253,14 +228,72 @@ def test_page_ins_are_committed_after_the_step_is_dispatched(engine, monkeypatch
         for out in engine.generate(requests):
             assert out.error is None and out.completion_tokens >= 1
     assert engine.pager.metrics.page_ins > page_ins and engine.compiles_after_warmup == 0
+    # Each step: its dispatches, the commit, then (one step behind) the read of the previous step's ids.
     steps, current = [], []
-    for e in events:
+    for i, e in enumerate(events):
         current.append(e)
-        if e in ("device_get",) or current == ["commit"]:
+        if e == "device_get" or (e == "commit" and events[i + 1:i + 2] != ["device_get"]):
             steps.append(current)
             current = []
     assert not current and steps
+    assert steps[0][-1] == "commit"  # the first dispatching step has nothing in flight to read
     for s in steps:
-        if s == ["commit"]:
-            continue  # a step with nothing to run
-        assert s[-2:] == ["commit", "device_get"] and set(s[:-2]) <= {"prefill", "decode"} and s[:-2], s
+        body = s[:s.index("commit")]
+        assert set(body) <= {"prefill", "decode"} and s[len(body):] in (["commit"], ["commit", "device_get"]), s
+        assert body.count("decode") <= 1 and body.count("prefill") <= 1 and body != ["prefill", "decode"], s
+
+
+def test_engine_runs_one_step_behind(engine, monkeypatch):
+    """Step N+1 is dispatched before step N's ids are read; rows are fed their token on the device."""
+    events: list[str] = []
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    engine.run_until_idle()
+    monkeypatch.setattr(engine.runner, "prefill", spy("prefill", engine.runner.prefill))
+    monkeypatch.setattr(engine.runner, "decode", spy("decode", engine.runner.decode))
+    monkeypatch.setattr(jax, "device_get", spy("device_get", jax.device_get))
+    request = GenerationRequest(request_id="behind", prompt_ids=[1, 20, 21, 22], sampling=SamplingParams(max_tokens=3))
+    handle = engine.submit(request)
+    assert engine.step() == [] and events == ["prefill"]  # dispatched, not read
+    first = engine.step()  # decode fed the prefill's id on the device, then the prefill's id is read
+    assert events[1:] == ["decode", "device_get"] and [o.completion_tokens for o in first] == [1]
+    engine.run_until_idle()
+    tokens = handle.result().token_ids
+    assert len(tokens) == 3 and engine.compiles_after_warmup == 0
+    # max_tokens is known ahead: no decode is dispatched past the third token.
+    assert events.count("decode") == 2
+    solo = engine.generate([GenerationRequest(request_id="again", prompt_ids=[1, 20, 21, 22],
+                                              sampling=SamplingParams(max_tokens=3))])[0]
+    assert solo.token_ids == tokens
+
+
+def test_background_loop_serves_threads_and_drains_on_stop(engine):
+    requests = traffic(8, seed=5)
+    expected = [o.token_ids for o in engine.generate(requests)]
+    engine.start()
+    try:
+        results: dict[str, tuple[int, ...]] = {}
+
+        def client(r):
+            results[r.request_id] = engine.submit(r).result(60).token_ids
+
+        threads = [threading.Thread(target=client, args=(r,)) for r in requests]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [results[r.request_id] for r in requests] == expected
+        assert [o.token_ids for o in engine.generate(requests)] == expected  # generate() on the loop
+        late = engine.submit(GenerationRequest(request_id="late", prompt_ids=[1, 8], sampling=SamplingParams(max_tokens=20)))
+    finally:
+        engine.stop(drain=True, timeout=60)
+    assert late.result(0).finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    with pytest.raises(CapacityError):
+        engine.submit(GenerationRequest(request_id="after", prompt_ids=[1, 8]))
+    with pytest.raises(CapacityError):  # stopped for good: generate() raises instead of waiting forever
+        engine.generate([GenerationRequest(request_id="after", prompt_ids=[1, 8])])
