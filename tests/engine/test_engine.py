@@ -201,9 +201,10 @@ def test_queue_full_raises_capacity_error(parts):
     assert small.compiles_after_warmup == 0
 
 
-def test_page_ins_are_committed_after_the_step_is_dispatched(engine, monkeypatch):
+def test_page_ins_are_committed_after_the_step_is_dispatched(parts, monkeypatch):
     """commit() runs after prefill/decode are dispatched and before the sampled ids are fetched, so the
     copies overlap the step; a step with nothing to run still commits, so waiting requests progress."""
+    engine = make_engine(parts)  # its own engine: the shared one is stopped by the background-loop test
     events: list[str] = []
 
     def spy(name, fn):
