@@ -5,7 +5,8 @@ device (every adapter resident: this measures decoding, not paging), and the rea
 
 Each *group* is one compiled engine: backend x adapter setting x batch x prompt length. Within a
 group only data changes, so several distinct-adapter counts (row i on adapter i % d; d = 0 is every
-row on the base slot 0, with the LoRA kernels still in the step) cost no extra compile. Per cell:
+row on the base slot 0) cost no extra compile. At d = 0, step_ms times the step with the bank (the
+LoRA kernels still run), while the engine run behind tokens_per_s dispatches its bank-free step. Per cell:
 
   step_ms        the jitted decode step (`runner.decode_step`), `steps` calls back to back with the
                  cache fed through, one block at the end, every row at the mean context

@@ -6,6 +6,10 @@ Two jitted functions, each compiled once per static shape at warm-up:
             last_idx[P], sampling[P]) -> (next_ids[P], kv)       one per bucket, P = prefill_batch
     decode(params, bank, kv*, tokens[B], positions[B], slot_ids[B], sampling[B], feed) -> (next_ids[B], kv)
 
+A step none of whose rows has an adapter (every slot 0) runs without the bank: the same math (slot 0
+is all zero) without the LoRA launches, which cost a decode step about as much as 64 adapters' bytes
+(benchmarks/NOTES.md). Both variants are compiled at warm-up.
+
 A decode row's input token may still be on the device: the engine dispatches step N+1 before it
 reads step N's ids (one step behind, so the host's work overlaps the device's). `feed` = (src [B],
 last_decode_ids [B], last_prefill_ids [P]) says where each row's token comes from: src = -1 is the
@@ -110,8 +114,11 @@ class Runner:
         return init_sharded_kv_cache(model.config, cfg.max_batch, cfg.max_seq_len, model.dtype, self.mesh)
 
     # Host side.
-    def prefill(self, bank: Bank | None, plan: PrefillPlan) -> jax.Array:
-        """Runs one chunk per planned row; returns next ids [P] (meaningful for last chunks only)."""
+    def prefill(self, bank: Bank | None, plan: PrefillPlan, *, lora: bool | None = None) -> jax.Array:
+        """Runs one chunk per planned row; returns next ids [P] (meaningful for last chunks only).
+
+        lora: run with the bank (True) or without (False); None: only if a row has an adapter.
+        """
         P, T, B = self.config.prefill_batch, plan.bucket, self.config.max_batch
         tokens = np.zeros((P, T), np.int32)
         positions = np.tile(np.arange(T, dtype=np.int32), (P, 1))
@@ -124,17 +131,19 @@ class Runner:
             positions[i] += c.start
             row_ids[i], slot_ids[i], last_idx[i] = r.row, r.slot, c.length - 1
         sampling = sampling_arrays([c.request for c in plan.chunks], P)
+        bank = _bank_for(bank, slot_ids, lora)
         next_ids, self.kv = prefill_step(self.params, bank, self.kv, tokens, positions, row_ids,
                                           slot_ids, last_idx, sampling, **self._static)
         self.last_prefill_ids = next_ids
         return next_ids
 
-    def decode(self, bank: Bank | None, requests: Sequence[Request]) -> jax.Array:
+    def decode(self, bank: Bank | None, requests: Sequence[Request], *, lora: bool | None = None) -> jax.Array:
         """One token for every decoding request; returns next ids [B] indexed by row.
 
         A request whose last token is still on the device (`r.pending_src >= 0`, an index into the
         last decode's and prefill's ids as in the module doc) is fed from there; call `decode`
         before `prefill` in a step, so that `last_prefill_ids` are still the previous step's.
+        `lora` as in `prefill`.
         """
         B = self.config.max_batch
         tokens = np.zeros(B, np.int32)
@@ -151,6 +160,7 @@ class Runner:
             by_row[r.row] = r
         sampling = sampling_arrays(by_row, B)
         feed = (src, self.last_decode_ids, self.last_prefill_ids)
+        bank = _bank_for(bank, slot_ids, lora)
         next_ids, self.kv = decode_step(self.params, bank, self.kv, tokens, positions, slot_ids, sampling, feed,
                                         **self._static)
         self.last_decode_ids = next_ids
@@ -164,10 +174,21 @@ class Runner:
         """Compiles every shape: each prefill bucket and the decode step, all rows padding."""
         # Twice: the first call of a shape may see arguments the steps never return (a fresh cache),
         # and jit's fast dispatch path keys on that too; after round two every call hits it.
+        variants = (False,) if bank is None else (True, False)  # with the bank, and the adapter-free step
         for _ in range(2):
-            for bucket in self.config.prefill_buckets:
-                self.prefill(bank, PrefillPlan(bucket=bucket, chunks=())).block_until_ready()
-            self.decode(bank, []).block_until_ready()
+            for lora in variants:
+                for bucket in self.config.prefill_buckets:
+                    self.prefill(bank, PrefillPlan(bucket=bucket, chunks=()), lora=lora).block_until_ready()
+                self.decode(bank, [], lora=lora).block_until_ready()
+
+
+def _bank_for(bank: Bank | None, slot_ids: np.ndarray, lora: bool | None) -> Bank | None:
+    """The bank when the step needs it: asked for, or (lora None) some row has an adapter."""
+    if bank is None:
+        return None
+    if lora is None:
+        lora = bool(np.any(slot_ids))
+    return bank if lora else None
 
 
 def sampling_arrays(requests: Sequence[Request | None], rows: int) -> SamplingArrays:

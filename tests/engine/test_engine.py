@@ -273,6 +273,34 @@ def test_engine_runs_one_step_behind(engine, monkeypatch):
     assert solo.token_ids == tokens
 
 
+def test_steps_without_adapter_rows_run_without_the_bank(engine, monkeypatch):
+    """A step whose rows are all on the base slot skips the LoRA ops (bank None), with no compile and
+    the same tokens; a step with an adapter row keeps the bank."""
+    import jaxlora.engine.runner as runner_module
+
+    seen: list[bool] = []
+    for name in ("decode_step", "prefill_step"):
+        fn = getattr(runner_module, name)
+
+        def wrapped(params, bank, *args, _fn=fn, **kwargs):
+            seen.append(bank is not None)
+            return _fn(params, bank, *args, **kwargs)
+        monkeypatch.setattr(runner_module, name, wrapped)
+    engine.run_until_idle()
+    base = GenerationRequest(request_id="base-only", prompt_ids=[1, 9, 10], sampling=SamplingParams(max_tokens=4))
+    with jax.no_tracing():
+        out = engine.generate([base])[0]
+    assert seen and not any(seen) and engine.compiles_after_warmup == 0
+    seen.clear()
+    mixed = [GenerationRequest(request_id="mixed-base", prompt_ids=[1, 9, 10], sampling=SamplingParams(max_tokens=4)),
+             GenerationRequest(request_id="mixed-a0", prompt_ids=[1, 9, 10], adapter=ADAPTERS[0],
+                               sampling=SamplingParams(max_tokens=4))]
+    with jax.no_tracing():
+        outs = engine.generate(mixed)
+    assert any(seen) and engine.compiles_after_warmup == 0
+    assert outs[0].token_ids == out.token_ids  # the base row is unchanged by sharing a step with an adapter row
+
+
 def test_background_loop_serves_threads_and_drains_on_stop(engine):
     requests = traffic(8, seed=5)
     expected = [o.token_ids for o in engine.generate(requests)]
