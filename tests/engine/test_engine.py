@@ -201,22 +201,24 @@ def test_queue_full_raises_capacity_error(parts):
     assert small.compiles_after_warmup == 0
 
 
+def record_calls(monkeypatch, events: list[str], *targets) -> None:
+    """Wraps each (object, attribute) callable so that every call appends the attribute's name to events."""
+    for obj, name in targets:
+        fn = getattr(obj, name)
+
+        def wrapped(*args, _fn=fn, _name=name, **kwargs):
+            events.append(_name)
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(obj, name, wrapped)
+
+
 def test_page_ins_are_committed_after_the_step_is_dispatched(parts, monkeypatch):
     """commit() runs after prefill/decode are dispatched and before the sampled ids are fetched, so the
     copies overlap the step; a step with nothing to run still commits, so waiting requests progress."""
     engine = make_engine(parts)  # its own engine: the shared one is stopped by the background-loop test
     events: list[str] = []
-
-    def spy(name, fn):
-        def wrapped(*args, **kwargs):
-            events.append(name)
-            return fn(*args, **kwargs)
-        return wrapped
-
-    monkeypatch.setattr(engine.pager, "commit", spy("commit", engine.pager.commit))
-    monkeypatch.setattr(engine.runner, "prefill", spy("prefill", engine.runner.prefill))
-    monkeypatch.setattr(engine.runner, "decode", spy("decode", engine.runner.decode))
-    monkeypatch.setattr(jax, "device_get", spy("device_get", jax.device_get))
+    record_calls(monkeypatch, events, (engine.pager, "commit"), (engine.runner, "prefill"), (engine.runner, "decode"),
+                 (jax, "device_get"))
     engine.run_until_idle()
     events.clear()
     engine.step()  # idle: nothing dispatched, the commit still happens
@@ -247,17 +249,8 @@ def test_page_ins_are_committed_after_the_step_is_dispatched(parts, monkeypatch)
 def test_engine_runs_one_step_behind(engine, monkeypatch):
     """Step N+1 is dispatched before step N's ids are read; rows are fed their token on the device."""
     events: list[str] = []
-
-    def spy(name, fn):
-        def wrapped(*args, **kwargs):
-            events.append(name)
-            return fn(*args, **kwargs)
-        return wrapped
-
     engine.run_until_idle()
-    monkeypatch.setattr(engine.runner, "prefill", spy("prefill", engine.runner.prefill))
-    monkeypatch.setattr(engine.runner, "decode", spy("decode", engine.runner.decode))
-    monkeypatch.setattr(jax, "device_get", spy("device_get", jax.device_get))
+    record_calls(monkeypatch, events, (engine.runner, "prefill"), (engine.runner, "decode"), (jax, "device_get"))
     request = GenerationRequest(request_id="behind", prompt_ids=[1, 20, 21, 22], sampling=SamplingParams(max_tokens=3))
     handle = engine.submit(request)
     assert engine.step() == [] and events == ["prefill"]  # dispatched, not read
