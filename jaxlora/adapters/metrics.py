@@ -42,12 +42,14 @@ class PagerMetrics:
     timed_bytes: int = 0
     timed_seconds: float = 0.0
 
+    def counters(self) -> dict[str, int]:
+        """The counters alone: cheap enough to read every step (no latency samples copied)."""
+        return {"hits": self.hits, "misses": self.misses, "page_ins": self.page_ins, "prefetches": self.prefetches,
+                "evictions": self.evictions, "bytes_moved": self.bytes_moved}
+
     def snapshot(self) -> dict[str, float | int]:
         """A flat copy: counters plus p50/p99 latencies in milliseconds (NaN with no samples)."""
-        out: dict[str, float | int] = {
-            "hits": self.hits, "misses": self.misses, "page_ins": self.page_ins,
-            "prefetches": self.prefetches, "evictions": self.evictions, "bytes_moved": self.bytes_moved,
-        }
+        out: dict[str, float | int] = dict(self.counters())
         for field, samples in (("page_in", self.page_in_seconds), ("transfer", self.transfer_seconds)):
             for q in (50, 99):
                 out[f"{field}_ms_p{q}"] = float(np.percentile(samples, q) * 1e3) if samples else float("nan")

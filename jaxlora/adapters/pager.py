@@ -4,24 +4,30 @@ Life of a page-in:
 
     acquire(name)     pin the adapter; resident and written -> its slot (a hit), else pick a slot
                       (free, or the least recently used unpinned one) and queue a write -> None
-    commit()          right after a step is dispatched: per queued adapter, ONE host->device copy of
-                      its flat host buffer (registry.FlatLayout) and one jitted in-place write into
-                      its slot of the donated bank (bank.write_slot_flat); ready for the next step
+    prefetch(names)   queue page-ins (no pin) for the adapters of waiting requests
+    stage()           right BEFORE a step is dispatched: per queued adapter, ONE host->device copy
+                      of its flat host buffer (registry.FlatLayout) starts
+    commit()          right AFTER the step is dispatched: ONE jitted call writes every staged copy
+                      into its slot of the donated bank (bank.write_slots_flat); ready next step
     is_ready(name)    the slot once written (the engine polls this; acquire is called once per request)
     release(name)     unpin; an unpinned slot may be evicted for another adapter
 
 Engine loop order, per step (jaxlora.engine.Engine.step): admit (acquire once per new request;
-`can_place` says whether it would get a slot), `prefetch` the queue head, build slot ids from
-`is_ready`, dispatch step N with `bank`, then `commit()`, then block on step N's tokens, then
-`release` finished requests. A step with nothing to dispatch still calls `commit()`, so requests
-waiting for a page-in progress. Read `pager.bank` afresh for every step: `commit` donates the old one.
+`can_place` says whether it would get a slot), `prefetch` the waiting requests' adapters,
+`stage()`, dispatch step N+1 with `bank`, `commit()`, then block on step N's tokens (the engine
+runs one step behind), then `release` finished requests. A step with nothing to dispatch still
+calls `commit()`, so requests waiting for a page-in progress. Read `pager.bank` afresh for every
+step: `commit` donates the old one.
 
-Overlap comes from JAX's asynchronous dispatch: `commit` returns as soon as the copies and writes are
-enqueued, while step N is still running on the device, so the host->device copies run under it:
-`commit` issues every copy first (they read nothing of the bank), then the writes. A write consumes
-the bank step N reads, so it is ordered after that step, and step N+1 consumes the written bank, so
-it waits for the writes. A pinned slot is never evicted, so no row of a step in
-flight can see its adapter change under it.
+Why the split (measured on the H200, benchmarks/results/pagein_probe.json): a host->device copy
+waits for the work already queued on the device when it is issued. Staged before step N+1's
+dispatch, the copies wait for step N and then run under step N+1; the write, issued after the
+dispatch, consumes the bank step N+1 reads, so it runs after that step, and step N+2 consumes the
+written bank. With 16 page-ins (268 MB) a step, a 12.7 ms stand-in step took 13.5 ms this way and
+19.5 ms with copies and writes both issued after the dispatch. One write call for all page-ins
+(not one per adapter) matters too: each call whose input copy was still in flight held the host
+for about that copy's time. A pinned slot is never evicted, so no row of a step in flight can see
+its adapter change under it.
 
 Threads: the engine loop calls acquire/release/commit/prefetch; gRPC threads call
 register/unregister/list. One lock guards all bookkeeping; only the engine thread touches `bank`, and
@@ -59,7 +65,7 @@ from jaxlora.adapters.registry import (
 from jaxlora.adapters.slot_table import SlotTable, invariant
 from jaxlora.config import LoraConfig, ModelConfig
 from jaxlora.errors import AdapterInUseError, UnknownAdapterError
-from jaxlora.lora.bank import Bank, init_bank, write_slot_flat
+from jaxlora.lora.bank import Bank, init_bank, write_slots_flat
 from jaxlora.lora.host_adapter import HostAdapter
 from jaxlora.lora.validate import check_adapter_name
 
@@ -96,8 +102,9 @@ class Pager:
       device: the device holding the bank (default: the first device); with a mesh, where host
         copies are pinned.
       mesh: a tensor-parallel mesh (jaxlora.parallel.make_mesh) to split the bank over, or None.
-      max_page_ins_per_commit: cap on slot writes issued by one `commit` (None = all pending), to
-        bound how much copying overlaps one decode step.
+      max_page_ins_per_commit: cap on page-ins issued by one `commit`, to bound how much copying
+        overlaps one decode step (16 S1 adapters, 268 MB, hid under a 13 ms H200 step). The write
+        is compiled once per power of two up to it.
       time_transfers: block on every page-in to time it (fills `metrics.transfer_seconds`; for
         benchmarks only, it removes the overlap).
     """
@@ -111,17 +118,20 @@ class Pager:
         dtype: jnp.dtype = jnp.float32,
         host_memory: HostMemory | str = HostMemory.AUTO,
         device: jax.Device | None = None,
-        max_page_ins_per_commit: int | None = None,
+        max_page_ins_per_commit: int = 16,
         time_transfers: bool = False,
         mesh: jax.sharding.Mesh | None = None,
     ) -> None:
-        if max_page_ins_per_commit is not None and max_page_ins_per_commit < 1:
-            raise ValueError(f"{max_page_ins_per_commit=} must be >= 1 or None")
+        if not isinstance(max_page_ins_per_commit, int) or max_page_ins_per_commit < 1:
+            raise ValueError(f"{max_page_ins_per_commit=} must be an int >= 1")
         self.model_config = model_config
         self.lora_config = lora_config
         self.dtype = jnp.dtype(dtype)
         self.max_slots = lora_config.max_slots
         self.max_page_ins_per_commit = max_page_ins_per_commit
+        # Compiled sizes of the multi-slot write: 1, 2, 4, ... and the cap itself.
+        self._write_sizes = tuple(sorted({2**i for i in range(max_page_ins_per_commit.bit_length())
+                                          if 2**i < max_page_ins_per_commit} | {max_page_ins_per_commit}))
         self.time_transfers = time_transfers
         self.metrics = PagerMetrics()
         self.slot_nbytes = slot_nbytes(model_config, lora_config, self.dtype)
@@ -141,6 +151,7 @@ class Pager:
         self._pending: dict[int, str | None] = {}  # slot -> adapter to write (or _RESET), oldest first
         self._scheduled_at: dict[str, float] = {}  # when each pending page-in was scheduled
         self._waiting: dict[str, None] = {}  # pinned, no slot yet (every slot pinned); FIFO
+        self._staged: list[tuple[int, str | None, jax.Array]] = []  # (slot, name, copy in flight), in order
         self._unregistering: set[str] = set()
 
         self.mesh: jax.sharding.Mesh | None = None
@@ -279,6 +290,23 @@ class Pager:
         with self._lock:
             return self._table.slot_of(name) if name in self._ready else None
 
+    def slot_at_commit(self, name: str) -> int | None:
+        """The adapter's slot if it is written, or if its copy is staged and the next `commit()`
+        writes it: a call dispatched after that commit may read it (the engine admits such
+        requests and dispatches their prefill after the commit). Else None."""
+        with self._lock:
+            slot = self._table.slot_of(name)
+            if slot is None or name in self._ready:
+                return slot if name in self._ready else None
+            if slot in self._pending:  # re-queued since it was staged: that write is not the last
+                return None
+            return slot if any(s == slot and n == name for s, n, _ in self._staged) else None
+
+    def has_slot(self, name: str) -> bool:
+        """Whether `name` holds a slot (written, or its write queued or staged)."""
+        with self._lock:
+            return self._table.slot_of(name) is not None
+
     def slot_of(self, name: str) -> int | None:
         """The slot assigned to `name`, written or still pending; None if it has none."""
         with self._lock:
@@ -308,29 +336,56 @@ class Pager:
                     break
                 self.metrics.prefetches += 1
 
-    def commit(self) -> None:
-        """Issues the queued page-ins: per adapter one async host->device copy of its flat buffer
-        and one in-place slot write.
+    def stage(self) -> None:
+        """Starts the host->device copies of the queued page-ins, without touching the bank.
 
-        Called by the engine right after it dispatches a step (before blocking on its tokens), so
-        the copies overlap that step; returns without waiting for them. The written adapters are
-        ready (is_ready) from the next step on. Only the engine thread may call it.
+        Call it right BEFORE dispatching a step, then `commit()` right after. On the GPU a
+        host->device copy waits for the work already queued on the device (PJRT orders a new
+        buffer's fill after the compute stream), so a copy issued before step N+1's dispatch waits
+        only for step N and then runs under step N+1; issued after the dispatch, it would wait for
+        step N+1 and delay step N+2 by its own time (benchmarks/results/pagein_probe.json).
+        Calling only `commit()` is still correct; it stages what is left first.
         """
+        self._stage()
+
+    def _stage(self) -> None:
         with self._lock:
             self._serve_waiting()
-            ops = self._take_pending()
+            ops = self._take_pending(self.max_page_ins_per_commit - len(self._staged))
+        self._staged += [(slot, name, self._to_device(flat)) for slot, name, flat in ops]
+
+    def commit(self) -> None:
+        """Writes the staged page-ins (staging what is still queued first) into their slots of the
+        donated bank, in ONE jitted call; returns without waiting for the device.
+
+        Called by the engine right after it dispatches a step (before blocking on its tokens): the
+        writes read the bank that step reads, so they run after it. The written adapters are ready
+        (is_ready) from the next step on. At most `max_page_ins_per_commit` page-ins per commit;
+        the rest stay queued for the next. Only the engine thread may call it.
+        """
         if self.time_transfers:  # one at a time, each copy and write timed on its own
-            done = [(slot, name, self._write(slot, flat)) for slot, name, flat in ops]
-        else:
-            # Every copy first: they need nothing from the bank, so all of them start at once, under
-            # the step in flight; each write then waits only for its own copy (and that step).
-            copies = [(slot, name, self._to_device(flat)) for slot, name, flat in ops]
-            for slot, _, on_device in copies:
-                self.bank = write_slot_flat(self.bank, slot, on_device)
-            done = [(slot, name, None) for slot, name, _ in copies]
+            self._commit_timed()
+            return
+        self._stage()
+        staged, self._staged = self._staged, []
+        if staged:
+            self.bank = self._write_many([slot for slot, _, _ in staged], [on_device for _, _, on_device in staged])
         with self._lock:
-            for slot, name, seconds in done:
-                self._finish_write(slot, name, seconds)
+            self._finish_writes([(slot, name) for slot, name, _ in staged], None)
+
+    def _commit_timed(self) -> None:
+        staged, self._staged = self._staged, []
+        if staged:  # copied before timing was switched on: written untimed, first (issue order)
+            self.bank = self._write_many([slot for slot, _, _ in staged], [c for _, _, c in staged])
+            with self._lock:
+                self._finish_writes([(slot, name) for slot, name, _ in staged], None)
+        with self._lock:
+            self._serve_waiting()
+            ops = self._take_pending(self.max_page_ins_per_commit)
+        for slot, name, flat in ops:
+            seconds = self._write(slot, flat)
+            with self._lock:
+                self._finish_writes([(slot, name)], seconds)
 
     # ---------------------------------------------------------------- tests and metrics
     def host_entries(self, name: str) -> Bank:
@@ -407,42 +462,61 @@ class Pager:
             del self._waiting[name]
             self._schedule(name, may_wait=True)
 
-    def _take_pending(self) -> list[tuple[int, str | None, np.ndarray | jax.Array | None]]:
-        num = len(self._pending) if self.max_page_ins_per_commit is None else self.max_page_ins_per_commit
+    def _take_pending(self, limit: int) -> list[tuple[int, str | None, np.ndarray | jax.Array | None]]:
+        """Up to `limit` queued writes: page-ins that requests wait for (pinned) first, then slot
+        resets, then prefetches, each in queue order. Without the priority a burst of prefetches
+        held back the page-ins of requests ready to run (2,000 S1 adapters on the H200)."""
+        def priority(slot: int) -> int:
+            name = self._pending[slot]
+            return 1 if name is None else (0 if self._table.refcount(name) else 2)
+
         ops = []
-        for slot in list(self._pending)[:num]:
+        for slot in sorted(self._pending, key=priority)[:max(limit, 0)]:
             name = self._pending.pop(slot)
             ops.append((slot, name, None if name is None else self._registry.get(name).flat))
         return ops
 
-    def _finish_write(self, slot: int, name: str | None, seconds: float | None) -> None:
-        if name is None:
-            return
-        adapter = self._registry.get(name)
-        self.metrics.page_ins += 1
-        self.metrics.bytes_moved += adapter.nbytes if adapter else 0
-        scheduled = self._scheduled_at.pop(name, None)
-        if scheduled is not None:
-            self.metrics.page_in_seconds.append(time.perf_counter() - scheduled)
-        if seconds is not None and adapter is not None:
-            self.metrics.transfer_seconds.append(seconds)
-            self.metrics.timed_bytes += adapter.nbytes
-            self.metrics.timed_seconds += seconds
-        # Unregistered or evicted while the write ran: the slot is someone else's now.
-        if self._table.name_in(slot) == name and slot not in self._pending:
-            self._ready.add(name)
+    def _finish_writes(self, written: list[tuple[int, str | None]], seconds: float | None) -> None:
+        """Bookkeeping after writes were issued, in issue order (the last write to a slot wins)."""
+        last = {slot: name for slot, name in written}
+        for slot, name in written:
+            if name is None:
+                continue
+            adapter = self._registry.get(name)
+            self.metrics.page_ins += 1
+            self.metrics.bytes_moved += adapter.nbytes if adapter else 0
+            scheduled = self._scheduled_at.pop(name, None)
+            if scheduled is not None:
+                self.metrics.page_in_seconds.append(time.perf_counter() - scheduled)
+            if seconds is not None and adapter is not None:
+                self.metrics.transfer_seconds.append(seconds)
+                self.metrics.timed_bytes += adapter.nbytes
+                self.metrics.timed_seconds += seconds
+        for slot, name in last.items():
+            # Unregistered or evicted since it was staged: the slot is someone else's now, and
+            # their write is still queued (or was issued after this one).
+            if name is not None and self._table.name_in(slot) == name and slot not in self._pending:
+                self._ready.add(name)
 
     # ---------------------------------------------------------------- device work (engine thread, no lock)
     def _write(self, slot: int, flat: np.ndarray | jax.Array | None) -> float | None:
-        """Copies one adapter's flat buffer (None: zeros) to the device in one transfer and writes it
-        into `slot` of the donated bank. With `time_transfers`, blocks and returns the seconds from
-        the copy's dispatch to the written bank."""
+        """Copies one adapter's flat buffer (None: zeros) to the device and writes it into `slot` of
+        the donated bank. With `time_transfers`, blocks and returns the seconds from the copy's
+        dispatch to the written bank."""
         start = time.perf_counter()
-        self.bank = write_slot_flat(self.bank, slot, self._to_device(flat))
+        self.bank = self._write_many([slot], [self._to_device(flat)])
         if not self.time_transfers:
             return None
         jax.block_until_ready(self.bank)
         return time.perf_counter() - start
+
+    def _write_many(self, slots: list[int], flats: list[jax.Array]) -> Bank:
+        """One jitted write of k buffers, padded to a compiled size by repeating the last write
+        (writing the same buffer to the same slot twice is a no-op), so k never compiles anew."""
+        size = next(b for b in self._write_sizes if b >= len(slots))
+        pad = size - len(slots)
+        return write_slots_flat(self.bank, np.array(slots + slots[-1:] * pad, np.int32),
+                                tuple(flats + flats[-1:] * pad))
 
     def _to_device(self, flat: np.ndarray | jax.Array | None) -> jax.Array:
         """Starts the copy of one flat buffer (None: zeros) to where the slot write reads it."""
@@ -464,9 +538,12 @@ class Pager:
         that warm every component; it never touches a slot that may hold an adapter."""
 
     def _warm_up(self) -> None:
-        """Compiles the slot write once, through the same path as page-ins (zero compiles later).
+        """Compiles the slot writes once per padded size, through the same path as page-ins (zero
+        compiles later).
 
         Writes zeros into slot 1, which only ever holds zeros or an adapter queued after this runs.
         """
-        self._write(1, self._zeros_flat)
+        zeros = self._to_device(None)
+        for size in self._write_sizes:
+            self.bank = self._write_many([1] * size, [zeros] * size)
         jax.block_until_ready(self.bank)

@@ -214,11 +214,23 @@ class ResidentBank:
     def is_ready(self, name: str) -> int:
         return self._slots[name]
 
+    def slot_at_commit(self, name: str) -> int:
+        return self._slots[name]
+
+    def has_slot(self, name: str) -> bool:
+        return name in self._slots
+
     def release(self, name: str) -> None:
         pass
 
     def can_place(self, name: str) -> bool:
         return True
+
+    def prefetch(self, names) -> None:
+        pass
+
+    def stage(self) -> None:
+        pass
 
     def commit(self) -> None:
         pass

@@ -40,6 +40,9 @@ class EngineConfig:
       host_capacity_bytes: host memory for registered adapters (None: unbounded).
       mesh: devices the engine spans (`mesh: {tensor: 2}` splits every layer over two devices).
       attention: decode attention, "auto" (the Pallas kernel on GPU, XLA elsewhere), "pallas" or "xla".
+      prefetch_adapters: page in (unpinned) the adapters of up to this many waiting requests, in
+        arrival order, while rows are busy, so a request's adapter is resident when its row frees
+        (0: page in only on admission).
     """
 
     max_batch: int = 8
@@ -55,6 +58,7 @@ class EngineConfig:
     host_capacity_bytes: int | None = None
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     attention: str = "auto"
+    prefetch_adapters: int = 16
 
     def __post_init__(self) -> None:
         for field in ("max_batch", "max_seq_len", "prefill_batch", "max_new_tokens_limit", "max_queue",
@@ -77,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} must be one of {_DTYPES}")
         if self.attention not in ("auto", "pallas", "xla"):
             raise ValueError(f"attention={self.attention!r} must be one of ('auto', 'pallas', 'xla')")
+        if self.prefetch_adapters < 0:
+            raise ValueError(f"prefetch_adapters={self.prefetch_adapters} must be >= 0")
         if self.host_capacity_bytes is not None and self.host_capacity_bytes < 1:
             raise ValueError(f"host_capacity_bytes={self.host_capacity_bytes} must be >= 1")
 

@@ -9,13 +9,17 @@
 `submit` and `cancel` are thread-safe; everything else runs on the loop's thread (the caller of
 `step`, or the thread `start` spawns). Callbacks run on the loop's thread and must be quick.
 
-Adapter page-ins overlap the step. A step admits requests (pinning their adapters, which queues
-page-ins for adapters not on the device), dispatches prefill and decode on the current bank, and only
-then calls the pager's `commit()`: the host->device copies of the queued adapters run while the step
-is in flight, and their in-place slot writes consume the bank that step reads, so JAX orders them
-after it. The engine then blocks on the *previous* step's sampled ids (it runs one step behind,
-see `Engine.step`). Adapters written by that commit are ready (`is_ready`) for the next step's
-admission. A step with nothing to run still commits, so requests waiting for a page-in make progress.
+Adapter page-ins overlap the step and cost a new request no step. A step admits requests (pinning
+their adapters, which queues page-ins for adapters not on the device) and prefetches the adapters of
+the next waiting requests; it starts the host->device copies of the queued page-ins
+(`pager.stage()`: a copy waits for the device work queued before it, so it is issued before the
+dispatch and runs under this step's decode); it admits the requests whose adapters those copies
+bring (`Scheduler.admit_staged`); it dispatches the decode call (its rows' adapters are written
+already); `pager.commit()` then writes the copies into their slots (the writes donate the bank the
+decode reads, so JAX orders them after it), and the prefill call dispatched next reads the new
+slots. The engine then blocks on the *previous* step's sampled ids (it runs one step behind, see
+`Engine.step`). A step with nothing to run still commits, so requests waiting for a page-in make
+progress.
 """
 
 from __future__ import annotations
@@ -181,9 +185,10 @@ class Engine:
 
     # The loop.
     def step(self) -> list[RequestOutput]:
-        """One engine step: admit; dispatch one decode call and one prefill call; issue the pager's
-        queued page-ins (they overlap the dispatched calls); then read the *previous* step's sampled
-        ids and stream those tokens.
+        """One engine step: admit; start the copies of queued page-ins (`pager.stage`); admit the
+        requests whose adapters those copies bring; dispatch the decode call; write the copies into
+        their slots (`pager.commit`); dispatch the prefill call, which may read those slots; then
+        read the *previous* step's sampled ids and stream those tokens.
 
         The engine runs one step behind: step N+1 is on the device's queue before the host blocks on
         step N's ids, so the host's work (stop checks, detokenizing, scheduling, building the next
@@ -197,7 +202,9 @@ class Engine:
         admitted, failed = self.scheduler.schedule()
         for req, err in failed:
             self._finish(req, FinishReason.ERROR, outputs, error=str(err))
-        bank = None if self.pager is None else self.pager.bank
+        self._stage_page_ins()
+        if self.pager is not None:
+            self.scheduler.admit_staged()  # their slots are written by the commit below, before the prefill
         plan = self.scheduler.plan_prefill()
         decoding = [r for r in self.scheduler.decode_requests() if r.num_dispatched < r.sampling.max_tokens]
         if plan is None and not decoding:
@@ -205,11 +212,12 @@ class Engine:
             self._read_inflight(outputs)
             return outputs
         # Decode first: it may read the previous prefill's ids, which this step's prefill replaces.
-        decode_ids = self.runner.decode(bank, decoding) if decoding else None
-        prefill_ids = None if plan is None else self.runner.prefill(bank, plan)
-        del bank  # the commit donates it; the dispatched calls hold their own references
-        # Page-ins queued by this step's admissions (and earlier ones) go out while the step runs.
+        # Its rows' adapters were written in earlier steps.
+        decode_ids = self.runner.decode(self._bank(), decoding) if decoding else None
+        # The slot writes: after the decode (they donate the bank it reads, so they run after it,
+        # while the staged copies ran under it), before the prefill (it reads the new slots).
         self._commit_page_ins()
+        prefill_ids = None if plan is None else self.runner.prefill(self._bank(), plan)
         self._counters.steps += 1
         if plan is not None:
             self._counters.prefill_calls += 1
@@ -245,6 +253,18 @@ class Engine:
             return
         req.num_pending -= 1
         self._append_token(req, token, outputs)
+
+    def _bank(self):
+        return None if self.pager is None else self.pager.bank
+
+    def _stage_page_ins(self) -> None:
+        """Before the dispatch: prefetch the waiting requests' adapters and start the copies of
+        every queued page-in, so they run under the step about to be dispatched (Pager.stage)."""
+        if self.pager is None:
+            return
+        if self.config.prefetch_adapters:
+            self.pager.prefetch(self.scheduler.upcoming_adapters(self.config.prefetch_adapters))
+        self.pager.stage()
 
     def _commit_page_ins(self) -> None:
         if self.pager is not None:
@@ -370,8 +390,9 @@ class Engine:
             "compiles_after_warmup": self.compiles_after_warmup,
         }
         if self.pager is not None and hasattr(self.pager, "metrics"):
-            m = self.pager.metrics
-            out["pager"] = dataclasses.asdict(m) if dataclasses.is_dataclass(m) else dict(vars(m))
+            # Counters only: copying the latency samples (up to 10,000) on every call cost about a
+            # millisecond, and raced with the engine thread appending to them.
+            out["pager"] = self.pager.metrics.counters()
         return out
 
     # Adapters (pass-through to the pager).

@@ -5,7 +5,7 @@ and its adapter has a written device slot. The first time a request is considere
 adapter (`acquire`), unless that would exceed the cap on distinct adapters per batch or the pager
 could not place it without waiting; a pinned request whose page-in is pending is skipped, so hot
 requests behind it run. Once a request has waited `max_wait_steps` steps it becomes a blocker: it
-pins regardless, and later requests may not pin other adapters until it is admitted, so slot pins
+pins regardless, and while it has no slot, later requests may not pin other adapters, so slot pins
 and the adapter cap drain towards it (no starvation). Requests already holding a pin, and
 base-model requests (no slot), still run: they release what the blocker waits for.
 """
@@ -28,7 +28,9 @@ class SlotSource(Protocol):
 
     acquire pins (once per request) and returns the slot if written, else queues a page-in and
     returns None; is_ready then polls; release unpins; can_place says whether acquiring now would
-    get a slot without waiting for another adapter's release.
+    get a slot without waiting for another adapter's release; slot_at_commit is is_ready for a call
+    dispatched after the pager's next commit; has_slot says whether a slot is assigned (written, or
+    its write queued).
     """
 
     def acquire(self, name: str) -> int | None: ...
@@ -38,6 +40,10 @@ class SlotSource(Protocol):
     def release(self, name: str) -> None: ...
 
     def can_place(self, name: str) -> bool: ...
+
+    def slot_at_commit(self, name: str) -> int | None: ...
+
+    def has_slot(self, name: str) -> bool: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +103,11 @@ class Scheduler:
         """Adapters pinned by running or waiting requests (the batch's distinct adapters)."""
         return set(self._adapter_users)
 
+    def upcoming_adapters(self, limit: int) -> list[str]:
+        """Adapters of the first `limit` waiting requests that hold no pin yet, in arrival order
+        (what the engine prefetches)."""
+        return list(dict.fromkeys(r.adapter for r in self.waiting[:limit] if r.adapter is not None and not r.has_pin))
+
     # Mutations.
     def add(self, req: Request) -> None:
         req.phase = Phase.WAITING
@@ -123,12 +134,32 @@ class Scheduler:
                 failed.append((req, e))
                 continue
             if slot is None:
-                if blocker is None and is_starving:
+                # A starving request blocks newcomers only while it has no slot: one whose page-in
+                # is already queued lands without help, and blocking behind it cost a step's
+                # admissions per cold request (2,000 adapters, every request past max_wait_steps).
+                if blocker is None and is_starving and not (req.has_pin and self.slots.has_slot(req.adapter)):
                     blocker = req
                 continue
             self._admit(req, slot)
             admitted.append(req)
         return admitted, failed
+
+    def admit_staged(self) -> list[Request]:
+        """A step's second admission pass, after the pager staged its copies: waiting requests
+        that hold a pin and whose adapter the coming commit writes (`slots.slot_at_commit`) take
+        free rows, in arrival order. Their prefill is dispatched after that commit, so a page-in
+        costs such a request no step (S-LoRA-style: the copy runs under the step's decode)."""
+        admitted: list[Request] = []
+        for req in list(self.waiting):
+            if not self._free_rows:
+                break
+            if req.adapter is None or not req.has_pin:
+                continue
+            slot = self.slots.slot_at_commit(req.adapter)
+            if slot is not None:
+                self._admit(req, slot)
+                admitted.append(req)
+        return admitted
 
     def plan_prefill(self) -> PrefillPlan | None:
         """The next prefill call: oldest rows still in prefill, one chunk each, one bucket for all."""

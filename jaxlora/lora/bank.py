@@ -148,3 +148,28 @@ def write_slot_flat(bank: Bank, slot: int, flat: jax.Array) -> Bank:
     if slot == 0:
         raise ValueError("slot 0 is the reserved base-model slot and cannot hold an adapter")
     return write_slot_flat_jit(bank, jnp.asarray(slot, jnp.int32), flat)
+
+
+def _write_many_flat(bank: Bank, slots: jax.Array, flats: tuple[jax.Array, ...]) -> Bank:
+    for i, flat in enumerate(flats):  # in order: a later write to the same slot wins
+        bank = _write_flat(bank, slots[i], flat)
+    return bank
+
+
+# One program for k slot writes; k (len(flats)) is part of the compiled shape.
+write_slots_flat_jit = jax.jit(_write_many_flat, donate_argnums=0)
+
+
+def write_slots_flat(bank: Bank, slots: np.ndarray, flats: tuple[jax.Array, ...]) -> Bank:
+    """Writes k adapters' flat buffers into `slots` [k] in ONE jitted call, in order.
+
+    One call instead of k: on the H200 each call whose input is a host->device copy still in
+    flight held the host for about that copy's time (benchmarks/results/pagein_probe.json), so k
+    separate writes serialized the host on the copies. Returns the new bank (the old one is donated).
+    """
+    slots = np.asarray(slots, np.int32)
+    if slots.shape != (len(flats),):
+        raise ValueError(f"{slots.shape=} must be ({len(flats)},), one slot per flat buffer")
+    if (slots <= 0).any():
+        raise ValueError("slot 0 is the reserved base-model slot and cannot hold an adapter")
+    return write_slots_flat_jit(bank, slots, tuple(flats))

@@ -9,7 +9,7 @@ import pytest
 
 from jaxlora.adapters import HostMemory, Pager
 from jaxlora.adapters.registry import FlatLayout
-from jaxlora.lora.bank import flat_slot_layout, init_bank, set_slot, slot_arrays, write_slot_flat
+from jaxlora.lora.bank import flat_slot_layout, init_bank, set_slot, slot_arrays, write_slot_flat, write_slots_flat
 from tests.adapters.adapter_factory import random_host_adapter, random_host_adapters, tiny_lora
 from tests.helpers import tiny_config
 
@@ -94,6 +94,26 @@ def test_write_slot_flat_equals_set_slot_on_a_full_bank():
         assert_trees_equal(got, want)
     with pytest.raises(ValueError, match="slot 0"):
         write_slot_flat(bank, 0, jnp.asarray(layout.zeros()))
+
+
+def test_write_slots_flat_equals_writes_one_by_one_in_order():
+    """k writes in one call, a slot written twice included: the same bank as k single writes."""
+    lora = tiny_lora(max_slots=6)
+    rng = np.random.default_rng(1)
+    bank = jax.tree_util.tree_map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), init_bank(MODEL, lora))
+    layout = FlatLayout.for_bank(MODEL, lora, jnp.float32)
+    flats = [jnp.asarray(layout.pack(a.weights, MODEL, lora)) for a in varied_adapters(lora)][:4]
+    slots = [4, 2, 4, 5]
+    assert len(flats) == len(slots)
+    one_by_one = jax.tree_util.tree_map(jnp.copy, bank)
+    for slot, flat in zip(slots, flats):
+        one_by_one = write_slot_flat(one_by_one, slot, flat)
+    together = write_slots_flat(jax.tree_util.tree_map(jnp.copy, bank), np.array(slots), tuple(flats))
+    assert_trees_equal(jax.device_get(together), jax.device_get(one_by_one))
+    with pytest.raises(ValueError, match="slot 0"):
+        write_slots_flat(bank, np.array([1, 0]), tuple(flats[:2]))
+    with pytest.raises(ValueError, match="one slot per flat"):
+        write_slots_flat(bank, np.array([1, 2, 3]), tuple(flats[:2]))
 
 
 def test_layout_pack_refuses_what_slot_arrays_refuses():

@@ -293,6 +293,76 @@ def test_commit_while_a_step_reading_the_bank_is_in_flight():
     assert_slot_holds(pager, other, pager.host_entries(ads[2].name))
 
 
+def test_staged_copies_commit_correctly_after_the_slot_table_changes():
+    """stage() starts copies; evictions, re-assignments and unregisters before the commit leave
+    every slot holding what the slot table says (or zero), and stale writes never mark ready."""
+    pager, ads = make_pager(5, lora=tiny_lora(max_slots=3))  # two usable slots
+    a, b, c, d, e = (x.name for x in ads)
+    pager.prefetch([a, b])
+    pager.stage()  # copies of a and b in flight, nothing written
+    assert pager.is_ready(a) is None and pager.is_ready(b) is None
+    assert pager.acquire(c) is None  # evicts the unpinned prefetched a (LRU) before a was written
+    pager.unregister(b)  # b's slot is freed and queued for zeroing
+    pager.commit()
+    assert pager.is_ready(a) is None and not pager.has(b)
+    slot_c = pager.is_ready(c)
+    assert slot_c is not None
+    assert_slot_holds(pager, slot_c, pager.host_entries(c))
+    (other,) = {1, 2} - {slot_c}
+    assert_slot_zero(pager, other)
+    # A staged page-in whose adapter comes back to the same slot before the commit.
+    assert pager.acquire(d) is None  # takes the free slot
+    pager.stage()
+    pager.release(d)
+    assert pager.acquire(e) is None  # evicts the unpinned, staged d
+    pager.release(e)
+    assert pager.acquire(d) is None  # evicts e, d is queued again (maybe on the same slot)
+    pager.commit()
+    slot_d = pager.is_ready(d)
+    assert slot_d is not None and pager.is_ready(e) is None
+    assert_slot_holds(pager, slot_d, pager.host_entries(d))
+    pager.check()
+
+
+def test_slot_at_commit_is_the_slot_once_staged():
+    """A staged adapter is usable by calls dispatched after the next commit, not before."""
+    pager, ads = make_pager(3, lora=tiny_lora(max_slots=2))  # one usable slot
+    a, b = ads[0].name, ads[1].name
+    assert pager.acquire(a) is None
+    assert pager.slot_at_commit(a) is None  # queued, copy not started
+    pager.stage()
+    assert pager.slot_at_commit(a) == pager.slot_of(a) == 1 and pager.is_ready(a) is None
+    pager.commit()
+    assert pager.is_ready(a) == pager.slot_at_commit(a) == 1
+    pager.release(a)
+    pager.prefetch([b])
+    pager.stage()
+    assert pager.slot_at_commit(b) == 1 and pager.slot_at_commit(a) is None  # a was evicted
+    assert pager.acquire(a) is None  # evicts the unpinned, staged b: a is queued again on slot 1
+    assert pager.slot_at_commit(a) is None and pager.slot_at_commit(b) is None
+    pager.commit()
+    assert pager.is_ready(a) == 1 and pager.is_ready(b) is None
+    assert_slot_holds(pager, 1, pager.host_entries(a))
+
+
+def test_commit_writes_at_most_the_cap_and_never_compiles_again():
+    lora = tiny_lora(max_slots=9)
+    pager, ads = make_pager(8, lora=lora, max_page_ins_per_commit=3)
+    assert pager._write_sizes == (1, 2, 3)
+    with jax.no_tracing():  # every k in 1..3 was compiled at construction
+        for a in ads:
+            assert pager.acquire(a.name) is None
+        pager.commit()
+        assert sum(pager.is_ready(a.name) is not None for a in ads) == 3
+        pager.commit()
+        pager.commit()
+        assert all(pager.is_ready(a.name) is not None for a in ads)
+    for a in ads:
+        assert_slot_holds(pager, pager.is_ready(a.name), pager.host_entries(a.name))
+    with pytest.raises(ValueError, match="max_page_ins_per_commit"):
+        Pager(MODEL, lora, max_page_ins_per_commit=0)
+
+
 def test_register_and_unregister_from_other_threads_while_serving():
     pager, ads = make_pager(12)
     churn = random_host_adapters(20, MODEL, pager.lora_config, seed=9, prefix="churn")
@@ -335,4 +405,19 @@ def test_register_and_unregister_from_other_threads_while_serving():
         stop.set()
         thread.join(timeout=10)
     assert not errors
+    pager.check()
+
+
+def test_page_ins_of_pinned_adapters_go_before_prefetches():
+    """With more queued than one commit writes, a request's page-in is not held back by prefetches."""
+    lora = tiny_lora(max_slots=6)
+    pager, ads = make_pager(5, lora=lora, max_page_ins_per_commit=2)
+    pager.prefetch([a.name for a in ads[:4]])  # four prefetches queued first
+    assert pager.acquire(ads[4].name) is None  # then a request's adapter
+    pager.commit()
+    assert pager.is_ready(ads[4].name) is not None  # written by the first commit
+    assert sum(pager.is_ready(a.name) is not None for a in ads[:4]) == 1
+    pager.commit()
+    pager.commit()
+    assert all(pager.is_ready(a.name) is not None for a in ads)
     pager.check()

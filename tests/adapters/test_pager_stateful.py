@@ -82,6 +82,12 @@ class PagerMachine(RuleBasedStateMachine):
         self.pager.prefetch(names)
 
     @rule()
+    def stage(self):
+        ready = {n: self.pager.is_ready(n) for n in self.registered}
+        self.pager.stage()  # starts copies only: nothing becomes ready or changes slot
+        assert ready == {n: self.pager.is_ready(n) for n in self.registered}
+
+    @rule()
     def commit(self):
         self.pager.commit()
         snap = self.pager.snapshot()

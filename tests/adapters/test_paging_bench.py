@@ -29,6 +29,8 @@ def test_tiny_paging_benchmark_writes_the_issue_fields(tmp_path):
     assert ROW_KEYS <= set(row)
     assert row["registered"] == 20 and row["page_ins"] > 0 and row["page_in_GBps"] > 0
     assert row["tokens_per_s"] > 0 and row["all_resident_tokens_per_s"] > 0
+    assert row["compiles_after_warmup"] == 0 and row["steps_with_page_ins"] > 0
+    assert abs(row["throughput_vs_resident"] - row["tokens_per_s"] / row["all_resident_tokens_per_s"]) < 1e-3
     assert (tmp_path / "paging.md").read_text().startswith("# Adapter paging")
 
 

@@ -212,17 +212,18 @@ def record_calls(monkeypatch, events: list[str], *targets) -> None:
         monkeypatch.setattr(obj, name, wrapped)
 
 
-def test_page_ins_are_committed_after_the_step_is_dispatched(parts, monkeypatch):
-    """commit() runs after prefill/decode are dispatched and before the sampled ids are fetched, so the
-    copies overlap the step; a step with nothing to run still commits, so waiting requests progress."""
+def test_page_ins_are_staged_before_and_committed_after_the_step_is_dispatched(parts, monkeypatch):
+    """stage() (copies start) runs before the decode is dispatched, commit() (slot writes) after it
+    and before the prefill, which may read the new slots, and the sampled ids are fetched last; a
+    step with nothing to run still stages and commits, so waiting requests progress."""
     engine = make_engine(parts)  # its own engine: the shared one is stopped by the background-loop test
     events: list[str] = []
-    record_calls(monkeypatch, events, (engine.pager, "commit"), (engine.runner, "prefill"), (engine.runner, "decode"),
-                 (jax, "device_get"))
+    record_calls(monkeypatch, events, (engine.pager, "stage"), (engine.pager, "commit"),
+                 (engine.runner, "prefill"), (engine.runner, "decode"), (jax, "device_get"))
     engine.run_until_idle()
     events.clear()
-    engine.step()  # idle: nothing dispatched, the commit still happens
-    assert events == ["commit"]
+    engine.step()  # idle: nothing dispatched, the page-ins still go out
+    assert events == ["stage", "commit"]
     # Every adapter in turn (5 adapters, 3 slots): requests wait for page-ins, then run.
     requests = [GenerationRequest(request_id=f"order{i}", prompt_ids=[1, 30 + i, 31], adapter=a,
                                   sampling=SamplingParams(max_tokens=3)) for i, a in enumerate(ADAPTERS)]
@@ -231,19 +232,29 @@ def test_page_ins_are_committed_after_the_step_is_dispatched(parts, monkeypatch)
         for out in engine.generate(requests):
             assert out.error is None and out.completion_tokens >= 1
     assert engine.pager.metrics.page_ins > page_ins and engine.compiles_after_warmup == 0
-    # Each step: its dispatches, the commit, then (one step behind) the read of the previous step's ids.
-    steps, current = [], []
-    for i, e in enumerate(events):
-        current.append(e)
-        if e == "device_get" or (e == "commit" and events[i + 1:i + 2] != ["device_get"]):
-            steps.append(current)
-            current = []
-    assert not current and steps
-    assert steps[0][-1] == "commit"  # the first dispatching step has nothing in flight to read
-    for s in steps:
-        body = s[:s.index("commit")]
-        assert set(body) <= {"prefill", "decode"} and s[len(body):] in (["commit"], ["commit", "device_get"]), s
-        assert body.count("decode") <= 1 and body.count("prefill") <= 1 and body != ["prefill", "decode"], s
+    # Each step: stage, [decode], commit, [prefill], then (one step behind) the read of the previous step's ids.
+    steps: list[list[str]] = []
+    for e in events:
+        if e == "stage":
+            steps.append([])
+        steps[-1].append(e)
+    allowed = {("stage", *d, "commit", *p, *r) for d in ((), ("decode",)) for p in ((), ("prefill",))
+               for r in ((), ("device_get",))}
+    assert all(tuple(s) in allowed for s in steps), steps
+    dispatching = [s for s in steps if "decode" in s or "prefill" in s]
+    assert dispatching and "device_get" not in dispatching[0]  # the first has nothing in flight to read
+    # A request for a cold adapter is admitted in the step that pages its adapter in: its prefill
+    # is dispatched right after the commit that writes the slot.
+    engine.run_until_idle()
+    cold = next(a for a in ADAPTERS if engine.pager.is_ready(a) is None)
+    page_ins = engine.pager.metrics.page_ins
+    handle = engine.submit(GenerationRequest(request_id="cold", prompt_ids=[1, 44, 45], adapter=cold,
+                                             sampling=SamplingParams(max_tokens=2)))
+    events.clear()
+    engine.step()
+    assert events == ["stage", "commit", "prefill"] and engine.pager.metrics.page_ins == page_ins + 1
+    engine.run_until_idle()
+    assert handle.result().error is None and handle.result().completion_tokens == 2
 
 
 def test_engine_runs_one_step_behind(engine, monkeypatch):
@@ -319,3 +330,30 @@ def test_background_loop_serves_threads_and_drains_on_stop(engine):
         engine.submit(GenerationRequest(request_id="after", prompt_ids=[1, 8]))
     with pytest.raises(CapacityError):  # stopped for good: generate() raises instead of waiting forever
         engine.generate([GenerationRequest(request_id="after", prompt_ids=[1, 8])])
+
+
+@pytest.mark.parametrize("prefetch", [16, 0])
+def test_waiting_requests_adapters_are_prefetched_while_rows_are_busy(parts, prefetch):
+    """With every row busy, the adapters of waiting requests are paged in ahead (unpinned), so the
+    requests start on resident slots when rows free up; prefetch_adapters=0 turns it off."""
+    engine = make_engine(parts, prefetch_adapters=prefetch)
+    busy = [GenerationRequest(request_id=f"busy{i}", prompt_ids=[1, 40 + i], adapter="a0",
+                              sampling=SamplingParams(max_tokens=12)) for i in range(engine.config.max_batch)]
+    later = [GenerationRequest(request_id=f"later{a}", prompt_ids=[1, 50, 51], adapter=a,
+                               sampling=SamplingParams(max_tokens=2)) for a in ("a1", "a2")]
+    handles = [engine.submit(r) for r in busy]
+    engine.step()  # takes them in; their adapter's page-in is issued
+    while engine.scheduler.num_waiting:
+        engine.step()
+    handles += [engine.submit(r) for r in later]
+    for _ in range(2):
+        engine.step()
+    assert engine.scheduler.num_waiting == 2  # rows still busy
+    prefetched = [engine.pager.is_ready(a) is not None for a in ("a1", "a2")]
+    assert prefetched == [bool(prefetch)] * 2
+    assert (engine.pager.metrics.prefetches >= 2) == bool(prefetch)
+    hits = engine.pager.metrics.hits
+    engine.run_until_idle()
+    assert all(h.result().error is None for h in handles)
+    assert (engine.pager.metrics.hits - hits >= 2) == bool(prefetch)
+    assert engine.compiles_after_warmup == 0

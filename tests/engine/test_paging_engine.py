@@ -1,5 +1,6 @@
 """The engine with many more adapters than device slots: paging must be invisible in the tokens."""
 
+import dataclasses
 import json
 import threading
 
@@ -103,3 +104,43 @@ def test_unregister_in_use_and_corrupt_register_leave_others_unaffected(setup, t
         engine.submit(GenerationRequest(request_id="gone", prompt_ids=[1, 2], adapter="lora-5"))
     assert engine.generate([other])[0].token_ids == expected
     assert not engine.pager.has("bad")
+
+
+def test_uniform_traffic_keeps_the_all_resident_schedule(setup):
+    """Uniform popularity over 1,000 adapters (nearly every request cold), all submitted at once so
+    every request outwaits max_wait_steps: the paged engine runs exactly the steps and prefill calls
+    of the same engine with every adapter resident. A page-in costs a new request no step (it is
+    admitted in the step that pages its adapter in), and a starving request with a queued page-in
+    does not hold back the requests behind it."""
+    model, lora, engine, adapters = setup
+    rng = np.random.default_rng(7)
+    registered = [n for n in sorted(adapters) if engine.pager.has(n)]  # an earlier test unregisters one
+    picks = rng.choice(registered, 96)
+    prompts = [[int(t) for t in rng.integers(4, 99, PROMPT_LEN)] for _ in picks]
+
+    def run(eng, names):
+        requests = [GenerationRequest(request_id=f"u{i}", prompt_ids=p, adapter=n,
+                                      sampling=SamplingParams(max_tokens=MAX_TOKENS))
+                    for i, (p, n) in enumerate(zip(prompts, names))]
+        before = eng.stats()
+        with jax.no_tracing():
+            results = eng.generate(requests)
+        assert all(r.error is None for r in results)
+        return {k: eng.stats()[k] - before[k] for k in ("steps", "prefill_calls", "decode_calls")}
+
+    no_eos = dataclasses.replace(engine.tokenizer, eos_token_ids=())  # every request runs to max_tokens
+    # As many rows as slots: with fewer slots, distinct adapters, not paging, would cap the batch.
+    config = dataclasses.replace(engine.config, max_batch=lora.max_slots - 1)
+    resident = Pager(model.config, lora, dtype=model.dtype)
+    names = sorted(adapters)[:lora.max_slots - 1]
+    for name in names:
+        resident.register(name, adapters[name])
+    resident.prefetch(names)
+    resident.commit()
+    resident_engine = Engine(model, no_eos, config, resident)
+    resident_engine.warmup()
+    paged_engine = Engine(model, no_eos, config, engine.pager)  # the 1,000 registered adapters
+    paged_engine.warmup()
+    want = run(resident_engine, [names[i % len(names)] for i in range(len(picks))])
+    got = run(paged_engine, [str(n) for n in picks])
+    assert got == want

@@ -44,6 +44,9 @@ class FakeSlots:
             if name in self.pending:
                 self.pending.remove(name)
 
+    def has_slot(self, name: str) -> bool:
+        return name in self.slot_of
+
     def can_place(self, name: str) -> bool:
         return name in self.slot_of or self._free_slot() is not None or self._victim() is not None
 
