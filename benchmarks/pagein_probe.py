@@ -12,7 +12,8 @@ A research probe for the pager (issue 6). Every figure is a median over repeats,
                   and the copies alone; host time spent issuing the page-ins
 
     python benchmarks/pagein_probe.py --out benchmarks/results        # GPU
-    python benchmarks/pagein_probe.py --tiny --out /tmp/probe         # CPU smoke run (no pinned memory)
+    python benchmarks/pagein_probe.py --tiny --out /tmp/probe         # CPU smoke run
+    python benchmarks/pagein_probe.py --render benchmarks/results/pagein_probe.json   # -> pagein_probe.md
 """
 
 from __future__ import annotations
@@ -190,12 +191,44 @@ def loop_variants(step, base, x, slot_ids, state, flats, device, ks, args) -> li
     return rows
 
 
+def render(path: Path) -> None:
+    """pagein_probe.md next to a probe's JSON: one table per section."""
+    d = json.loads(path.read_text())
+
+    def table(rows: list[dict]) -> list[str]:
+        cols = list(dict.fromkeys(k for r in rows for k in r))
+        return (["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+                + ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows])
+
+    lines = [f"# Page-in probe ({d['device']}, jax {d['jax_version']})", "", f"Command: `{d['command']}`", "",
+             f"Adapter buffer: {d['adapter_bytes'] / 1e6:.1f} MB (S1: rank 8, q/k/v/o, Llama-2-7B shape, bf16).", ""]
+    sections = [
+        ("size_curve", "One pinned_host -> device copy, by size"),
+        ("copies_only", "k adapter copies issued back to back, no slot writes"),
+        ("burst", "k page-ins (copy + slot write): one write call per adapter (put_each, put_list) or one "
+                  "jitted call reading the pinned buffers itself (in_jit)"),
+        ("overlap", "A stand-in decode step dispatched, then k page-ins: step output ready, everything ready, "
+                    "host time issuing the page-ins"),
+        ("loop", "Engine-like loop (one step behind), k page-ins a step: after = copies and writes after the "
+                 "dispatch; split = copies before, writes after (one call each); split1 = copies before, one "
+                 "write call; lagged = writes one step later"),
+    ]
+    for key, title in sections:
+        if d.get(key):
+            lines += [f"## {title}", ""] + table(d[key]) + [""]
+    path.with_suffix(".md").write_text("\n".join(lines))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--render", type=Path, default=None, help="write the .md of this probe JSON (no run)")
     args = p.parse_args()
+    if args.render:
+        render(args.render)
+        return
     model = TINY if args.tiny else LLAMA2_7B
     rank = 4 if args.tiny else 8
     slots = 9 if args.tiny else 65
@@ -295,6 +328,7 @@ def main() -> None:
     out["loop"] = loop_variants(step, base, x, slot_ids, state, flats, device, ks, args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pagein_probe.json").write_text(json.dumps(out, indent=1))
+    render(args.out / "pagein_probe.json")
     print("wrote", args.out / "pagein_probe.json", flush=True)
 
 

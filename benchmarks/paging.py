@@ -397,25 +397,36 @@ def write_results(payload: dict, out: Path, plot: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "paging.json").write_text(json.dumps(payload, indent=1))
     cols = ["setting", "adapter_MB", "registered", "slots", "popularity_exponent", "distinct_adapters", "tokens_per_s",
-            "all_resident_tokens_per_s", "throughput_vs_resident", "page_ins", "prefetches", "page_in_ms_p50",
-            "page_in_serial_GBps", "page_in_GBps", "step_ms_paging", "step_ms_no_paging", "step_ms_all_resident"]
+            "all_resident_tokens_per_s", "throughput_vs_resident", "page_ins", "prefill_calls",
+            "resident_prefill_calls", "page_in_ms_p50", "page_in_serial_GBps", "page_in_GBps", "step_ms_paging",
+            "step_ms_no_paging", "step_ms_all_resident", "prefill_step_ms_paging", "prefill_step_ms_no_paging",
+            "resident_prefill_step_ms"]
     pinned = payload["h2d_pinned_GBps"]
+    commands = payload.get("commands", [payload["command"]])
     lines = [f"# Adapter paging ({payload['device']}, jax {payload['jax_version']})", "",
-             f"Command: `{payload['command']}`", "",
+             "Command(s):", ""] + [f"- `{c}`" for c in commands] + ["",
              f"Host->device: pinned {pinned} GB/s, pageable {payload['h2d_pageable_GBps']} GB/s "
              f"({payload['h2d_bytes'] / 1e6:.0f} MB copies); pinned at one adapter's size: "
              f"{payload.get('h2d_pinned_adapter_GBps')}. Serving: {payload['step']}.", "",
              "`page_in_GBps`: a burst of `page_in_burst_n` page-ins issued by one stage + commit (the way the "
              "pager issues them under load); `page_in_serial_GBps` and `page_in_ms_p50`: one at a time, "
-             "blocking. Step times: decode-only engine steps with / without page-ins issued.", "",
+             "blocking. `step_ms_*`: decode-only engine steps that issued page-ins / did not / the all-resident "
+             "run; `prefill_step_ms_*`: the same for steps with a prefill call (requests are admitted in the "
+             "step that pages their adapter in, so page-ins mostly come with a prefill; null: no such step).", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c)) for c in cols) + " |" for r in payload["rows"]]
     lines += ["", "Targets: throughput >= 90% of all-resident at 2,000 adapters; page-ins >= 70% of pinned "
-              "host->device bandwidth.", ""]
+              "host->device bandwidth (of the same run).", ""]
     for r in payload["rows"]:
-        share = f"{r['page_in_GBps'] / pinned:.0%}" if pinned else "n/a"
+        row_pinned = r.get("h2d_pinned_GBps", pinned)
+        share = f"{r['page_in_GBps'] / row_pinned:.0%}" if row_pinned else "n/a"
         lines.append(f"- {r['setting']}, {r['registered']} adapters, exponent {r['popularity_exponent']}: "
                      f"{r['throughput_vs_resident']:.1%} of all-resident; page-ins at {share} of pinned bandwidth")
+    if payload.get("variant_rows"):
+        vcols = ["setting", "popularity_exponent", "max_page_ins_per_commit", "prefetch_adapters",
+                 "throughput_vs_resident", "prefill_calls", "page_in_GBps"]
+        lines += ["", "Pager variants (same runs):", "", "| " + " | ".join(vcols) + " |", "|" + "---|" * len(vcols)]
+        lines += ["| " + " | ".join(str(r.get(c)) for c in vcols) + " |" for r in payload["variant_rows"]]
     (out / "paging.md").write_text("\n".join(lines) + "\n")
     if not plot or not payload["rows"]:
         return
@@ -440,9 +451,36 @@ def write_results(payload: dict, out: Path, plot: bool = True) -> None:
     fig.savefig(out / "paging.png", dpi=120)
 
 
+def merge(paths: list[Path], out: Path) -> dict:
+    """One payload from several runs' paging.json: each setting's rows from the first file that has
+    it, default-variant rows (the first --caps/--prefetch of that run) as `rows`, the others as
+    `variant_rows`; every row keeps the command that made it."""
+    payloads = [json.loads(p.read_text()) for p in paths]
+    merged = {k: v for k, v in payloads[0].items() if k not in ("rows", "command")}
+    merged.update(rows=[], variant_rows=[], commands=[p["command"] for p in payloads],
+                  command="python benchmarks/paging.py --merge " + " ".join(str(p) for p in paths))
+    seen: set[str] = set()
+    for payload in payloads:
+        settings_here = {r["setting"] for r in payload["rows"]} - seen
+        for r in payload["rows"]:
+            if r["setting"] not in settings_here:
+                continue
+            first = next(x for x in payload["rows"] if x["setting"] == r["setting"])
+            default = all(r.get(k) == first.get(k) for k in ("max_page_ins_per_commit", "prefetch_adapters"))
+            row = {**r, "command": payload["command"], "h2d_pinned_GBps": payload["h2d_pinned_GBps"]}
+            (merged["rows"] if default else merged["variant_rows"]).append(row)
+        seen |= settings_here
+    write_results(merged, out)
+    return merged
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="toy sizes (runs on CPU in seconds)")
+    parser.add_argument("--replay", action="store_true",
+                        help="the settings' full workloads (rows, slots, adapters, requests) on the toy model: the "
+                             "engine's schedule (steps, prefill calls, page-ins) is the H200 run's, without a GPU; "
+                             "its timings mean nothing")
     parser.add_argument("--setting", action="append", choices=("s1", "full"), help="default: both")
     parser.add_argument("--exponents", type=float, nargs="+", default=[1.0, 0.5, 0.1])
     parser.add_argument("--host-memory", choices=[m.value for m in HostMemory], default="auto")
@@ -461,22 +499,28 @@ def main() -> None:
                         help="pager variants: prefetch depth in waiting requests (default: the setting's rows)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop starting new settings/exponents after this many seconds; results so far are written")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None,
+                        help="merge these runs' paging.json into --out (no run); see merge()")
     args = parser.parse_args()
+    if args.merge:
+        merge(args.merge, args.out)
+        return
     t_start = time.perf_counter()
     deadline = t_start + args.budget_s if args.budget_s is not None else float("inf")
     host_bytes = int(args.host_gb * 1e9) if args.host_gb is not None else None
-    cfg = TINY if args.tiny else LLAMA2_7B
+    small = args.tiny or args.replay
+    cfg = TINY if small else LLAMA2_7B
     dev = jax.devices()[0]
     print("device", dev.device_kind, "jax", jax.__version__, flush=True)
-    h2d_bytes = (1 << 20) if args.tiny else (1 << 30)
+    h2d_bytes = (1 << 20) if small else (1 << 30)
     pinned = round(h2d_gbps(h2d_bytes, pinned=True), 2) if has_pinned_host() else None
     pageable = round(h2d_gbps(h2d_bytes, pinned=False), 2)
-    adapter_bytes = 16_777_216 if not args.tiny else 1 << 16  # one S1 adapter (rank 8, q/k/v/o, bf16)
+    adapter_bytes = 16_777_216 if not small else 1 << 16  # one S1 adapter (rank 8, q/k/v/o, bf16)
     pinned_small = round(h2d_gbps(adapter_bytes, pinned=True, reps=30), 2) if has_pinned_host() else None
     print(f"h2d GB/s: pinned {pinned}, pageable {pageable}, pinned at {adapter_bytes / 1e6:.1f} MB {pinned_small}",
           flush=True)
     backend = args.backend or ("pallas" if dev.platform == "gpu" else "xla")
-    model = random_model(cfg, dtype=jnp.float32 if args.tiny else jnp.bfloat16)
+    model = random_model(cfg, dtype=jnp.float32 if small else jnp.bfloat16)
     jax.block_until_ready(model.params)
     rows: list[dict] = []
     payload = {"device": str(dev.device_kind), "jax_version": jax.__version__, "h2d_pinned_GBps": pinned,
@@ -493,6 +537,8 @@ def main() -> None:
             not_run.append(name)
             continue
         setting = settings(args.tiny)[name]
+        if args.replay:
+            setting = dataclasses.replace(setting, rank=4)
         if args.registered is not None:
             setting = dataclasses.replace(setting, registered=max(args.registered, setting.slots + 1))
         if args.requests is not None:

@@ -22,6 +22,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, adapters_help: str = "registe
     p.add_argument("--max-slots", type=int, default=None, help="device adapter slots, slot 0 (base) included")
     p.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank the bank holds")
     p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory at most")
+    p.add_argument("--prefetch-adapters", type=int, default=None, metavar="N",
+                   help="page in the adapters of up to N waiting requests ahead of admission, 0 = off "
+                        "(default: the config's, 16)")
     p.add_argument("--lora-backend", choices=[b.value for b in LoraBackend], default=None,
                    help="how the per-row LoRA term is computed (default: the config's)")
     p.add_argument("--attention", choices=("auto", "pallas", "xla"), default=None,
@@ -53,6 +56,8 @@ def engine_config(args: argparse.Namespace, model_config=None):
         config = dataclasses.replace(config, dtype=args.dtype)
     if getattr(args, "attention", None) is not None:
         config = dataclasses.replace(config, attention=args.attention)
+    if getattr(args, "prefetch_adapters", None) is not None:
+        config = dataclasses.replace(config, prefetch_adapters=args.prefetch_adapters)
     return with_tensor_parallel(config, getattr(args, "tensor_parallel", None))
 
 

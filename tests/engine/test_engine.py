@@ -357,3 +357,17 @@ def test_waiting_requests_adapters_are_prefetched_while_rows_are_busy(parts, pre
     assert all(h.result().error is None for h in handles)
     assert (engine.pager.metrics.hits - hits >= 2) == bool(prefetch)
     assert engine.compiles_after_warmup == 0
+
+
+def test_prefetch_adapters_flag_and_validation():
+    import argparse
+
+    from jaxlora.cli.engine_args import add_engine_args, engine_config as config_from_args
+    from jaxlora.engine.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert config_from_args(p.parse_args([])).prefetch_adapters == EngineConfig().prefetch_adapters == 16
+    assert config_from_args(p.parse_args(["--prefetch-adapters", "0"])).prefetch_adapters == 0
+    with pytest.raises(ValueError, match="prefetch_adapters=-1"):
+        config_from_args(p.parse_args(["--prefetch-adapters", "-1"]))

@@ -1,0 +1,24 @@
+"""benchmarks/pagein_probe.py runs end to end at toy size on CPU and renders its tables."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_pagein_probe_smoke(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "pagein_probe.py"), "--tiny", "--reps", "1", "--out", str(tmp_path)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads((tmp_path / "pagein_probe.json").read_text())
+    for section in ("size_curve", "copies_only", "burst", "overlap", "loop"):
+        assert result[section] and all("error" not in r for r in result[section]), section
+    assert {r["how"] for r in result["loop"]} == {"none", "after", "split", "split1", "lagged"}
+    assert all(r["ms_per_step"] > 0 for r in result["loop"])
+    md = (tmp_path / "pagein_probe.md").read_text()
+    assert md.startswith("# Page-in probe") and "| how | k |" in md
