@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxlora.adapters.registry import FlatLayout  # noqa: E402
 from jaxlora.bench.e2e import LLAMA2_7B, TINY  # noqa: E402
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraConfig, ModelConfig  # noqa: E402
-from jaxlora.lora.bank import _write_flat, bank_groups, init_bank, write_slot_flat  # noqa: E402
+from jaxlora.lora.bank import _write_many_flat, bank_groups, init_bank, write_slot_flat, write_slots_flat  # noqa: E402
 
 DTYPE = jnp.bfloat16
 
@@ -115,24 +115,12 @@ def make_in_jit_writer(k: int, pinned, device):
     """One jitted call: k pinned flat buffers -> device (inside the program) -> k slot writes."""
 
     def write_all(bank, slots, *flats):
-        for i, flat in enumerate(flats):
-            on_device = jax.device_put(flat, jax.memory.Space.Device) if pinned is not None else flat
-            bank = _write_flat(bank, slots[i], on_device)
-        return bank
+        if pinned is not None:
+            flats = tuple(jax.device_put(flat, jax.memory.Space.Device) for flat in flats)
+        return _write_many_flat(bank, slots, flats)
 
     in_sh = (None, None) + ((pinned,) * k if pinned is not None else (None,) * k)
     return jax.jit(write_all, donate_argnums=0, in_shardings=in_sh if pinned is not None else None)
-
-
-def write_many_jit(slots_count: int):
-    """One jitted call writing k already-copied flat buffers into k slots of the donated bank."""
-
-    def write_all(bank, slots, *flats):
-        for i, flat in enumerate(flats):
-            bank = _write_flat(bank, slots[i], flat)
-        return bank
-
-    return jax.jit(write_all, donate_argnums=0)
 
 
 def loop_variants(step, base, x, slot_ids, state, flats, device, ks, args) -> list[dict]:
@@ -146,7 +134,6 @@ def loop_variants(step, base, x, slot_ids, state, flats, device, ks, args) -> li
     Reports ms per step against the same loop with no page-ins.
     """
     steps = 12
-    many = write_many_jit(0)
     rows = []
 
     def loop(k: int, how: str) -> dict:
@@ -167,7 +154,7 @@ def loop_variants(step, base, x, slot_ids, state, flats, device, ks, args) -> li
                 for j, c in enumerate(pre):
                     state["bank"] = write_slot_flat(state["bank"], 1 + j, c)
             elif how == "split1" and k:
-                state["bank"] = many(state["bank"], jnp.arange(1, k + 1, dtype=jnp.int32), *pre)
+                state["bank"] = write_slots_flat(state["bank"], np.arange(1, k + 1), tuple(pre))
             elif how == "lagged" and k:
                 for j, c in enumerate(carried):
                     state["bank"] = write_slot_flat(state["bank"], 1 + j, c)

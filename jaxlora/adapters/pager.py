@@ -296,16 +296,11 @@ class Pager:
         requests and dispatches their prefill after the commit). Else None."""
         with self._lock:
             slot = self._table.slot_of(name)
-            if slot is None or name in self._ready:
-                return slot if name in self._ready else None
-            if slot in self._pending:  # re-queued since it was staged: that write is not the last
+            if name in self._ready:
+                return slot
+            if slot is None or slot in self._pending:  # re-queued since it was staged: not the last write
                 return None
             return slot if any(s == slot and n == name for s, n, _ in self._staged) else None
-
-    def has_slot(self, name: str) -> bool:
-        """Whether `name` holds a slot (written, or its write queued or staged)."""
-        with self._lock:
-            return self._table.slot_of(name) is not None
 
     def slot_of(self, name: str) -> int | None:
         """The slot assigned to `name`, written or still pending; None if it has none."""
@@ -367,6 +362,10 @@ class Pager:
             self._commit_timed()
             return
         self._stage()
+        self._write_staged()
+
+    def _write_staged(self) -> None:
+        """One write call for every staged copy, then the bookkeeping."""
         staged, self._staged = self._staged, []
         if staged:
             self.bank = self._write_many([slot for slot, _, _ in staged], [on_device for _, _, on_device in staged])
@@ -374,16 +373,12 @@ class Pager:
             self._finish_writes([(slot, name) for slot, name, _ in staged], None)
 
     def _commit_timed(self) -> None:
-        staged, self._staged = self._staged, []
-        if staged:  # copied before timing was switched on: written untimed, first (issue order)
-            self.bank = self._write_many([slot for slot, _, _ in staged], [c for _, _, c in staged])
-            with self._lock:
-                self._finish_writes([(slot, name) for slot, name, _ in staged], None)
+        self._write_staged()  # copied before timing was switched on: written untimed, first (issue order)
         with self._lock:
             self._serve_waiting()
             ops = self._take_pending(self.max_page_ins_per_commit)
         for slot, name, flat in ops:
-            seconds = self._write(slot, flat)
+            seconds = self._write_timed(slot, flat)
             with self._lock:
                 self._finish_writes([(slot, name)], seconds)
 
@@ -499,14 +494,12 @@ class Pager:
                 self._ready.add(name)
 
     # ---------------------------------------------------------------- device work (engine thread, no lock)
-    def _write(self, slot: int, flat: np.ndarray | jax.Array | None) -> float | None:
-        """Copies one adapter's flat buffer (None: zeros) to the device and writes it into `slot` of
-        the donated bank. With `time_transfers`, blocks and returns the seconds from the copy's
-        dispatch to the written bank."""
+    def _write_timed(self, slot: int, flat: np.ndarray | jax.Array | None) -> float:
+        """Copies one adapter's flat buffer (None: zeros) to the device, writes it into `slot` of
+        the donated bank, blocks, and returns the seconds from the copy's dispatch to the written
+        bank (`time_transfers` mode)."""
         start = time.perf_counter()
         self.bank = self._write_many([slot], [self._to_device(flat)])
-        if not self.time_transfers:
-            return None
         jax.block_until_ready(self.bank)
         return time.perf_counter() - start
 

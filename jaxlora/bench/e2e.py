@@ -217,8 +217,8 @@ class ResidentBank:
     def slot_at_commit(self, name: str) -> int:
         return self._slots[name]
 
-    def has_slot(self, name: str) -> bool:
-        return name in self._slots
+    def slot_of(self, name: str) -> int | None:
+        return self._slots.get(name)
 
     def release(self, name: str) -> None:
         pass

@@ -29,8 +29,8 @@ class SlotSource(Protocol):
     acquire pins (once per request) and returns the slot if written, else queues a page-in and
     returns None; is_ready then polls; release unpins; can_place says whether acquiring now would
     get a slot without waiting for another adapter's release; slot_at_commit is is_ready for a call
-    dispatched after the pager's next commit; has_slot says whether a slot is assigned (written, or
-    its write queued).
+    dispatched after the pager's next commit; slot_of is the slot assigned to an adapter (written, or
+    its write queued), else None.
     """
 
     def acquire(self, name: str) -> int | None: ...
@@ -43,7 +43,7 @@ class SlotSource(Protocol):
 
     def slot_at_commit(self, name: str) -> int | None: ...
 
-    def has_slot(self, name: str) -> bool: ...
+    def slot_of(self, name: str) -> int | None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +137,7 @@ class Scheduler:
                 # A starving request blocks newcomers only while it has no slot: one whose page-in
                 # is already queued lands without help, and blocking behind it cost a step's
                 # admissions per cold request (2,000 adapters, every request past max_wait_steps).
-                if blocker is None and is_starving and not (req.has_pin and self.slots.has_slot(req.adapter)):
+                if blocker is None and is_starving and not (req.has_pin and self.slots.slot_of(req.adapter) is not None):
                     blocker = req
                 continue
             self._admit(req, slot)

@@ -135,19 +135,13 @@ def _write_flat(bank: Bank, slot: jax.Array, flat: jax.Array) -> Bank:
     return jax.tree_util.tree_unflatten(treedef, written)
 
 
-# Donated like write_slot: the slot is written in place.
-write_slot_flat_jit = jax.jit(_write_flat, donate_argnums=0)
-
-
 def write_slot_flat(bank: Bank, slot: int, flat: jax.Array) -> Bank:
     """Writes one adapter's entries, packed into one 1-D buffer per `flat_slot_layout`, into `slot`.
 
     Produces exactly what `set_slot` does with the unpacked entries; one copy to the device instead
     of one per leaf. Returns the new bank (the old one is donated).
     """
-    if slot == 0:
-        raise ValueError("slot 0 is the reserved base-model slot and cannot hold an adapter")
-    return write_slot_flat_jit(bank, jnp.asarray(slot, jnp.int32), flat)
+    return write_slots_flat(bank, np.array([slot], np.int32), (flat,))
 
 
 def _write_many_flat(bank: Bank, slots: jax.Array, flats: tuple[jax.Array, ...]) -> Bank:

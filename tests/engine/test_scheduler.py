@@ -18,7 +18,7 @@ class FakeSlots:
     def __init__(self, num_slots: int, known: set[str]) -> None:
         self.num_slots = num_slots
         self.known = known
-        self.slot_of: dict[str, int] = {}
+        self.assigned: dict[str, int] = {}
         self.ready: set[str] = set()
         self.pins: dict[str, int] = {}
         self.pending: list[str] = []  # pinned, waiting for a slot or for the write
@@ -28,13 +28,13 @@ class FakeSlots:
             raise UnknownAdapterError(f"adapter {name!r} is not registered")
         self.pins[name] = self.pins.get(name, 0) + 1
         if name in self.ready:
-            return self.slot_of[name]
+            return self.assigned[name]
         if name not in self.pending:
             self.pending.append(name)
         return None
 
     def is_ready(self, name: str) -> int | None:
-        return self.slot_of[name] if name in self.ready else None
+        return self.assigned[name] if name in self.ready else None
 
     def release(self, name: str) -> None:
         assert self.pins.get(name, 0) > 0, f"release of {name} without acquire"
@@ -44,11 +44,11 @@ class FakeSlots:
             if name in self.pending:
                 self.pending.remove(name)
 
-    def has_slot(self, name: str) -> bool:
-        return name in self.slot_of
+    def slot_of(self, name: str) -> int | None:
+        return self.assigned.get(name)
 
     def can_place(self, name: str) -> bool:
-        return name in self.slot_of or self._free_slot() is not None or self._victim() is not None
+        return name in self.assigned or self._free_slot() is not None or self._victim() is not None
 
     def land(self) -> None:
         """commit(): every pending adapter that can get a slot gets one and becomes ready."""
@@ -58,18 +58,18 @@ class FakeSlots:
                 victim = self._victim()
                 if victim is None:
                     return
-                slot = self.slot_of.pop(victim)
+                slot = self.assigned.pop(victim)
                 self.ready.discard(victim)
-            self.slot_of[name] = slot
+            self.assigned[name] = slot
             self.ready.add(name)
             self.pending.remove(name)
 
     def _free_slot(self) -> int | None:
-        used = set(self.slot_of.values())
+        used = set(self.assigned.values())
         return next((s for s in range(1, self.num_slots + 1) if s not in used), None)
 
     def _victim(self) -> str | None:
-        return next((n for n in self.slot_of if n not in self.pins and n not in self.pending), None)
+        return next((n for n in self.assigned if n not in self.pins and n not in self.pending), None)
 
 
 _arrivals = iter(range(10**9))
@@ -118,7 +118,7 @@ def test_cold_adapter_does_not_block_hot_ones_and_lands_next_step():
     assert cold.phase is Phase.WAITING and cold.has_pin and slots.pins == {"cold": 1, "hot": 2}
     slots.land()
     admitted, _ = s.schedule()
-    assert ids(admitted) == ["c"] and admitted[0].slot == slots.slot_of["cold"]
+    assert ids(admitted) == ["c"] and admitted[0].slot == slots.assigned["cold"]
     for r in (cold, hot1, hot2):
         s.finish(r)
     assert slots.pins == {}  # exactly one release per acquire
