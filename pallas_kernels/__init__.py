@@ -15,6 +15,9 @@ from pallas_kernels.lora_tpu import sgmv_expand as tpu_sgmv_expand
 from pallas_kernels.lora_tpu import sgmv_shrink as tpu_sgmv_shrink
 from pallas_kernels.lora_triton import bgmv_expand, bgmv_shrink, sgmv_expand, sgmv_shrink
 from pallas_kernels.plan import LoraPlan, lora_plan
+from pallas_kernels.ragged_attention import ragged_paged_attention
+from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference
+from pallas_kernels.ragged_attention_xla import ragged_paged_attention_xla
 
 __all__ = [
     "BACKENDS",
@@ -27,6 +30,9 @@ __all__ = [
     "lora_group",
     "lora_plan",
     "lora_shrink",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "ragged_paged_attention_xla",
     "reference",
     "sgmv_expand",
     "sgmv_shrink",

@@ -212,14 +212,14 @@ def record_calls(monkeypatch, events: list[str], *targets) -> None:
         monkeypatch.setattr(obj, name, wrapped)
 
 
-def test_page_ins_are_staged_before_and_committed_after_the_step_is_dispatched(parts, monkeypatch):
-    """stage() (copies start) runs before the decode is dispatched, commit() (slot writes) after it
-    and before the prefill, which may read the new slots, and the sampled ids are fetched last; a
-    step with nothing to run still stages and commits, so waiting requests progress."""
+def test_page_ins_are_staged_before_the_step_and_committed_around_it(parts, monkeypatch):
+    """stage() (copies start) runs before the step is dispatched; commit() (slot writes) runs after
+    the dispatch, or before it when the step reads a slot those copies fill; the sampled ids are
+    fetched last; a step with nothing to run still stages and commits, so waiting requests progress."""
     engine = make_engine(parts)  # its own engine: the shared one is stopped by the background-loop test
     events: list[str] = []
     record_calls(monkeypatch, events, (engine.pager, "stage"), (engine.pager, "commit"),
-                 (engine.runner, "prefill"), (engine.runner, "decode"), (jax, "device_get"))
+                 (engine.runner, "step"), (jax, "device_get"))
     engine.run_until_idle()
     events.clear()
     engine.step()  # idle: nothing dispatched, the page-ins still go out
@@ -232,27 +232,28 @@ def test_page_ins_are_staged_before_and_committed_after_the_step_is_dispatched(p
         for out in engine.generate(requests):
             assert out.error is None and out.completion_tokens >= 1
     assert engine.pager.metrics.page_ins > page_ins and engine.compiles_after_warmup == 0
-    # Each step: stage, [decode], commit, [prefill], then (one step behind) the read of the previous step's ids.
+    # Each step: stage, then the commit before or after the one dispatch, then (one step behind)
+    # the read of the previous step's ids.
     steps: list[list[str]] = []
     for e in events:
         if e == "stage":
             steps.append([])
         steps[-1].append(e)
-    allowed = {("stage", *d, "commit", *p, *r) for d in ((), ("decode",)) for p in ((), ("prefill",))
+    allowed = {("stage", *c, *r) for c in (("commit",), ("step", "commit"), ("commit", "step"))
                for r in ((), ("device_get",))}
     assert all(tuple(s) in allowed for s in steps), steps
-    dispatching = [s for s in steps if "decode" in s or "prefill" in s]
+    dispatching = [s for s in steps if "step" in s]
     assert dispatching and "device_get" not in dispatching[0]  # the first has nothing in flight to read
-    # A request for a cold adapter is admitted in the step that pages its adapter in: its prefill
-    # is dispatched right after the commit that writes the slot.
+    # A request for a cold adapter is admitted in the step that pages its adapter in: the commit
+    # that writes its slot goes first, then the step with its prompt.
     engine.run_until_idle()
     cold = next(a for a in ADAPTERS if engine.pager.is_ready(a) is None)
-    page_ins = engine.pager.metrics.page_ins
     handle = engine.submit(GenerationRequest(request_id="cold", prompt_ids=[1, 44, 45], adapter=cold,
                                              sampling=SamplingParams(max_tokens=2)))
+    page_ins = engine.pager.metrics.page_ins
     events.clear()
-    engine.step()
-    assert events == ["stage", "commit", "prefill"] and engine.pager.metrics.page_ins == page_ins + 1
+    engine.step()  # pins the adapter (page-in queued), stages the copy, admits, commits, dispatches
+    assert events == ["stage", "commit", "step"] and engine.pager.metrics.page_ins == page_ins + 1
     engine.run_until_idle()
     assert handle.result().error is None and handle.result().completion_tokens == 2
 
@@ -261,17 +262,17 @@ def test_engine_runs_one_step_behind(engine, monkeypatch):
     """Step N+1 is dispatched before step N's ids are read; rows are fed their token on the device."""
     events: list[str] = []
     engine.run_until_idle()
-    record_calls(monkeypatch, events, (engine.runner, "prefill"), (engine.runner, "decode"), (jax, "device_get"))
+    record_calls(monkeypatch, events, (engine.runner, "step"), (jax, "device_get"))
     request = GenerationRequest(request_id="behind", prompt_ids=[1, 20, 21, 22], sampling=SamplingParams(max_tokens=3))
     handle = engine.submit(request)
-    assert engine.step() == [] and events == ["prefill"]  # dispatched, not read
-    first = engine.step()  # decode fed the prefill's id on the device, then the prefill's id is read
-    assert events[1:] == ["decode", "device_get"] and [o.completion_tokens for o in first] == [1]
+    assert engine.step() == [] and events == ["step"]  # dispatched, not read
+    first = engine.step()  # decode fed the prompt's sampled id on the device, then that id is read
+    assert events[1:] == ["step", "device_get"] and [o.completion_tokens for o in first] == [1]
     engine.run_until_idle()
     tokens = handle.result().token_ids
     assert len(tokens) == 3 and engine.compiles_after_warmup == 0
-    # max_tokens is known ahead: no decode is dispatched past the third token.
-    assert events.count("decode") == 2
+    # max_tokens is known ahead: no step is dispatched past the third token.
+    assert events.count("step") == 3
     solo = engine.generate([GenerationRequest(request_id="again", prompt_ids=[1, 20, 21, 22],
                                               sampling=SamplingParams(max_tokens=3))])[0]
     assert solo.token_ids == tokens
@@ -283,13 +284,12 @@ def test_steps_without_adapter_rows_run_without_the_bank(engine, monkeypatch):
     import jaxlora.engine.runner as runner_module
 
     seen: list[bool] = []
-    for name in ("decode_step", "prefill_step"):
-        fn = getattr(runner_module, name)
+    fn = runner_module.ragged_step
 
-        def wrapped(params, bank, *args, _fn=fn, **kwargs):
-            seen.append(bank is not None)
-            return _fn(params, bank, *args, **kwargs)
-        monkeypatch.setattr(runner_module, name, wrapped)
+    def wrapped(params, bank, *args, **kwargs):
+        seen.append(bank is not None)
+        return fn(params, bank, *args, **kwargs)
+    monkeypatch.setattr(runner_module, "ragged_step", wrapped)
     engine.run_until_idle()
     base = GenerationRequest(request_id="base-only", prompt_ids=[1, 9, 10], sampling=SamplingParams(max_tokens=4))
     with jax.no_tracing():
