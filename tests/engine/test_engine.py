@@ -3,6 +3,7 @@ each request exactly its solo greedy tokens, with zero compiles after warm-up.""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import jax
@@ -371,3 +372,61 @@ def test_prefetch_adapters_flag_and_validation():
     assert config_from_args(p.parse_args(["--prefetch-adapters", "0"])).prefetch_adapters == 0
     with pytest.raises(ValueError, match="prefetch_adapters=-1"):
         config_from_args(p.parse_args(["--prefetch-adapters", "-1"]))
+
+
+def test_prompts_around_page_and_budget_edges_match_solo_runs(engine, parts):
+    """Prompt lengths 1, page - 1, page, page + 1 and past the largest token budget (prefilled over
+    several steps), arriving while others decode, each equal to its greedy solo recomputation."""
+    page, largest = engine.config.page_size, engine.config.token_budgets[-1]
+    lengths = [1, page - 1, page, page + 1, largest + 3, 2 * largest + 1]
+    rng = np.random.default_rng(11)
+    requests = [GenerationRequest(request_id=f"edge{n}", prompt_ids=[1, *rng.choice(PRINTABLE_IDS, n - 1).tolist()],
+                                  adapter=(None, *ADAPTERS)[i % 3], sampling=SamplingParams(max_tokens=6))
+                for i, n in enumerate(lengths)]
+    with jax.no_tracing():
+        handles = [engine.submit(r) for r in requests[:3]]
+        engine.step()
+        engine.step()
+        handles += [engine.submit(r) for r in requests[3:]]
+        engine.run_until_idle()
+    assert engine.compiles_after_warmup == 0
+    for r, h in zip(requests, handles):
+        assert list(h.result(0).token_ids) == reference_greedy(parts, r), r.request_id
+
+
+def test_a_pool_too_small_preempts_and_every_request_still_gets_its_solo_tokens(parts):
+    """Four rows of up to 40 positions over 20 pages of 4 (a quarter of what they could use): the
+    newest running request is preempted and recomputed later; tokens equal the solo runs."""
+    engine = make_engine(parts, num_pages=20)
+    rng = np.random.default_rng(3)
+    requests = [GenerationRequest(request_id=f"tight{i}", prompt_ids=[1, *rng.choice(PRINTABLE_IDS, 14).tolist()],
+                                  adapter=(None, *ADAPTERS)[i % 4], sampling=SamplingParams(max_tokens=20))
+                for i in range(6)]
+    with jax.no_tracing():
+        outs = engine.generate(requests)
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["free_pages"] == 20 and engine.compiles_after_warmup == 0
+    engine.pages.check()
+    for r, out in zip(requests, outs):
+        assert out.error is None and list(out.token_ids) == reference_greedy(parts, r), r.request_id
+
+
+def test_non_finite_logits_fail_that_request_alone_naming_its_adapter(engine):
+    """An adapter whose device weights are NaN: its request ends with an error naming the adapter
+    (never empty text), and a base-model request in the same steps is unaffected."""
+    engine.run_until_idle()
+    base = GenerationRequest(request_id="finite-base", prompt_ids=[1, 5, 6], sampling=SamplingParams(max_tokens=4))
+    expected = engine.generate([base])[0].token_ids
+    warm = GenerationRequest(request_id="warm-a1", prompt_ids=[1, 5], adapter="a1", sampling=SamplingParams(max_tokens=1))
+    engine.generate([warm])
+    slot = engine.pager.is_ready("a1")
+    clean = engine.pager.bank
+    engine.pager.bank = jax.tree.map(lambda x: x.at[:, slot].set(jnp.nan), clean)
+    try:
+        bad = GenerationRequest(request_id="nan-a1", prompt_ids=[1, 5, 6], adapter="a1",
+                                sampling=SamplingParams(max_tokens=4))
+        outs = engine.generate([bad, dataclasses.replace(base, request_id="finite-base-2")])
+    finally:
+        engine.pager.bank = clean
+    assert outs[0].finish_reason is FinishReason.ERROR and "'a1'" in outs[0].error and "not finite" in outs[0].error
+    assert outs[1].error is None and outs[1].token_ids == expected
