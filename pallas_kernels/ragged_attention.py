@@ -61,7 +61,8 @@ def q_block_schedule(q_start: jax.Array, q_len: jax.Array, kv_len: jax.Array, *,
     blocks = (q_len + block_q - 1) // block_q  # [S]
     ends = jnp.cumsum(blocks)  # [S], exclusive end of each sequence's q-blocks
     b = jnp.arange(num_blocks, dtype=_I32)
-    seq = jnp.minimum(jnp.sum(ends[None, :] <= b[:, None], axis=1), q_len.shape[0] - 1).astype(_I32)  # [NB, S] compares
+    # The sequence of block b: how many sequences' blocks end at or before b ([NB, S] compares).
+    seq = jnp.minimum(jnp.sum(ends[None, :] <= b[:, None], axis=1), q_len.shape[0] - 1).astype(_I32)
     first = (b - (ends[seq] - blocks[seq])) * block_q  # first query index inside the sequence
     rows = jnp.where(b < ends[-1], jnp.clip(q_len[seq] - first, 0, block_q), 0).astype(_I32)
     row0 = (q_start.astype(_I32)[seq] + first).astype(_I32)
@@ -145,6 +146,8 @@ def _check(q, k_pages, v_pages, q_start, q_len, kv_len, block_tables, block_q: i
     if not q.dtype == k_pages.dtype == v_pages.dtype:
         raise ValueError(f"q, k_pages and v_pages must share a dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
     num_seqs = q_len.shape[0] if q_len.ndim == 1 else -1
+    if num_seqs < 1:
+        raise ValueError(f"q_len {q_len.shape} must be [S] with S >= 1")
     for name, arr in (("q_start", q_start), ("q_len", q_len), ("kv_len", kv_len)):
         if arr.shape != (num_seqs,):
             raise ValueError(f"{name} {arr.shape} must be [S] like q_len {q_len.shape}")

@@ -2,7 +2,7 @@
 
 Pages are handed out in shuffled order; pages no sequence references, and offsets past kv_len in a
 sequence's last page, hold NaN; block-table entries past a sequence's pages are garbage ints (out of
-range too); padding query rows are NaN. A kernel that reads any of them shows NaN in its result.
+range too); padding query rows are NaN; page 0 is always one of the NaN pages. A kernel that reads any of them shows NaN in its result.
 """
 
 from __future__ import annotations
@@ -40,11 +40,13 @@ def ragged_batch(rng: np.random.Generator, *, seqs: list[tuple[int, int]], num_t
     padding rows apart, from flat index 0; rows after the last one are padding."""
     q_len = np.array([n for n, _ in seqs], np.int32)
     kv_len = np.array([c for _, c in seqs], np.int32)
-    if (q_len > kv_len).any() or (kv_len > pages_per_seq * page_size).any():
+    if (q_len > kv_len).any() or (kv_len > pages_per_seq * page_size).any() or spare_pages < 1:
         raise ValueError(f"bad test batch {seqs} for {pages_per_seq=} x {page_size=}")
     num_used = -(-kv_len // page_size)  # [S] pages each sequence references
     num_pages = int(num_used.sum()) + spare_pages
-    page_ids = rng.permutation(num_pages)
+    # Page 0 is never handed out: a masked-off read lands on page 0 (a masked load's `other`), so a
+    # load that forgot its mask reads NaN there.
+    page_ids = 1 + rng.permutation(num_pages - 1)
     tables = rng.integers(-2 * num_pages, 3 * num_pages, (len(seqs), pages_per_seq)).astype(np.int32)
     k = np.full((layers, num_pages, page_size, kv_heads, head_dim), np.nan, np.float32)
     v = k.copy()

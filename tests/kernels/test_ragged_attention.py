@@ -45,7 +45,9 @@ def _run_case(rng, case: dict, dtype):
 
     @jax.jit
     def over_layers(q, k, v, per_seq):
-        attend = lambda _, layer: (None, ragged_paged_attention(q, k, v, layer, *per_seq, interpret=True, **knobs))  # noqa: E731
+        def attend(_, layer):
+            return None, ragged_paged_attention(q, k, v, layer, *per_seq, interpret=True, **knobs)
+
         return jax.lax.scan(attend, None, jnp.arange(k.shape[0], dtype=jnp.int32))[1]
 
     refs = [ragged_paged_attention_reference(*batch.args(layer)) for layer in range(k.shape[0])]
@@ -122,6 +124,8 @@ def test_bad_inputs_are_refused(rng):
         call(q, k, v, layer, q_start, q_len, jnp.ones((2,), jnp.int32), tables)
     with pytest.raises(ValueError, match="block_tables"):
         call(q, k, v, layer, q_start, q_len, kv_len, tables[0])
+    with pytest.raises(ValueError, match="S >= 1"):
+        call(q, k, v, layer, q_start[:0], q_len[:0], kv_len[:0], tables[:0])
     with pytest.raises(ValueError, match="dtype"):
         call(q.astype(jnp.bfloat16), k, v, layer, q_start, q_len, kv_len, tables)
 
