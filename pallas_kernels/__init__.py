@@ -1,5 +1,7 @@
 """LoRA kernels for multi-adapter serving: shrink h = x @ A[slot], expand y += h @ B[slot]; and the
-decode-attention kernel the model's decode step uses on GPU (`decode_attention`).
+decode-attention kernel the model's decode step uses on GPU (`decode_attention`); and the ragged
+paged-attention kernel of the flat-token-batch step (`ragged_paged_attention`, its plain-JAX twin in
+`ragged_attention_reference`).
 
 Imports only jax and numpy; usable on its own. `lora_shrink`, `lora_expand` and
 `lora_expand_multi` (with `lora_plan`, built once per step) are the interface the model calls (see `api` for the contract); the segmented
