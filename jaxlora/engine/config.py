@@ -19,6 +19,10 @@ from jaxlora.parallel.mesh import MeshConfig
 
 _DTYPES = ("float32", "bfloat16")
 
+# Which engine this package builds: "bucketed" (prefill calls apart from the decode call, each padded
+# to a compiled shape). Benchmarks label their rows with it and pick the engine's limits by it.
+ENGINE_KIND = "bucketed"
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
