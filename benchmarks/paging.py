@@ -116,27 +116,39 @@ def has_pinned_host() -> bool:
 
 def adapter_pool(model: ModelConfig, setting: Setting, num: int = 8) -> list[dict]:
     """A few random weight sets; registered adapters share them (each registration still copies)."""
-    rng = np.random.default_rng(0)
+    return weight_pool(model, setting.rank, setting.modules, num)
+
+
+def weight_pool(model: ModelConfig, rank: int, modules: tuple[str, ...], num: int, seed: int = 0) -> list[dict]:
+    """`num` random weight sets of one rank: module -> (A [L, in, rank], B [L, rank, out]), float32."""
+    rng = np.random.default_rng(seed)
     pool = []
     for _ in range(num):
         weights = {}
-        for m in setting.modules:
+        for m in modules:
             d_in, d_out = model.module_shape(m)
-            weights[m] = (rng.standard_normal((model.num_layers, d_in, setting.rank), np.float32) * 0.01,
-                          rng.standard_normal((model.num_layers, setting.rank, d_out), np.float32) * 0.01)
+            weights[m] = (rng.standard_normal((model.num_layers, d_in, rank), np.float32) * 0.01,
+                          rng.standard_normal((model.num_layers, rank, d_out), np.float32) * 0.01)
         pool.append(weights)
     return pool
 
 
+def pool_adapters(pool: list[dict], rank: int, modules: tuple[str, ...]) -> list[HostAdapter]:
+    """The pool's weight sets as host adapters (named pool0, pool1, ...; registered under other names)."""
+    return [HostAdapter(name=f"pool{i}", rank=rank, target_modules=modules, weights=w) for i, w in enumerate(pool)]
+
+
 def register_all(pager: Pager, pool: list[dict], setting: Setting, num: int, threads: int | None = None) -> float:
-    """Registers a0..a{num-1} (copies of the pool's weight sets) from a few threads; returns seconds.
+    """Registers a0..a{num-1} (copies of the pool's weight sets) from a few threads; returns seconds."""
+    return register_copies(pager, pool_adapters(pool, setting.rank, setting.modules), num, threads)
+
+
+def register_copies(pager: Pager, adapters: list[HostAdapter], num: int, threads: int | None = None) -> float:
+    """Registers a{i} as a copy of adapters[i % len(adapters)], i < num, from a few threads; returns seconds.
 
     `Pager.register` is thread-safe and its work (validate, pack, pin) is numpy and device copies
     that release the GIL, so threads overlap it.
     """
-    adapters = [HostAdapter(name=f"pool{i}", rank=setting.rank, target_modules=setting.modules,
-                            weights=pool[i]) for i in range(len(pool))]
-
     def register(i: int) -> None:
         pager.register(f"a{i}", adapters[i % len(adapters)])  # registered under its own name
 
