@@ -288,16 +288,16 @@ class _Recorder:
             self.all_done.set()
 
 
-def _engine_counts(engine: Engine, tokens: BucketedTokenCounter) -> dict[str, int]:
+def _engine_counts(engine: Engine, tokens: TokenCounter) -> dict[str, int]:
     s = engine.stats()
-    out = {k: s[k] for k in ("steps", "prefill_calls", "decode_calls")}
+    out = {k: s[k] for k in ("steps", "preemptions")}
     out["compiles"] = s["compiles"]
     out.update(tokens.snapshot())
     out.update({f"pager_{k}": v for k, v in s.get("pager", {}).items()})
     return out
 
 
-def run_trace(engine: Engine, tokens: BucketedTokenCounter, trace: Sequence[TraceRequest], *, vocab: int,
+def run_trace(engine: Engine, tokens: TokenCounter, trace: Sequence[TraceRequest], *, vocab: int,
               max_drain_s: float, run_id: str, seed: int) -> dict:
     """Submits `trace` open loop to the running engine, waits for the last completion or the drain
     cap, cancels what is left and waits until the engine is idle. Returns the run's measurements."""
@@ -391,7 +391,7 @@ def summarize(lines: Sequence[_Timeline], token_times: Sequence[float], counts: 
         "served_req_s": round(len(completed) / window, 3), "served_tok_s": round(tokens_in_window / window, 1),
         "window_s": round(window, 2),
         "slo_attainment": round(met / len(lines), 4) if lines else None, "slo_ttft_s": SLO_TTFT_S,
-        "steps": steps, "prefill_calls": counts["prefill_calls"], "decode_calls": counts["decode_calls"],
+        "steps": steps, "preemptions": counts["preemptions"],
         "prefill_tokens_per_step": round(counts["prefill_tokens"] / steps, 2) if steps else None,
         "decode_tokens_per_step": round(counts["decode_tokens"] / steps, 2) if steps else None,
         "padding_share": share(slots - filled, slots),

@@ -112,7 +112,7 @@ def test_tiny_open_loop_run_accounts_for_every_request(tmp_path):
     assert isinstance(payload["device"], str) and isinstance(payload["jax_version"], str)
     assert payload["engine_commit"] == "test"
     (row,) = payload["rows"]
-    assert row["engine"] == "bucketed" and row["setting"] == "s1" and row["rate"] == 8.0 and row["duration_s"] == 1.5
+    assert row["engine"] == "ragged" and row["setting"] == "s1" and row["rate"] == 8.0 and row["duration_s"] == 1.5
     assert row["paged"] and row["n"] > row["slots"] and row["page_ins"] > 0
     assert row["requests"] == int(8 * 1.5)
     assert row["completed"] + row["unfinished"] + row["rejected"] + row["stopped_other"] == row["requests"]
