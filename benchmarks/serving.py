@@ -565,6 +565,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cv", type=float, default=1.0)
     p.add_argument("--alpha", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--slots", type=int, default=None, help="device adapter slots of every setting (default: the "
+                   "setting's, 64); with at most one distinct adapter per slot, this caps the batch's adapters")
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals (default 120; --tiny 2)")
     p.add_argument("--max-drain-s", type=float, default=None, help="after the last arrival (default 60; --tiny 20)")
     p.add_argument("--host-gb", type=float, default=64.0, help="host budget for registered adapters, GB")
@@ -637,7 +639,7 @@ def run_setting(setting: Setting, model: LoadedModel, size: Scale, args: argpars
             row = {**base_row, **key, "rate": rate, "duration_s": args.duration, "max_drain_s": args.max_drain_s,
                    "seed": args.seed, "input_range": list(size.input_range),
                    "output_range": list(size.output_range), "ranks": list(setting.ranks),
-                   "modules": list(setting.modules),
+                   "modules": list(setting.modules), "slots": setting.slots,
                    "n_asked": setting.n, "slots": setting.slots, "paged": n > setting.slots,
                    "registration_s": round(reg_s, 1), "sweep": sweep, **result,
                    "run_s": round(time.perf_counter() - t_run, 1), "note": note}
@@ -699,7 +701,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"time budget spent: setting {name} not run", flush=True)
             not_run.append(name)
             continue
-        run_setting(settings(args.tiny)[name], model, size, args, backend=backend, clock=clock, previous=previous,
+        setting = settings(args.tiny)[name]
+        if args.slots is not None:
+            setting = dataclasses.replace(setting, slots=args.slots)
+        run_setting(setting, model, size, args, backend=backend, clock=clock, previous=previous,
                     base_row=base_row, on_row=on_row, not_run=not_run)
         gc.collect()  # the setting's engine (KV cache), bank and pinned host copies go before the next
         live = sum(a.nbytes for a in jax.live_arrays())  # the next setting needs the KV cache's room
