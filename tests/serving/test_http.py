@@ -44,7 +44,7 @@ TEXT_PROMPT = "The capital of France is"  # raw text for /v1/completions (QUESTI
 ANSWER_TOKENS = 6
 MAX_STREAMS = 4
 LORA = LoraConfig(max_slots=3, max_rank=8)  # two adapter slots for three adapters
-CONFIG = EngineConfig(max_batch=4, max_seq_len=256, prefill_buckets=(64,), prefill_batch=2, max_new_tokens_limit=64,
+CONFIG = EngineConfig(max_batch=4, max_seq_len=256, token_budgets=(64,), page_size=16, max_new_tokens_limit=64,
                       max_queue=16, lora=LORA)
 
 
