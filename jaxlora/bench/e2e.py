@@ -37,7 +37,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+from jaxlora.bench.compiles import backend_compiles, check_no_compiles
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraConfig, ModelConfig
 from jaxlora.lora.bank import Bank, init_bank
 
@@ -172,15 +174,17 @@ def hbm_gbps(num_bytes: int = 1 << 31, reps: int = 10) -> float:
 # -- the bank and the slot source -------------------------------------------------------------------
 
 
-def random_bank(model: ModelConfig, lora: LoraConfig, num_adapters: int, dtype, seed: int = 0) -> Bank:
+def random_bank(model: ModelConfig, lora: LoraConfig, num_adapters: int, dtype, seed: int = 0,
+                mesh: Mesh | None = None) -> Bank:
     """A bank with adapters in slots 1..num_adapters (random, never zero), drawn on the device.
 
-    Slot 0 and slots past num_adapters stay zero, as the pager leaves them.
+    Slot 0 and slots past num_adapters stay zero, as the pager leaves them. With a mesh, the bank is
+    drawn directly in its tensor-parallel shards (jaxlora.parallel.sharding.bank_specs), with the
+    same values as on one device.
     """
     shapes = jax.eval_shape(lambda: init_bank(model, lora, dtype))
     leaves, treedef = jax.tree_util.tree_flatten(shapes)
 
-    @jax.jit
     def draw(key):
         out = []
         for i, leaf in enumerate(leaves):
@@ -191,7 +195,12 @@ def random_bank(model: ModelConfig, lora: LoraConfig, num_adapters: int, dtype, 
             out.append(jnp.where(live, w, 0).astype(leaf.dtype))
         return out
 
-    return jax.tree_util.tree_unflatten(treedef, draw(jax.random.key(seed)))
+    out_shardings = None
+    if mesh is not None:
+        from jaxlora.parallel.sharding import bank_shardings
+
+        out_shardings = jax.tree_util.tree_leaves(bank_shardings(shapes, mesh))
+    return jax.tree_util.tree_unflatten(treedef, jax.jit(draw, out_shardings=out_shardings)(jax.random.key(seed)))
 
 
 class ResidentBank:
@@ -288,15 +297,21 @@ def time_decode(runner, bank: Bank, slot_ids: np.ndarray, position: int, steps: 
     # The engine's own call shape (host tokens, nothing fed from the device), so no extra compile.
     feed = (np.full(B, -1, np.int32), runner.last_decode_ids, runner.last_prefill_ids)
     kv = runner.kv
+    # Warm up with the timed loop's own arguments: under tensor parallelism the fed-back ids are
+    # replicated over the mesh while `tokens` sits on one device, and jit compiles each placement.
+    ids = tokens
     for _ in range(2):
-        ids, kv = decode_step(runner.params, bank, kv, tokens, positions, slots, sampling, feed, **static)
+        ids, kv = decode_step(runner.params, bank, kv, ids, positions, slots, sampling, feed, **static)
     ids.block_until_ready()
+    compiles = backend_compiles()
     t0 = time.perf_counter()
     for _ in range(steps):
         ids, kv = decode_step(runner.params, bank, kv, ids, positions, slots, sampling, feed, **static)
     ids.block_until_ready()
+    seconds = time.perf_counter() - t0
+    check_no_compiles(compiles, "the timed decode steps")
     runner.kv = kv
-    return (time.perf_counter() - t0) / steps * 1e3
+    return seconds / steps * 1e3
 
 
 def time_prefill(runner, bank: Bank, slot: int, prompt_len: int, reps: int = 3) -> float:
@@ -369,8 +384,9 @@ def run_group(group: Group, model, tokenizer, *, hbm: float, steps: int, prefill
                           mesh=MeshConfig(tensor=tensor_parallel))
     runtime = LoraRuntime.for_platform(group.backend)
     t0 = time.perf_counter()
-    bank = random_bank(cfg, lora, max(group.distinct), model.dtype)
-    source = ResidentBank(bank, group.max_slots, max(group.distinct))
+    # Only the source holds the bank: splitting it over a mesh frees the one-device copy.
+    source = ResidentBank(random_bank(cfg, lora, max(group.distinct), model.dtype), group.max_slots,
+                          max(group.distinct))
     if group.e2e:
         engine = Engine(model, tokenizer, config, source, runtime=runtime)
         engine.warmup()
@@ -380,7 +396,7 @@ def run_group(group: Group, model, tokenizer, *, hbm: float, steps: int, prefill
         engine, runner = None, Runner(model, config, runtime=runtime)
         if runner.mesh is not None:
             source.place_on(runner.mesh)
-        time_decode(runner, bank, slot_pattern(group.batch, 0), group.prompt_len, steps=1)
+        time_decode(runner, source.bank, slot_pattern(group.batch, 0), group.prompt_len, steps=1)
     bank = source.bank  # split over the mesh when tensor_parallel > 1
     setup_s = time.perf_counter() - t0
     traces0 = num_traces()
