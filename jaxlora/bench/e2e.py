@@ -8,16 +8,16 @@ group only data changes, so several distinct-adapter counts (row i on adapter i 
 row on the base slot 0) cost no extra compile. At d = 0, step_ms times the step with the bank (the
 LoRA kernels still run), while the engine run behind tokens_per_s dispatches its bank-free step. Per cell:
 
-  step_ms        the jitted decode step (`runner.decode_step`), `steps` calls back to back with the
-                 cache fed through, one block at the end, every row at the mean context
-                 prompt + gen / 2;
+  step_ms        the engine's jitted step (`runner.ragged_step`) on a decode-only batch
+                 (`decode_inputs`), `steps` calls back to back with the page pool and ids fed through,
+                 one block at the end, every row at the mean context prompt + gen / 2; the timed
+                 calls must compile nothing (`jaxlora.engine.compiles`);
   floor_step_ms  (base weight bytes + KV bytes read at that context + distinct adapter bytes) over
                  the device-to-device copy bandwidth measured in the same run (bytes read + written);
   tokens_per_s   end to end: `batch` requests submitted at once to the engine, prompt_len random
                  tokens each, gen_len greedy tokens each; generated tokens over wall time
                  (prefill, scheduling, detokenizing and the per-step readback included);
-  ttft_ms        one prefill call on an idle engine (the request's prompt, padded to the engine's
-                 prefill rows), sampled token read back on the host.
+  ttft_ms        one request on an idle engine, from submit to its first token on the host.
 
 Groups run in priority order until the wall-clock budget is spent; what did not run is listed in
 the results with the reason. Results are rewritten after every cell, so a killed run keeps its data.
@@ -37,7 +37,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+from jaxlora.engine.compiles import backend_compiles, check_no_compiles
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraConfig, ModelConfig
 from jaxlora.lora.bank import Bank, init_bank
 
@@ -172,15 +174,17 @@ def hbm_gbps(num_bytes: int = 1 << 31, reps: int = 10) -> float:
 # -- the bank and the slot source -------------------------------------------------------------------
 
 
-def random_bank(model: ModelConfig, lora: LoraConfig, num_adapters: int, dtype, seed: int = 0) -> Bank:
+def random_bank(model: ModelConfig, lora: LoraConfig, num_adapters: int, dtype, seed: int = 0,
+                mesh: Mesh | None = None) -> Bank:
     """A bank with adapters in slots 1..num_adapters (random, never zero), drawn on the device.
 
-    Slot 0 and slots past num_adapters stay zero, as the pager leaves them.
+    Slot 0 and slots past num_adapters stay zero, as the pager leaves them. With a mesh, the bank is
+    drawn directly in its tensor-parallel shards (jaxlora.parallel.sharding.bank_specs), with the
+    same values as on one device.
     """
     shapes = jax.eval_shape(lambda: init_bank(model, lora, dtype))
     leaves, treedef = jax.tree_util.tree_flatten(shapes)
 
-    @jax.jit
     def draw(key):
         out = []
         for i, leaf in enumerate(leaves):
@@ -191,7 +195,12 @@ def random_bank(model: ModelConfig, lora: LoraConfig, num_adapters: int, dtype, 
             out.append(jnp.where(live, w, 0).astype(leaf.dtype))
         return out
 
-    return jax.tree_util.tree_unflatten(treedef, draw(jax.random.key(seed)))
+    out_shardings = None
+    if mesh is not None:
+        from jaxlora.parallel.sharding import bank_shardings
+
+        out_shardings = jax.tree_util.tree_leaves(bank_shardings(shapes, mesh))
+    return jax.tree_util.tree_unflatten(treedef, jax.jit(draw, out_shardings=out_shardings)(jax.random.key(seed)))
 
 
 class ResidentBank:
@@ -297,16 +306,22 @@ def time_decode(runner, bank: Bank, slot_ids: np.ndarray, position: int, steps: 
 
     inputs = jax.device_put(decode_inputs(runner, slot_ids, position))
     static = _step_static(runner)
+    # Warm up with the timed loop's own arguments: the second call feeds back the first's ids and
+    # pool, as every timed call does. Under tensor parallelism those are placed over the mesh while the
+    # host inputs sit on one device, and jit compiles one program per placement without retracing.
     kv, ids = runner.kv, runner.last_ids
     for _ in range(2):
         ids, kv = ragged_step(runner.params, bank, kv, last_ids=ids, **inputs, **static)
     ids.block_until_ready()
+    compiles = backend_compiles()
     t0 = time.perf_counter()
     for _ in range(steps):
         ids, kv = ragged_step(runner.params, bank, kv, last_ids=ids, **inputs, **static)
     ids.block_until_ready()
+    seconds = time.perf_counter() - t0
+    check_no_compiles(compiles, "the timed decode steps")
     runner.kv, runner.last_ids = kv, ids
-    return (time.perf_counter() - t0) / steps * 1e3
+    return seconds / steps * 1e3
 
 
 def time_prefill(engine, slot: int, prompt_len: int, reps: int = 3) -> float:
@@ -372,8 +387,9 @@ def run_group(group: Group, model, tokenizer, *, hbm: float, steps: int,
                           mesh=MeshConfig(tensor=tensor_parallel))
     runtime = LoraRuntime.for_platform(group.backend)
     t0 = time.perf_counter()
-    bank = random_bank(cfg, lora, max(group.distinct), model.dtype)
-    source = ResidentBank(bank, group.max_slots, max(group.distinct))
+    # Only the source holds the bank: splitting it over a mesh frees the one-device copy.
+    source = ResidentBank(random_bank(cfg, lora, max(group.distinct), model.dtype), group.max_slots,
+                          max(group.distinct))
     if group.e2e:
         engine = Engine(model, tokenizer, config, source, runtime=runtime)
         engine.warmup()
@@ -383,7 +399,7 @@ def run_group(group: Group, model, tokenizer, *, hbm: float, steps: int,
         engine, runner = None, Runner(model, config, runtime=runtime)
         if runner.mesh is not None:
             source.place_on(runner.mesh)
-        time_decode(runner, bank, slot_pattern(group.batch, 0), group.prompt_len, steps=1)
+        time_decode(runner, source.bank, slot_pattern(group.batch, 0), group.prompt_len, steps=1)
     bank = source.bank  # split over the mesh when tensor_parallel > 1
     setup_s = time.perf_counter() - t0
     traces0 = num_traces()

@@ -150,7 +150,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._seeds = random.Random()
         self._counters = _Counters()
-        self._traces_at_warmup: int | None = None
+        self._compiles_at_warmup: int | None = None
         self._inflight: _Inflight | None = None  # the dispatched step whose ids are not read yet
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -358,11 +358,13 @@ class Engine:
                 self.pager.warmup()
             self.pager.commit()
         self.runner.warmup(None if self.pager is None else self.pager.bank, self.pages, progress)
-        self._traces_at_warmup = num_traces()
+        self._compiles_at_warmup = self.runner.step_compiles
 
     @property
     def compiles_after_warmup(self) -> int | None:
-        return None if self._traces_at_warmup is None else num_traces() - self._traces_at_warmup
+        """XLA compiles of the engine's steps since warm-up (None before it): retraces and new
+        argument placements alike."""
+        return None if self._compiles_at_warmup is None else self.runner.step_compiles - self._compiles_at_warmup
 
     def stats(self) -> dict[str, Any]:
         c = self._counters

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlora.engine.compiles import start_counting, thread_backend_compiles
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.kv_pages import PageTable, pages_for
 from jaxlora.engine.request import Request
@@ -99,6 +100,10 @@ class Runner:
             self._static["mesh"] = self.mesh
         # Each row's last sampled id, still on the device (see the module doc).
         self.last_ids: jax.Array | np.ndarray = np.zeros(config.max_batch, np.int32)
+        # XLA compiles paid by this runner's step calls, a new placement of an argument included
+        # (jit compiles those without retracing, so num_traces misses them).
+        self.step_compiles = 0
+        start_counting()
 
     def _pool_pages(self) -> int:
         """The configured page count, else what the device memory left after weights and adapter bank
@@ -126,7 +131,9 @@ class Runner:
         """
         arrays = self._inputs(plan, pages)
         bank = _bank_for(bank, arrays["slot_ids"], lora)
+        compiles = thread_backend_compiles()  # jit compiles on the calling thread
         next_ids, self.kv = ragged_step(self.params, bank, self.kv, last_ids=self.last_ids, **arrays, **self._static)
+        self.step_compiles += thread_backend_compiles() - compiles
         self.last_ids = next_ids
         return next_ids
 

@@ -80,22 +80,48 @@ def random_model(config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, seed: i
     """A model with random weights (tests and benchmarks).
 
     Matrices are N(0, std); norm scales are 1 + N(0, 0.1) so that a norm applied with the wrong
-    weight cannot go unnoticed. Small models are drawn with numpy (instant); large ones on the
-    device in one jitted call, so a 7B-shape model never crosses the host link.
+    weight cannot go unnoticed. Drawn as `draw_params` says (small models on the host, large ones
+    on the device, so a 7B-shape model never crosses the host link).
+    """
+    return build_model(config, draw_params(config, dtype=dtype, seed=seed, std=std), dtype=dtype, source="random")
+
+
+def draw_params(config: ModelConfig, *, dtype: jnp.dtype, seed: int = 0, std: float = 0.02,
+                shardings: Mapping[str, jax.sharding.Sharding] | None = None,
+                host_max_values: int = 50_000_000) -> dict[str, np.ndarray | jax.Array]:
+    """Random parameters, name -> array, as `random_model` draws them.
+
+    Models under `host_max_values` values are drawn with numpy (instant; a jitted draw costs seconds
+    of compile on a CPU), larger ones on the device in one jitted call, so a big model never crosses
+    the host link.
+    shardings: name -> where each array goes (None: numpy arrays or the default device). On the
+    device path each device draws only its own shard: jax's partitionable threefry gives the same
+    numbers for every placement, so a model split over a mesh is never whole on one device or on
+    the host, and equals the unsplit one.
     """
     _, expected = abstract_model(config, dtype)
     names = sorted(expected)
-    if sum(int(np.prod(expected[n].shape)) for n in names) < 50_000_000:
+    if sum(int(np.prod(expected[n].shape)) for n in names) < host_max_values:
         rng = np.random.default_rng(seed)
         arrays = {n: _init_value(n, rng.standard_normal(expected[n].shape, np.float32), std) for n in names}
-        return build_model(config, arrays, dtype=dtype, source="random")
+        if shardings is None:
+            return arrays
+        return {n: jax.device_put(np.asarray(a, dtype), shardings[n]) for n, a in arrays.items()}
 
-    @jax.jit
     def draw(key):
-        return {n: _init_value(n, jax.random.normal(jax.random.fold_in(key, i), expected[n].shape, dtype), std)
+        return {n: _init_value(n, _normal(jax.random.fold_in(key, i), expected[n].shape, dtype), std)
                 for i, n in enumerate(names)}
 
-    return build_model(config, draw(jax.random.key(seed)), dtype=dtype, source="random")
+    return jax.jit(draw, out_shardings=None if shardings is None else dict(shardings))(jax.random.key(seed))
+
+
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+    """N(0, 1) of `shape`; a stacked leaf [L, ...] one layer at a time, so that the draw's temporaries
+    stay one layer's size (a 70B-shape MLP leaf is ~19 GB per device even split over two)."""
+    if len(shape) < 3:
+        return jax.random.normal(key, shape, dtype)
+    layers = jnp.arange(shape[0], dtype=jnp.int32)
+    return jax.lax.map(lambda i: jax.random.normal(jax.random.fold_in(key, i), shape[1:], dtype), layers)
 
 
 def _init_value(name: str, normal, std: float):

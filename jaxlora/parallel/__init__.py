@@ -3,8 +3,9 @@
     mesh.py      MeshConfig (the engine config's `mesh:` section) and make_mesh
     layers.py    the collectives the model calls on one shard (psum after o/down, vocab-parallel
                  embedding and logits); imports only jax, so the model can use it
-    sharding.py  PartitionSpecs of params / bank / KV cache, divisibility checks, placement, and
-                 `shard_step`, which runs a whole model step per shard under `shard_map`
+    sharding.py  PartitionSpecs of params / bank / KV cache, divisibility checks, placement (random
+                 models drawn in their shards too), and `shard_step`, which runs a whole model step
+                 per shard under `shard_map`
     forward.py   the sharded twin of jaxlora.model.forward.forward_logits
 
 Only mesh.py is imported here: sharding.py imports the model, which imports layers.py.

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlora.config import ModelConfig
 from jaxlora.model.kv_cache import KVCache, PagedKVCache, init_kv_cache, init_paged_kv_cache
+from jaxlora.model.params import LoadedModel, abstract_model, build_model, draw_params
 from jaxlora.parallel.mesh import TENSOR_AXIS
 
 T = TENSOR_AXIS
@@ -125,6 +126,21 @@ def shard_params(params: Any, config: ModelConfig, mesh: Mesh) -> Any:
 def shard_model(model, mesh: Mesh):
     """A LoadedModel whose params live on the mesh (same config and graph)."""
     return dataclasses.replace(model, params=shard_params(model.params, model.config, mesh))
+
+
+def random_sharded_model(config: ModelConfig, mesh: Mesh, *, dtype: jnp.dtype, seed: int = 0,
+                         std: float = 0.02) -> LoadedModel:
+    """A random model drawn directly in its shards (`param_spec`): no device ever holds it whole.
+
+    The values do not depend on the mesh (see `draw_params`): the same seed gives the same model on
+    one device and split over n, so their outputs can be compared.
+    """
+    tensor = tensor_size(mesh)
+    check_divisible(config, tensor)
+    _, expected = abstract_model(config, dtype)
+    shardings = {n: NamedSharding(mesh, param_spec(n, s.shape, tensor)) for n, s in expected.items()}
+    arrays = draw_params(config, dtype=dtype, seed=seed, std=std, shardings=shardings)
+    return build_model(config, arrays, dtype=dtype, source="random")
 
 
 def bank_shardings(bank: dict, mesh: Mesh) -> dict:

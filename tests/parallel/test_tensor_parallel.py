@@ -1,7 +1,9 @@
 """Tensor parallelism on 4 fake CPU devices: a mixed-adapter batch gives the one-device greedy
 tokens with the model split 2 and 4 ways (raw forward and the Engine), and the compiled step holds
 only the Megatron collectives: two all-reduces per layer (o_proj, down_proj, their LoRA terms
-included), one for the embedding and one for the logits; nothing on weights or the adapter bank.
+included), one for the embedding and one for the logits; nothing on weights or the adapter bank,
+at toy shapes and at the Llama-2-7B shape with 257 slots (compiled from abstract arguments). The
+bench's step timer compiles nothing inside its timed loop on a split engine.
 
 The checks run in one subprocess (tp_worker.py): the fake-device flag must be in XLA_FLAGS before
 jax is imported, and one process shares its compiles across the checks.
@@ -92,3 +94,23 @@ def test_hidden_parallel_engine_decode_step_collectives(result):
     hlo = result["hlo"]
     _check_layer_body(hlo, rows=4, hidden=32)
     assert _outside_body(hlo) == [("all-gather", (4, 1, 32)), ("all-reduce", (4, 99))]
+
+
+def test_engine_shape_step_moves_no_bank_or_weight_bytes(result):
+    """The engine's decode step at the 7B shape, TP=2, 256 rows over 257 slots: only the Megatron
+    collectives, each far below one bank or weight leaf per device, and no host transfer."""
+    hlo = result["engine_shape_hlo"]
+    rows, hidden, vocab = hlo["batch"], hlo["hidden"], hlo["vocab"]
+    _check_layer_body(hlo, rows=rows, hidden=hidden)
+    assert _outside_body(hlo) == [("all-gather", (rows, vocab)), ("all-reduce", (rows, 1, hidden))]
+    # The largest is the logits all-gather, rows x vocab x 4 bytes (32.8 MB); the smallest stacked
+    # weight shard is 32 x 4096 x 2048 x 2 bytes (537 MB), the smallest bank leaf 539 MB per device.
+    assert hlo["max_collective_bytes"] == rows * vocab * 4
+    assert hlo["max_collective_bytes"] * 8 < min(hlo["smallest_weight_bytes"], hlo["smallest_bank_leaf_bytes"])
+    assert hlo["host_transfers"] == []
+
+
+def test_bench_step_timer_compiles_nothing_in_its_timed_loop(result):
+    timer = result["bench_timer"]
+    assert "error" not in timer, timer.get("error")
+    assert timer["step_ms"] > 0

@@ -22,11 +22,11 @@ from jaxlora.adapters import Pager
 from jaxlora.config import TARGET_MODULES, LoraConfig, ModelConfig
 from jaxlora.engine.engine import Engine
 from jaxlora.engine.request import GenerationRequest, SamplingParams
-from jaxlora.engine.runner import decode_step
+from jaxlora.engine.runner import ragged_step
 from jaxlora.engine.sampling import SamplingArrays
 from jaxlora.lora.apply import LoraRuntime
 from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
-from jaxlora.model import init_kv_cache
+from jaxlora.model import RaggedBatch, init_kv_cache, init_paged_kv_cache
 from jaxlora.model.forward import forward_logits
 from jaxlora.model.params import random_model
 from jaxlora.parallel import MeshConfig, make_mesh
@@ -196,14 +196,27 @@ def _collectives(text: str) -> list[tuple[str, str]]:
 
 
 def check_hlo(engine: Engine, result: dict) -> None:
-    """Collectives of the engine's compiled decode step (tp=4), split into the layer scan's body and
-    the rest."""
-    runner, cfg = engine.runner, engine.config
-    B = cfg.max_batch
-    args = (runner.params, engine.pager.bank, runner.kv, np.zeros(B, np.int32), np.zeros(B, np.int32),
-            np.zeros(B, np.int32), SamplingArrays.zeros(B))
-    hlo = decode_step.lower(*args, **runner._static).compile().as_text()
+    """Collectives of the engine's compiled step on a decode-only batch (tp=4, T = max_batch tokens),
+    split into the layer scan's body and the rest."""
+    from jaxlora.bench.e2e import decode_inputs
+
+    runner = engine.runner
+    inputs = decode_inputs(runner, np.zeros(engine.config.max_batch, np.int32), 0)
+    hlo = ragged_step.lower(runner.params, engine.pager.bank, runner.kv, last_ids=runner.last_ids, **inputs,
+                            **runner._static).compile().as_text()
     result["hlo"] = _split_collectives(hlo)
+
+
+def check_bench_timer(engine: Engine, result: dict) -> None:
+    """`jaxlora bench`'s step timer on the tp=4 engine: its timed steps must compile nothing (it
+    raises if they do). Its ids fed back are replicated over the mesh, unlike the first host tokens."""
+    from jaxlora.bench.e2e import slot_pattern, time_decode
+
+    B = engine.config.max_batch
+    try:
+        result["bench_timer"] = {"step_ms": time_decode(engine.runner, engine.pager.bank, slot_pattern(B, 2), 5, 2)}
+    except RuntimeError as e:
+        result["bench_timer"] = {"error": str(e)}
 
 
 def _split_collectives(hlo: str) -> dict:
@@ -230,13 +243,75 @@ def check_raw_hlo(result: dict) -> None:
     result["raw_hlo"] = _split_collectives(hlo)
 
 
+# The engine's step on a decode-only batch (one token per row) at the Llama-2-7B shape with many
+# slots and rows, compiled for TP=2 from abstract arguments (no 7B array is ever built). XLA's partitioner places the jit around the
+# shard_map: a bank or weight in a layout the step does not expect would come back as a collective
+# (or a host transfer) on bank- or weight-sized operands.
+ENGINE_SHAPE_BATCH, ENGINE_SHAPE_SLOTS, ENGINE_SHAPE_RANK, ENGINE_SHAPE_LEN = 256, 257, 16, 256
+ENGINE_SHAPE_PAGE = 16  # every row can hold ENGINE_SHAPE_LEN positions: B * LEN / PAGE pages
+HOST_MARKERS = (" send(", " recv(", " infeed(", " outfeed(", "S(5)", "host_compute", "MoveToHost", "MoveToDevice")
+_DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
+
+
+def _abstract(x, mesh, spec) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+
+
+def _local_bytes(x: jax.ShapeDtypeStruct) -> int:
+    return int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+
+
+def _result_bytes(shape: str) -> int:
+    m = re.match(r"(\w+)\[([\d,]*)\]", shape)
+    return int(np.prod([int(d) for d in m.group(2).split(",") if d])) * _DTYPE_BYTES[m.group(1)]
+
+
+def check_engine_shape_hlo(result: dict) -> None:
+    """Collectives, their sizes and any host transfer in the TP=2 decode-only step at the 7B shape."""
+    from flax import nnx
+
+    from jaxlora.bench.e2e import LLAMA2_7B
+    from jaxlora.model import Llama
+    from jaxlora.parallel.sharding import param_specs
+
+    cfg, B, S = LLAMA2_7B, ENGINE_SHAPE_BATCH, ENGINE_SHAPE_SLOTS
+    mesh = make_mesh(MeshConfig(tensor=2))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+    params = jax.tree.map(lambda x, spec: _abstract(x, mesh, spec), state, param_specs(state, 2))
+    lora = LoraConfig(max_slots=S, max_rank=ENGINE_SHAPE_RANK, backend="xla")
+    bank_shapes = jax.eval_shape(lambda: init_bank(cfg, lora, jnp.bfloat16))
+    bank = jax.tree.map(lambda x, spec: _abstract(x, mesh, spec), bank_shapes, bank_specs(bank_shapes))
+    pages_per_seq = ENGINE_SHAPE_LEN // ENGINE_SHAPE_PAGE
+    kv = jax.tree.map(lambda x: _abstract(x, mesh, KV_SPEC), jax.eval_shape(
+        lambda: init_paged_kv_cache(cfg, B * pages_per_seq, ENGINE_SHAPE_PAGE, jnp.bfloat16)))
+    rows = jax.ShapeDtypeStruct((B,), jnp.int32)  # T = S = B: one token per row
+    batch = RaggedBatch(q_start=rows, q_len=rows, kv_len=rows, write_page=rows, write_offset=rows,
+                        block_tables=jax.ShapeDtypeStruct((B, pages_per_seq), jnp.int32))
+    sampling = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), SamplingArrays.zeros(B))
+    runtime = LoraRuntime(backend="xla", attention="xla", unroll_layers=False)
+    hlo = ragged_step.trace(params, bank, kv, rows, rows, rows, rows, batch, sampling, rows, graphdef=graphdef,
+                            runtime=runtime, mesh=mesh).lower().compile().as_text()
+    split = _split_collectives(hlo)
+    weights = [_local_bytes(x) for x in jax.tree.leaves(params) if x.ndim == 3]  # stacked [L, in, out] kernels
+    result["engine_shape_hlo"] = {
+        **split,
+        "batch": B, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
+        "max_collective_bytes": max((_result_bytes(s) for s, _ in split["all"]), default=0),
+        "smallest_bank_leaf_bytes": min(_local_bytes(x) for x in jax.tree.leaves(bank)),
+        "smallest_weight_bytes": min(weights),
+        "host_transfers": [line.strip()[:200] for line in hlo.splitlines() if any(m in line for m in HOST_MARKERS)],
+    }
+
+
 def main() -> None:
     assert jax.device_count() >= 4, f"need 4 fake devices, found {jax.devices()}"
     result: dict = {}
+    check_engine_shape_hlo(result)
     check_raw(result)
     check_raw_hlo(result)
     engine = check_engine(result)
     check_hlo(engine, result)
+    check_bench_timer(engine, result)
     print("RESULT " + json.dumps(result))
 
 
