@@ -306,33 +306,6 @@ def test_steps_without_adapter_rows_run_without_the_bank(engine, monkeypatch):
     assert outs[0].token_ids == out.token_ids  # the base row is unchanged by sharing a step with an adapter row
 
 
-def test_background_loop_serves_threads_and_drains_on_stop(engine):
-    requests = traffic(8, seed=5)
-    expected = [o.token_ids for o in engine.generate(requests)]
-    engine.start()
-    try:
-        results: dict[str, tuple[int, ...]] = {}
-
-        def client(r):
-            results[r.request_id] = engine.submit(r).result(60).token_ids
-
-        threads = [threading.Thread(target=client, args=(r,)) for r in requests]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert [results[r.request_id] for r in requests] == expected
-        assert [o.token_ids for o in engine.generate(requests)] == expected  # generate() on the loop
-        late = engine.submit(GenerationRequest(request_id="late", prompt_ids=[1, 8], sampling=SamplingParams(max_tokens=20)))
-    finally:
-        engine.stop(drain=True, timeout=60)
-    assert late.result(0).finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
-    with pytest.raises(CapacityError):
-        engine.submit(GenerationRequest(request_id="after", prompt_ids=[1, 8]))
-    with pytest.raises(CapacityError):  # stopped for good: generate() raises instead of waiting forever
-        engine.generate([GenerationRequest(request_id="after", prompt_ids=[1, 8])])
-
-
 @pytest.mark.parametrize("prefetch", [16, 0])
 def test_waiting_requests_adapters_are_prefetched_while_rows_are_busy(parts, prefetch):
     """With every row busy, the adapters of waiting requests are paged in ahead (unpinned), so the
@@ -430,3 +403,31 @@ def test_non_finite_logits_fail_that_request_alone_naming_its_adapter(engine):
         engine.pager.bank = clean
     assert outs[0].finish_reason is FinishReason.ERROR and "'a1'" in outs[0].error and "not finite" in outs[0].error
     assert outs[1].error is None and outs[1].token_ids == expected
+
+
+# Last in this module: it stops the shared engine for good.
+def test_background_loop_serves_threads_and_drains_on_stop(engine):
+    requests = traffic(8, seed=5)
+    expected = [o.token_ids for o in engine.generate(requests)]
+    engine.start()
+    try:
+        results: dict[str, tuple[int, ...]] = {}
+
+        def client(r):
+            results[r.request_id] = engine.submit(r).result(60).token_ids
+
+        threads = [threading.Thread(target=client, args=(r,)) for r in requests]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [results[r.request_id] for r in requests] == expected
+        assert [o.token_ids for o in engine.generate(requests)] == expected  # generate() on the loop
+        late = engine.submit(GenerationRequest(request_id="late", prompt_ids=[1, 8], sampling=SamplingParams(max_tokens=20)))
+    finally:
+        engine.stop(drain=True, timeout=60)
+    assert late.result(0).finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    with pytest.raises(CapacityError):
+        engine.submit(GenerationRequest(request_id="after", prompt_ids=[1, 8]))
+    with pytest.raises(CapacityError):  # stopped for good: generate() raises instead of waiting forever
+        engine.generate([GenerationRequest(request_id="after", prompt_ids=[1, 8])])
