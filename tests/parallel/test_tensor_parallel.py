@@ -92,3 +92,17 @@ def test_hidden_parallel_engine_decode_step_collectives(result):
     hlo = result["hlo"]
     _check_layer_body(hlo, rows=4, hidden=32)
     assert _outside_body(hlo) == [("all-gather", (4, 1, 32)), ("all-reduce", (4, 99))]
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_quantized_base_greedy_tokens_match_one_device(result, quantization, tensor):
+    """Weight-only quantized projections split like their dense kernels, scales with them."""
+    runs = result["quantized"][quantization]
+    assert runs[f"tp{tensor}"] == runs["reference"]
+    assert runs[f"tp{tensor}_max_logit_diff"] <= TOLERANCES["float32"]["atol"]
+
+
+def test_quantized_step_has_the_dense_step_collectives(result):
+    """Scales are applied per shard (o/down: to the partial sums), so no collective is added."""
+    assert result["raw_hlo_int8"] == result["raw_hlo"]
