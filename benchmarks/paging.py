@@ -116,27 +116,39 @@ def has_pinned_host() -> bool:
 
 def adapter_pool(model: ModelConfig, setting: Setting, num: int = 8) -> list[dict]:
     """A few random weight sets; registered adapters share them (each registration still copies)."""
-    rng = np.random.default_rng(0)
+    return weight_pool(model, setting.rank, setting.modules, num)
+
+
+def weight_pool(model: ModelConfig, rank: int, modules: tuple[str, ...], num: int, seed: int = 0) -> list[dict]:
+    """`num` random weight sets of one rank: module -> (A [L, in, rank], B [L, rank, out]), float32."""
+    rng = np.random.default_rng(seed)
     pool = []
     for _ in range(num):
         weights = {}
-        for m in setting.modules:
+        for m in modules:
             d_in, d_out = model.module_shape(m)
-            weights[m] = (rng.standard_normal((model.num_layers, d_in, setting.rank), np.float32) * 0.01,
-                          rng.standard_normal((model.num_layers, setting.rank, d_out), np.float32) * 0.01)
+            weights[m] = (rng.standard_normal((model.num_layers, d_in, rank), np.float32) * 0.01,
+                          rng.standard_normal((model.num_layers, rank, d_out), np.float32) * 0.01)
         pool.append(weights)
     return pool
 
 
+def pool_adapters(pool: list[dict], rank: int, modules: tuple[str, ...]) -> list[HostAdapter]:
+    """The pool's weight sets as host adapters (named pool0, pool1, ...; registered under other names)."""
+    return [HostAdapter(name=f"pool{i}", rank=rank, target_modules=modules, weights=w) for i, w in enumerate(pool)]
+
+
 def register_all(pager: Pager, pool: list[dict], setting: Setting, num: int, threads: int | None = None) -> float:
-    """Registers a0..a{num-1} (copies of the pool's weight sets) from a few threads; returns seconds.
+    """Registers a0..a{num-1} (copies of the pool's weight sets) from a few threads; returns seconds."""
+    return register_copies(pager, pool_adapters(pool, setting.rank, setting.modules), num, threads)
+
+
+def register_copies(pager: Pager, adapters: list[HostAdapter], num: int, threads: int | None = None) -> float:
+    """Registers a{i} as a copy of adapters[i % len(adapters)], i < num, from a few threads; returns seconds.
 
     `Pager.register` is thread-safe and its work (validate, pack, pin) is numpy and device copies
     that release the GIL, so threads overlap it.
     """
-    adapters = [HostAdapter(name=f"pool{i}", rank=setting.rank, target_modules=setting.modules,
-                            weights=pool[i]) for i in range(len(pool))]
-
     def register(i: int) -> None:
         pager.register(f"a{i}", adapters[i % len(adapters)])  # registered under its own name
 
@@ -161,7 +173,7 @@ def num_registered(setting: Setting, slot_bytes: int, host_bytes: int | None) ->
 def make_engine(model, setting: Setting, pager: Pager, backend: str) -> Engine:
     lora = pager.lora_config
     config = EngineConfig(max_batch=setting.rows, max_seq_len=setting.prompt_len + setting.new_tokens,
-                          prefill_buckets=(setting.prompt_len,), prefill_batch=min(8, setting.rows),
+                          token_budgets=tuple(sorted({setting.rows, 8 * setting.prompt_len})),
                           max_new_tokens_limit=setting.new_tokens, max_queue=setting.requests + 1,
                           lora=dataclasses.replace(lora, backend=backend), dtype=jnp.dtype(model.dtype).name,
                           prefetch_adapters=setting.rows)
@@ -182,7 +194,7 @@ def host_profile(engine: Engine):
     time in `device_get`."""
     totals: collections.Counter[str] = collections.Counter()
     targets = [(engine.pager, "stage"), (engine.pager, "commit"), (engine.pager, "prefetch"),
-               (engine.runner, "decode"), (engine.runner, "prefill"), (jax, "device_get")]
+               (engine.runner, "step"), (jax, "device_get")]
     originals = [(obj, name, getattr(obj, name)) for obj, name in targets]
     for obj, name, fn in originals:
         def timed(*args, _fn=fn, _name=name, **kwargs):
@@ -219,13 +231,13 @@ def run_engine(engine: Engine, requests: list[GenerationRequest]) -> dict:
     with host_profile(engine) as host:
         t_start = time.perf_counter()
         while engine.has_work():
-            page_ins, prefills = pager.metrics.page_ins, stats()["prefill_calls"]
+            page_ins, prefills = pager.metrics.page_ins, stats()["prefill_tokens"]
             t0 = time.perf_counter()
             engine.step()
             seconds.append(time.perf_counter() - t0)
-            steps.append((pager.metrics.page_ins > page_ins, stats()["prefill_calls"] > prefills))
+            steps.append((pager.metrics.page_ins > page_ins, stats()["prefill_tokens"] > prefills))
         total = time.perf_counter() - t_start
-    counts = {k: stats()[k] - counts0[k] for k in ("steps", "prefill_calls", "decode_calls", "generated_tokens")}
+    counts = {k: stats()[k] - counts0[k] for k in ("steps", "prefill_tokens", "decode_tokens", "generated_tokens")}
     generated = stats()["generated_tokens"] - before
     expected = sum(r.sampling.max_tokens for r in requests)
     if generated != expected:
@@ -240,8 +252,8 @@ def run_engine(engine: Engine, requests: list[GenerationRequest]) -> dict:
             "step_ms_no_paging": ms(False), "prefill_step_ms_paging": ms(True, True),
             "prefill_step_ms_no_paging": ms(False, True), "steps": len(steps),
             "steps_with_page_ins": sum(p for p, _ in steps),
-            "decode_rows_per_call": round(counts["generated_tokens"] / max(counts["decode_calls"], 1), 2),
-            "prefill_calls": counts["prefill_calls"],
+            "decode_tokens_per_step": round(counts["decode_tokens"] / max(counts["steps"], 1), 2),
+            "prefill_calls": sum(pre for _, pre in steps),
             "host_ms_per_step": {k: round(v / len(steps) * 1e3, 3) for k, v in sorted(host.items())}}
 
 
@@ -319,8 +331,8 @@ def run_variant(setting: Setting, engine: Engine, requests: list[GenerationReque
         "compiles_after_warmup": engine.compiles_after_warmup,
     }
     row.update(resident_prefill_calls=base_run["prefill_calls"], prefill_calls=paged["prefill_calls"],
-               resident_steps=base_run["steps"], tokens_per_decode_call=paged["decode_rows_per_call"],
-               resident_tokens_per_decode_call=base_run["decode_rows_per_call"],
+               resident_steps=base_run["steps"], decode_tokens_per_step=paged["decode_tokens_per_step"],
+               resident_decode_tokens_per_step=base_run["decode_tokens_per_step"],
                prefill_step_ms_paging=paged["prefill_step_ms_paging"],
                prefill_step_ms_no_paging=paged["prefill_step_ms_no_paging"],
                resident_prefill_step_ms=base_run["prefill_step_ms_no_paging"],

@@ -94,18 +94,14 @@ def print_ops(title: str, ops: list[tuple[str, float, int]], top: int = 18) -> N
 
 
 def step_fn(runner, bank, slots, position):
-    from jaxlora.engine.runner import decode_step
-    from jaxlora.engine.sampling import SamplingArrays
+    from jaxlora.bench.e2e import decode_inputs
+    from jaxlora.engine.runner import ragged_step
 
-    B = runner.config.max_batch
-    tokens = jnp.zeros((B,), jnp.int32)
-    positions = jnp.full((B,), position, jnp.int32)
-    sampling = jax.device_put(SamplingArrays.zeros(B))
+    inputs = jax.device_put(decode_inputs(runner, slots, position))
     static = dict(graphdef=runner.model.graphdef, runtime=runner.runtime)
 
     def run():
-        ids, runner.kv = decode_step(runner.params, bank, runner.kv, tokens, positions, jnp.asarray(slots), sampling,
-                                     **static)
+        ids, runner.kv = ragged_step(runner.params, bank, runner.kv, last_ids=runner.last_ids, **inputs, **static)
         return ids
     return run
 
@@ -130,7 +126,7 @@ def main() -> None:
     model = random_model(model_cfg, dtype=jnp.bfloat16)
 
     def runner_for(runtime: LoraRuntime, lora: LoraConfig | None = None) -> Runner:
-        config = EngineConfig(max_batch=B, max_seq_len=seq, prefill_buckets=(8,), prefill_batch=1,
+        config = EngineConfig(max_batch=B, max_seq_len=seq, token_budgets=(B,), num_pages=B * seq // 16,
                               max_new_tokens_limit=seq - 1, dtype="bfloat16", **({"lora": lora} if lora else {}))
         return Runner(model, config, runtime=runtime)
 

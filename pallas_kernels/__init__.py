@@ -1,5 +1,7 @@
 """LoRA kernels for multi-adapter serving: shrink h = x @ A[slot], expand y += h @ B[slot]; and the
-decode-attention kernel the model's decode step uses on GPU (`decode_attention`).
+decode-attention kernel the model's decode step uses on GPU (`decode_attention`); and the ragged
+paged-attention kernel of the flat-token-batch step (`ragged_paged_attention`, its plain-JAX twin in
+`ragged_attention_reference`).
 
 Imports only jax and numpy; usable on its own. `lora_shrink`, `lora_expand` and
 `lora_expand_multi` (with `lora_plan`, built once per step) are the interface the model calls (see `api` for the contract); the segmented
@@ -15,6 +17,9 @@ from pallas_kernels.lora_tpu import sgmv_expand as tpu_sgmv_expand
 from pallas_kernels.lora_tpu import sgmv_shrink as tpu_sgmv_shrink
 from pallas_kernels.lora_triton import bgmv_expand, bgmv_shrink, sgmv_expand, sgmv_shrink
 from pallas_kernels.plan import LoraPlan, lora_plan
+from pallas_kernels.ragged_attention import ragged_paged_attention
+from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference
+from pallas_kernels.ragged_attention_xla import ragged_paged_attention_xla
 
 __all__ = [
     "BACKENDS",
@@ -27,6 +32,9 @@ __all__ = [
     "lora_group",
     "lora_plan",
     "lora_shrink",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "ragged_paged_attention_xla",
     "reference",
     "sgmv_expand",
     "sgmv_shrink",

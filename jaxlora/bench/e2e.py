@@ -6,9 +6,10 @@ device (every adapter resident: this measures decoding, not paging), and the rea
 Each *group* is one compiled engine: backend x adapter setting x batch x prompt length x base weight
 format (dense, or weight-only fp8 / int8 projections: rows say "weights": "bf16" | "fp8" | "int8";
 "f32" for the dense --tiny model). Every format runs on the same random weights, quantized from the
-dense draw, in one process; a group's formats run back to back. Within a group only data changes, so several distinct-adapter counts (row i on adapter i % d; d = 0 is every
-row on the base slot 0) cost no extra compile. At d = 0, step_ms times the step with the bank (the
-LoRA kernels still run), while the engine run behind tokens_per_s dispatches its bank-free step. Per cell:
+dense draw, in one process; a group's formats run back to back. Within a group only data changes,
+so several distinct-adapter counts (row i on adapter i % d; d = 0 is every row on the base slot 0)
+cost no extra compile. At d = 0, step_ms times the step with the bank (the LoRA kernels still run),
+while the engine run behind tokens_per_s dispatches its bank-free step. Per cell:
 
   step_ms        the jitted decode step (`runner.decode_step`), `steps` calls back to back with the
                  cache fed through, one block at the end, every row at the mean context
@@ -290,54 +291,54 @@ def _step_static(runner) -> dict:
     return dict(runner._static)
 
 
-def time_decode(runner, bank: Bank, slot_ids: np.ndarray, position: int, steps: int) -> float:
-    """Milliseconds per call of the engine's jitted decode step, `steps` calls back to back."""
-    from jaxlora.engine.runner import decode_step
-    from jaxlora.engine.sampling import SamplingArrays
+def decode_inputs(runner, slot_ids: np.ndarray, position: int) -> dict:
+    """The step's inputs for a decode-only step: row b's one token at `position`, over its own pages
+    (rows take consecutive pages of the pool), on slot slot_ids[b]. T = max_batch tokens."""
+    from jaxlora.engine.runner import sampling_arrays
+    from jaxlora.model import RaggedBatch
 
-    B = runner.config.max_batch
-    vocab = runner.model.config.vocab_size
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, vocab, B, dtype=np.int32))
-    positions = jnp.full((B,), position, jnp.int32)
-    slots = jnp.asarray(slot_ids)
-    sampling = jax.device_put(SamplingArrays.zeros(B))
+    B, page = runner.config.max_batch, runner.config.page_size
+    pages = (np.arange(B * runner.pages_per_seq, dtype=np.int32) % runner.num_pages).reshape(B, -1)
+    rows = np.arange(B, dtype=np.int32)
+    batch = RaggedBatch(q_start=rows, q_len=np.ones(B, np.int32), kv_len=np.full(B, position + 1, np.int32),
+                        block_tables=pages, write_page=pages[:, position // page].copy(),
+                        write_offset=np.full(B, position % page, np.int32))
+    tokens = np.random.default_rng(0).integers(0, runner.model.config.vocab_size, B, dtype=np.int32)
+    return dict(tokens=tokens, src=np.full(B, -1, np.int32), positions=np.full(B, position, np.int32),
+                slot_ids=np.asarray(slot_ids, np.int32), batch=batch, sampling=sampling_arrays([], B))
+
+
+def time_decode(runner, bank: Bank, slot_ids: np.ndarray, position: int, steps: int) -> float:
+    """Milliseconds per call of the engine's jitted step on a decode-only batch (every row one token,
+    the engine's call shape at T = max_batch), `steps` calls back to back."""
+    from jaxlora.engine.runner import ragged_step
+
+    inputs = jax.device_put(decode_inputs(runner, slot_ids, position))
     static = _step_static(runner)
-    # The engine's own call shape (host tokens, nothing fed from the device), so no extra compile.
-    feed = (np.full(B, -1, np.int32), runner.last_decode_ids, runner.last_prefill_ids)
-    kv = runner.kv
+    kv, ids = runner.kv, runner.last_ids
     for _ in range(2):
-        ids, kv = decode_step(runner.params, bank, kv, tokens, positions, slots, sampling, feed, **static)
+        ids, kv = ragged_step(runner.params, bank, kv, last_ids=ids, **inputs, **static)
     ids.block_until_ready()
     t0 = time.perf_counter()
     for _ in range(steps):
-        ids, kv = decode_step(runner.params, bank, kv, ids, positions, slots, sampling, feed, **static)
+        ids, kv = ragged_step(runner.params, bank, kv, last_ids=ids, **inputs, **static)
     ids.block_until_ready()
-    runner.kv = kv
+    runner.kv, runner.last_ids = kv, ids
     return (time.perf_counter() - t0) / steps * 1e3
 
 
-def time_prefill(runner, bank: Bank, slot: int, prompt_len: int, reps: int = 3) -> float:
-    """Milliseconds of one prefill call for one request on an idle engine, token read back."""
-    from jaxlora.engine.runner import prefill_step, sampling_arrays
+def time_prefill(engine, slot: int, prompt_len: int, reps: int = 3) -> float:
+    """Milliseconds from submitting one request to its first token, on an idle engine."""
+    from jaxlora.engine.request import GenerationRequest, SamplingParams
 
-    P, B = runner.config.prefill_batch, runner.config.max_batch
     rng = np.random.default_rng(1)
-    tokens = np.zeros((P, prompt_len), np.int32)
-    tokens[0] = rng.integers(0, runner.model.config.vocab_size, prompt_len)
-    positions = np.tile(np.arange(prompt_len, dtype=np.int32), (P, 1))
-    row_ids = np.full(P, B, np.int32)
-    row_ids[0] = 0
-    slot_ids = np.zeros(P, np.int32)
-    slot_ids[0] = slot
-    last_idx = np.full(P, prompt_len - 1, np.int32)
-    sampling = sampling_arrays([], P)
-    static = _step_static(runner)
+    adapter = adapter_name(slot - 1) if slot else None
     times = []
-    for _ in range(reps + 1):
+    for i in range(reps + 1):
+        prompt = rng.integers(0, engine.model.config.vocab_size, prompt_len).tolist()
         t0 = time.perf_counter()
-        ids, runner.kv = prefill_step(runner.params, bank, runner.kv, tokens, positions, row_ids, slot_ids,
-                                      last_idx, sampling, **static)
-        int(jax.device_get(ids)[0])
+        engine.generate([GenerationRequest(request_id=f"ttft{i}", prompt_ids=prompt, adapter=adapter,
+                                           sampling=SamplingParams(max_tokens=1))])
         times.append(time.perf_counter() - t0)
     return float(np.median(times[1:])) * 1e3
 
@@ -367,7 +368,7 @@ def run_engine(engine, batch: int, prompt_len: int, gen_len: int, distinct: int,
             "ttft_loaded_ms_p50": ttfts[len(ttfts) // 2] * 1e3, "ttft_loaded_ms_max": ttfts[-1] * 1e3}
 
 
-def run_group(group: Group, model, tokenizer, *, hbm: float, steps: int, prefill_batch: int,
+def run_group(group: Group, model, tokenizer, *, hbm: float, steps: int,
               emit: Callable[[dict, dict], None], tensor_parallel: int = 1) -> None:
     """Builds the engine of `group`, warms it up, and emits one (row, details) per distinct count."""
     from jaxlora.engine.config import EngineConfig
@@ -380,8 +381,11 @@ def run_group(group: Group, model, tokenizer, *, hbm: float, steps: int, prefill
     itemsize = jnp.dtype(model.dtype).itemsize
     lora = LoraConfig(max_slots=group.max_slots, max_rank=group.rank, target_modules=TARGETS[group.targets],
                       backend=group.backend)
-    config = EngineConfig(max_batch=group.batch, max_seq_len=group.max_seq_len, prefill_buckets=(group.prompt_len,),
-                          prefill_batch=min(prefill_batch, group.batch), max_new_tokens_limit=group.gen_len,
+    # Decode steps have exactly max_batch tokens; prompts go one step each. Pages: every row at full length.
+    pages_per_seq = -(-group.max_seq_len // 16)
+    config = EngineConfig(max_batch=group.batch, max_seq_len=group.max_seq_len,
+                          token_budgets=tuple(sorted({group.batch, group.prompt_len})), page_size=16,
+                          num_pages=group.batch * pages_per_seq, max_new_tokens_limit=group.gen_len,
                           max_queue=max(1024, 2 * group.batch), lora=lora, dtype=jnp.dtype(model.dtype).name,
                           mesh=MeshConfig(tensor=tensor_parallel))
     runtime = LoraRuntime.for_platform(group.backend)
@@ -414,11 +418,10 @@ def run_group(group: Group, model, tokenizer, *, hbm: float, steps: int, prefill
         if engine is not None:
             result = run_engine(engine, group.batch, group.prompt_len, group.gen_len, distinct, seed=i + 1)
             tokens_per_s = result["tokens_per_s"]
-            ttft = time_prefill(runner, bank, int(slots[0]), group.prompt_len)
+            ttft = time_prefill(engine, int(slots[0]), group.prompt_len)
             details.update(e2e_seconds=round(result["seconds"], 3),
                            ttft_loaded_ms_p50=round(result["ttft_loaded_ms_p50"], 2),
-                           ttft_loaded_ms_max=round(result["ttft_loaded_ms_max"], 2),
-                           prefill_batch=config.prefill_batch)
+                           ttft_loaded_ms_max=round(result["ttft_loaded_ms_max"], 2))
         details["compiles_after_setup"] = num_traces() - traces0
         row = {"system": "jaxlora", "backend": group.backend, "weights": weights_label(model),
                "batch": group.batch, "distinct_adapters": distinct,
@@ -688,7 +691,6 @@ class Options:
     budget_s: float = 300.0
     backends: tuple[str, ...] = ("pallas", "xla", "ragged")
     steps: int = 10
-    prefill_batch: int = 8
     hf_peer: Path | None = None
     plots: bool = True
     command: str = ""
@@ -772,8 +774,8 @@ def run(opts: Options) -> dict:
             break
         print(f"[{i}] {group.label} ({left:.0f} s left)", flush=True)
         try:
-            run_group(group, models[group.quantization], tokenizer, hbm=hbm, steps=opts.steps, prefill_batch=opts.prefill_batch,
-                      emit=emit, tensor_parallel=opts.tensor_parallel)
+            run_group(group, models[group.quantization], tokenizer, hbm=hbm, steps=opts.steps, emit=emit,
+                      tensor_parallel=opts.tensor_parallel)
         except Exception as e:  # one broken group must not lose the others
             payload["not_run"].append({"group": group.label, "reason": f"failed: {type(e).__name__}: {e}"[:500]})
             print(f"  FAILED {type(e).__name__}: {e}", flush=True)

@@ -28,7 +28,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", nargs="+", choices=("bf16", "fp8", "int8"), default=["bf16"],
                    help="base weight formats, each group run once per format in this process: bf16 = dense "
                         "(float32 with --tiny), fp8 / int8 = weight-only quantized projections")
-    p.add_argument("--prefill-batch", type=int, default=8, help="rows per prefill call")
     p.add_argument("--hf-peer", type=Path, default=None,
                    help="results of benchmarks/hf_peer.py to include as hf-peft rows")
     p.add_argument("--no-plots", action="store_true")
@@ -45,8 +44,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxlora.bench import e2e
 
-    if args.steps < 1 or args.budget_s <= 0 or args.prefill_batch < 1:
-        print("jaxlora bench: --steps and --prefill-batch must be >= 1, --budget-s > 0", file=sys.stderr)
+    if args.steps < 1 or args.budget_s <= 0:
+        print("jaxlora bench: --steps must be >= 1, --budget-s > 0", file=sys.stderr)
         return 2
     if args.from_json is not None:
         payload = e2e.rerender(args.from_json, args.out, hf_peer=args.hf_peer)
@@ -54,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     opts = e2e.Options(out=args.out, tiny=args.tiny, budget_s=args.budget_s,
                        backends=tuple(args.backend or BACKENDS), steps=args.steps,
-                       prefill_batch=args.prefill_batch, hf_peer=args.hf_peer, plots=not args.no_plots,
+                       hf_peer=args.hf_peer, plots=not args.no_plots,
                        tensor_parallel=args.tensor_parallel or 1, skip_groups=args.skip_groups,
                        merge_json=args.merge_json, weights=tuple(dict.fromkeys(args.quantize)),
                        command="jaxlora bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]))

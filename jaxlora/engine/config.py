@@ -1,8 +1,7 @@
-"""Engine limits: every static shape of the jitted steps, plus host-side bounds.
+"""Engine limits: every static shape of the jitted step, plus host-side bounds.
 
-`B = max_batch` decode rows, `max_seq_len` cache positions per row, one prefill shape per bucket
-(`prefill_batch` rows x bucket tokens), `S = lora.max_slots` adapter slots. YAML presets in
-`configs/` only fill this in.
+`max_batch` rows (sequences per step), one step shape per token budget, `num_pages` KV pages of
+`page_size` positions, `S = lora.max_slots` adapter slots. YAML presets in `configs/` only fill this in.
 """
 
 from __future__ import annotations
@@ -19,17 +18,24 @@ from jaxlora.parallel.mesh import MeshConfig
 
 _DTYPES = ("float32", "bfloat16")
 
+# What forms the engine's steps: one jitted call over a flat batch of decode tokens and prompt chunks.
+ENGINE_KIND = "ragged"
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Static limits of one engine.
 
     Attributes:
-      max_batch: B, decode rows (one KV cache row each).
-      max_seq_len: cache positions per row; prompt + max_tokens must fit.
-      prefill_buckets: prompt chunk lengths compiled for prefill, sorted; longer prompts are prefilled
-        in chunks of the largest bucket.
-      prefill_batch: rows per prefill call (padding rows cost compute, not correctness).
+      max_batch: rows, i.e. sequences running at once (each step has at most one chunk per row).
+      max_seq_len: positions per sequence; prompt + max_tokens must fit.
+      token_budgets: the step sizes compiled (tokens per step), sorted; a step is padded to the
+        smallest that holds it. The largest bounds a step: decode tokens first, then prompt chunks
+        fill it, so a long prompt is prefilled across steps. It must be >= max_batch.
+      page_size: positions per KV page.
+      num_pages: KV pages in the pool (None: from the device memory left after weights and adapter
+        bank on GPU, `kv_memory_fraction` of it; on CPU max_batch sequences of max_seq_len).
+      kv_memory_fraction: share of the free device memory the page pool takes when num_pages is None.
       max_new_tokens_limit: the largest `max_tokens` a request may ask for.
       max_queue: requests waiting for admission; submit raises CapacityError beyond it.
       max_adapters_per_batch: distinct adapters among running rows (None: max_slots - 1).
@@ -47,8 +53,10 @@ class EngineConfig:
 
     max_batch: int = 8
     max_seq_len: int = 512
-    prefill_buckets: tuple[int, ...] = (32, 128, 512)
-    prefill_batch: int = 4
+    token_budgets: tuple[int, ...] = (16, 64, 256)
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_memory_fraction: float = 0.85
     max_new_tokens_limit: int = 256
     max_queue: int = 1024
     max_adapters_per_batch: int | None = None
@@ -61,16 +69,23 @@ class EngineConfig:
     prefetch_adapters: int = 16
 
     def __post_init__(self) -> None:
-        for field in ("max_batch", "max_seq_len", "prefill_batch", "max_new_tokens_limit", "max_queue",
+        for field in ("max_batch", "max_seq_len", "page_size", "max_new_tokens_limit", "max_queue",
                       "max_wait_steps"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
-        buckets = tuple(int(b) for b in self.prefill_buckets)
-        object.__setattr__(self, "prefill_buckets", buckets)
-        if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
-            raise ValueError(f"prefill_buckets={buckets} must be non-empty, positive, sorted and distinct")
-        if buckets[-1] > self.max_seq_len:
-            raise ValueError(f"prefill_buckets={buckets} must be <= max_seq_len={self.max_seq_len}")
+        budgets = tuple(int(b) for b in self.token_budgets)
+        object.__setattr__(self, "token_budgets", budgets)
+        if not budgets or list(budgets) != sorted(set(budgets)) or budgets[0] < 1:
+            raise ValueError(f"token_budgets={budgets} must be non-empty, positive, sorted and distinct")
+        if budgets[-1] < self.max_batch:
+            raise ValueError(f"the largest token budget {budgets[-1]} must be >= max_batch={self.max_batch} "
+                             "(every running row decodes one token per step)")
+        pages_per_seq = -(-self.max_seq_len // self.page_size)
+        if self.num_pages is not None and self.num_pages < pages_per_seq:
+            raise ValueError(f"num_pages={self.num_pages} must hold one sequence of max_seq_len={self.max_seq_len} "
+                             f"({pages_per_seq} pages of {self.page_size})")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1]")
         if self.max_new_tokens_limit >= self.max_seq_len:
             raise ValueError(f"max_new_tokens_limit={self.max_new_tokens_limit} must be < "
                              f"max_seq_len={self.max_seq_len}")
@@ -107,8 +122,8 @@ class EngineConfig:
             d["lora"] = LoraConfig(**lora)
         if isinstance(d.get("mesh"), dict):
             d["mesh"] = MeshConfig(**d["mesh"])
-        if "prefill_buckets" in d:
-            d["prefill_buckets"] = tuple(d["prefill_buckets"])
+        if "token_budgets" in d:
+            d["token_budgets"] = tuple(d["token_budgets"])
         return cls(**d)
 
     @classmethod

@@ -1,4 +1,4 @@
-"""The step loop: admit, prefill and decode in one step, stream detokenized text, finish.
+"""The step loop: plan a step, dispatch it, stream detokenized text, finish.
 
     engine = Engine(model, tokenizer, EngineConfig(), pager)
     engine.warmup()
@@ -9,17 +9,20 @@
 `submit` and `cancel` are thread-safe; everything else runs on the loop's thread (the caller of
 `step`, or the thread `start` spawns). Callbacks run on the loop's thread and must be quick.
 
-Adapter page-ins overlap the step and cost a new request no step. A step admits requests (pinning
-their adapters, which queues page-ins for adapters not on the device) and prefetches the adapters of
-the next waiting requests; it starts the host->device copies of the queued page-ins
-(`pager.stage()`: a copy waits for the device work queued before it, so it is issued before the
-dispatch and runs under this step's decode); it admits the requests whose adapters those copies
-bring (`Scheduler.admit_staged`); it dispatches the decode call (its rows' adapters are written
-already); `pager.commit()` then writes the copies into their slots (the writes donate the bank the
-decode reads, so JAX orders them after it), and the prefill call dispatched next reads the new
-slots. The engine then blocks on the *previous* step's sampled ids (it runs one step behind, see
-`Engine.step`). A step with nothing to run still commits, so requests waiting for a page-in make
-progress.
+The order of one step (`Engine.step`; everything else refers here):
+  1. take new submissions and cancellations; pin the adapters of the waiting requests that free
+     rows could take (`Scheduler.pin_adapters`: this queues their page-ins);
+  2. prefetch the adapters of the next waiting requests and start the host->device copies of every
+     queued page-in (`pager.stage()`): a copy waits for the device work queued before it, so it is
+     issued before this step's dispatch and runs under it;
+  3. plan the step (`Scheduler.schedule`): decode tokens, prompt chunks, admissions, preemptions;
+     a request whose adapter the staged copies bring may be admitted;
+  4. dispatch the one jitted step (`Runner.step`); if the step reads a slot that the staged copies
+     fill, the slot writes (`pager.commit()`) go first, else right after the dispatch (the writes
+     donate the bank the step reads, so JAX orders them after it, and the copies ran under it);
+  5. read the *previous* step's sampled ids and stream those tokens (the engine runs one step
+     behind: step N+1 is on the device's queue before the host blocks on step N's ids).
+A step with nothing to run still commits, so requests waiting for a page-in make progress.
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ from jaxlora.engine.request import (
     Request,
     RequestOutput,
 )
-from jaxlora.engine.runner import Runner, num_traces
-from jaxlora.engine.scheduler import PrefillPlan, Scheduler
+from jaxlora.engine.kv_pages import PageTable
+from jaxlora.engine.runner import Runner, WarmupProgress, num_traces
+from jaxlora.engine.scheduler import Scheduler, StepPlan
 from jaxlora.errors import CapacityError, JaxloraError, RequestError, UnknownAdapterError
 from jaxlora.lora.apply import LoraRuntime
 from jaxlora.model.params import LoadedModel
@@ -106,8 +110,9 @@ class _Live:
 @dataclasses.dataclass
 class _Counters:
     steps: int = 0
-    prefill_calls: int = 0
-    decode_calls: int = 0
+    decode_tokens: int = 0  # decode tokens computed (one per running request per step)
+    prefill_tokens: int = 0  # prompt (and recomputed) tokens computed
+    padded_tokens: int = 0  # token slots of the dispatched steps, padding included
     prompt_tokens: int = 0
     generated_tokens: int = 0
     finished: int = 0
@@ -133,9 +138,10 @@ class Engine:
             if not hasattr(pager, "place_on"):
                 raise ValueError(f"config.mesh={config.mesh} needs a pager that can split its bank (Pager.place_on)")
             pager.place_on(self.runner.mesh)
-        self.scheduler = Scheduler(max_batch=config.max_batch, prefill_batch=config.prefill_batch,
-                                   prefill_buckets=config.prefill_buckets, max_adapters=config.adapter_cap,
-                                   max_wait_steps=config.max_wait_steps, slots=pager)
+        self.pages = PageTable(self.runner.num_pages, config.page_size, self.runner.pages_per_seq)
+        self.scheduler = Scheduler(max_batch=config.max_batch, token_budgets=config.token_budgets, pages=self.pages,
+                                   max_adapters=config.adapter_cap, max_wait_steps=config.max_wait_steps,
+                                   slots=pager, reserve_pages=max(1, self.runner.num_pages // 100))
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox: list[_Live] = []
@@ -185,73 +191,58 @@ class Engine:
 
     # The loop.
     def step(self) -> list[RequestOutput]:
-        """One engine step: admit; start the copies of queued page-ins (`pager.stage`); admit the
-        requests whose adapters those copies bring; dispatch the decode call; write the copies into
-        their slots (`pager.commit`); dispatch the prefill call, which may read those slots; then
-        read the *previous* step's sampled ids and stream those tokens.
+        """One engine step, in the order the module doc lists. Returns the outputs it streamed.
 
-        The engine runs one step behind: step N+1 is on the device's queue before the host blocks on
-        step N's ids, so the host's work (stop checks, detokenizing, scheduling, building the next
-        inputs) overlaps device work instead of leaving the device idle between steps. Rows whose
-        token is not read yet are fed from the device (`Runner.decode`). The cost: a request that
-        stops on an EOS id or a stop string has one extra row-step computed and thrown away;
-        `max_tokens` is known in advance and never overshoots.
+        The cost of running one step behind: a request that stops on an EOS id or a stop string has
+        one extra token computed and thrown away; `max_tokens` is known in advance and never
+        overshoots.
         """
         outputs: list[RequestOutput] = []
         self._take_inbox(outputs)
-        admitted, failed = self.scheduler.schedule()
-        for req, err in failed:
+        for req, err in self.scheduler.pin_adapters():
             self._finish(req, FinishReason.ERROR, outputs, error=str(err))
         self._stage_page_ins()
-        if self.pager is not None:
-            self.scheduler.admit_staged()  # their slots are written by the commit below, before the prefill
-        plan = self.scheduler.plan_prefill()
-        decoding = [r for r in self.scheduler.decode_requests() if r.num_dispatched < r.sampling.max_tokens]
-        if plan is None and not decoding:
+        plan = self.scheduler.schedule()
+        if plan is None:
             self._commit_page_ins()  # nothing to overlap: issue them now, so waiting requests progress
             self._read_inflight(outputs)
             return outputs
-        # Decode first: it may read the previous prefill's ids, which this step's prefill replaces.
-        # Its rows' adapters were written in earlier steps.
-        decode_ids = self.runner.decode(self._bank(), decoding) if decoding else None
-        # The slot writes: after the decode (they donate the bank it reads, so they run after it,
-        # while the staged copies ran under it), before the prefill (it reads the new slots).
-        self._commit_page_ins()
-        prefill_ids = None if plan is None else self.runner.prefill(self._bank(), plan)
-        self._counters.steps += 1
-        if plan is not None:
-            self._counters.prefill_calls += 1
-            for i, chunk in enumerate(plan.chunks):
-                req = chunk.request
-                req.num_prefilled += chunk.length
-                if chunk.is_last:
-                    req.phase = Phase.DECODE
-                    req.num_pending, req.pending_src = req.num_pending + 1, self.config.max_batch + i
-        if decoding:
-            self._counters.decode_calls += 1
-            for req in decoding:
-                req.num_pending, req.pending_src = req.num_pending + 1, req.row
+        if plan.needs_commit:
+            self._commit_page_ins()
+        next_ids = self.runner.step(self._bank(), plan, self.pages)
+        if not plan.needs_commit:
+            self._commit_page_ins()
+        self.scheduler.dispatched(plan)
+        self._count(plan)
         self._read_inflight(outputs)
-        self._inflight = _Inflight(plan=plan, decoding=decoding, prefill_ids=prefill_ids, decode_ids=decode_ids)
+        self._inflight = _Inflight(plan=plan, next_ids=next_ids)
         return outputs
+
+    def _count(self, plan: StepPlan) -> None:
+        c = self._counters
+        c.steps += 1
+        c.decode_tokens += plan.num_decode_tokens
+        c.prefill_tokens += plan.num_tokens - plan.num_decode_tokens
+        c.padded_tokens += plan.budget
 
     def _read_inflight(self, outputs: list[RequestOutput]) -> None:
         """Blocks on the previous step's sampled ids (the one host round trip) and streams them."""
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return
-        prefill_ids, decode_ids = jax.device_get((inflight.prefill_ids, inflight.decode_ids))
-        if inflight.plan is not None:
-            for i, chunk in enumerate(inflight.plan.chunks):
-                if chunk.is_last:
-                    self._take_token(chunk.request, int(prefill_ids[i]), outputs)
-        for req in inflight.decoding:
-            self._take_token(req, int(decode_ids[req.row]), outputs)
+        next_ids = jax.device_get(inflight.next_ids)
+        for chunk in inflight.plan.chunks:
+            if chunk.samples:
+                self._take_token(chunk.request, int(next_ids[chunk.row]), outputs)
 
     def _take_token(self, req: Request, token: int, outputs: list[RequestOutput]) -> None:
-        if req.is_finished:  # stopped (or cancelled) after this step was dispatched: a wasted row
+        if req.is_finished:  # stopped (or cancelled) after this step was dispatched: a wasted token
             return
-        req.num_pending -= 1
+        if token < 0:
+            adapter = f"adapter {req.adapter!r}" if req.adapter else "the base model"
+            return self._finish(req, FinishReason.ERROR, outputs,
+                                error=f"the logits of request {req.request_id} are not finite ({adapter})")
+        self.scheduler.token_read(req, token)
         self._append_token(req, token, outputs)
 
     def _bank(self):
@@ -359,13 +350,14 @@ class Engine:
                 self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
 
     # Warm-up and stats.
-    def warmup(self) -> None:
-        """Compiles every static shape (each prefill bucket, the decode step)."""
+    def warmup(self, progress: WarmupProgress | None = None) -> None:
+        """Compiles every static shape (the step at each token budget, with and without the bank).
+        `progress(what, k, n)` is called before each of the n compiles."""
         if self.pager is not None:
             if hasattr(self.pager, "warmup"):
                 self.pager.warmup()
             self.pager.commit()
-        self.runner.warmup(None if self.pager is None else self.pager.bank)
+        self.runner.warmup(None if self.pager is None else self.pager.bank, self.pages, progress)
         self._traces_at_warmup = num_traces()
 
     @property
@@ -378,8 +370,12 @@ class Engine:
             "running": self.scheduler.num_running,
             "waiting": self.scheduler.num_waiting + len(self._inbox),
             "steps": c.steps,
-            "prefill_calls": c.prefill_calls,
-            "decode_calls": c.decode_calls,
+            "decode_tokens": c.decode_tokens,
+            "prefill_tokens": c.prefill_tokens,
+            "padded_tokens": c.padded_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+            "free_pages": self.pages.num_free,
+            "num_pages": self.pages.num_pages,
             "prompt_tokens": c.prompt_tokens,
             "generated_tokens": c.generated_tokens,
             "finished": c.finished,
@@ -452,7 +448,6 @@ class Engine:
 
     def _append_token(self, req: Request, token: int, outputs: list[RequestOutput]) -> None:
         live = self._live[req.request_id]
-        req.output_ids.append(token)
         self._counters.generated_tokens += 1
         if token in live.stop_ids:
             return self._finish(req, FinishReason.STOP, outputs, token=token)
@@ -467,7 +462,7 @@ class Engine:
     def _finish(self, req: Request, reason: FinishReason, outputs: list[RequestOutput], *, text: str = "",
                 token: int | None = None, error: str | None = None) -> None:
         live = self._live.get(req.request_id)
-        was_admitted = req.phase in (Phase.PREFILL, Phase.DECODE)
+        was_admitted = req.phase in (Phase.PREFILL, Phase.DECODE) or req.num_preemptions > 0
         self.scheduler.finish(req)
         req.finish_reason, req.error = reason, error
         c = self._counters
@@ -505,17 +500,18 @@ class Engine:
         outputs: list[RequestOutput] = []
         for req in list(self.scheduler.running.values()):
             self._finish(req, FinishReason.ERROR, outputs, error=message)
-        self.runner.reset_cache()
+        # Preempted requests were recomputed from the host's tokens, but their pending ids are lost.
+        for req in [r for r in self.scheduler.waiting if r.num_pending]:
+            self._finish(req, FinishReason.ERROR, outputs, error=message)
+        self.runner.reset_pool()
 
 
 @dataclasses.dataclass(frozen=True)
 class _Inflight:
-    """A dispatched step whose sampled ids the host has not read: next_ids [P] and [B] on device."""
+    """A dispatched step whose sampled ids the host has not read: next_ids [S] on the device."""
 
-    plan: PrefillPlan | None
-    decoding: list[Request]
-    prefill_ids: jax.Array | None
-    decode_ids: jax.Array | None
+    plan: StepPlan
+    next_ids: jax.Array
 
 
 def _error_output(request_id: str, error: str) -> FinalOutput:

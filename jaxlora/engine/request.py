@@ -21,7 +21,7 @@ class FinishReason(enum.StrEnum):
 
 
 class Phase(enum.Enum):
-    WAITING = "waiting"  # queued: no row yet
+    WAITING = "waiting"  # queued (or preempted): no row, no KV pages
     PREFILL = "prefill"  # has a row and a slot; prompt chunks still to run
     DECODE = "decode"  # one token per step
     FINISHED = "finished"
@@ -148,6 +148,9 @@ class Request:
     """Mutable engine-side state of one request (owned by the engine thread after submit).
 
     Positions: the prompt occupies [0, num_prompt); generated token i sits at num_prompt + i.
+    `num_computed` positions have their keys and values in the request's KV pages. A preempted
+    request loses its pages and goes back to waiting; when admitted again it prefills every token it
+    knows (prompt and the outputs read so far) and then decodes on, so its tokens equal a solo run.
     """
 
     def __init__(self, request: GenerationRequest, prompt_ids: list[int], *, seed: int, arrival: int,
@@ -164,7 +167,8 @@ class Request:
         self.row: int | None = None
         self.slot: int | None = None
         self.has_pin = False  # holds one pager acquire of its adapter (released at finish)
-        self.num_prefilled = 0
+        self.num_computed = 0
+        self.num_preemptions = 0
         self.output_ids: list[int] = []
         # Tokens sampled by dispatched steps whose ids the host has not read yet (0, 1, or 2 for the
         # moment between dispatching step N+1 and reading step N), and where the newest one is in the
@@ -186,6 +190,18 @@ class Request:
     def num_dispatched(self) -> int:
         """Output tokens read plus those still in flight."""
         return self.num_output + self.num_pending
+
+    @property
+    def num_known(self) -> int:
+        """Tokens the host holds: the prompt and the outputs read so far."""
+        return self.num_prompt + self.num_output
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Token ids of positions [start, stop) (prompt, then read outputs)."""
+        prompt = self.prompt_ids[start:stop]
+        if stop <= self.num_prompt:
+            return prompt
+        return prompt + self.output_ids[max(0, start - self.num_prompt):stop - self.num_prompt]
 
     @property
     def last_token(self) -> int:

@@ -1,31 +1,37 @@
-"""Host batch -> device arrays -> jitted prefill / decode step -> sampled ids (still on device).
+"""Host step plan -> device arrays -> the one jitted step -> sampled ids (still on device).
 
-Two jitted functions, each compiled once per static shape at warm-up:
+Every engine step is one call of one jitted function over a flat batch of `T` tokens, `T` one of
+the engine's static token budgets (each compiled at warm-up):
 
-    prefill(params, bank, kv*, tokens[P, bucket], positions[P, bucket], row_ids[P], slot_ids[P],
-            last_idx[P], sampling[P]) -> (next_ids[P], kv)       one per bucket, P = prefill_batch
-    decode(params, bank, kv*, tokens[B], positions[B], slot_ids[B], sampling[B], feed) -> (next_ids[B], kv)
+    ragged_step(params, bank, kv*, tokens[T], src[T], positions[T], slot_ids[T], batch, sampling[S],
+                last_ids[S]) -> (next_ids[S], kv)
 
-A step none of whose rows has an adapter (every slot 0) runs without the bank: the same math (slot 0
-is all zero) without the LoRA launches, which cost a decode step about as much as 64 adapters' bytes
-(benchmarks/NOTES.md). Both variants are compiled at warm-up.
+S = max_batch rows; a running request keeps its row. The tokens of each row in this step (a decode
+token, or a chunk of its prompt) are packed one row after another with no padding between them,
+then padded to T; `batch` (`jaxlora.model.RaggedBatch`) says where each row's tokens start, how many
+there are, how long its context is, and which KV pages hold it (block tables). The base matmuls see
+the T tokens as one matrix; the LoRA term is per token (`slot_ids`); attention is the ragged paged
+kernel. The token after each row's last token is sampled: `next_ids[s]` is row s's next output when
+its chunk ends the tokens the request knows (a decode token or the end of its prompt), else unused.
 
-A decode row's input token may still be on the device: the engine dispatches step N+1 before it
-reads step N's ids (one step behind, so the host's work overlaps the device's). `feed` = (src [B],
-last_decode_ids [B], last_prefill_ids [P]) says where each row's token comes from: src = -1 is the
-host's `tokens[b]`, src in [0, B) is the previous decode's id of that row, src = B + i is row i of
-the previous prefill's ids. The runner keeps those last outputs itself.
+A decode token's input may still be on the device: the engine dispatches step N+1 before it reads
+step N's ids (one step behind, so the host's work overlaps the device's). `src[t] = s` takes token t
+from `last_ids[s]`, row s's output of the previous step; `src[t] = -1` takes the host's `tokens[t]`.
 
-(* donated: the cache is updated in place.) With `config.mesh.tensor > 1` the same steps run per shard
-under `shard_map` (jaxlora.parallel): params, bank and cache stay split over the mesh. Padding rows are harmless by construction: a prefill
-padding row has row id B (out of range, its cache writes are dropped); an idle decode row sits at
-position max_seq_len (its write is dropped too) and its sampled id is ignored.
+A step none of whose tokens has an adapter (every slot 0) runs without the bank: the same math (slot
+0 is all zero) without the LoRA launches. Both variants are compiled at warm-up.
+
+(* donated: the page pool is updated in place.) Padding tokens are harmless by construction: their
+key/value writes go to a page past the pool (dropped), no row's range covers them, and their slot is
+0. A row whose logits are not finite (an adapter that blows up) samples -1; the engine fails that
+request alone. With `config.mesh.tensor > 1` the same step runs per shard under `shard_map`
+(jaxlora.parallel): params, bank and page pool stay split over the mesh.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,20 +39,23 @@ import numpy as np
 from flax import nnx
 
 from jaxlora.engine.config import EngineConfig
+from jaxlora.engine.kv_pages import PageTable, pages_for
 from jaxlora.engine.request import Request
 from jaxlora.engine.sampling import SamplingArrays, sample
-from jaxlora.engine.scheduler import PrefillPlan
+from jaxlora.engine.scheduler import StepPlan
 from jaxlora.lora.apply import LoraRuntime
 from jaxlora.lora.bank import Bank
-from jaxlora.model import KVCache, init_kv_cache
+from jaxlora.model import PagedKVCache, RaggedBatch, init_paged_kv_cache
+from jaxlora.model.kv_cache import kv_bytes_per_position
 from jaxlora.model.params import LoadedModel
 from jaxlora.parallel import make_mesh
-from jaxlora.parallel.sharding import init_sharded_kv_cache, shard_params, shard_step
+from jaxlora.parallel.sharding import init_sharded_paged_kv_cache, shard_params, shard_step, tensor_size
 
-
-# Traces of either step in this process: each is a compile. Module level, so engines with equal
-# shapes share compiled steps (jit caches by function and static arguments).
+# Traces of the step in this process: each is a compile. Module level, so engines with equal shapes
+# share compiled steps (jit caches by function and static arguments).
 _num_traces = 0
+
+WarmupProgress = Callable[[str, int, int], None]  # (what is compiling, k, n)
 
 
 def num_traces() -> int:
@@ -54,136 +63,123 @@ def num_traces() -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "mesh"), donate_argnames=("kv",))
-def prefill_step(params, bank, kv, tokens, positions, row_ids, slot_ids, last_idx, sampling, *, graphdef, runtime,
-                 mesh=None):
-    """Prefill chunks of P rows; samples each row's token after position last_idx. See module doc."""
+def ragged_step(params, bank, kv, tokens, src, positions, slot_ids, batch: RaggedBatch, sampling, last_ids, *,
+                graphdef, runtime, mesh=None):
+    """One step over a flat token batch; see the module doc."""
     global _num_traces
     _num_traces += 1
+    tokens = jnp.where(src >= 0, last_ids[jnp.maximum(src, 0)], tokens)
 
-    def step(params, bank, kv, tokens, positions, row_ids, slot_ids, last_idx, sampling, *, tensor_axis):
-        mod = nnx.merge(graphdef, params)
-        hidden, kv = mod(tokens, positions, kv, bank=bank, slot_ids=None if bank is None else slot_ids,
-                         row_ids=row_ids, runtime=runtime, tensor_axis=tensor_axis)
-        last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]  # [P, D]
-        return sample(mod.logits(last, tensor_axis=tensor_axis), sampling), kv
-
-    return shard_step(step, mesh)(params, bank, kv, tokens, positions, row_ids, slot_ids, last_idx, sampling)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "mesh"), donate_argnames=("kv",))
-def decode_step(params, bank, kv, tokens, positions, slot_ids, sampling, feed=None, *, graphdef, runtime, mesh=None):
-    """One token for each of the B rows (batch row i is cache row i); `feed` as in the module doc."""
-    global _num_traces
-    _num_traces += 1
-    if feed is not None:
-        src, last_decode, last_prefill = feed
-        on_device = jnp.concatenate([last_decode, last_prefill])[jnp.maximum(src, 0)]
-        tokens = jnp.where(src >= 0, on_device, tokens)
-
-    def step(params, bank, kv, tokens, positions, slot_ids, sampling, *, tensor_axis):
+    def step(params, bank, kv, tokens, positions, slot_ids, batch, sampling, *, tensor_axis):
         mod = nnx.merge(graphdef, params)
         hidden, kv = mod(tokens[:, None], positions[:, None], kv, bank=bank,
-                         slot_ids=None if bank is None else slot_ids, runtime=runtime, tensor_axis=tensor_axis)
-        return sample(mod.logits(hidden[:, 0], tensor_axis=tensor_axis), sampling), kv
+                         slot_ids=None if bank is None else slot_ids, ragged=batch, runtime=runtime,
+                         tensor_axis=tensor_axis)
+        logits = mod.logits(hidden[batch.last_index, 0], tensor_axis=tensor_axis)  # [S, vocab]
+        finite = jnp.all(jnp.isfinite(logits), axis=-1)
+        return jnp.where(finite, sample(logits, sampling), -1), kv
 
-    return shard_step(step, mesh)(params, bank, kv, tokens, positions, slot_ids, sampling)
+    return shard_step(step, mesh)(params, bank, kv, tokens, positions, slot_ids, batch, sampling)
 
 
 class Runner:
-    """Owns the KV cache and calls the compiled steps. Not thread-safe: the engine loop calls it."""
+    """Owns the page pool and calls the compiled step. Not thread-safe: the engine loop calls it."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig, *, runtime: LoraRuntime) -> None:
         self.model = model
         self.config = config
         self.runtime = runtime
-        # One device: no mesh, the steps run unsharded exactly as before.
         self.mesh = make_mesh(config.mesh) if config.mesh.is_sharded else None
         self.params = model.params if self.mesh is None else shard_params(model.params, model.config, self.mesh)
-        self.kv: KVCache = self._new_cache()
+        self.pages_per_seq = pages_for(config.max_seq_len, config.page_size)
+        self.num_pages = self._pool_pages()
+        self.kv: PagedKVCache = self._new_pool()
         self._static = dict(graphdef=model.graphdef, runtime=runtime)
         if self.mesh is not None:  # one device: the same jit cache key as callers that never pass a mesh
             self._static["mesh"] = self.mesh
-        # The last sampled ids of each step function, still on the device (see the module doc).
-        self.last_decode_ids: jax.Array | np.ndarray = np.zeros(config.max_batch, np.int32)
-        self.last_prefill_ids: jax.Array | np.ndarray = np.zeros(config.prefill_batch, np.int32)
+        # Each row's last sampled id, still on the device (see the module doc).
+        self.last_ids: jax.Array | np.ndarray = np.zeros(config.max_batch, np.int32)
 
-    def _new_cache(self) -> KVCache:
+    def _pool_pages(self) -> int:
+        """The configured page count, else what the device memory left after weights and adapter bank
+        holds (GPU), else one max_seq_len sequence per row (CPU, where memory is the host's)."""
+        cfg = self.config
+        if cfg.num_pages is not None:
+            return cfg.num_pages
+        if jax.default_backend() != "gpu":
+            return cfg.max_batch * self.pages_per_seq
+        stats = jax.local_devices()[0].memory_stats() or {}
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        per_page = kv_bytes_per_position(self.model.config, cfg.jnp_dtype) * cfg.page_size // tensor_size(self.mesh)
+        return max(self.pages_per_seq, int(free * cfg.kv_memory_fraction) // per_page)
+
+    def _new_pool(self) -> PagedKVCache:
         cfg, model = self.config, self.model
         if self.mesh is None:
-            return init_kv_cache(model.config, cfg.max_batch, cfg.max_seq_len, model.dtype)
-        return init_sharded_kv_cache(model.config, cfg.max_batch, cfg.max_seq_len, model.dtype, self.mesh)
+            return init_paged_kv_cache(model.config, self.num_pages, cfg.page_size, model.dtype)
+        return init_sharded_paged_kv_cache(model.config, self.num_pages, cfg.page_size, model.dtype, self.mesh)
 
-    # Host side.
-    def prefill(self, bank: Bank | None, plan: PrefillPlan, *, lora: bool | None = None) -> jax.Array:
-        """Runs one chunk per planned row; returns next ids [P] (meaningful for last chunks only).
+    def step(self, bank: Bank | None, plan: StepPlan, pages: PageTable, *, lora: bool | None = None) -> jax.Array:
+        """Dispatches the plan's step; returns next ids [S] by row, on the device.
 
-        lora: run with the bank (True) or without (False); None: only if a row has an adapter.
+        lora: run with the bank (True) or without (False); None: only if a token has an adapter.
         """
-        P, T, B = self.config.prefill_batch, plan.bucket, self.config.max_batch
-        tokens = np.zeros((P, T), np.int32)
-        positions = np.tile(np.arange(T, dtype=np.int32), (P, 1))
-        row_ids = np.full(P, B, np.int32)
-        slot_ids = np.zeros(P, np.int32)
-        last_idx = np.zeros(P, np.int32)
-        for i, c in enumerate(plan.chunks):
-            r = c.request
-            tokens[i, :c.length] = r.prompt_ids[c.start:c.start + c.length]
-            positions[i] += c.start
-            row_ids[i], slot_ids[i], last_idx[i] = r.row, r.slot, c.length - 1
-        sampling = sampling_arrays([c.request for c in plan.chunks], P)
-        bank = _bank_for(bank, slot_ids, lora)
-        next_ids, self.kv = prefill_step(self.params, bank, self.kv, tokens, positions, row_ids,
-                                          slot_ids, last_idx, sampling, **self._static)
-        self.last_prefill_ids = next_ids
+        arrays = self._inputs(plan, pages)
+        bank = _bank_for(bank, arrays["slot_ids"], lora)
+        next_ids, self.kv = ragged_step(self.params, bank, self.kv, last_ids=self.last_ids, **arrays, **self._static)
+        self.last_ids = next_ids
         return next_ids
 
-    def decode(self, bank: Bank | None, requests: Sequence[Request], *, lora: bool | None = None) -> jax.Array:
-        """One token for every decoding request; returns next ids [B] indexed by row.
-
-        A request whose last token is still on the device (`r.pending_src >= 0`, an index into the
-        last decode's and prefill's ids as in the module doc) is fed from there; call `decode`
-        before `prefill` in a step, so that `last_prefill_ids` are still the previous step's.
-        `lora` as in `prefill`.
-        """
-        B = self.config.max_batch
-        tokens = np.zeros(B, np.int32)
-        src = np.full(B, -1, np.int32)
-        positions = np.full(B, self.config.max_seq_len, np.int32)
-        slot_ids = np.zeros(B, np.int32)
-        by_row: list[Request | None] = [None] * B
-        for r in requests:
-            if r.num_pending:
-                src[r.row] = r.pending_src
+    def _inputs(self, plan: StepPlan, pages: PageTable) -> dict:
+        """The step's host arrays: per token [T] and per row [S] (see RaggedBatch)."""
+        T, S, P = plan.budget, self.config.max_batch, self.config.page_size
+        tokens, src = np.zeros(T, np.int32), np.full(T, -1, np.int32)
+        positions, slot_ids = np.zeros(T, np.int32), np.zeros(T, np.int32)
+        write_page, write_offset = np.full(T, self.num_pages, np.int32), np.zeros(T, np.int32)
+        q_start, q_len, kv_len = np.zeros(S, np.int32), np.zeros(S, np.int32), np.zeros(S, np.int32)
+        block_tables = np.zeros((S, self.pages_per_seq), np.int32)
+        sampled: list[Request | None] = [None] * S
+        offset = 0
+        for c in plan.chunks:
+            span = slice(offset, offset + c.length)
+            if c.from_device:
+                src[offset] = c.row
             else:
-                tokens[r.row] = r.last_token
-            positions[r.row], slot_ids[r.row] = r.next_position, r.slot
-            by_row[r.row] = r
-        sampling = sampling_arrays(by_row, B)
-        feed = (src, self.last_decode_ids, self.last_prefill_ids)
-        bank = _bank_for(bank, slot_ids, lora)
-        next_ids, self.kv = decode_step(self.params, bank, self.kv, tokens, positions, slot_ids, sampling, feed,
-                                        **self._static)
-        self.last_decode_ids = next_ids
-        return next_ids
+                tokens[span] = c.request.tokens(c.start, c.start + c.length)
+            seq_pages = np.asarray(pages.pages_of(c.row), np.int32)
+            pos = np.arange(c.start, c.start + c.length, dtype=np.int32)
+            positions[span], slot_ids[span] = pos, c.request.slot
+            write_page[span], write_offset[span] = seq_pages[pos // P], pos % P
+            q_start[c.row], q_len[c.row], kv_len[c.row] = offset, c.length, c.start + c.length
+            block_tables[c.row, :len(seq_pages)] = seq_pages
+            if c.samples:
+                sampled[c.row] = c.request
+            offset += c.length
+        batch = RaggedBatch(q_start=q_start, q_len=q_len, kv_len=kv_len, block_tables=block_tables,
+                            write_page=write_page, write_offset=write_offset)
+        return dict(tokens=tokens, src=src, positions=positions, slot_ids=slot_ids, batch=batch,
+                    sampling=sampling_arrays(sampled, S))
 
-    def reset_cache(self) -> None:
-        """A fresh cache (after a failed step, whose donated cache may be gone)."""
-        self.kv = self._new_cache()
+    def reset_pool(self) -> None:
+        """A fresh page pool (after a failed step, whose donated pool may be gone)."""
+        self.kv = self._new_pool()
+        self.last_ids = np.zeros(self.config.max_batch, np.int32)
 
-    def warmup(self, bank: Bank | None) -> None:
-        """Compiles every shape: each prefill bucket and the decode step, all rows padding."""
-        # Twice: the first call of a shape may see arguments the steps never return (a fresh cache),
+    def warmup(self, bank: Bank | None, pages: PageTable, progress: WarmupProgress | None = None) -> None:
+        """Compiles the step at every token budget, with the bank and without, all tokens padding."""
+        variants = (False,) if bank is None else (True, False)
+        shapes = [(budget, lora) for budget in self.config.token_budgets for lora in variants]
+        # Twice: the first call of a shape may see arguments the step never returns (a fresh pool),
         # and jit's fast dispatch path keys on that too; after round two every call hits it.
-        variants = (False,) if bank is None else (True, False)  # with the bank, and the adapter-free step
-        for _ in range(2):
-            for lora in variants:
-                for bucket in self.config.prefill_buckets:
-                    self.prefill(bank, PrefillPlan(bucket=bucket, chunks=()), lora=lora).block_until_ready()
-                self.decode(bank, [], lora=lora).block_until_ready()
+        for k, (budget, lora) in enumerate(shapes * 2):
+            if progress is not None and k < len(shapes):
+                progress(f"step of {budget} tokens{' with adapters' if lora else ''}", k + 1, len(shapes))
+            empty = StepPlan(chunks=(), budget=budget, needs_commit=False)
+            self.step(bank, empty, pages, lora=lora).block_until_ready()
 
 
 def _bank_for(bank: Bank | None, slot_ids: np.ndarray, lora: bool | None) -> Bank | None:
-    """The bank when the step needs it: asked for, or (lora None) some row has an adapter."""
+    """The bank when the step needs it: asked for, or (lora None) some token has an adapter."""
     if bank is None:
         return None
     if lora is None:

@@ -1,22 +1,38 @@
-"""Who runs next: waiting and running queues, admission, prefill chunking. Plain Python, no JAX.
+"""Who runs next, and which tokens each step computes. Plain Python, no JAX.
 
-Admission takes waiting requests in arrival order. A request is admitted when a batch row is free
-and its adapter has a written device slot. The first time a request is considered it pins its
-adapter (`acquire`), unless that would exceed the cap on distinct adapters per batch or the pager
-could not place it without waiting; a pinned request whose page-in is pending is skipped, so hot
-requests behind it run. Once a request has waited `max_wait_steps` steps it becomes a blocker: it
-pins regardless, and while it has no slot, later requests may not pin other adapters, so slot pins
-and the adapter cap drain towards it (no starvation). Requests already holding a pin, and
-base-model requests (no slot), still run: they release what the blocker waits for.
+Every step is one flat batch of at most `max(token_budgets)` tokens (vLLM V1's policy):
+  1. decode tokens first: one for every decoding request, oldest first. A decode token that needs
+     a KV page when none is free preempts the newest running request (its pages and row are freed,
+     it goes back to waiting and is recomputed later; see `Request`);
+  2. then prompt chunks of requests already prefilling, oldest first, as far as the budget and the
+     free pages go (a long prompt is prefilled across several steps);
+  3. then new admissions, in arrival order, while a row, the budget and pages for the first chunk
+     are free.
+The step is then padded to the smallest static budget that holds it (`StepPlan.budget`).
+
+Adapter slots are the other admission resource. Before the pager stages its copies,
+`pin_adapters` pins the adapters of the waiting requests the free rows could take (`acquire`, which
+queues a page-in for an adapter not on the device), unless that would exceed the cap on distinct
+adapters per batch or the pager could not place it without waiting. A pinned request whose page-in
+is pending is skipped, so hot requests behind it run. A request whose adapter the pager's coming
+commit writes (`slot_at_commit`) is admitted, and the plan says the commit must precede the step. Once a request
+has waited `max_wait_steps` steps it becomes a blocker: it pins regardless, and while it has no
+slot, later requests may not pin other adapters, so slot pins and the adapter cap drain towards it
+(no starvation). Requests already holding a pin, and base-model requests, still run.
+
+This class alone changes a request's scheduling state (phase, row, slot, pages, computed and pending
+counts); the engine reports sampled tokens and finishes through it.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import heapq
 from typing import Protocol
 
+from jaxlora.engine.kv_pages import PageTable
 from jaxlora.engine.request import Phase, Request
 from jaxlora.errors import JaxloraError
 
@@ -47,41 +63,65 @@ class SlotSource(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillChunk:
-    """Prompt tokens [start, start + length) of one request."""
+class Chunk:
+    """Positions [start, start + length) of one request, computed in one step on batch row `row`.
+
+    samples: the chunk ends the tokens the request knows, so the token sampled after its last
+      position is the request's next output (a decode token, or the end of a prompt).
+    from_device: a one-token chunk whose input is the request's previous output, still on the
+      device (sampled by the step before, not read yet).
+    """
 
     request: Request
+    row: int
     start: int
     length: int
-
-    @property
-    def is_last(self) -> bool:
-        return self.start + self.length == self.request.num_prompt
+    samples: bool
+    from_device: bool = False
+    is_decode: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillPlan:
-    """One prefill call: up to `prefill_batch` chunks padded to `bucket` tokens."""
+class StepPlan:
+    """One step: chunks in the order the runner packs them, padded to `budget` tokens."""
 
-    bucket: int
-    chunks: tuple[PrefillChunk, ...]
+    chunks: tuple[Chunk, ...]
+    budget: int
+    needs_commit: bool  # a chunk reads an adapter slot that the pager's coming commit writes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(c.is_decode for c in self.chunks)
+
+    @property
+    def has_adapter(self) -> bool:
+        return any(c.request.slot for c in self.chunks)
 
 
 class Scheduler:
-    def __init__(self, *, max_batch: int, prefill_batch: int, prefill_buckets: tuple[int, ...],
-                 max_adapters: int, max_wait_steps: int, slots: SlotSource | None) -> None:
+    def __init__(self, *, max_batch: int, token_budgets: tuple[int, ...], pages: PageTable, max_adapters: int,
+                 max_wait_steps: int, slots: SlotSource | None, reserve_pages: int = 0) -> None:
         self.max_batch = max_batch
-        self.prefill_batch = prefill_batch
-        self.prefill_buckets = tuple(sorted(prefill_buckets))
+        self.token_budgets = tuple(sorted(token_budgets))
+        if self.token_budgets[-1] < max_batch:
+            raise ValueError(f"the largest token budget {self.token_budgets[-1]} must hold a decode token for "
+                             f"each of the {max_batch} rows")
+        self.pages = pages
         self.max_adapters = max_adapters
         self.max_wait_steps = max_wait_steps
         self.slots = slots
+        self.reserve_pages = reserve_pages  # kept free at admission, so running requests can grow
         self.waiting: list[Request] = []  # arrival order
         self.running: dict[int, Request] = {}  # row -> request
         self._free_rows = list(range(max_batch))  # a heap
         self._adapter_users: collections.Counter[str] = collections.Counter()  # pins per adapter
         self._enqueued: dict[str, int] = {}  # request_id -> step it joined the queue
         self.num_steps = 0
+        self.num_preemptions = 0
 
     # Queries.
     @property
@@ -96,9 +136,6 @@ class Scheduler:
     def is_idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def decode_requests(self) -> list[Request]:
-        return [r for r in self.running.values() if r.phase is Phase.DECODE]
-
     def active_adapters(self) -> set[str]:
         """Adapters pinned by running or waiting requests (the batch's distinct adapters)."""
         return set(self._adapter_users)
@@ -111,75 +148,44 @@ class Scheduler:
     # Mutations.
     def add(self, req: Request) -> None:
         req.phase = Phase.WAITING
-        self._enqueued[req.request_id] = self.num_steps
-        self.waiting.append(req)
+        self._enqueue(req)
 
-    def schedule(self) -> tuple[list[Request], list[tuple[Request, JaxloraError]]]:
-        """Admits what fits now. Returns (admitted, failed): failed requests named an adapter that is
-        gone (their error says why); they are out of the queue."""
+    def schedule(self) -> StepPlan | None:
+        """Plans the next step (None: nothing to run). Call `pin_adapters` first, then stage the
+        pager's copies, so that requests whose adapters those copies bring can be admitted."""
         self.num_steps += 1
-        admitted: list[Request] = []
-        failed: list[tuple[Request, JaxloraError]] = []
-        blocker: Request | None = None
-        for req in list(self.waiting):
-            if not self._free_rows:
-                break
-            if blocker is not None and req.adapter not in (None, blocker.adapter) and not req.has_pin:
-                continue  # no new pins until the blocker has one; pinned requests drain
-            is_starving = self.num_steps - self._enqueued[req.request_id] > self.max_wait_steps
-            try:
-                slot = self._try_slot(req, is_starving)
-            except JaxloraError as e:
-                self.finish(req)
-                failed.append((req, e))
-                continue
-            if slot is None:
-                # A starving request blocks newcomers only while it has no slot: one whose page-in
-                # is already queued lands without help, and blocking behind it cost a step's
-                # admissions per cold request (2,000 adapters, every request past max_wait_steps).
-                if blocker is None and is_starving and not (req.has_pin and self.slots.slot_of(req.adapter) is not None):
-                    blocker = req
-                continue
-            self._admit(req, slot)
-            admitted.append(req)
-        return admitted, failed
-
-    def admit_staged(self) -> list[Request]:
-        """A step's second admission pass, after the pager staged its copies: waiting requests
-        that hold a pin and whose adapter the coming commit writes (`slots.slot_at_commit`) take
-        free rows, in arrival order. Their prefill is dispatched after that commit, so a page-in
-        costs such a request no step (S-LoRA-style: the copy runs under the step's decode)."""
-        admitted: list[Request] = []
-        for req in list(self.waiting):
-            if not self._free_rows:
-                break
-            if req.adapter is None or not req.has_pin:
-                continue
-            slot = self.slots.slot_at_commit(req.adapter)
-            if slot is not None:
-                self._admit(req, slot)
-                admitted.append(req)
-        return admitted
-
-    def plan_prefill(self) -> PrefillPlan | None:
-        """The next prefill call: oldest rows still in prefill, one chunk each, one bucket for all."""
-        pending = sorted((r for r in self.running.values() if r.phase is Phase.PREFILL), key=lambda r: r.arrival)
-        if not pending:
+        chunks: list[Chunk] = []
+        budget = self.token_budgets[-1]
+        budget -= self._plan_decode(chunks)
+        budget -= self._plan_prefill(chunks, budget)
+        needs_commit = self._admit(chunks, budget)
+        if not chunks:
             return None
-        largest = self.prefill_buckets[-1]
-        chunks = tuple(PrefillChunk(r, r.num_prefilled, min(r.num_prompt - r.num_prefilled, largest))
-                       for r in pending[:self.prefill_batch])
-        longest = max(c.length for c in chunks)
-        bucket = next(b for b in self.prefill_buckets if b >= longest)
-        return PrefillPlan(bucket=bucket, chunks=chunks)
+        num_tokens = sum(c.length for c in chunks)
+        padded = next(b for b in self.token_budgets if b >= num_tokens)
+        return StepPlan(chunks=tuple(chunks), budget=padded, needs_commit=needs_commit)
+
+    def dispatched(self, plan: StepPlan) -> None:
+        """Records that the plan's step was dispatched: its positions are computed, and each sampling
+        chunk has one more output in flight."""
+        for c in plan.chunks:
+            req = c.request
+            req.num_computed = c.start + c.length
+            if c.samples:
+                req.num_pending += 1
+                req.phase = Phase.DECODE
+
+    def token_read(self, req: Request, token: int) -> None:
+        """A sampled token of the request came back to the host."""
+        req.num_pending -= 1
+        req.output_ids.append(token)
 
     def finish(self, req: Request) -> None:
-        """Takes a request out of the queues (finished, cancelled or failed), freeing row and pin."""
+        """Takes a request out of the queues (finished, cancelled or failed), freeing row, pages and pin."""
         if req.phase is Phase.WAITING and req in self.waiting:
             self.waiting.remove(req)
         elif req.row is not None and self.running.get(req.row) is req:
-            del self.running[req.row]
-            heapq.heappush(self._free_rows, req.row)
+            self._release_row(req)
         if req.has_pin:
             req.has_pin = False
             self._adapter_users[req.adapter] -= 1
@@ -189,29 +195,175 @@ class Scheduler:
         self._enqueued.pop(req.request_id, None)
         req.phase = Phase.FINISHED
 
-    def _try_slot(self, req: Request, is_starving: bool) -> int | None:
-        """The request's written slot, pinning its adapter first if it holds no pin yet."""
+    # Planning.
+    def _plan_decode(self, chunks: list[Chunk]) -> int:
+        """One token for each decoding request that still has tokens to produce, oldest first."""
+        decoding = sorted((r for r in self.running.values()
+                           if r.phase is Phase.DECODE and r.num_dispatched < r.sampling.max_tokens),
+                          key=lambda r: r.arrival)
+        used = 0
+        for req in decoding:
+            if req.phase is not Phase.DECODE:  # preempted by an older request in this loop
+                continue
+            position = req.next_position
+            if not self._make_room(req, position + 1):
+                continue
+            self.pages.grow(req.row, position + 1)
+            chunks.append(Chunk(req, req.row, position, 1, samples=True, from_device=req.num_pending > 0,
+                                is_decode=True))
+            used += 1
+        return used
+
+    def _make_room(self, req: Request, num_positions: int) -> bool:
+        """Preempts the newest running requests until `req` can hold num_positions; False if `req`
+        itself was the newest and got preempted."""
+        while not self.pages.can_grow(req.row, num_positions):
+            victim = max(self.running.values(), key=lambda r: r.arrival)
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _plan_prefill(self, chunks: list[Chunk], budget: int) -> int:
+        """Next chunks of requests already prefilling, oldest first, within the budget and free pages."""
+        used = 0
+        for req in sorted((r for r in self.running.values() if r.phase is Phase.PREFILL), key=lambda r: r.arrival):
+            if budget - used <= 0:
+                break
+            if req.phase is not Phase.PREFILL:  # preempted to make room for an older request
+                continue
+            length = self._chunk_length(req, budget - used, reserve=0)
+            if not length and not chunks and req.phase is Phase.PREFILL:
+                # Nothing else progresses this step: free pages from newer requests (or this one).
+                if self._make_room(req, req.num_computed + min(req.num_known - req.num_computed, budget - used)):
+                    length = self._chunk_length(req, budget - used, reserve=0)
+            if length:
+                self._add_chunk(chunks, req, length)
+                used += length
+        return used
+
+    def _chunk_length(self, req: Request, budget: int, *, reserve: int) -> int:
+        """Tokens of req's next prompt chunk that fit the budget and the free pages (whole pages)."""
+        start = req.num_computed
+        length = min(req.num_known - start, budget)
+        if self.pages.can_grow(req.row, start + length, reserve=reserve):
+            return length
+        held = self.pages.capacity(req.row) if req.row is not None else 0
+        room = (self.pages.num_free - reserve) * self.pages.page_size + held - start
+        return max(0, min(length, room))
+
+    def _add_chunk(self, chunks: list[Chunk], req: Request, length: int) -> None:
+        self.pages.grow(req.row, req.num_computed + length)
+        chunks.append(Chunk(req, req.row, req.num_computed, length, samples=req.num_computed + length == req.num_known))
+
+    def _admit(self, chunks: list[Chunk], budget: int) -> bool:
+        """Admits waiting requests in arrival order while a row, budget and pages are free, each on
+        its adapter's slot if a step dispatched after the pager's next commit may read it; returns
+        whether an admitted request reads a slot that only that commit writes."""
+        used, needs_commit = 0, False
+        for req in list(self.waiting):
+            if not self._free_rows or budget - used <= 0:
+                break
+            if req.num_pending:  # preempted with an output still in flight: its tokens are not all known
+                continue
+            slot, staged = self._slot(req)
+            if slot is None:
+                continue
+            first = min(req.num_known, budget - used)
+            if not self.pages.can_grow(None, first, reserve=self.reserve_pages):
+                break  # first come, first served: no pages for this one, none for later ones
+            self._assign_row(req, slot)
+            self._add_chunk(chunks, req, first)
+            used += first
+            needs_commit |= staged
+        return needs_commit
+
+    def _slot(self, req: Request) -> tuple[int | None, bool]:
+        """(slot, staged): the request's slot if a step dispatched after the pager's next commit may
+        read it (staged: only after that commit); None while its adapter is not pinned or not there."""
+        if req.adapter is None:
+            return BASE_SLOT, False
+        if not req.has_pin:
+            return None, False
+        slot = self.slots.is_ready(req.adapter)
+        if slot is not None:
+            return slot, False
+        slot = self.slots.slot_at_commit(req.adapter)
+        return slot, slot is not None
+
+    def pin_adapters(self) -> list[tuple[Request, JaxloraError]]:
+        """Pins the adapters of the waiting requests the free rows could take, in arrival order, so
+        that their page-ins are queued before the pager stages its copies; returns the requests
+        that failed (their adapter is gone), which are out of the queue."""
+        failed: list[tuple[Request, JaxloraError]] = []
+        blocker: Request | None = None
+        rows = len(self._free_rows)
+        for req in list(self.waiting):
+            if rows <= 0:
+                break
+            if blocker is not None and req.adapter not in (None, blocker.adapter) and not req.has_pin:
+                continue  # no new pins until the blocker has one; pinned requests drain
+            is_starving = self.num_steps - self._enqueued[req.request_id] > self.max_wait_steps
+            try:
+                placed = self._pin(req, is_starving)
+            except JaxloraError as e:
+                self.finish(req)
+                failed.append((req, e))
+                continue
+            if placed:
+                rows -= 1
+            elif blocker is None and is_starving:
+                blocker = req  # it has no slot: pins drain towards it
+        return failed
+
+    def _pin(self, req: Request, is_starving: bool) -> bool:
+        """Pins the request's adapter if it holds no pin yet (within the cap on distinct adapters and,
+        unless starving, only if the pager can place it without waiting); returns whether the adapter
+        has a slot (written, or its page-in queued)."""
         name = req.adapter
         if name is None:
-            return BASE_SLOT
+            return True
         if self.slots is None:
             raise JaxloraError(f"adapter {name!r} requested but the engine has no adapter pager")
-        if req.has_pin:
-            return self.slots.is_ready(name)
-        if name not in self._adapter_users:
-            if len(self._adapter_users) >= self.max_adapters:
-                return None
-            if not is_starving and not self.slots.can_place(name):
-                return None
-        slot = self.slots.acquire(name)
-        req.has_pin = True
-        self._adapter_users[name] += 1
-        return slot
+        if not req.has_pin:
+            if name not in self._adapter_users:
+                if len(self._adapter_users) >= self.max_adapters:
+                    return False
+                if not is_starving and not self.slots.can_place(name):
+                    return False
+            self.slots.acquire(name)
+            req.has_pin = True
+            self._adapter_users[name] += 1
+        return self.slots.slot_of(name) is not None
 
-    def _admit(self, req: Request, slot: int) -> None:
+    # Rows and pages.
+    def _assign_row(self, req: Request, slot: int) -> None:
         self.waiting.remove(req)
+        self._enqueued.pop(req.request_id, None)
         req.row = heapq.heappop(self._free_rows)
         req.slot = slot
         req.phase = Phase.PREFILL
-        req.num_prefilled = 0
+        req.num_computed = 0
         self.running[req.row] = req
+
+    def _release_row(self, req: Request) -> None:
+        self.pages.free(req.row)
+        del self.running[req.row]
+        heapq.heappush(self._free_rows, req.row)
+        req.row = None
+
+    def _preempt(self, req: Request) -> None:
+        """Frees the request's row and pages and queues it again (recomputed when re-admitted). It
+        keeps its adapter pin, so its slot stays resident."""
+        self._release_row(req)
+        req.phase = Phase.WAITING
+        req.num_computed = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        self._enqueued[req.request_id] = self.num_steps
+        keys = [r.arrival for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, req.arrival), req)
+

@@ -37,12 +37,16 @@ class LoraRuntime:
       the stacked cache; "xla" uses the dense masked einsum (prefill always does).
     unroll_layers: run the layers as an unrolled Python loop instead of `lax.scan` (same math; lets
       XLA see each layer's weights as a static slice, at the cost of compile time growing with depth).
+    unroll_max_tokens: unroll only steps of at most this many tokens (one token per row). Small
+      steps are bound by reading the weights, where the scan's per-layer weight copy costs most;
+      large ones are compute-bound and keep the scan's short compile.
     """
 
     backend: LoraBackend = LoraBackend.XLA
     interpret: bool = False
     attention: str = "xla"
     unroll_layers: bool = False
+    unroll_max_tokens: int = 512
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", LoraBackend(self.backend))  # accept the string form too

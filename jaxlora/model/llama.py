@@ -4,6 +4,12 @@ Layers are stacked (every per-layer parameter has a leading `num_layers` axis) a
 `lax.scan`, so compile time does not grow with depth. The model is pure: the KV cache and the
 adapter bank go in as arguments and the updated cache comes back.
 
+Two cache layouts, one model: rows of a dense `KVCache` ([b, t] tokens, row i of the batch is cache
+row i or `row_ids[i]`; tests, training and tools), and the serving engine's `PagedKVCache` with a
+`RaggedBatch`: a flat batch of tokens of many sequences (decode tokens and prompt chunks packed with
+no per-row padding), keys and values written through each sequence's block table, attention by the
+ragged paged-attention kernel (`pallas_kernels.ragged_paged_attention`).
+
 Parameter names follow Hugging Face's (`layers.self_attn.q_proj.kernel` is HF's
 `model.layers.{i}.self_attn.q_proj.weight`, transposed to [in, out] and stacked over layers).
 """
@@ -19,7 +25,7 @@ from flax import nnx
 import pallas_kernels
 from jaxlora.config import ModelConfig
 from jaxlora.lora.apply import LoraRuntime, apply_group, step_plan, token_slots_for
-from jaxlora.model.kv_cache import KVCache
+from jaxlora.model.kv_cache import KVCache, PagedKVCache
 from jaxlora.model.quant import QuantLinear, Quantization, project
 from jaxlora.model.rope import apply_rope, inverse_frequencies
 from jaxlora.parallel import layers as tp
@@ -48,6 +54,32 @@ def _linear(d_in: int, d_out: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs,
                       kernel_init=nnx.initializers.normal(0.02))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedBatch:
+    """Where the tokens of a flat batch [T] belong, for the paged cache (S = sequences per step).
+
+    q_start: [S] int32 first flat index of sequence s's tokens in this step.
+    q_len: [S] int32 tokens of sequence s in this step (0: not in this step).
+    kv_len: [S] int32 positions of s cached after this step (its tokens are the last q_len).
+    block_tables: [S, pages_per_seq] int32 page of each page-sized span of s's positions.
+    write_page: [T] int32 page each token's key/value goes to (out of range for padding: dropped).
+    write_offset: [T] int32 offset in that page.
+    """
+
+    q_start: jax.Array
+    q_len: jax.Array
+    kv_len: jax.Array
+    block_tables: jax.Array
+    write_page: jax.Array
+    write_offset: jax.Array
+
+    @property
+    def last_index(self) -> jax.Array:
+        """[S] int32 flat index of each sequence's last token in this step (0 when it has none)."""
+        return jnp.maximum(self.q_start + self.q_len - 1, 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
     """What one layer needs besides its own weights (the same for every layer).
@@ -70,6 +102,7 @@ class StepInputs:
     inv_freq: jax.Array
     lora_plan: pallas_kernels.LoraPlan | None = None
     tensor_axis: str | None = None
+    ragged: RaggedBatch | None = None
 
 
 class Attention(nnx.Module):
@@ -94,7 +127,10 @@ class Attention(nnx.Module):
         v = qkv["v_proj"].reshape(b, t, -1, cfg.head_dim)
         q = apply_rope(q, s.positions, s.inv_freq)
         k = apply_rope(k, s.positions, s.inv_freq)
-        if t == 1 and s.row_ids is None and s.runtime.attention == "pallas":
+        if s.ragged is not None:
+            kv = _write_pages(kv, layer, k[:, 0], v[:, 0], s.ragged)
+            attn = _attend_ragged(q[:, 0], kv, layer, s.ragged, s.runtime).reshape(b, t, -1)
+        elif t == 1 and s.row_ids is None and s.runtime.attention == "pallas":
             # Decode: write the new key/value in place, then read only valid positions of this layer.
             kv = _write_cache(kv, layer, k, v, s.positions, jnp.arange(b, dtype=jnp.int32))
             attn = pallas_kernels.decode_attention(q[:, 0], kv.k, kv.v, layer, s.positions[:, 0] + 1,
@@ -139,6 +175,21 @@ def _write_cache(kv: KVCache, layer: jax.Array, k, v, positions, rows) -> KVCach
     index = (layer, rows[:, None], positions)
     return KVCache(k=kv.k.at[index].set(k.astype(kv.k.dtype), mode="drop"),
                    v=kv.v.at[index].set(v.astype(kv.v.dtype), mode="drop"))
+
+
+def _write_pages(kv: PagedKVCache, layer: jax.Array, k: jax.Array, v: jax.Array, batch: RaggedBatch) -> PagedKVCache:
+    """Scatters this layer's k/v [T, KVH, Dh] to (write_page, write_offset); padding is dropped."""
+    index = (layer, batch.write_page, batch.write_offset)
+    return PagedKVCache(k=kv.k.at[index].set(k.astype(kv.k.dtype), mode="drop"),
+                        v=kv.v.at[index].set(v.astype(kv.v.dtype), mode="drop"))
+
+
+def _attend_ragged(q: jax.Array, kv: PagedKVCache, layer: jax.Array, batch: RaggedBatch, runtime) -> jax.Array:
+    """q [T, H, Dh] over each token's own sequence in the page pool -> [T, H, Dh]."""
+    args = (q, kv.k, kv.v, layer, batch.q_start, batch.q_len, batch.kv_len, batch.block_tables)
+    if runtime.attention == "pallas":
+        return pallas_kernels.ragged_paged_attention(*args, interpret=runtime.interpret)
+    return pallas_kernels.ragged_paged_attention_xla(*args)
 
 
 def _attend(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Array) -> jax.Array:
@@ -216,26 +267,33 @@ class Llama(nnx.Module):
         self,
         tokens: jax.Array,
         positions: jax.Array,
-        kv: KVCache,
+        kv: KVCache | PagedKVCache,
         *,
         bank: dict | None = None,
         slot_ids: jax.Array | None = None,
         row_ids: jax.Array | None = None,
+        ragged: RaggedBatch | None = None,
         runtime: LoraRuntime = LoraRuntime(),
         tensor_axis: str | None = None,
-    ) -> tuple[jax.Array, KVCache]:
+    ) -> tuple[jax.Array, KVCache | PagedKVCache]:
         """Runs tokens [b, t] at positions [b, t] through every layer.
 
         Args:
-          kv: the cache; rows `row_ids` [b] (or rows 0..b-1) are read and written.
+          kv: a dense KVCache, whose rows `row_ids` [b] (or rows 0..b-1) are read and written; or,
+            with `ragged`, the paged pool.
           bank: adapter bank (see jaxlora.lora.bank) or None for the base model alone.
           slot_ids: [b] int32 adapter slot per row (0 = base model); required with a bank.
+          ragged: a flat batch: tokens and positions are [T, 1] (one token per "row", rows packed
+            sequence after sequence), slot_ids [T] per token, and `ragged` says which sequence
+            each token belongs to and where its key/value goes.
           tensor_axis: set only inside `shard_map` over a tensor-parallel mesh (jaxlora.parallel),
             where params, bank and cache are this device's shards.
         Returns:
           (hidden [b, t, D] after the final norm, updated cache)
         """
         b, t = tokens.shape
+        if (ragged is None) != isinstance(kv, KVCache) or (ragged is not None and t != 1):
+            raise ValueError("a RaggedBatch goes with a PagedKVCache and tokens [T, 1]; a KVCache without one")
         if bank is not None and slot_ids is None:
             raise ValueError("slot_ids are required when a bank is given")
         token_slots = jnp.zeros((b * t,), jnp.int32) if slot_ids is None else token_slots_for(slot_ids, t)
@@ -244,7 +302,7 @@ class Llama(nnx.Module):
         plan = step_plan(bank, token_slots, runtime, seg_len)
         s = StepInputs(positions=positions.astype(jnp.int32), row_ids=row_ids, token_slots=token_slots,
                        seg_len=seg_len, runtime=runtime, inv_freq=jnp.asarray(inverse_frequencies(self.cfg)),
-                       lora_plan=plan, tensor_axis=tensor_axis)
+                       lora_plan=plan, tensor_axis=tensor_axis, ragged=ragged)
         if tensor_axis is None:
             x = self.embed_tokens(tokens)
         else:
@@ -260,10 +318,10 @@ class Llama(nnx.Module):
             h, kv = nnx.merge(graphdef, state)(h, kv, layer, bank or {}, s)
             return (h, kv), None
 
-        if runtime.unroll_layers and t == 1:
-            # Decode only: XLA copies a scanned layer's weights out of the stack before each GEMM
-            # (measured on the H200: 11.3 ms scanned vs 4.8 ms unrolled for the 7B projections at
-            # B=64); prefill is compute-bound and keeps the scan's short compile.
+        if runtime.unroll_layers and t == 1 and b <= runtime.unroll_max_tokens:
+            # Weight-bound steps only: XLA copies a scanned layer's weights out of the stack before
+            # each GEMM (measured on the H200: 11.3 ms scanned vs 4.8 ms unrolled for the 7B
+            # projections at B=64); compute-bound steps keep the scan's short compile.
             carry = (x, kv)
             for i in range(self.cfg.num_layers):
                 carry, _ = body(carry, (jax.tree.map(lambda a: a[i], layer_state), jnp.int32(i)))

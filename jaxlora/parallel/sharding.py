@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlora.config import ModelConfig
-from jaxlora.model.kv_cache import KVCache, init_kv_cache
+from jaxlora.model.kv_cache import KVCache, PagedKVCache, init_kv_cache, init_paged_kv_cache
 from jaxlora.parallel.mesh import TENSOR_AXIS
 
 T = TENSOR_AXIS
@@ -158,6 +158,16 @@ def init_sharded_kv_cache(config: ModelConfig, rows: int, max_len: int, dtype: j
     return make()
 
 
+def init_sharded_paged_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype,
+                                mesh: Mesh) -> PagedKVCache:
+    """A zero page pool allocated directly in shards, split by KV heads like the dense cache."""
+    check_divisible(config, tensor_size(mesh))
+    sharding = NamedSharding(mesh, KV_SPEC)
+    make = jax.jit(lambda: init_paged_kv_cache(config, num_pages, page_size, dtype),
+                   out_shardings=PagedKVCache(k=sharding, v=sharding))
+    return make()
+
+
 def shard_step(fn: Callable, mesh: Mesh | None, *, num_outputs_before_kv: int = 1) -> Callable:
     """Runs a model step `fn(params, bank, kv, *rest, tensor_axis=...) -> (*outs, kv)` per shard.
 
@@ -171,9 +181,9 @@ def shard_step(fn: Callable, mesh: Mesh | None, *, num_outputs_before_kv: int = 
     tensor = tensor_size(mesh)
 
     def run(params, bank, kv, *rest):
-        in_specs = (param_specs(params, tensor), bank_specs(bank), KVCache(k=KV_SPEC, v=KV_SPEC),
-                    *(P() for _ in rest))
-        out_specs = (*(P() for _ in range(num_outputs_before_kv)), KVCache(k=KV_SPEC, v=KV_SPEC))
+        kv_specs = jax.tree.map(lambda _: KV_SPEC, kv)  # either cache layout: KV heads are axis 3
+        in_specs = (param_specs(params, tensor), bank_specs(bank), kv_specs, *(P() for _ in rest))
+        out_specs = (*(P() for _ in range(num_outputs_before_kv)), kv_specs)
         # check_vma off: Pallas calls (interpreted or not) carry no varying-axis types.
         body = jax.shard_map(lambda *a: fn(*a, tensor_axis=T), mesh=mesh, in_specs=in_specs,
                              out_specs=out_specs, check_vma=False)

@@ -11,8 +11,8 @@ from tests.engine.fakes import char_tokenizer, tiny_model
 ENGINE_YAML = """engine:
   max_batch: 4
   max_seq_len: 64
-  prefill_buckets: [16, 32]
-  prefill_batch: 2
+  token_budgets: [16, 32]
+  page_size: 8
   max_new_tokens_limit: 16
   lora: {max_slots: 4, max_rank: 4}
 """

@@ -23,7 +23,7 @@ NUM_GOOD = 24
 def job_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("batch")
     save_converted(tiny_model(), char_tokenizer(), root / "model")
-    config = {"engine": {"max_batch": 2, "max_seq_len": 64, "prefill_buckets": [16], "prefill_batch": 1,
+    config = {"engine": {"max_batch": 2, "max_seq_len": 64, "token_budgets": [16], "page_size": 8,
                          "max_new_tokens_limit": 40, "max_queue": 4, "lora": {"max_slots": 2, "max_rank": 4}}}
     (root / "engine.yaml").write_text(yaml.safe_dump(config))
     lines = []

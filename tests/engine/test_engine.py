@@ -3,6 +3,7 @@ each request exactly its solo greedy tokens, with zero compiles after warm-up.""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import jax
@@ -212,14 +213,14 @@ def record_calls(monkeypatch, events: list[str], *targets) -> None:
         monkeypatch.setattr(obj, name, wrapped)
 
 
-def test_page_ins_are_staged_before_and_committed_after_the_step_is_dispatched(parts, monkeypatch):
-    """stage() (copies start) runs before the decode is dispatched, commit() (slot writes) after it
-    and before the prefill, which may read the new slots, and the sampled ids are fetched last; a
-    step with nothing to run still stages and commits, so waiting requests progress."""
+def test_page_ins_are_staged_before_the_step_and_committed_around_it(parts, monkeypatch):
+    """stage() (copies start) runs before the step is dispatched; commit() (slot writes) runs after
+    the dispatch, or before it when the step reads a slot those copies fill; the sampled ids are
+    fetched last; a step with nothing to run still stages and commits, so waiting requests progress."""
     engine = make_engine(parts)  # its own engine: the shared one is stopped by the background-loop test
     events: list[str] = []
     record_calls(monkeypatch, events, (engine.pager, "stage"), (engine.pager, "commit"),
-                 (engine.runner, "prefill"), (engine.runner, "decode"), (jax, "device_get"))
+                 (engine.runner, "step"), (jax, "device_get"))
     engine.run_until_idle()
     events.clear()
     engine.step()  # idle: nothing dispatched, the page-ins still go out
@@ -232,27 +233,28 @@ def test_page_ins_are_staged_before_and_committed_after_the_step_is_dispatched(p
         for out in engine.generate(requests):
             assert out.error is None and out.completion_tokens >= 1
     assert engine.pager.metrics.page_ins > page_ins and engine.compiles_after_warmup == 0
-    # Each step: stage, [decode], commit, [prefill], then (one step behind) the read of the previous step's ids.
+    # Each step: stage, then the commit before or after the one dispatch, then (one step behind)
+    # the read of the previous step's ids.
     steps: list[list[str]] = []
     for e in events:
         if e == "stage":
             steps.append([])
         steps[-1].append(e)
-    allowed = {("stage", *d, "commit", *p, *r) for d in ((), ("decode",)) for p in ((), ("prefill",))
+    allowed = {("stage", *c, *r) for c in (("commit",), ("step", "commit"), ("commit", "step"))
                for r in ((), ("device_get",))}
     assert all(tuple(s) in allowed for s in steps), steps
-    dispatching = [s for s in steps if "decode" in s or "prefill" in s]
+    dispatching = [s for s in steps if "step" in s]
     assert dispatching and "device_get" not in dispatching[0]  # the first has nothing in flight to read
-    # A request for a cold adapter is admitted in the step that pages its adapter in: its prefill
-    # is dispatched right after the commit that writes the slot.
+    # A request for a cold adapter is admitted in the step that pages its adapter in: the commit
+    # that writes its slot goes first, then the step with its prompt.
     engine.run_until_idle()
     cold = next(a for a in ADAPTERS if engine.pager.is_ready(a) is None)
-    page_ins = engine.pager.metrics.page_ins
     handle = engine.submit(GenerationRequest(request_id="cold", prompt_ids=[1, 44, 45], adapter=cold,
                                              sampling=SamplingParams(max_tokens=2)))
+    page_ins = engine.pager.metrics.page_ins
     events.clear()
-    engine.step()
-    assert events == ["stage", "commit", "prefill"] and engine.pager.metrics.page_ins == page_ins + 1
+    engine.step()  # pins the adapter (page-in queued), stages the copy, admits, commits, dispatches
+    assert events == ["stage", "commit", "step"] and engine.pager.metrics.page_ins == page_ins + 1
     engine.run_until_idle()
     assert handle.result().error is None and handle.result().completion_tokens == 2
 
@@ -261,17 +263,17 @@ def test_engine_runs_one_step_behind(engine, monkeypatch):
     """Step N+1 is dispatched before step N's ids are read; rows are fed their token on the device."""
     events: list[str] = []
     engine.run_until_idle()
-    record_calls(monkeypatch, events, (engine.runner, "prefill"), (engine.runner, "decode"), (jax, "device_get"))
+    record_calls(monkeypatch, events, (engine.runner, "step"), (jax, "device_get"))
     request = GenerationRequest(request_id="behind", prompt_ids=[1, 20, 21, 22], sampling=SamplingParams(max_tokens=3))
     handle = engine.submit(request)
-    assert engine.step() == [] and events == ["prefill"]  # dispatched, not read
-    first = engine.step()  # decode fed the prefill's id on the device, then the prefill's id is read
-    assert events[1:] == ["decode", "device_get"] and [o.completion_tokens for o in first] == [1]
+    assert engine.step() == [] and events == ["step"]  # dispatched, not read
+    first = engine.step()  # decode fed the prompt's sampled id on the device, then that id is read
+    assert events[1:] == ["step", "device_get"] and [o.completion_tokens for o in first] == [1]
     engine.run_until_idle()
     tokens = handle.result().token_ids
     assert len(tokens) == 3 and engine.compiles_after_warmup == 0
-    # max_tokens is known ahead: no decode is dispatched past the third token.
-    assert events.count("decode") == 2
+    # max_tokens is known ahead: no step is dispatched past the third token.
+    assert events.count("step") == 3
     solo = engine.generate([GenerationRequest(request_id="again", prompt_ids=[1, 20, 21, 22],
                                               sampling=SamplingParams(max_tokens=3))])[0]
     assert solo.token_ids == tokens
@@ -283,13 +285,12 @@ def test_steps_without_adapter_rows_run_without_the_bank(engine, monkeypatch):
     import jaxlora.engine.runner as runner_module
 
     seen: list[bool] = []
-    for name in ("decode_step", "prefill_step"):
-        fn = getattr(runner_module, name)
+    fn = runner_module.ragged_step
 
-        def wrapped(params, bank, *args, _fn=fn, **kwargs):
-            seen.append(bank is not None)
-            return _fn(params, bank, *args, **kwargs)
-        monkeypatch.setattr(runner_module, name, wrapped)
+    def wrapped(params, bank, *args, **kwargs):
+        seen.append(bank is not None)
+        return fn(params, bank, *args, **kwargs)
+    monkeypatch.setattr(runner_module, "ragged_step", wrapped)
     engine.run_until_idle()
     base = GenerationRequest(request_id="base-only", prompt_ids=[1, 9, 10], sampling=SamplingParams(max_tokens=4))
     with jax.no_tracing():
@@ -371,3 +372,61 @@ def test_prefetch_adapters_flag_and_validation():
     assert config_from_args(p.parse_args(["--prefetch-adapters", "0"])).prefetch_adapters == 0
     with pytest.raises(ValueError, match="prefetch_adapters=-1"):
         config_from_args(p.parse_args(["--prefetch-adapters", "-1"]))
+
+
+def test_prompts_around_page_and_budget_edges_match_solo_runs(engine, parts):
+    """Prompt lengths 1, page - 1, page, page + 1 and past the largest token budget (prefilled over
+    several steps), arriving while others decode, each equal to its greedy solo recomputation."""
+    page, largest = engine.config.page_size, engine.config.token_budgets[-1]
+    lengths = [1, page - 1, page, page + 1, largest + 3, 2 * largest + 1]
+    rng = np.random.default_rng(11)
+    requests = [GenerationRequest(request_id=f"edge{n}", prompt_ids=[1, *rng.choice(PRINTABLE_IDS, n - 1).tolist()],
+                                  adapter=(None, *ADAPTERS)[i % 3], sampling=SamplingParams(max_tokens=6))
+                for i, n in enumerate(lengths)]
+    with jax.no_tracing():
+        handles = [engine.submit(r) for r in requests[:3]]
+        engine.step()
+        engine.step()
+        handles += [engine.submit(r) for r in requests[3:]]
+        engine.run_until_idle()
+    assert engine.compiles_after_warmup == 0
+    for r, h in zip(requests, handles):
+        assert list(h.result(0).token_ids) == reference_greedy(parts, r), r.request_id
+
+
+def test_a_pool_too_small_preempts_and_every_request_still_gets_its_solo_tokens(parts):
+    """Four rows of up to 40 positions over 20 pages of 4 (a quarter of what they could use): the
+    newest running request is preempted and recomputed later; tokens equal the solo runs."""
+    engine = make_engine(parts, num_pages=20)
+    rng = np.random.default_rng(3)
+    requests = [GenerationRequest(request_id=f"tight{i}", prompt_ids=[1, *rng.choice(PRINTABLE_IDS, 14).tolist()],
+                                  adapter=(None, *ADAPTERS)[i % 4], sampling=SamplingParams(max_tokens=20))
+                for i in range(6)]
+    with jax.no_tracing():
+        outs = engine.generate(requests)
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["free_pages"] == 20 and engine.compiles_after_warmup == 0
+    engine.pages.check()
+    for r, out in zip(requests, outs):
+        assert out.error is None and list(out.token_ids) == reference_greedy(parts, r), r.request_id
+
+
+def test_non_finite_logits_fail_that_request_alone_naming_its_adapter(engine):
+    """An adapter whose device weights are NaN: its request ends with an error naming the adapter
+    (never empty text), and a base-model request in the same steps is unaffected."""
+    engine.run_until_idle()
+    base = GenerationRequest(request_id="finite-base", prompt_ids=[1, 5, 6], sampling=SamplingParams(max_tokens=4))
+    expected = engine.generate([base])[0].token_ids
+    warm = GenerationRequest(request_id="warm-a1", prompt_ids=[1, 5], adapter="a1", sampling=SamplingParams(max_tokens=1))
+    engine.generate([warm])
+    slot = engine.pager.is_ready("a1")
+    clean = engine.pager.bank
+    engine.pager.bank = jax.tree.map(lambda x: x.at[:, slot].set(jnp.nan), clean)
+    try:
+        bad = GenerationRequest(request_id="nan-a1", prompt_ids=[1, 5, 6], adapter="a1",
+                                sampling=SamplingParams(max_tokens=4))
+        outs = engine.generate([bad, dataclasses.replace(base, request_id="finite-base-2")])
+    finally:
+        engine.pager.bank = clean
+    assert outs[0].finish_reason is FinishReason.ERROR and "'a1'" in outs[0].error and "not finite" in outs[0].error
+    assert outs[1].error is None and outs[1].token_ids == expected

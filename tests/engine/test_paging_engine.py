@@ -108,7 +108,7 @@ def test_unregister_in_use_and_corrupt_register_leave_others_unaffected(setup, t
 
 def test_uniform_traffic_keeps_the_all_resident_schedule(setup):
     """Uniform popularity over 1,000 adapters (nearly every request cold), all submitted at once so
-    every request outwaits max_wait_steps: the paged engine runs exactly the steps and prefill calls
+    every request outwaits max_wait_steps: the paged engine runs exactly the steps and computes the tokens
     of the same engine with every adapter resident. A page-in costs a new request no step (it is
     admitted in the step that pages its adapter in), and a starving request with a queued page-in
     does not hold back the requests behind it."""
@@ -126,7 +126,7 @@ def test_uniform_traffic_keeps_the_all_resident_schedule(setup):
         with jax.no_tracing():
             results = eng.generate(requests)
         assert all(r.error is None for r in results)
-        return {k: eng.stats()[k] - before[k] for k in ("steps", "prefill_calls", "decode_calls")}
+        return {k: eng.stats()[k] - before[k] for k in ("steps", "decode_tokens", "prefill_tokens", "padded_tokens")}
 
     no_eos = dataclasses.replace(engine.tokenizer, eos_token_ids=())  # every request runs to max_tokens
     # As many rows as slots: with fewer slots, distinct adapters, not paging, would cap the batch.

@@ -1,4 +1,5 @@
-"""Scheduler and slot bookkeeping without JAX: admission, adapter cap, cold adapters, starvation."""
+"""Scheduler without JAX: token budget, prompt chunks, KV pages and preemption, admission, adapter cap,
+cold adapters, starvation."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import sys
 import pytest
 
 from jaxlora.engine.request import GenerationRequest, Phase, Request, SamplingParams
-from jaxlora.engine.scheduler import Scheduler
+from jaxlora.engine.kv_pages import PageTable
+from jaxlora.engine.scheduler import Scheduler, StepPlan
 from jaxlora.errors import UnknownAdapterError
 
 
@@ -35,6 +37,9 @@ class FakeSlots:
 
     def is_ready(self, name: str) -> int | None:
         return self.assigned[name] if name in self.ready else None
+
+    def slot_at_commit(self, name: str) -> int | None:
+        return self.is_ready(name)  # no staged copies in this fake: a page-in lands at land()
 
     def release(self, name: str) -> None:
         assert self.pins.get(name, 0) > 0, f"release of {name} without acquire"
@@ -81,29 +86,122 @@ def make_request(rid: str, *, adapter: str | None = None, prompt_len: int = 5, m
     return Request(g, list(range(prompt_len)), seed=0, arrival=next(_arrivals))
 
 
-def make_scheduler(slots=None, **kw) -> Scheduler:
-    args = dict(max_batch=2, prefill_batch=2, prefill_buckets=(4, 8), max_adapters=3, max_wait_steps=3, slots=slots)
+def make_scheduler(slots=None, *, num_pages: int = 64, page_size: int = 4, **kw) -> Scheduler:
+    args = dict(max_batch=2, token_budgets=(4, 16), max_adapters=3, max_wait_steps=3, slots=slots)
     args.update(kw)
-    return Scheduler(**args)
+    pages = PageTable(num_pages, page_size, max_pages_per_seq=16)
+    return Scheduler(pages=pages, **args)
 
 
-def ids(reqs) -> list[str]:
-    return [r.request_id for r in reqs]
+def run_step(s: Scheduler) -> tuple[StepPlan | None, list]:
+    """pin, plan, dispatch; every sampled token is read back at once (token 7); a request that has
+    all its tokens finishes."""
+    failed = s.pin_adapters()
+    plan = s.schedule()
+    if plan is not None:
+        s.dispatched(plan)
+        for c in plan.chunks:
+            if c.samples:
+                s.token_read(c.request, 7)
+                if c.request.num_output == c.request.sampling.max_tokens:
+                    s.finish(c.request)
+    s.pages.check()
+    return plan, failed
+
+
+def admitted(plan: StepPlan | None) -> list[str]:
+    """Requests that started this step (their first chunk)."""
+    return [] if plan is None else [c.request.request_id for c in plan.chunks if c.start == 0 and not c.is_decode]
+
+
+def layout(plan: StepPlan) -> list[tuple[str, int, int, bool]]:
+    return [(c.request.request_id, c.start, c.length, c.is_decode) for c in plan.chunks]
 
 
 def test_first_come_admission_and_row_reuse():
     s = make_scheduler()
-    reqs = [make_request(f"r{i}") for i in range(4)]
+    reqs = [make_request(f"r{i}", max_tokens=8) for i in range(4)]
     for r in reqs:
         s.add(r)
-    admitted, failed = s.schedule()
-    assert ids(admitted) == ["r0", "r1"] and not failed
-    assert sorted(r.row for r in admitted) == [0, 1] and all(r.slot == 0 for r in admitted)
-    assert s.schedule() == ([], [])  # no free row
+    plan, failed = run_step(s)
+    assert admitted(plan) == ["r0", "r1"] and not failed
+    assert sorted(r.row for r in reqs[:2]) == [0, 1] and all(r.slot == 0 for r in reqs[:2])
+    plan, _ = run_step(s)  # no free row: only the two decode tokens
+    assert admitted(plan) == [] and plan.num_decode_tokens == 2 and plan.budget == 4
+    row = reqs[1].row
     s.finish(reqs[1])
-    admitted, _ = s.schedule()
-    assert ids(admitted) == ["r2"] and admitted[0].row == reqs[1].row
+    plan, _ = run_step(s)
+    assert admitted(plan) == ["r2"] and reqs[2].row == row
     assert s.num_running == 2 and s.num_waiting == 1
+
+
+def test_decode_tokens_first_then_prompt_chunks_within_the_budget():
+    s = make_scheduler(max_batch=3, token_budgets=(4, 8, 16))
+    long_, short = make_request("l", prompt_len=30, max_tokens=3), make_request("s", prompt_len=3, max_tokens=3)
+    s.add(long_)
+    s.add(short)
+    plan, _ = run_step(s)  # the long prompt takes the whole budget: prefilled across steps
+    assert layout(plan) == [("l", 0, 16, False)] and plan.budget == 16 and not plan.chunks[0].samples
+    plan, _ = run_step(s)
+    assert layout(plan) == [("l", 16, 14, False), ("s", 0, 2, False)] and plan.budget == 16
+    plan, _ = run_step(s)  # decode of "l" first, then the rest of "s"'s prompt
+    assert layout(plan) == [("l", 30, 1, True), ("s", 2, 1, False)] and plan.budget == 4
+    assert plan.chunks[1].samples and long_.num_output == 2 and short.num_output == 1
+    third = make_request("t", prompt_len=2, max_tokens=1)
+    s.add(third)
+    plan, _ = run_step(s)
+    assert layout(plan) == [("l", 31, 1, True), ("s", 3, 1, True), ("t", 0, 2, False)] and plan.budget == 4
+    assert long_.is_finished and third.is_finished and s.pages.num_free < s.pages.num_pages
+
+
+def test_positions_and_pages_follow_lengths_not_max_seq_len():
+    s = make_scheduler(max_batch=2, num_pages=8, page_size=4)
+    r = make_request("r", prompt_len=5, max_tokens=6)
+    s.add(r)
+    run_step(s)
+    assert len(s.pages.pages_of(r.row)) == 2  # 5 positions: two pages of four
+    for _ in range(3):
+        run_step(s)  # positions 5..7 fit the second page
+    assert len(s.pages.pages_of(r.row)) == 2
+    run_step(s)  # position 8 needs a third page
+    assert len(s.pages.pages_of(r.row)) == 3
+
+
+def test_out_of_pages_preempts_the_newest_and_recomputes_it_later():
+    # 6 pages of 4 positions: two requests of 9 prompt tokens take 3 pages each; the first decode
+    # token past position 11 needs a page, so the newest request is preempted.
+    s = make_scheduler(max_batch=2, num_pages=6, page_size=4, token_budgets=(4, 32))
+    old, new = make_request("old", prompt_len=9, max_tokens=8), make_request("new", prompt_len=9, max_tokens=8)
+    s.add(old)
+    s.add(new)
+    plan, _ = run_step(s)
+    assert admitted(plan) == ["old", "new"] and s.pages.num_free == 0
+    for _ in range(3):
+        plan, _ = run_step(s)  # positions 9, 10, 11
+        assert plan.num_decode_tokens == 2
+    plan, _ = run_step(s)  # position 12 of "old" needs a page: "new" is preempted
+    assert layout(plan) == [("old", 12, 1, True)] and s.num_preemptions == 1
+    assert new.phase is Phase.WAITING and new.row is None and new.num_output == 4 and new.num_preemptions == 1
+    assert s.waiting == [new]
+    while not old.is_finished:
+        run_step(s)
+    plan, _ = run_step(s)  # re-admitted: its prompt and its 4 outputs are recomputed in one chunk
+    assert layout(plan) == [("new", 0, 13, False)] and plan.chunks[0].samples
+    while not new.is_finished:
+        run_step(s)
+    assert new.num_output == 8 and s.pages.num_free == 6 and s.is_idle
+
+
+def test_the_oldest_request_progresses_when_pages_run_out_in_prefill():
+    s = make_scheduler(max_batch=2, num_pages=4, page_size=4, token_budgets=(8,))
+    a, b = make_request("a", prompt_len=12, max_tokens=2), make_request("b", prompt_len=12, max_tokens=2)
+    s.add(a)
+    s.add(b)
+    for _ in range(20):
+        run_step(s)
+        if a.is_finished and b.is_finished:
+            break
+    assert a.is_finished and b.is_finished and s.pages.num_free == 4
 
 
 def test_cold_adapter_does_not_block_hot_ones_and_lands_next_step():
@@ -113,12 +211,12 @@ def test_cold_adapter_does_not_block_hot_ones_and_lands_next_step():
     cold, hot1, hot2 = make_request("c", adapter="cold"), make_request("h1", adapter="hot"), make_request("h2", adapter="hot")
     for r in (cold, hot1, hot2):
         s.add(r)
-    admitted, _ = s.schedule()
-    assert ids(admitted) == ["h1", "h2"]  # the cold one waits for its page-in, the hot ones run
+    plan, _ = run_step(s)
+    assert admitted(plan) == ["h1", "h2"]  # the cold one waits for its page-in, the hot ones run
     assert cold.phase is Phase.WAITING and cold.has_pin and slots.pins == {"cold": 1, "hot": 2}
     slots.land()
-    admitted, _ = s.schedule()
-    assert ids(admitted) == ["c"] and admitted[0].slot == slots.assigned["cold"]
+    plan, _ = run_step(s)
+    assert admitted(plan) == ["c"] and cold.slot == slots.assigned["cold"]
     for r in (cold, hot1, hot2):
         s.finish(r)
     assert slots.pins == {}  # exactly one release per acquire
@@ -127,41 +225,35 @@ def test_cold_adapter_does_not_block_hot_ones_and_lands_next_step():
 def test_cap_on_distinct_adapters_per_batch():
     slots = FakeSlots(4, {"a", "b", "c"})
     s = make_scheduler(slots, max_batch=4, max_adapters=2)
-    reqs = [make_request("1", adapter="a"), make_request("2", adapter="b"), make_request("3", adapter="c"),
-            make_request("4", adapter="a")]
+    reqs = [make_request("1", adapter="a", max_tokens=20), make_request("2", adapter="b", max_tokens=20),
+            make_request("3", adapter="c"), make_request("4", adapter="a", max_tokens=20)]
     for r in reqs:
         s.add(r)
-    s.schedule()
+    run_step(s)
     slots.land()
-    admitted, _ = s.schedule()
-    assert ids(admitted) == ["1", "2", "4"] and s.active_adapters() == {"a", "b"}
+    plan, _ = run_step(s)
+    assert admitted(plan) == ["1", "2", "4"] and s.active_adapters() == {"a", "b"}
     assert not reqs[2].has_pin  # over the cap: not even pinned
     s.finish(reqs[1])
-    s.schedule()
+    run_step(s)
     slots.land()
-    admitted, _ = s.schedule()
-    assert ids(admitted) == ["3"]
+    plan, _ = run_step(s)
+    assert admitted(plan) == ["3"]
 
 
 def test_starving_cold_request_blocks_newcomers_until_admitted():
     # One adapter slot, held by a stream of "hot" requests; the "cold" request must still run.
     slots = FakeSlots(1, {"hot", "cold"})
     s = make_scheduler(slots, max_batch=2, max_wait_steps=3)
-    admitted_at: dict[Request, int] = {}
-    s.add(make_request("h0", adapter="hot"))
+    s.add(make_request("h0", adapter="hot", max_tokens=3))
     cold = make_request("cold", adapter="cold")
     s.add(cold)
     for step in range(40):
-        s.add(make_request(f"h{step + 1}", adapter="hot"))  # a new hot request every step
-        admitted, _ = s.schedule()
+        s.add(make_request(f"h{step + 1}", adapter="hot", max_tokens=3))  # a new hot request every step
+        plan, _ = run_step(s)
         slots.land()
-        if cold in admitted:
+        if "cold" in admitted(plan):
             break
-        admitted_at.update((r, step) for r in admitted)
-        for r, at in list(admitted_at.items()):  # each request runs for two steps
-            if step - at >= 2:
-                s.finish(r)
-                del admitted_at[r]
     else:
         pytest.fail("the cold request starved")
     assert step <= 3 + 4  # max_wait_steps, then the hot rows drain
@@ -174,21 +266,18 @@ def test_blocker_lets_pinned_requests_drain():
     s = make_scheduler(slots, max_batch=1, max_adapters=2, max_wait_steps=1)
     busy = make_request("busy", max_tokens=1)
     s.add(busy)
-    s.schedule()  # takes the only row
+    run_step(s)  # takes the only row and finishes
     old, pa, pb = make_request("old", adapter="c"), make_request("pa", adapter="a"), make_request("pb", adapter="b")
     for r in (old, pa, pb):
         s.add(r)
-    for r in (pa, pb):  # as if considered earlier: pinned, page-in done, no row yet
-        assert s._try_slot(r, is_starving=False) is None
+    for r in (pa, pb):  # as if considered earlier: pinned, page-in queued, no row yet
+        assert s._pin(r, is_starving=False) is False
     slots.land()
-    s.finish(busy)
     done = []
-    for _ in range(12):
-        admitted, _ = s.schedule()
+    for _ in range(24):
+        plan, _ = run_step(s)
         slots.land()
-        for r in admitted:
-            done.append(r.request_id)
-            s.finish(r)
+        done += admitted(plan)
     assert sorted(done) == ["old", "pa", "pb"] and slots.pins == {}
 
 
@@ -198,8 +287,8 @@ def test_unknown_adapter_fails_alone():
     bad, good = make_request("bad", adapter="gone"), make_request("good")
     s.add(bad)
     s.add(good)
-    admitted, failed = s.schedule()
-    assert ids(admitted) == ["good"]
+    plan, failed = run_step(s)
+    assert admitted(plan) == ["good"]
     assert [(r.request_id, type(e)) for r, e in failed] == [("bad", UnknownAdapterError)]
     assert bad.phase is Phase.FINISHED and s.num_waiting == 0
 
@@ -209,7 +298,7 @@ def test_cancel_while_waiting_releases_the_pin():
     s = make_scheduler(slots)
     r = make_request("r", adapter="a")
     s.add(r)
-    s.schedule()
+    run_step(s)
     assert slots.pins == {"a": 1}
     s.finish(r)
     assert slots.pins == {} and s.is_idle
@@ -217,25 +306,7 @@ def test_cancel_while_waiting_releases_the_pin():
     assert slots.pins == {}
 
 
-def test_prefill_plan_chunks_long_prompts_and_picks_the_smallest_bucket():
-    s = make_scheduler(max_batch=3, prefill_batch=2, prefill_buckets=(4, 8))
-    short, long_, third = make_request("s", prompt_len=3), make_request("l", prompt_len=19), make_request("t", prompt_len=2)
-    for r in (short, long_, third):
-        s.add(r)
-    s.schedule()
-    plan = s.plan_prefill()
-    assert plan.bucket == 8 and [(c.request.request_id, c.start, c.length) for c in plan.chunks] == [("s", 0, 3), ("l", 0, 8)]
-    for c in plan.chunks:
-        c.request.num_prefilled += c.length
-        if c.is_last:
-            c.request.phase = Phase.DECODE
-    plan = s.plan_prefill()
-    assert [(c.request.request_id, c.start, c.length, c.is_last) for c in plan.chunks] == [("l", 8, 8, False), ("t", 0, 2, True)]
-    long_.num_prefilled, third.phase = 16, Phase.DECODE
-    plan = s.plan_prefill()
-    assert plan.bucket == 4 and [(c.start, c.length, c.is_last) for c in plan.chunks] == [(16, 3, True)]
-
-
 def test_scheduler_imports_without_jax():
-    code = "import sys, jaxlora.engine.scheduler, jaxlora.engine.request; assert 'jax' not in sys.modules"
+    code = ("import sys, jaxlora.engine.scheduler, jaxlora.engine.request, jaxlora.engine.kv_pages; "
+            "assert 'jax' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -73,8 +73,8 @@ def tiny_hf_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny_hf")
     save_hf_folder(tiny_model(), char_tokenizer(), folder)
     config = folder / "engine.yaml"
-    config.write_text("engine:\n  max_batch: 4\n  max_seq_len: 256\n  prefill_buckets: [32]\n"
-                      "  prefill_batch: 2\n  max_new_tokens_limit: 192\n  max_queue: 16\n"
+    config.write_text("engine:\n  max_batch: 4\n  max_seq_len: 256\n  token_budgets: [32]\n"
+                      "  page_size: 16\n  max_new_tokens_limit: 192\n  max_queue: 16\n"
                       "  lora:\n    max_slots: 4\n    max_rank: 4\n")
     return folder
 

@@ -1,0 +1,718 @@
+"""Open-loop serving benchmark: req/s at an SLO, TTFT and TPOT under S-LoRA's synthetic trace.
+
+The trace (`make_trace`) is S-LoRA's `benchmarks/trace.py::generate_requests`, draw for draw: with
+`numpy.random.RandomState(seed)` (the generator behind S-LoRA's `np.random.seed(seed)`) it draws, in
+this order,
+  - `int(rate * duration)` requests;
+  - each request's adapter `int(power(alpha) * n)`: `numpy.random.power(alpha)` has density
+    alpha * x**(alpha - 1) on [0, 1), so alpha = 1 is uniform over the n adapters and a smaller alpha
+    concentrates requests on the low-numbered adapters (0.1: very skewed), as `benchmarks/paging.py`;
+  - input lengths, then output lengths, uniform integers in [8, 512) (`randint(8, 512)`);
+  - inter-arrival times Gamma(shape = 1 / cv**2, scale = cv**2 / rate): mean 1 / rate, coefficient
+    of variation cv (cv = 1 is a Poisson process); request i arrives at the sum of the first i + 1.
+With the same seed (default 42, S-LoRA's) the trace is S-LoRA's. Prompts are random token ids; the
+models have random weights and a word tokenizer without an end-of-sequence id, and requests carry
+no stop ids or strings, so every request generates exactly its output length (checked).
+
+What runs: the real `Engine` (background loop, `engine.start()`) with the real `Pager` over a
+random-weight Llama-2-7B-shape model in bf16 (Pallas LoRA kernels on GPU). A driver thread submits
+each request at its arrival time; the request's callback (on the engine thread) timestamps every
+token. Settings (S-LoRA's S1 and S2, plus one with adapters on all seven modules):
+  s1   rank 8 on q/k/v/o, 2,000 registered adapters, 64 device slots (paged);
+  s2   ranks 64/32/16/8 on q/k/v/o (adapter i has rank (64, 32, 16, 8)[i % 4], as S-LoRA's S2 list),
+       2,000 asked; the pager keeps every host copy padded to the bank's rank 64 (134 MB each), so
+       `--host-gb` caps n (the default 64 GB holds 476) and the rows record the n that ran;
+  all  rank 16 on all seven modules, 64 adapters, all resident in the 64 slots.
+
+Per run (one offered rate) a row records:
+  served_req_s / served_tok_s: completed requests / tokens generated, over the window from the first
+    arrival to the last completion;
+  ttft_ms_*: first token time - arrival time (the scheduled one: submission delays are the server's);
+  tpot_ms_*: (last token time - first token time) / (tokens - 1), completed requests;
+  e2e_ms_*: last token time - arrival time, completed requests;
+  slo_attainment: share of ALL arrived requests whose first token came within 6 s (no first token, a
+    rejected submission or one still waiting at the drain cap is a miss);
+  unfinished: requests not finished `--max-drain-s` after the last arrival (then cancelled; the
+    engine is idle again before the next run starts);
+  steps, prefill_tokens_per_step, decode_tokens_per_step, padding_share: from `engine.stats()`
+    (`TokenCounter`): each step computes its padded token budget; padding_share is the share of
+    those token slots that held no request's token. (The "bucketed" rows came from the engine
+    that ran prefill calls of prefill_batch x bucket slots apart from a decode call of max_batch rows,
+    counted by wrapping those calls, at the commit in their `engine_commit`.)
+`--sweep K` adds up to K runs per setting that bisect for the highest rate at SLO attainment >= 0.9.
+
+One model for the whole invocation; per setting one pager and one engine (compiled and warmed up
+once), serving its rates one after another: each run starts with an idle engine, and with the
+adapters the previous run left resident (a paged setting's first run starts with no adapter on the
+device; `all` pages its 64 in before the first).
+
+    python benchmarks/serving.py --tiny                                  # CPU smoke run
+    python benchmarks/serving.py --settings all s1 --rates 4 10 40 --duration 30 --max-drain-s 30
+    python benchmarks/serving.py --settings s2 --rates 4 10 40 --sweep 3 --merge
+    python benchmarks/serving.py --render                                # md + png from the JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import dataclasses
+import gc
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.paging import pool_adapters, register_copies, weight_pool  # noqa: E402
+from jaxlora.adapters import Pager  # noqa: E402
+from jaxlora.bench.e2e import LLAMA2_7B, TINY, word_tokenizer  # noqa: E402
+from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraConfig, ModelConfig  # noqa: E402
+from jaxlora.engine.config import ENGINE_KIND, EngineConfig  # noqa: E402
+from jaxlora.engine.engine import Engine  # noqa: E402
+from jaxlora.engine.request import FinishReason, GenerationRequest, RequestOutput, SamplingParams  # noqa: E402
+from jaxlora.errors import JaxloraError  # noqa: E402
+from jaxlora.model.params import LoadedModel, random_model  # noqa: E402
+
+SLO_TTFT_S = 6.0  # S-LoRA's SLO: the first token within 6 s
+KEY_FIELDS = ("engine", "setting", "n", "rate", "cv", "alpha")  # what --merge replaces rows by
+RESULTS = "serving.json"
+
+
+# -- the trace --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TraceRequest:
+    arrival_s: float  # since the start of the run
+    adapter: int  # index in [0, n)
+    prompt_len: int
+    output_len: int
+
+
+def make_trace(*, n: int, alpha: float, rate: float, cv: float, duration_s: float,
+               input_range: tuple[int, int] = (8, 512), output_range: tuple[int, int] = (8, 512),
+               seed: int = 42) -> list[TraceRequest]:
+    """S-LoRA's `generate_requests` (see the module docstring): same draws, same order, same seed."""
+    if n < 1 or rate <= 0 or cv <= 0 or alpha <= 0 or duration_s <= 0:
+        raise ValueError(f"need n >= 1 and rate, cv, alpha, duration_s > 0; got {n=} {rate=} {cv=} {alpha=} "
+                         f"{duration_s=}")
+    for name, (lo, hi) in (("input_range", input_range), ("output_range", output_range)):
+        if not 1 <= lo < hi:
+            raise ValueError(f"{name}=({lo}, {hi}) must satisfy 1 <= low < high")
+    rng = np.random.RandomState(seed)
+    total = int(rate * duration_s)
+    adapters = (rng.power(alpha, total) * n).astype(int)
+    inputs = rng.randint(input_range[0], input_range[1], total)
+    outputs = rng.randint(output_range[0], output_range[1], total)
+    arrivals = np.cumsum(rng.gamma(1.0 / (cv * cv), cv * cv / rate, total))
+    return [TraceRequest(arrival_s=float(t), adapter=int(a), prompt_len=int(i), output_len=int(o))
+            for t, a, i, o in zip(arrivals, adapters, inputs, outputs)]
+
+
+# -- settings and the engine ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Setting:
+    name: str
+    ranks: tuple[int, ...]  # adapter i has rank ranks[i % len(ranks)]
+    modules: tuple[str, ...]
+    n: int  # adapters asked for (the host budget may hold fewer)
+    slots: int  # device slots for adapters; the bank has slots + 1 (slot 0 is the base model)
+
+    @property
+    def max_rank(self) -> int:
+        return max(self.ranks)
+
+
+def settings(tiny: bool) -> dict[str, Setting]:
+    if tiny:
+        return {"s1": Setting(name="s1", ranks=(4,), modules=ATTENTION_MODULES, n=24, slots=4),
+                "s2": Setting(name="s2", ranks=(8, 4, 2, 1), modules=ATTENTION_MODULES, n=24, slots=4),
+                "all": Setting(name="all", ranks=(4,), modules=TARGET_MODULES, n=4, slots=4)}
+    return {"s1": Setting(name="s1", ranks=(8,), modules=ATTENTION_MODULES, n=2000, slots=64),
+            "s2": Setting(name="s2", ranks=(64, 32, 16, 8), modules=ATTENTION_MODULES, n=2000, slots=64),
+            "all": Setting(name="all", ranks=(16,), modules=TARGET_MODULES, n=64, slots=64)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Scale:
+    """Model and length limits of one benchmark size."""
+
+    model: ModelConfig
+    dtype: str
+    input_range: tuple[int, int]
+    output_range: tuple[int, int]
+    max_batch: int
+    max_seq_len: int
+    token_budgets: tuple[int, ...]
+    page_size: int
+
+
+def scale(tiny: bool, model: str) -> Scale:
+    """--tiny: toy everything. Else the 7B limits, on the 7B shape or (model "tiny", a CPU check of
+    the full-size schedule) on the toy model with positions for the full lengths."""
+    if tiny:
+        return Scale(model=TINY, dtype="float32", input_range=(8, 24), output_range=(8, 24), max_batch=8,
+                     max_seq_len=64, token_budgets=(8, 32), page_size=8)
+    cfg = LLAMA2_7B if model == "llama2-7b" else dataclasses.replace(TINY, max_position_embeddings=1024)
+    return Scale(model=cfg, dtype="bfloat16" if model == "llama2-7b" else "float32", input_range=(8, 512),
+                 output_range=(8, 512), max_batch=128, max_seq_len=1024, token_budgets=(128, 512, 2048),
+                 page_size=16)
+
+
+def make_engine(setting: Setting, model: LoadedModel, pager: Pager, size: Scale, backend: str) -> Engine:
+    """The engine under test, built in this one place so that another engine kind swaps in here."""
+    if setting.slots + 1 != pager.max_slots:
+        raise ValueError(f"setting {setting.name} has {setting.slots} slots, the pager {pager.max_slots - 1}")
+    longest = size.input_range[1] - 1 + size.output_range[1] - 1
+    if longest > size.max_seq_len:
+        raise ValueError(f"a request may need {longest} positions, more than max_seq_len={size.max_seq_len}")
+    config = EngineConfig(max_batch=size.max_batch, max_seq_len=size.max_seq_len,
+                          token_budgets=size.token_budgets, page_size=size.page_size,
+                          max_new_tokens_limit=size.output_range[1] - 1, max_queue=1 << 20,
+                          lora=dataclasses.replace(pager.lora_config, backend=backend), dtype=size.dtype)
+    engine = Engine(model, word_tokenizer(model.config.vocab_size), config, pager)
+    if engine.tokenizer.eos_token_ids:
+        raise ValueError("the benchmark tokenizer must have no end-of-sequence id: requests run to max_tokens")
+    return engine
+
+
+class TokenCounter:
+    """Token slots of the engine's steps, from `engine.stats()`: every step computes its padded
+    token budget and fills it with decode tokens and prompt chunks. Decode tokens take no padding
+    (no per-row shape), so a step's padding is counted against its prefill share."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def snapshot(self) -> dict[str, int]:
+        s = self.engine.stats()
+        return dict(prefill_tokens=s["prefill_tokens"], prefill_slots=s["padded_tokens"] - s["decode_tokens"],
+                    decode_tokens=s["decode_tokens"], decode_slots=s["decode_tokens"])
+
+
+def token_counter(engine: Engine) -> TokenCounter:
+    return TokenCounter(engine)
+
+
+def make_pager(setting: Setting, model: LoadedModel, size: Scale, backend: str,
+               host_bytes: int | None) -> tuple[Pager, int, float]:
+    """A pager with the setting's adapters registered as a0..a{n-1} (n capped by `host_bytes`);
+    returns (pager, n, registration seconds). Adapters share a few random weight sets per rank."""
+    lora = LoraConfig(max_slots=setting.slots + 1, max_rank=setting.max_rank, target_modules=setting.modules,
+                      backend=backend)
+    # Page-ins per commit: the pager's default 16, or fewer with fewer slots (each size up to it compiles).
+    pager = Pager(model.config, lora, dtype=jnp.dtype(size.dtype), host_capacity_bytes=host_bytes,
+                  max_page_ins_per_commit=min(16, setting.slots))
+    n = setting.n if host_bytes is None else min(setting.n, host_bytes // pager.slot_nbytes)
+    if n < 1:
+        raise ValueError(f"--host-gb holds no {pager.slot_nbytes / 1e6:.0f} MB adapter")
+    per_rank = 2 if len(setting.ranks) > 1 else 8
+    pools = {r: pool_adapters(weight_pool(model.config, r, setting.modules, per_rank, seed=r), r, setting.modules)
+             for r in setting.ranks}
+    # Interleaved so that a{i}, a copy of adapters[i % len(adapters)], has rank ranks[i % len(ranks)].
+    adapters = [pools[r][j] for j in range(per_rank) for r in setting.ranks]
+    seconds = register_copies(pager, adapters, n)
+    if n <= setting.slots:  # all resident: page them all in before serving
+        pager.prefetch([f"a{i}" for i in range(n)])
+        while pager.snapshot()["pending"]:
+            pager.commit()
+    return pager, n, seconds
+
+
+# -- one open-loop run ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Timeline:
+    """What the callback saw of one request (perf_counter seconds)."""
+
+    arrival: float
+    prompt_len: int
+    output_len: int
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+    finished: float | None = None
+    reason: FinishReason | None = None
+    rejected: str | None = None
+
+
+class _Recorder:
+    """Timestamps every streamed token; ignores callbacks after `close` (the drain cap)."""
+
+    def __init__(self, n: int) -> None:
+        self.lock = threading.Lock()
+        self.token_times: list[float] = []  # every token, in arrival order
+        self.remaining = n
+        self.all_done = threading.Event()
+        self.closed = False
+        if n == 0:
+            self.all_done.set()
+
+    def callback(self, line: _Timeline) -> Callable[[RequestOutput], None]:
+        def on_output(out: RequestOutput) -> None:
+            now = time.perf_counter()
+            with self.lock:
+                if self.closed:
+                    return
+                if out.token_ids:
+                    if line.first is None:
+                        line.first = now
+                    line.last = now
+                    line.tokens += len(out.token_ids)
+                    self.token_times.extend([now] * len(out.token_ids))
+                if out.finished:
+                    line.finished, line.reason = now, out.finish_reason
+                    self._done_one()
+        return on_output
+
+    def reject(self, line: _Timeline, error: str) -> None:
+        with self.lock:
+            line.rejected = error
+            self._done_one()
+
+    def _done_one(self) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.all_done.set()
+
+
+def _engine_counts(engine: Engine, tokens: TokenCounter) -> dict[str, int]:
+    s = engine.stats()
+    out = {k: s[k] for k in ("steps", "preemptions")}
+    out["compiles"] = s["compiles"]
+    out.update(tokens.snapshot())
+    out.update({f"pager_{k}": v for k, v in s.get("pager", {}).items()})
+    return out
+
+
+def run_trace(engine: Engine, tokens: TokenCounter, trace: Sequence[TraceRequest], *, vocab: int,
+              max_drain_s: float, run_id: str, seed: int) -> dict:
+    """Submits `trace` open loop to the running engine, waits for the last completion or the drain
+    cap, cancels what is left and waits until the engine is idle. Returns the run's measurements."""
+    rng = np.random.default_rng(seed)
+    requests = [GenerationRequest(request_id=f"{run_id}-{i}", adapter=f"a{r.adapter}",
+                                  prompt_ids=rng.integers(0, vocab, r.prompt_len).tolist(),
+                                  sampling=SamplingParams(max_tokens=r.output_len, stop_token_ids=()))
+                for i, r in enumerate(trace)]
+    recorder = _Recorder(len(trace))
+    lag: list[float] = []
+    before = _engine_counts(engine, tokens)
+    t0 = time.perf_counter() + 0.05
+    lines = [_Timeline(arrival=t0 + r.arrival_s, prompt_len=r.prompt_len, output_len=r.output_len) for r in trace]
+
+    def drive() -> None:
+        for req, line in zip(requests, lines):
+            delay = line.arrival - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            lag.append(time.perf_counter() - line.arrival)
+            try:
+                engine.submit(req, callback=recorder.callback(line))
+            except JaxloraError as e:
+                recorder.reject(line, f"{type(e).__name__}: {e}")
+
+    driver = threading.Thread(target=drive, name="serving-driver", daemon=True)
+    driver.start()
+    driver.join()
+    cap = (lines[-1].arrival if lines else t0) + max_drain_s
+    recorder.all_done.wait(max(0.0, cap - time.perf_counter()))
+    with recorder.lock:
+        recorder.closed = True
+        t_close = time.perf_counter()
+    after = _engine_counts(engine, tokens)
+    unfinished = [req.request_id for req, line in zip(requests, lines)
+                  if line.finished is None and line.rejected is None]
+    for rid in unfinished:
+        engine.cancel(rid)
+    _wait_idle(engine, timeout_s=120.0)
+    counts = {k: after[k] - before[k] for k in after}
+    return summarize(lines, recorder.token_times, counts, t_close=t_close, lag_s=lag)
+
+
+def _wait_idle(engine: Engine, timeout_s: float) -> None:
+    deadline = time.perf_counter() + timeout_s
+    while engine.has_work():
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"the engine still had work {timeout_s} s after the run's requests were cancelled")
+        time.sleep(0.01)
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return round(float(np.mean(xs)), 1) if len(xs) else None
+
+
+def _ms(xs: Sequence[float], q: float) -> float | None:
+    return round(float(np.percentile(xs, q)) * 1e3, 2) if len(xs) else None
+
+
+def summarize(lines: Sequence[_Timeline], token_times: Sequence[float], counts: Mapping[str, int], *,
+              t_close: float, lag_s: Sequence[float]) -> dict:
+    """One run's row fields from the request timelines and the engine counter deltas."""
+    completed = [x for x in lines if x.reason is FinishReason.LENGTH]
+    wrong = [x for x in completed if x.tokens != x.output_len]
+    if wrong:
+        raise RuntimeError(f"{len(wrong)} requests finished with a token count other than their output length")
+    stopped = [x for x in lines if x.reason is not None and x.reason is not FinishReason.LENGTH]
+    rejected = [x for x in lines if x.rejected is not None]
+    unfinished = [x for x in lines if x.reason is None and x.rejected is None]
+    if len(completed) + len(stopped) + len(rejected) + len(unfinished) != len(lines):
+        raise RuntimeError("a request is both finished and rejected")
+    start = min((x.arrival for x in lines), default=t_close)
+    end = max((x.finished for x in completed), default=t_close)
+    window = max(end - start, 1e-9)
+    tokens_in_window = bisect.bisect_right(token_times, end) - bisect.bisect_left(token_times, start)
+    ttft = [x.first - x.arrival for x in lines if x.first is not None]
+    tpot = [(x.last - x.first) / (x.tokens - 1) for x in completed if x.tokens > 1]
+    e2e = [x.last - x.arrival for x in completed]
+    met = sum(1 for x in lines if x.first is not None and x.first - x.arrival <= SLO_TTFT_S)
+    steps = counts["steps"]
+    slots = counts["prefill_slots"] + counts["decode_slots"]
+    filled = counts["prefill_tokens"] + counts["decode_tokens"]
+
+    def share(free: int, total: int) -> float | None:
+        return round(free / total, 4) if total else None
+
+    row = {
+        "requests": len(lines), "completed": len(completed), "unfinished": len(unfinished),
+        "rejected": len(rejected), "stopped_other": len(stopped),
+        "no_first_token": sum(1 for x in lines if x.first is None),
+        "served_req_s": round(len(completed) / window, 3), "served_tok_s": round(tokens_in_window / window, 1),
+        "window_s": round(window, 2),
+        "slo_attainment": round(met / len(lines), 4) if lines else None, "slo_ttft_s": SLO_TTFT_S,
+        "steps": steps, "preemptions": counts["preemptions"],
+        "prefill_tokens_per_step": round(counts["prefill_tokens"] / steps, 2) if steps else None,
+        "decode_tokens_per_step": round(counts["decode_tokens"] / steps, 2) if steps else None,
+        "padding_share": share(slots - filled, slots),
+        "prefill_padding_share": share(counts["prefill_slots"] - counts["prefill_tokens"], counts["prefill_slots"]),
+        "decode_padding_share": share(counts["decode_slots"] - counts["decode_tokens"], counts["decode_slots"]),
+        "page_ins": counts.get("pager_page_ins"), "compiles_during_run": counts["compiles"],
+        "submit_lag_ms_p99": _ms(lag_s, 99),
+        "mean_prompt_len": _mean([x.prompt_len for x in lines]),
+        "mean_output_len": _mean([x.output_len for x in lines]),
+    }
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
+        for q in (50, 90, 99):
+            row[f"{name}_ms_p{q}"] = _ms(xs, q)
+    return row
+
+
+# -- the rate sweep ---------------------------------------------------------------------------------
+
+
+def next_sweep_rate(slo_by_rate: Mapping[float, float], *, target: float = 0.9, resolution: float = 0.5
+                    ) -> float | None:
+    """The next rate of a coarse bisection for the highest rate with SLO attainment >= target, or
+    None when the bracket is narrower than `resolution` (req/s). No passing rate yet: half the
+    lowest; no failing rate above the best pass: twice it."""
+    if not slo_by_rate:
+        return None
+    passing = [r for r, s in slo_by_rate.items() if s >= target]
+    lo = max(passing, default=None)
+    hi = min((r for r, s in slo_by_rate.items() if s < target and (lo is None or r > lo)), default=None)
+    if hi is None:
+        return 2 * lo
+    lo = 0.0 if lo is None else lo
+    if hi - lo <= resolution:
+        return None
+    mid = round((lo + hi) / 2 / resolution) * resolution
+    return mid if lo < mid < hi else None
+
+
+# -- output -----------------------------------------------------------------------------------------
+
+
+def row_key(row: Mapping) -> tuple:
+    return tuple(row[k] for k in KEY_FIELDS)
+
+
+def merge_rows(old: Iterable[dict], new: Iterable[dict]) -> list[dict]:
+    """`old` with each row of `new` replacing the row of the same key, or appended."""
+    rows = {row_key(r): r for r in old}
+    for r in new:
+        rows[row_key(r)] = r
+    return sorted(rows.values(), key=lambda r: (r["engine"], r["setting"], r["n"], r["cv"], r["alpha"], r["rate"]))
+
+
+MD_COLUMNS = ["engine", "setting", "n", "rate", "duration_s", "requests", "served_req_s", "served_tok_s",
+              "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "e2e_ms_p50", "slo_attainment",
+              "unfinished", "steps", "prefill_tokens_per_step", "decode_tokens_per_step", "padding_share",
+              "page_ins"]
+
+
+def slo_summary(rows: Sequence[dict], target: float = 0.9) -> list[dict]:
+    """Per engine x setting x n x cv x alpha x duration: the highest measured rate at SLO >= target
+    and the lowest measured rate above it that missed."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["engine"], r["setting"], r["n"], r["cv"], r["alpha"], r["duration_s"]), []).append(r)
+    out = []
+    for (engine, setting, n, cv, alpha, duration), rs in groups.items():
+        ok = [r["rate"] for r in rs if r["slo_attainment"] is not None and r["slo_attainment"] >= target]
+        best = max(ok, default=None)
+        miss = min((r["rate"] for r in rs if r["slo_attainment"] is not None and r["slo_attainment"] < target
+                    and (best is None or r["rate"] > best)), default=None)
+        out.append(dict(engine=engine, setting=setting, n=n, cv=cv, alpha=alpha, duration_s=duration,
+                        max_rate_at_slo=best, lowest_rate_missing=miss))
+    return out
+
+
+def write_markdown(payload: dict, out: Path) -> None:
+    rows = payload["rows"]
+    commands = list(dict.fromkeys(r["command"] for r in rows))
+    lines = [f"# Open-loop serving ({payload['device']}, jax {payload['jax_version']})", "",
+             "S-LoRA's synthetic trace: Gamma arrivals (cv), power-law adapter popularity (alpha), input and "
+             "output lengths uniform in [8, 512) (rows' `input_range`, `output_range`), EOS ignored. Served "
+             "req/s and tok/s: completed requests and generated tokens over the first arrival to the last "
+             "completion. SLO attainment: share of all "
+             f"arrived requests with a first token within {SLO_TTFT_S:g} s. unfinished: not done "
+             "`max_drain_s` after the last arrival. padding_share: share of the token slots computed by "
+             "prefill and decode calls that held no request's token. Times in ms.", "",
+             "Commands:", ""] + [f"- `{c}`" for c in commands] + ["",
+             "| " + " | ".join(MD_COLUMNS) + " |", "|" + "---|" * len(MD_COLUMNS)]
+    lines += ["| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in MD_COLUMNS) + " |" for r in rows]
+    lines += ["", "Highest measured rate at SLO attainment >= 0.9 (and the lowest measured rate above it that "
+              "missed):", "", "| engine | setting | n | cv | alpha | duration_s | max rate at SLO | lowest miss |",
+              "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {s['engine']} | {s['setting']} | {s['n']} | {s['cv']} | {s['alpha']} | {s['duration_s']} | "
+              f"{s['max_rate_at_slo']} | {s['lowest_rate_missing']} |" for s in slo_summary(rows)]
+    notes = sorted({r["note"] for r in rows if r.get("note")})
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    (out / "serving.md").write_text("\n".join(lines) + "\n")
+
+
+def write_plot(payload: dict, out: Path) -> bool:
+    """served req/s and TTFT p99 against offered rate, one line per engine x setting; False without
+    matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = payload["rows"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for label in dict.fromkeys((r["engine"], r["setting"], r["n"], r["cv"], r["alpha"]) for r in rows):
+        rs = sorted((r for r in rows if (r["engine"], r["setting"], r["n"], r["cv"], r["alpha"]) == label),
+                    key=lambda r: r["rate"])
+        name = f"{label[0]} {label[1]} (n={label[2]})"
+        xs = [r["rate"] for r in rs]
+        ax1.plot(xs, [r["served_req_s"] for r in rs], "o-", label=name)
+        ax2.plot(xs, [(r["ttft_ms_p99"] or float("nan")) / 1e3 for r in rs], "o-", label=name)
+    top = max((r["rate"] for r in rows), default=1)
+    ax1.plot([0, top], [0, top], color="gray", ls=":", lw=1, label="served = offered")
+    ax1.set(xlabel="offered rate (req/s)", ylabel="served req/s", title="throughput")
+    ax2.axhline(SLO_TTFT_S, color="gray", ls="--", lw=1, label=f"SLO {SLO_TTFT_S:g} s")
+    ax2.set(xlabel="offered rate (req/s)", ylabel="TTFT p99 (s)", title="time to first token, p99", yscale="log")
+    for ax in (ax1, ax2):
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"Open-loop serving, {payload['device']}")
+    fig.tight_layout()
+    fig.savefig(out / "serving.png", dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_results(payload: dict, out: Path, *, plot: bool = True) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RESULTS).write_text(json.dumps(payload, indent=1) + "\n")
+    write_markdown(payload, out)
+    if plot and payload["rows"] and not write_plot(payload, out):
+        print("matplotlib is not installed: serving.png not written", flush=True)
+
+
+def engine_commit() -> str:
+    """The checkout's HEAD (+"-dirty" with uncommitted changes). Raises without git."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
+    try:
+        head = git("rev-parse", "--short=12", "HEAD").strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no").strip()
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"cannot read the engine's commit ({e}); pass --engine-commit") from None
+    return head + ("-dirty" if dirty else "")
+
+
+# -- main -------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="toy model, sizes and lengths (CPU, seconds)")
+    p.add_argument("--model", choices=("llama2-7b", "tiny"), default="llama2-7b",
+                   help="without --tiny: the model under the 7B limits (tiny: a CPU check of the full schedule)")
+    p.add_argument("--settings", nargs="+", choices=("s1", "s2", "all"), default=["all", "s1", "s2"])
+    p.add_argument("--rates", type=float, nargs="*", default=[4.0, 10.0, 40.0], help="offered req/s")
+    p.add_argument("--sweep", type=int, default=0, help="up to this many extra runs per setting bisecting for "
+                   "the highest rate at SLO attainment >= --slo-target")
+    p.add_argument("--sweep-settings", nargs="+", choices=("s1", "s2", "all"), default=None,
+                   help="the settings that get --sweep (default: every one run)")
+    p.add_argument("--slo-target", type=float, default=0.9)
+    p.add_argument("--sweep-resolution", type=float, default=0.5, help="req/s")
+    p.add_argument("--cv", type=float, default=1.0)
+    p.add_argument("--alpha", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--slots", type=int, default=None, help="device adapter slots of every setting (default: the "
+                   "setting's, 64); with at most one distinct adapter per slot, this caps the batch's adapters")
+    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals (default 120; --tiny 2)")
+    p.add_argument("--max-drain-s", type=float, default=None, help="after the last arrival (default 60; --tiny 20)")
+    p.add_argument("--host-gb", type=float, default=64.0, help="host budget for registered adapters, GB")
+    p.add_argument("--backend", choices=("pallas", "xla", "ragged"), default=None,
+                   help="LoRA backend (default: pallas on GPU, xla elsewhere)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no run (or setting) that could end after this many seconds")
+    p.add_argument("--setup-s", type=float, default=None,
+                   help="expected seconds to set up a setting, for --budget-s (default 150; --tiny 30)")
+    p.add_argument("--merge", action="store_true", help=f"add to --out/{RESULTS} (rows of the same key replaced)")
+    p.add_argument("--skip-measured", action="store_true", help="with --merge: skip rates the file has already")
+    p.add_argument("--render", action="store_true", help=f"only rewrite serving.md/png from --out/{RESULTS}")
+    p.add_argument("--engine-commit", default=None, help="recorded in the rows (default: git HEAD)")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args(argv)
+    if args.duration is None:
+        args.duration = 2.0 if args.tiny else 120.0
+    if args.max_drain_s is None:
+        args.max_drain_s = 20.0 if args.tiny else 60.0
+    if args.setup_s is None:
+        args.setup_s = 30.0 if args.tiny else 150.0
+    if args.skip_measured and not args.merge:
+        p.error("--skip-measured needs --merge")
+    return args
+
+
+class _Clock:
+    def __init__(self, budget_s: float | None) -> None:
+        self.start = time.perf_counter()
+        self.deadline = self.start + budget_s if budget_s is not None else float("inf")
+
+    def fits(self, seconds: float) -> bool:
+        return time.perf_counter() + seconds <= self.deadline
+
+
+def run_setting(setting: Setting, model: LoadedModel, size: Scale, args: argparse.Namespace, *, backend: str,
+                clock: _Clock, previous: list[dict], base_row: dict, on_row: Callable[[dict], None],
+                not_run: list[str]) -> None:
+    """One engine for the setting; runs --rates, then the sweep; calls on_row after every run."""
+    run_s = args.duration + args.max_drain_s + 10.0  # arrivals, drain cap, flush
+    host = int(args.host_gb * 1e9) if not args.tiny else None
+    t0 = time.perf_counter()
+    pager, n, reg_s = make_pager(setting, model, size, backend, host)
+    note = None
+    if n < setting.n:
+        note = (f"{setting.name}: {n} adapters registered, not {setting.n}: the pager keeps each host copy padded "
+                f"to rank {setting.max_rank} ({pager.slot_nbytes / 1e6:.0f} MB), and --host-gb {args.host_gb:g} "
+                f"holds {n}")
+    print(f"[{setting.name}] {n} adapters x {pager.slot_nbytes / 1e6:.1f} MB registered in {reg_s:.1f} s", flush=True)
+    engine = make_engine(setting, model, pager, size, backend)
+    engine.warmup()
+    tokens = token_counter(engine)
+    print(f"[{setting.name}] set up in {time.perf_counter() - t0:.1f} s", flush=True)
+    key = dict(engine=ENGINE_KIND, setting=setting.name, n=n, cv=args.cv, alpha=args.alpha)
+    same = [r for r in previous if all(r[k] == v for k, v in key.items()) and r["duration_s"] == args.duration]
+    slo = {r["rate"]: r["slo_attainment"] for r in same}
+    measured = set(slo) if args.skip_measured else set()
+    engine.start()
+    try:
+        def run(rate: float, sweep: bool) -> None:
+            if not clock.fits(run_s):
+                print(f"[{setting.name}] time budget spent: rate {rate} not run", flush=True)
+                not_run.append(f"{setting.name}@{rate:g}")
+                return
+            trace = make_trace(n=n, alpha=args.alpha, rate=rate, cv=args.cv, duration_s=args.duration,
+                               input_range=size.input_range, output_range=size.output_range, seed=args.seed)
+            t_run = time.perf_counter()
+            result = run_trace(engine, tokens, trace, vocab=model.config.vocab_size, max_drain_s=args.max_drain_s,
+                               run_id=f"{setting.name}-{rate:g}", seed=args.seed + 1)
+            row = {**base_row, **key, "rate": rate, "duration_s": args.duration, "max_drain_s": args.max_drain_s,
+                   "seed": args.seed, "input_range": list(size.input_range),
+                   "output_range": list(size.output_range), "ranks": list(setting.ranks),
+                   "modules": list(setting.modules), "slots": setting.slots,
+                   "n_asked": setting.n, "slots": setting.slots, "paged": n > setting.slots,
+                   "registration_s": round(reg_s, 1), "sweep": sweep, **result,
+                   "run_s": round(time.perf_counter() - t_run, 1), "note": note}
+            slo[rate] = row["slo_attainment"]
+            print(json.dumps({k: row[k] for k in ("setting", "rate", "requests", "completed", "unfinished",
+                                                  "served_req_s", "served_tok_s", "ttft_ms_p50", "ttft_ms_p99",
+                                                  "tpot_ms_p50", "slo_attainment", "padding_share", "run_s")}),
+                  flush=True)
+            on_row(row)
+
+        for rate in args.rates:
+            if rate in measured:
+                print(f"[{setting.name}] rate {rate:g} already in the results: skipped", flush=True)
+                continue
+            run(rate, sweep=False)
+        sweeps = args.sweep if args.sweep_settings is None or setting.name in args.sweep_settings else 0
+        for _ in range(sweeps):
+            rate = next_sweep_rate(slo, target=args.slo_target, resolution=args.sweep_resolution)
+            if rate is None or not clock.fits(run_s):
+                break
+            run(rate, sweep=True)
+    finally:
+        engine.stop(drain=False)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    path = args.out / RESULTS
+    if args.render:
+        write_results(json.loads(path.read_text()), args.out)
+        print(f"rendered {args.out / 'serving.md'}", flush=True)
+        return
+    clock = _Clock(args.budget_s)
+    commit = args.engine_commit or engine_commit()
+
+    size = scale(args.tiny, args.model)
+    dev = jax.devices()[0]
+    backend = args.backend or ("pallas" if dev.platform == "gpu" else "xla")
+    print(f"device {dev.device_kind}, jax {jax.__version__}, engine {ENGINE_KIND} at {commit}, "
+          f"model {size.model.name}, LoRA backend {backend}", flush=True)
+    previous = json.loads(path.read_text())["rows"] if args.merge and path.exists() else []
+    model = random_model(size.model, dtype=jnp.dtype(size.dtype))
+    jax.block_until_ready(model.params)
+    command = "python benchmarks/serving.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    base_row = {"device": str(dev.device_kind), "engine_commit": commit, "model": size.model.name,
+                "lora_backend": backend, "command": command}
+    new_rows: list[dict] = []
+    not_run: list[str] = []
+    payload = {"device": str(dev.device_kind), "jax_version": jax.__version__, "engine_commit": commit,
+               "rows": previous, "not_run": not_run}
+
+    def on_row(row: dict) -> None:  # results after every run: a cut run keeps what it measured
+        new_rows.append(row)
+        payload["rows"] = merge_rows(previous, new_rows)
+        write_results(payload, args.out, plot=False)
+
+    for name in args.settings:
+        if not clock.fits(args.setup_s + args.duration + args.max_drain_s):
+            print(f"time budget spent: setting {name} not run", flush=True)
+            not_run.append(name)
+            continue
+        setting = settings(args.tiny)[name]
+        if args.slots is not None:
+            setting = dataclasses.replace(setting, slots=args.slots)
+        run_setting(setting, model, size, args, backend=backend, clock=clock, previous=previous,
+                    base_row=base_row, on_row=on_row, not_run=not_run)
+        gc.collect()  # the setting's engine (KV cache), bank and pinned host copies go before the next
+        live = sum(a.nbytes for a in jax.live_arrays())  # the next setting needs the KV cache's room
+        print(f"live arrays after {name}: {live / 2**30:.2f} GiB", flush=True)
+    payload["seconds"] = round(time.perf_counter() - clock.start, 1)
+    write_results(payload, args.out)
+    print(f"wrote {path} ({len(new_rows)} new rows)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

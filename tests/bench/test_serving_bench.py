@@ -1,0 +1,132 @@
+"""benchmarks/serving.py: S-LoRA's trace generator, the rate bisection, and a toy run on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.serving import KEY_FIELDS, make_trace, merge_rows, next_sweep_rate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gaps(trace) -> np.ndarray:
+    return np.diff([0.0] + [r.arrival_s for r in trace])
+
+
+@pytest.mark.parametrize("cv", [1.0, 2.0, 0.5])
+def test_long_trace_has_the_asked_rate_and_cv(cv):
+    trace = make_trace(n=100, alpha=1.0, rate=10.0, cv=cv, duration_s=20_000)
+    gaps = _gaps(trace)
+    assert len(trace) == 200_000
+    assert abs(gaps.mean() - 0.1) < 0.002  # 200,000 gaps: the mean's standard error is 0.1 * cv / 447
+    assert abs(gaps.std() / gaps.mean() - cv) < 0.03 * cv
+    assert np.all(gaps >= 0)  # cv > 1: Gamma(shape < 1) draws gaps that round to 0
+
+
+def test_lengths_are_uniform_in_8_to_511():
+    trace = make_trace(n=10, alpha=1.0, rate=50.0, cv=1.0, duration_s=400)
+    for lengths in ([r.prompt_len for r in trace], [r.output_len for r in trace]):
+        assert min(lengths) == 8 and max(lengths) == 511  # 20,000 draws over 504 values reach both ends
+        assert abs(np.mean(lengths) - (8 + 511) / 2) < 5
+
+
+def test_smaller_alpha_concentrates_requests_on_fewer_adapters():
+    n = 2000
+
+    def top_share(alpha: float) -> float:  # share of requests that go to the 20 most requested adapters
+        counts = np.bincount([r.adapter for r in make_trace(n=n, alpha=alpha, rate=100.0, cv=1.0, duration_s=200)],
+                             minlength=n)
+        return float(np.sort(counts)[::-1][:20].sum() / counts.sum())
+
+    shares = [top_share(a) for a in (1.0, 0.5, 0.1)]
+    assert shares[0] < shares[1] < shares[2]
+    assert shares[0] < 0.03  # uniform: 20 of 2,000 adapters get about 1%
+    assert shares[2] > 0.5  # power(0.1): P(index < 20) = (20 / 2000) ** 0.1 = 0.63
+    skewed = [r.adapter for r in make_trace(n=n, alpha=0.1, rate=100.0, cv=1.0, duration_s=20)]
+    assert min(skewed) >= 0 and max(skewed) < n
+    assert skewed.count(0) > skewed.count(n - 1)
+
+
+def test_trace_is_s_loras_draw_for_draw():
+    """S-LoRA's generate_requests seeds numpy's global generator and draws adapters, input lengths,
+    output lengths, then gaps; the same seed must give the same trace."""
+    np.random.seed(7)
+    total = int(3.0 * 10)
+    adapters = (np.random.power(0.5, total) * 50).astype(int)
+    inputs = np.random.randint(8, 512, total)
+    outputs = np.random.randint(8, 512, total)
+    arrivals = np.cumsum(np.random.gamma(1 / 4.0, 4.0 / 3.0, total))  # cv 2, rate 3
+    trace = make_trace(n=50, alpha=0.5, rate=3.0, cv=2.0, duration_s=10, seed=7)
+    assert [r.adapter for r in trace] == adapters.tolist()
+    assert [r.prompt_len for r in trace] == inputs.tolist()
+    assert [r.output_len for r in trace] == outputs.tolist()
+    np.testing.assert_allclose([r.arrival_s for r in trace], arrivals)
+    assert make_trace(n=50, alpha=0.5, rate=3.0, cv=2.0, duration_s=10, seed=8) != trace
+
+
+def test_trace_rejects_bad_parameters():
+    with pytest.raises(ValueError, match="rate"):
+        make_trace(n=10, alpha=1.0, rate=0.0, cv=1.0, duration_s=10)
+    with pytest.raises(ValueError, match="input_range"):
+        make_trace(n=10, alpha=1.0, rate=1.0, cv=1.0, duration_s=10, input_range=(8, 8))
+
+
+def test_sweep_bisects_between_the_best_pass_and_the_first_miss():
+    assert next_sweep_rate({4.0: 1.0, 10.0: 0.5, 40.0: 0.0}) == 7.0
+    assert next_sweep_rate({4.0: 1.0, 7.0: 0.95, 10.0: 0.5}) == 8.5
+    assert next_sweep_rate({4.0: 1.0, 4.5: 0.2}) is None  # narrower than the resolution
+    assert next_sweep_rate({4.0: 1.0, 10.0: 0.95}) == 20.0  # nothing missed yet: go higher
+    assert next_sweep_rate({4.0: 0.3, 10.0: 0.1}) == 2.0  # nothing passed yet: go lower
+    assert next_sweep_rate({}) is None
+
+
+def test_merge_replaces_rows_of_the_same_key():
+    def row(engine, rate, value):
+        return {"engine": engine, "setting": "s1", "n": 2000, "rate": rate, "cv": 1.0, "alpha": 1.0, "value": value}
+
+    merged = merge_rows([row("bucketed", 4.0, 1), row("bucketed", 10.0, 2)], [row("bucketed", 4.0, 3),
+                                                                             row("ragged", 4.0, 4)])
+    assert sorted((r["engine"], r["rate"], r["value"]) for r in merged) == [
+        ("bucketed", 4.0, 3), ("bucketed", 10.0, 2), ("ragged", 4.0, 4)]
+    assert len({tuple(r[k] for k in KEY_FIELDS) for r in merged}) == 3
+
+
+def _run(out: Path, *args: str) -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--tiny", "--engine-commit", "test",
+                           "--out", str(out), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / "serving.json").read_text())
+
+
+def test_tiny_open_loop_run_accounts_for_every_request(tmp_path):
+    payload = _run(tmp_path, "--settings", "s1", "--rates", "8", "--duration", "1.5", "--max-drain-s", "60")
+    assert isinstance(payload["device"], str) and isinstance(payload["jax_version"], str)
+    assert payload["engine_commit"] == "test"
+    (row,) = payload["rows"]
+    assert row["engine"] == "ragged" and row["setting"] == "s1" and row["rate"] == 8.0 and row["duration_s"] == 1.5
+    assert row["paged"] and row["n"] > row["slots"] and row["page_ins"] > 0
+    assert row["requests"] == int(8 * 1.5)
+    assert row["completed"] + row["unfinished"] + row["rejected"] + row["stopped_other"] == row["requests"]
+    assert row["completed"] == row["requests"]  # a toy load with a minute to drain
+    assert 0 <= row["slo_attainment"] <= 1
+    assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_p99"] and 0 < row["tpot_ms_p50"] <= row["tpot_ms_p99"]
+    assert row["e2e_ms_p50"] >= row["ttft_ms_p50"]
+    assert row["served_req_s"] > 0 and row["served_tok_s"] > 0
+    assert row["steps"] > 0 and row["decode_tokens_per_step"] > 0 and row["prefill_tokens_per_step"] > 0
+    assert 0 < row["padding_share"] < 1 and row["compiles_during_run"] == 0
+    assert (tmp_path / "serving.md").read_text().startswith("# Open-loop serving")
+    assert (tmp_path / "serving.png").stat().st_size > 0
+
+
+def test_budget_stops_before_a_setting_and_still_writes(tmp_path):
+    payload = _run(tmp_path, "--budget-s", "0")
+    assert payload["rows"] == [] and payload["not_run"] == ["all", "s1", "s2"]
