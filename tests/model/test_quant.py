@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxlora.errors import ModelLoadError
+from jaxlora.lora.merge import merged_params
 from jaxlora.model.params import build_model, quantized_model, random_model
 from jaxlora.model.quant import (
     QuantLinear,
@@ -123,3 +124,9 @@ def test_build_model_never_casts_quantized_weights_across_formats():
         build_model(model.config, arrays, quantization="int4")
     dense = build_model(model.config, dequantize_arrays(arrays))
     assert dense.quantization is None and "layers.mlp.up_proj.kernel" in dense.flat_params()
+
+
+def test_merging_into_a_quantized_base_is_refused():
+    model = quantized_model(random_model(tiny_config(), seed=2), "int8")
+    with pytest.raises(ModelLoadError, match="cannot merge into int8 base weights"):
+        merged_params(model, {})
