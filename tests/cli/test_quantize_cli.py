@@ -15,8 +15,8 @@ from tests.engine.fakes import char_tokenizer, tiny_model
 ENGINE_YAML = """engine:
   max_batch: 2
   max_seq_len: 32
-  prefill_buckets: [16]
-  prefill_batch: 1
+  token_budgets: [16]
+  page_size: 8
   max_new_tokens_limit: 8
   lora: {max_slots: 2, max_rank: 2}
 """
