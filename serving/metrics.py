@@ -1,19 +1,38 @@
 """Prometheus metrics of one server, in its own CollectorRegistry (several servers can share a process).
 
-Request latencies are observed by the servicer as streams run; queue depths and adapter-pager
-counters are read from `engine.stats()` when Prometheus scrapes.
+Request latencies are observed by the servicers (gRPC and HTTP) as streams run; queue depths,
+adapter-pager counters and residency are read from the engine when Prometheus scrapes.
+
+For adapter-aware routers (the Gateway API inference extension's endpoint picker, llm-d, KServe):
+  vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}: vLLM's gauge with
+    vLLM's labels, so a router's lora-affinity scorer reads a jaxlora replica unchanged. Running:
+    adapters pinned by admitted requests; waiting: adapters with more requests in flight than pins
+    (queued); max_lora: device adapter slots. Its value is the scrape's Unix time, as vLLM's is the
+    time its labels were set (routers take the newest series).
+  vllm:num_requests_running / vllm:num_requests_waiting: the queue depths under vLLM's names.
+  jaxlora_adapter_resident{adapter, tier}: 1 while the adapter is usable from that tier: "device"
+    (written into a device slot: no page-in needed), "host" (in host memory: every registered
+    adapter, paged in within milliseconds on first use).
+  jaxlora_adapter_page_in_seconds{tier}: histogram of the time to bring an adapter into a tier:
+    "device" from scheduling a host->device page-in to the commit that issues its write, "host"
+    the load of a PEFT folder into host memory.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
-import math
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+from jaxlora.engine.request import GenerationRequest, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +65,12 @@ class ServerMetrics:
         self.generated_tokens = Counter("jaxlora_generation_tokens", "Tokens generated.", registry=self.registry)
         self.prompt_tokens = Counter("jaxlora_prompt_tokens", "Prompt tokens of finished requests.",
                                      registry=self.registry)
-        self.requests = Counter("jaxlora_requests", "Finished Generate calls by gRPC status code.", ["code"],
-                                registry=self.registry)
-        self.adapter_requests = Counter("jaxlora_adapter_requests", "Admitted Generate calls per adapter "
+        self.requests = Counter("jaxlora_requests", "Finished generation calls (gRPC and HTTP) by status, named "
+                                "by its gRPC code.", ["code"], registry=self.registry)
+        self.adapter_requests = Counter("jaxlora_adapter_requests", "Admitted generation calls per adapter "
                                         "(\"\" = base model).", ["adapter"], registry=self.registry)
-        self.registry.register(_EngineCollector(engine))
+        self.in_flight = _InFlight()
+        self.registry.register(_EngineCollector(engine, self.in_flight))
         self._http = None
         self._http_thread: threading.Thread | None = None
 
@@ -65,6 +85,24 @@ class ServerMetrics:
         self.generated_tokens.inc(completion_tokens)
         self.prompt_tokens.inc(prompt_tokens)
 
+    def submit(self, engine: Any, request: GenerationRequest, callback: Callable[[RequestOutput], None]) -> None:
+        """`engine.submit(request, callback)`, counting the request in flight for its adapter until its
+        final update (the waiting adapters of `vllm:lora_requests_info`). Raises what submit raises."""
+        adapter = request.adapter or ""
+        self.in_flight.add(adapter)
+
+        def forward(out: RequestOutput) -> None:
+            if out.finished:
+                self.in_flight.remove(adapter)
+            callback(out)
+
+        try:
+            engine.submit(request, callback=forward)
+        except BaseException:
+            self.in_flight.remove(adapter)
+            raise
+        self.adapter_requests.labels(adapter=adapter).inc()
+
     def serve_http(self, host: str, port: int) -> int:
         """Starts the /metrics HTTP endpoint on a daemon thread; returns the bound port."""
         self._http, self._http_thread = start_http_server(port, addr=host, registry=self.registry)
@@ -77,11 +115,34 @@ class ServerMetrics:
             threading.Thread(target=lambda: (http.shutdown(), http.server_close()), daemon=True).start()
 
 
-class _EngineCollector:
-    """Reads queue depths and pager counters from the engine at scrape time."""
+class _InFlight:
+    """Requests submitted and not finished, per adapter ("" = base model); thread-safe."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self) -> None:
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def add(self, adapter: str) -> None:
+        with self._lock:
+            self._counts[adapter] += 1
+
+    def remove(self, adapter: str) -> None:
+        with self._lock:
+            self._counts[adapter] -= 1
+            if self._counts[adapter] <= 0:
+                del self._counts[adapter]
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+class _EngineCollector:
+    """Reads queue depths, pager counters and adapter residency from the engine at scrape time."""
+
+    def __init__(self, engine: Any, in_flight: _InFlight) -> None:
         self._engine = engine
+        self._in_flight = in_flight
 
     def describe(self) -> list:
         return []  # names are only known at collect time; nothing to pre-register
@@ -89,32 +150,54 @@ class _EngineCollector:
     def collect(self):
         try:
             stats = self._engine.stats()
+            adapters = self._engine.list_adapters()
         except Exception:  # the engine may be mid-step; a scrape must never fail the server
-            log.exception("engine.stats() failed during a metrics scrape")
+            log.exception("reading the engine failed during a metrics scrape")
             return
-        yield GaugeMetricFamily("jaxlora_requests_running", "Requests holding a batch row.", value=stats["running"])
-        yield GaugeMetricFamily("jaxlora_requests_waiting", "Requests queued for admission.", value=stats["waiting"])
-        pager = getattr(self._engine, "pager", None)
+        for prefix, suffix in (("jaxlora_requests_", ""), ("vllm:num_requests_", " (vLLM's name)")):
+            yield GaugeMetricFamily(f"{prefix}running", f"Requests holding a batch row{suffix}.",
+                                    value=stats["running"])
+            yield GaugeMetricFamily(f"{prefix}waiting", f"Requests queued for admission{suffix}.",
+                                    value=stats["waiting"])
+        pager = self._engine.pager
         metrics = getattr(pager, "metrics", None)
         if metrics is None:
             return
         for field, name in _PAGER_COUNTERS.items():
             yield CounterMetricFamily(name, f"Adapter pager: {field.replace('_', ' ')}.",
                                       value=getattr(metrics, field, 0))
-        samples = _copy_samples(metrics.page_in_seconds)
-        quantiles = GaugeMetricFamily("jaxlora_adapter_page_in_seconds",
-                                      "Adapter page-in wait (scheduled to written), recent quantiles.",
-                                      labels=["quantile"])
-        for q in (0.5, 0.99):
-            quantiles.add_metric([str(q)], float(np.quantile(samples, q)) if samples else math.nan)
-        yield quantiles
+        yield _lora_requests_info(adapters, self._in_flight.counts(), max_lora=pager.max_slots - 1)
+        yield _residency(adapters)
+        yield _page_in_histogram({"device": metrics.device_page_in, "host": metrics.host_load})
 
 
-def _copy_samples(samples) -> list[float]:
-    """A copy of a deque the engine thread appends to (a copy can race with an append: retry)."""
-    for _ in range(5):
-        try:
-            return list(samples)
-        except RuntimeError:
-            continue
-    return []
+def _lora_requests_info(adapters: list, in_flight: dict[str, int], *, max_lora: int) -> GaugeMetricFamily:
+    """vLLM's `vllm:lora_requests_info`: running adapters are those pinned by admitted requests,
+    waiting ones have more requests in flight than pins."""
+    pins = {a.name: a.in_flight for a in adapters}
+    running = sorted(name for name, n in pins.items() if n)
+    waiting = sorted(name for name, n in in_flight.items() if name and n > pins.get(name, 0))
+    family = GaugeMetricFamily("vllm:lora_requests_info", "Adapters with running and waiting requests, and the "
+                               "device adapter slots; the value is the Unix time of the scrape.",
+                               labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+    family.add_metric([",".join(running), ",".join(waiting), str(max_lora)], time.time())
+    return family
+
+
+def _residency(adapters: list) -> GaugeMetricFamily:
+    family = GaugeMetricFamily("jaxlora_adapter_resident", "1 if the adapter is usable from this tier: device "
+                               "(written in a device slot), host (in host memory).", labels=["adapter", "tier"])
+    for a in adapters:
+        family.add_metric([a.name, "device"], float(a.resident is not None))
+        family.add_metric([a.name, "host"], 1.0)  # every registered adapter keeps its host copy
+    return family
+
+
+def _page_in_histogram(tiers: dict) -> HistogramMetricFamily:
+    family = HistogramMetricFamily("jaxlora_adapter_page_in_seconds", "Time to bring an adapter into a tier: "
+                                   "device (page-in scheduled to written), host (loaded from disk).", labels=["tier"])
+    for tier, histogram in tiers.items():
+        cumulative = list(itertools.accumulate(histogram.counts()))
+        buckets = [(floatToGoString(b), c) for b, c in zip(histogram.buckets, cumulative)]
+        family.add_metric([tier], buckets + [("+Inf", cumulative[-1])], sum_value=histogram.sum)
+    return family

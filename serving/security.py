@@ -1,4 +1,5 @@
-"""What a client may do: bearer-key checks on every RPC, and which folders LoadAdapter may read.
+"""What a client may do: bearer-key checks on every call, and which folders LoadAdapter may read.
+The rules are the same for gRPC and HTTP (the HTTP server calls `AuthInterceptor.check_token`).
 
 Keys: with an API key set, every RPC but the health check needs `authorization: Bearer <key>` (the
 admin key works too). With an admin key set, LoadAdapter and UnloadAdapter need it: another valid
@@ -52,10 +53,14 @@ class AuthInterceptor(grpc.ServerInterceptor):
         """None if the call may go on, else the status to answer with."""
         if method.startswith(HEALTH_PREFIX):
             return None
-        token = _bearer_token(metadata)
+        return self.check_token(bearer_token(metadata), needs_admin=method in ADMIN_METHODS)
+
+    def check_token(self, token: bytes | None, *, needs_admin: bool) -> _Denied | None:
+        """None if a call with this bearer token may go on (`needs_admin`: it loads or unloads an
+        adapter), else the status to answer with."""
         is_admin = self._admin_key is not None and token is not None and hmac.compare_digest(token, self._admin_key)
         is_user = self._api_key is not None and token is not None and hmac.compare_digest(token, self._api_key)
-        if method in ADMIN_METHODS and self._admin_key is not None:
+        if needs_admin and self._admin_key is not None:
             if is_admin:
                 return None
             if is_user or (self._api_key is None and token is None):
@@ -64,10 +69,11 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if self._api_key is None or is_user or is_admin:
             return None
         return _Denied(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key "
-                       "(send metadata 'authorization: Bearer <key>')")
+                       "(send 'authorization: Bearer <key>')")
 
 
-def _bearer_token(metadata: Sequence[tuple[str, str | bytes]]) -> bytes | None:
+def bearer_token(metadata: Sequence[tuple[str, str | bytes]]) -> bytes | None:
+    """The token of an `authorization: Bearer <token>` entry (gRPC metadata or HTTP headers)."""
     for key, value in metadata:
         if key.lower() != "authorization":
             continue

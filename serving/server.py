@@ -10,13 +10,16 @@ Each Generate call runs on a gRPC worker thread. The engine calls back on its lo
 streamed update; a queue per call carries the updates across to the worker, which turns them into
 responses. When the call ends early (client cancel, deadline) a gRPC callback cancels the engine
 request, which frees its batch row at the next step.
+
+With `ServerOptions(http_port=...)` the same server also runs the OpenAI-compatible HTTP API
+(serving.http_server) over the same engine, admission and metrics; `port=None` leaves gRPC out.
+Field checks and status codes are shared with it (serving.api).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import importlib.metadata
 import logging
 import queue
@@ -32,17 +35,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxlora.engine.request import FinishReason, GenerationRequest, RequestOutput, SamplingParams
-from jaxlora.errors import (
-    AdapterError,
-    AdapterInUseError,
-    CapacityError,
-    JaxloraError,
-    RequestError,
-    UnknownAdapterError,
-)
-from jaxlora.lora.validate import check_adapter_name
+from jaxlora.errors import JaxloraError
+from serving.adapter_admin import AdapterAdmin
+from serving.admission import Admission, Phase
+from serving.api import ApiError, Limits, Status, error_of, final_error, generation_request
 from serving.gen import inference_pb2 as pb
 from serving.gen import inference_pb2_grpc as pb_grpc
+from serving.http_server import HttpServer
 from serving.metrics import ServerMetrics
 from serving.security import AdapterRoots, AuthInterceptor, PathRefused
 
@@ -60,21 +59,26 @@ class ServerOptions:
     """How the server listens and what it allows.
 
     Attributes:
-      host, port: where to listen (port 0: any free port, reported by build_server).
+      host, port: where to listen for gRPC (port 0: any free port, reported by build_server; None: no
+        gRPC, only HTTP).
+      http_port: the OpenAI-compatible HTTP API's port on `host` (None: no HTTP, 0: any free port).
       api_key: if set, every RPC but health needs `authorization: Bearer <api_key>` (or the admin key).
       admin_key: if set, LoadAdapter/UnloadAdapter need it.
       adapter_roots: folders LoadAdapter may read from; empty disables runtime loading.
-      metrics_port: Prometheus /metrics HTTP port on `host` (None: no endpoint, 0: any free port).
+      metrics_port: Prometheus /metrics HTTP port on `host` (None: no endpoint, 0: any free port); the
+        HTTP API serves the same metrics at its own /metrics.
       max_concurrent_streams: Generate calls in flight; beyond it RESOURCE_EXHAUSTED. Each holds a
         worker thread, so this also sizes the thread pool.
       max_message_bytes: largest request or response message.
       grace_seconds: on shutdown, how long in-flight streams may run before they are cancelled.
       unload_timeout_seconds: how long UnloadAdapter waits for requests using the adapter.
-      model_name: what GetServerInfo reports as the model (default: the model config's name).
+      model_name: the base model's name: what GetServerInfo reports, and the HTTP API's `model` that
+        picks no adapter (default: the model config's name).
     """
 
     host: str = "127.0.0.1"
-    port: int = 50051
+    port: int | None = 50051
+    http_port: int | None = None
     api_key: str | None = None
     admin_key: str | None = None
     adapter_roots: tuple[str, ...] = ()
@@ -87,10 +91,12 @@ class ServerOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adapter_roots", tuple(str(r) for r in self.adapter_roots))
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port={self.port} must be in [0, 65535]")
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port={self.metrics_port} must be in [0, 65535]")
+        for field in ("port", "http_port", "metrics_port"):
+            value = getattr(self, field)
+            if value is not None and not 0 <= value < 65536:
+                raise ValueError(f"{field}={value} must be in [0, 65535]")
+        if self.port is None and self.http_port is None:
+            raise ValueError("give a gRPC port, an HTTP port, or both")
         for field in ("max_concurrent_streams", "max_message_bytes"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
@@ -102,93 +108,30 @@ class ServerOptions:
                 raise ValueError(f"{field} must not be empty (leave it unset for no key)")
 
 
-class Phase(enum.Enum):
-    WARMING = "warming"  # listening, compiling: Generate is UNAVAILABLE
-    SERVING = "serving"
-    DRAINING = "draining"  # new Generate calls are UNAVAILABLE; running ones finish or are cancelled
-    STOPPED = "stopped"
-
-
-class _Abort(Exception):
-    """Ends the current call with a status code (raised inside handlers, turned into context.abort)."""
+class _Abort(ApiError):
+    """An ApiError raised with its gRPC code by the servicer's own checks."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class _Admission:
-    """Phase of the server and the count of Generate calls in flight (thread-safe)."""
-
-    def __init__(self, max_streams: int) -> None:
-        self.max_streams = max_streams
-        self.phase = Phase.WARMING
-        self.num_streams = 0
-        self._lock = threading.Condition()
-
-    @contextlib.contextmanager
-    def stream(self) -> Iterator[None]:
-        with self._lock:
-            if self.phase is Phase.WARMING:
-                raise _Abort(grpc.StatusCode.UNAVAILABLE, "the server is warming up; retry shortly")
-            if self.phase is not Phase.SERVING:
-                raise _Abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-            if self.num_streams >= self.max_streams:
-                raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"too many streams in flight ({self.max_streams}); retry later")
-            self.num_streams += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.num_streams -= 1
-                self._lock.notify_all()
-
-    def set_phase(self, phase: Phase) -> Phase:
-        """Sets the phase; returns the previous one."""
-        with self._lock:
-            previous, self.phase = self.phase, phase
-            return previous
-
-    def wait_for_streams(self, timeout: float) -> bool:
-        """Waits until no stream is in flight; False if some still are after `timeout` seconds."""
-        with self._lock:
-            return self._lock.wait_for(lambda: self.num_streams == 0, timeout)
+        super().__init__(Status.of_grpc(code), message)
 
 
 def _status_of(error: Exception, *, is_draining: bool = False) -> tuple[grpc.StatusCode, str]:
-    """The status code a library error means for the caller."""
-    match error:
-        case UnknownAdapterError():
-            return grpc.StatusCode.NOT_FOUND, str(error)
-        case PathRefused():
-            return grpc.StatusCode.PERMISSION_DENIED, str(error)
-        case FileNotFoundError():
-            return grpc.StatusCode.NOT_FOUND, str(error)
-        case RequestError() | AdapterError():
-            return grpc.StatusCode.INVALID_ARGUMENT, str(error)
-        case CapacityError() if is_draining:
-            return grpc.StatusCode.UNAVAILABLE, "the server is shutting down"
-        case CapacityError():
-            return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
-        case AdapterInUseError():
-            return grpc.StatusCode.FAILED_PRECONDITION, str(error)
-        case JaxloraError():
-            return grpc.StatusCode.FAILED_PRECONDITION, str(error)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}"
+    """The status code a library error means for the caller (the shared table, serving.api)."""
+    api_error = error_of(error, is_draining=is_draining)
+    return api_error.status.grpc_code, api_error.message
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
     """The RPC handlers. Errors raised by the engine become status codes (`_status_of`); anything
     unexpected is logged and answered INTERNAL, and never leaves the handler."""
 
-    def __init__(self, engine: Any, options: ServerOptions, metrics: ServerMetrics, admission: _Admission) -> None:
+    def __init__(self, engine: Any, options: ServerOptions, metrics: ServerMetrics, admission: Admission,
+                 admin: AdapterAdmin) -> None:
         self.engine = engine
         self.options = options
         self.metrics = metrics
         self.admission = admission
-        self.roots = AdapterRoots(options.adapter_roots)
+        self.admin = admin
 
     # Generate.
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
@@ -209,10 +152,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         gen = self._generation_request(request, engine_id=f"{client_id}#{uuid.uuid4().hex[:12]}")
         updates: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         try:
-            self.engine.submit(gen, callback=updates.put)
+            self.metrics.submit(self.engine, gen, updates.put)
         except JaxloraError as e:
-            raise _Abort(*_status_of(e, is_draining=self.admission.phase is not Phase.SERVING)) from None
-        self.metrics.adapter_requests.labels(adapter=gen.adapter or "").inc()
+            raise error_of(e, is_draining=self.admission.phase is not Phase.SERVING) from None
         if not context.add_callback(lambda: self.engine.cancel(gen.request_id)):
             self.engine.cancel(gen.request_id)  # the call ended before the callback could be added
         first_token: float | None = None
@@ -245,45 +187,33 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 return
 
     def _check_final(self, out: RequestOutput, gen: GenerationRequest, context: grpc.ServicerContext) -> None:
-        """Raises _Abort unless the request finished normally (STOP or LENGTH)."""
-        if out.finish_reason is FinishReason.CANCELLED:
-            if not context.is_active():  # the client went away: nobody to answer
-                raise _Abort(grpc.StatusCode.CANCELLED, "cancelled by the client")
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, "the server cancelled the request while shutting down")
-        if out.finish_reason is FinishReason.ERROR:
-            if gen.adapter and not self._has_adapter(gen.adapter):
-                raise _Abort(grpc.StatusCode.NOT_FOUND, f"adapter {gen.adapter!r} was unloaded before the "
-                             f"request started ({out.error})")
-            raise _Abort(grpc.StatusCode.INTERNAL, out.error or "the request failed")
+        """Raises ApiError unless the request finished normally (STOP or LENGTH)."""
+        error = final_error(out, gen, has_adapter=self.admin.has, client_gone=not context.is_active())
+        if error is not None:
+            raise error
 
     def _generation_request(self, request: pb.GenerateRequest, *, engine_id: str) -> GenerationRequest:
-        try:
-            has_prompt, has_messages = bool(request.prompt), bool(request.messages)
-            if has_prompt == has_messages:
-                raise RequestError("give exactly one of prompt and messages")
-            given = {f: getattr(request, f) for f in _OPTIONAL_SAMPLING if request.HasField(f)}  # others: defaults
-            sampling = SamplingParams(**given, stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids))
-            messages = [{"role": m.role, "content": m.content} for m in request.messages] if has_messages else None
-            return GenerationRequest(request_id=engine_id, prompt=request.prompt if has_prompt else None,
-                                     messages=messages, adapter=request.adapter or None, sampling=sampling)
-        except JaxloraError as e:
-            raise _Abort(*_status_of(e)) from None
+        has_prompt, has_messages = bool(request.prompt), bool(request.messages)
+        if has_prompt == has_messages:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "give exactly one of prompt and messages")
+        sampling = {f: getattr(request, f) for f in _OPTIONAL_SAMPLING if request.HasField(f)}  # others: defaults
+        sampling.update(stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids))
+        messages = [{"role": m.role, "content": m.content} for m in request.messages] if has_messages else None
+        return generation_request(request_id=engine_id, prompt=request.prompt if has_prompt else None,
+                                  messages=messages, adapter=request.adapter, sampling=sampling,
+                                  limits=Limits.of(self.engine))
 
     # Adapters.
     def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext) -> pb.AdapterInfo:
         with self._errors_to_status(context):
-            name = check_adapter_name(request.name)
-            if self._has_adapter(name):
-                raise _Abort(grpc.StatusCode.ALREADY_EXISTS, f"adapter {name!r} is already loaded")
-            folder = self.roots.resolve(request.path)
-            info = self.engine.register_adapter(name, folder)
-            log.info("loaded adapter %r from %s", name, folder)
+            info = self.admin.load(request.name, request.path)
+            log.info("loaded adapter %r from %s", info.name, info.source)
             return _adapter_info(info)
 
     def UnloadAdapter(self, request: pb.UnloadAdapterRequest,
                       context: grpc.ServicerContext) -> pb.UnloadAdapterResponse:
         with self._errors_to_status(context):
-            self.engine.unregister_adapter(request.name, wait=True, timeout=self.options.unload_timeout_seconds)
+            self.admin.unload(request.name)
             log.info("unloaded adapter %r", request.name)
             return pb.UnloadAdapterResponse()
 
@@ -295,7 +225,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         with self._errors_to_status(context):
             c, model = self.engine.config, self.engine.model
             return pb.ServerInfo(
-                version=_version(), model=self.options.model_name or model.config.name,
+                version=_version(), model=served_model_name(self.engine, self.options),
                 vocab_size=model.config.vocab_size, max_batch=c.max_batch, max_seq_len=c.max_seq_len,
                 max_new_tokens=c.max_new_tokens_limit, max_queue=c.max_queue, max_adapter_slots=c.lora.max_slots,
                 max_lora_rank=c.lora.max_rank, target_modules=list(c.lora.target_modules),
@@ -303,17 +233,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 max_message_bytes=self.options.max_message_bytes)
 
     # Helpers.
-    def _has_adapter(self, name: str) -> bool:
-        pager = getattr(self.engine, "pager", None)
-        return pager is not None and pager.has(name)
-
     @contextlib.contextmanager
     def _errors_to_status(self, context: grpc.ServicerContext) -> Iterator[None]:
-        """Turns _Abort and library errors into the call's status; unexpected errors into INTERNAL."""
+        """Turns ApiError and library errors into the call's status; unexpected errors into INTERNAL."""
         try:
             yield
-        except _Abort as e:
-            context.abort(e.code, e.message)
+        except ApiError as e:
+            context.abort(e.status.grpc_code, e.message)
         except (JaxloraError, PathRefused, FileNotFoundError) as e:
             context.abort(*_status_of(e))
         except Exception as e:
@@ -343,11 +269,12 @@ def _version() -> str:
 
 class InferenceServer(grpc.Server):
     """A grpc.Server (delegating to the real one) that also owns the serving lifecycle: warm-up,
-    health status, graceful drain, the metrics endpoint and the engine's background loop."""
+    health status, graceful drain, the metrics endpoint, the engine's background loop, and the
+    OpenAI-compatible HTTP server if there is one (same engine, same admission, same metrics)."""
 
     def __init__(self, server: grpc.Server, *, engine: Any, options: ServerOptions, servicer: InferenceServicer,
-                 health_servicer: health.HealthServicer, metrics: ServerMetrics, admission: _Admission,
-                 port: int) -> None:
+                 health_servicer: health.HealthServicer, metrics: ServerMetrics, admission: Admission,
+                 port: int | None, http: HttpServer | None = None) -> None:
         self._server = server
         self.engine = engine
         self.options = options
@@ -355,8 +282,13 @@ class InferenceServer(grpc.Server):
         self.health = health_servicer
         self.metrics = metrics
         self.admission = admission
-        self.port = port
+        self.port = port  # None: no gRPC listener
+        self.http = http
         self.metrics_port: int | None = None
+
+    @property
+    def http_port(self) -> int | None:
+        return None if self.http is None else self.http.port
 
     @property
     def phase(self) -> Phase:
@@ -380,6 +312,8 @@ class InferenceServer(grpc.Server):
         if self.options.metrics_port is not None and self.metrics_port is None:
             self.metrics_port = self.metrics.serve_http(self.options.host, self.options.metrics_port)
         self._server.start()
+        if self.http is not None:
+            self.http.start()
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         return self._server.wait_for_termination(timeout)
@@ -390,6 +324,8 @@ class InferenceServer(grpc.Server):
         self.health.enter_graceful_shutdown()
         self.engine.stop(drain=False)
         self.metrics.close()
+        if self.http is not None:
+            self.http.stop()
         return self._server.stop(grace)
 
     # Lifecycle.
@@ -432,22 +368,28 @@ class InferenceServer(grpc.Server):
         finished = self.drain(grace_seconds)
         self.admission.set_phase(Phase.STOPPED)
         self.metrics.close()
+        if self.http is not None:
+            self.http.stop()
         self._server.stop(1.0).wait()
         return finished
 
 
-def build_server(engine: Any, options: ServerOptions = ServerOptions()) -> tuple[InferenceServer, int]:
-    """Builds the server around `engine` and binds `options.host:options.port`.
+def build_server(engine: Any, options: ServerOptions = ServerOptions()) -> tuple[InferenceServer, int | None]:
+    """Builds the server around `engine` and binds `options.host:options.port` (gRPC) and
+    `options.host:options.http_port` (HTTP), those that are set.
 
-    Returns the server (not started: call `start()` then `warm_up()`) and the bound port.
+    Returns the server (not started: call `start()` then `warm_up()`) and the bound gRPC port (None
+    without gRPC; the HTTP one is `server.http_port`).
 
     Raises:
-      RuntimeError: the address cannot be bound.
-      OSError: an adapter root does not exist.
+      RuntimeError: the gRPC address cannot be bound.
+      OSError: the HTTP address cannot be bound, or an adapter root does not exist.
     """
-    admission = _Admission(options.max_concurrent_streams)
+    admission = Admission(options.max_concurrent_streams)
     metrics = ServerMetrics(engine)
-    servicer = InferenceServicer(engine, options, metrics, admission)
+    admin = AdapterAdmin(engine, AdapterRoots(options.adapter_roots), base_model=served_model_name(engine, options),
+                         unload_timeout_seconds=options.unload_timeout_seconds)
+    servicer = InferenceServicer(engine, options, metrics, admission, admin)
     num_threads = options.max_concurrent_streams + 16  # streams plus room for unary and health calls
     interceptors = [AuthInterceptor(api_key=options.api_key, admin_key=options.admin_key)]
     server = grpc.server(
@@ -462,10 +404,24 @@ def build_server(engine: Any, options: ServerOptions = ServerOptions()) -> tuple
         health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    address = f"[{options.host}]:{options.port}" if ":" in options.host else f"{options.host}:{options.port}"
-    port = server.add_insecure_port(address)
-    if options.port and port != options.port:
-        raise RuntimeError(f"cannot listen on {address}")
-    wrapped = InferenceServer(server, engine=engine, options=options, servicer=servicer,
-                              health_servicer=health_servicer, metrics=metrics, admission=admission, port=port)
+    port = None if options.port is None else _bind_grpc(server, options.host, options.port)
+    http = None
+    if options.http_port is not None:
+        http = HttpServer(engine, options, model_name=served_model_name(engine, options), metrics=metrics,
+                          admission=admission, admin=admin)
+    wrapped = InferenceServer(server, engine=engine, options=options, servicer=servicer, health_servicer=health_servicer,
+                              metrics=metrics, admission=admission, port=port, http=http)
     return wrapped, port
+
+
+def _bind_grpc(server: grpc.Server, host: str, port: int) -> int:
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_insecure_port(address)
+    if port and bound != port:
+        raise RuntimeError(f"cannot listen on {address}")
+    return bound
+
+
+def served_model_name(engine: Any, options: ServerOptions) -> str:
+    """The base model's name as clients see it (GetServerInfo, the HTTP API's `model`)."""
+    return options.model_name or engine.model.config.name

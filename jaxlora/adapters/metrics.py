@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 
@@ -9,6 +10,37 @@ import numpy as np
 
 # Latency samples kept for percentiles; older ones drop off so a long-running server stays bounded.
 MAX_LATENCY_SAMPLES = 10_000
+
+# Seconds: upper bounds of the latency histograms. A host->device page-in is waited for over a few
+# steps (ms on a GPU, up to seconds on a busy CPU); a load from disk takes ms to tens of seconds.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class LatencyHistogram:
+    """Cumulative counts of latencies per bucket (Prometheus histogram semantics, no dependency on it).
+
+    Unlike the bounded sample deques, nothing is ever dropped, so a scraper's rates stay exact.
+    `observe` runs under the pager's lock; readers copy with `counts()` (a list copy is atomic).
+    """
+
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        if list(buckets) != sorted(set(buckets)) or not buckets:
+            raise ValueError(f"buckets={buckets} must be strictly increasing and non-empty")
+        self.buckets = buckets
+        self._counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self._counts[bisect.bisect_left(self.buckets, seconds)] += 1
+        self.sum += seconds
+
+    def counts(self) -> list[int]:
+        """Observations per bucket (not cumulative), +Inf last."""
+        return list(self._counts)
+
+    @property
+    def count(self) -> int:
+        return sum(self._counts)
 
 
 @dataclasses.dataclass
@@ -27,6 +59,9 @@ class PagerMetrics:
       transfer_seconds: per page-in, the copy and write themselves; only filled when the pager
         was built with `time_transfers=True` (it blocks, so it is for benchmarks).
       timed_bytes, timed_seconds: totals over the timed page-ins, for the achieved GB/s.
+      device_page_in: every `page_in_seconds` sample, as a histogram (host -> device tier).
+      host_load: per `register`, the seconds to read, validate and store an adapter in host memory
+        (disk -> host tier).
     """
 
     hits: int = 0
@@ -41,6 +76,12 @@ class PagerMetrics:
         default_factory=lambda: collections.deque(maxlen=MAX_LATENCY_SAMPLES))
     timed_bytes: int = 0
     timed_seconds: float = 0.0
+    device_page_in: LatencyHistogram = dataclasses.field(default_factory=LatencyHistogram)
+    host_load: LatencyHistogram = dataclasses.field(default_factory=LatencyHistogram)
+
+    def observe_page_in(self, seconds: float) -> None:
+        self.page_in_seconds.append(seconds)
+        self.device_page_in.observe(seconds)
 
     def counters(self) -> dict[str, int]:
         """The counters alone: cheap enough to read every step (no latency samples copied)."""

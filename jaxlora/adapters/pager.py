@@ -192,6 +192,7 @@ class Pager:
         check_adapter_name(name)
         with self._lock:
             self._registry.reserve(name, self.slot_nbytes)
+        start = time.perf_counter()
         try:
             adapter = prepare_adapter(name, source, model=self.model_config, lora=self.lora_config,
                                       dtype=self.dtype, sharding=self._host_sharding, layout=self.layout)
@@ -201,6 +202,7 @@ class Pager:
             raise
         with self._lock:
             self._registry.add(adapter)
+            self.metrics.host_load.observe(time.perf_counter() - start)
             return self._info(adapter)
 
     def unregister(self, name: str, *, wait: bool = True, timeout: float | None = None) -> None:
@@ -482,7 +484,7 @@ class Pager:
             self.metrics.bytes_moved += adapter.nbytes if adapter else 0
             scheduled = self._scheduled_at.pop(name, None)
             if scheduled is not None:
-                self.metrics.page_in_seconds.append(time.perf_counter() - scheduled)
+                self.metrics.observe_page_in(time.perf_counter() - scheduled)
             if seconds is not None and adapter is not None:
                 self.metrics.transfer_seconds.append(seconds)
                 self.metrics.timed_bytes += adapter.nbytes

@@ -14,7 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("jaxlora.cli.convert", "convert a GGUF or Hugging Face model to a fast orbax checkpoint"),
     "merge": ("jaxlora.cli.merge", "merge a PEFT adapter into the base model, write an HF folder"),
     "train": ("jaxlora.cli.train", "train a LoRA adapter with optax, saved in PEFT format"),
-    "serve": ("jaxlora.cli.serve", "serve over gRPC"),
+    "serve": ("jaxlora.cli.serve", "serve over gRPC and the OpenAI-compatible HTTP API"),
     "client": ("jaxlora.cli.client", "send a prompt to a running gRPC server"),
     "bench": ("jaxlora.cli.bench", "end-to-end throughput benchmark"),
 }

@@ -1,4 +1,5 @@
-"""`jaxlora serve`: the gRPC server (see serving/README.md). Starts on the default model with no flags.
+"""`jaxlora serve`: the gRPC server, and with `--http-port` the OpenAI-compatible HTTP API beside it
+(same engine, same process; `--no-grpc` for HTTP alone). Starts on the default model with no flags.
 
 Exits 0 after SIGTERM/SIGINT: health goes NOT_SERVING, new streams are refused, in-flight streams get
 `--grace-period` seconds to finish and are cancelled after that. Exit 2 for unusable arguments.
@@ -23,6 +24,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, adapters_help="register a PEFT adapter folder at start-up")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port; printed at start)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API on this port (0: any free port)")
+    p.add_argument("--no-grpc", action="store_true", help="serve HTTP only (needs --http-port)")
     p.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
                    help="folder LoadAdapter may read adapters from (repeatable; none: no runtime loading)")
     p.add_argument("--api-key", default=os.environ.get("JAXLORA_API_KEY"),
@@ -45,10 +49,10 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
     server.start()
-    print(f"jaxlora serve: listening on {args.host}:{server.port} (warming up)", file=sys.stderr, flush=True)
+    print(f"jaxlora serve: listening on {_addresses(args.host, server)} (warming up)", file=sys.stderr, flush=True)
     server.warm_up()
     metrics = f", metrics on http://{args.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
-    print(f"jaxlora serve: ready on {args.host}:{server.port}{metrics}", file=sys.stderr, flush=True)
+    print(f"jaxlora serve: ready on {_addresses(args.host, server)}{metrics}", file=sys.stderr, flush=True)
     stop.wait()
     print("jaxlora serve: shutting down", file=sys.stderr, flush=True)
     finished = server.shutdown(args.grace_period)
@@ -57,11 +61,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _addresses(host: str, server) -> str:
+    """Where it listens: `HOST:PORT` (gRPC) and `http://HOST:PORT` (HTTP), those that are on."""
+    grpc_at = [] if server.port is None else [f"{host}:{server.port}"]
+    return ", ".join(grpc_at + ([] if server.http_port is None else [f"http://{host}:{server.http_port}"]))
+
+
 def _build(args: argparse.Namespace):
     from serving.server import ServerOptions, build_server
 
+    if args.no_grpc and args.http_port is None:
+        raise ValueError("--no-grpc needs --http-port")
     engine = build_engine(args)
-    options = ServerOptions(host=args.host, port=args.port, api_key=args.api_key or None,
+    options = ServerOptions(host=args.host, port=None if args.no_grpc else args.port, http_port=args.http_port,
+                            api_key=args.api_key or None,
                             admin_key=args.admin_key or None, adapter_roots=tuple(args.adapter_root),
                             metrics_port=args.metrics_port, max_concurrent_streams=args.max_concurrent_streams,
                             grace_seconds=args.grace_period,

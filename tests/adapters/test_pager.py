@@ -421,3 +421,23 @@ def test_page_ins_of_pinned_adapters_go_before_prefetches():
     pager.commit()
     assert all(pager.is_ready(a.name) is not None for a in ads)
     pager.check()
+
+
+def test_latency_histograms_count_every_page_in_and_every_load():
+    from jaxlora.adapters.metrics import LatencyHistogram
+
+    h = LatencyHistogram((0.01, 0.1))
+    for seconds in (0.005, 0.01, 0.05, 3.0):  # an upper bound is inclusive (Prometheus `le`)
+        h.observe(seconds)
+    assert h.counts() == [2, 1, 1] and h.count == 4 and h.sum == pytest.approx(3.065)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        LatencyHistogram((0.1, 0.01))
+
+    pager, ads = make_pager(3, lora=tiny_lora(max_slots=3))
+    m = pager.metrics
+    assert m.host_load.count == 3 and m.device_page_in.count == 0
+    for a in ads:  # two slots: the third page-in evicts the first adapter
+        acquire_ready(pager, a.name)
+        pager.release(a.name)
+    assert m.device_page_in.count == m.page_ins == 3 == len(m.page_in_seconds)
+    assert m.device_page_in.sum == pytest.approx(sum(m.page_in_seconds))

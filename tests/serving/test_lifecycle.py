@@ -112,10 +112,15 @@ def serve_process(args: list[str], timeout: float = 180):
 def test_sigterm_drains_and_exits_0(tiny_hf_folder, adapter_root):
     args = ["--model", str(tiny_hf_folder), "--config", str(tiny_hf_folder / "engine.yaml"),
             "--adapter", f"alpha={adapter_root / 'alpha'}", "--adapter-root", str(adapter_root),
-            "--grace-period", "20", "--metrics-port", "0"]
+            "--grace-period", "20", "--metrics-port", "0", "--http-port", "0"]
     with serve_process(args) as (proc, port, lines):
+        import openai
+
         from serving.client import InferenceClient
 
+        http_port = re.search(r"ready on .*?http://127\.0\.0\.1:(\d+)", "".join(lines)).group(1)
+        http = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0)
+        assert http.completions.create(model="alpha", prompt="hi", max_tokens=4).usage.completion_tokens == 4
         with InferenceClient(f"127.0.0.1:{port}", timeout=60) as client:
             assert client.health() == "SERVING"
             assert client.generate("hi", adapter="alpha", max_tokens=4).completion_tokens == 4

@@ -1,0 +1,193 @@
+"""The OpenAI API's wire format: the body of a `/v1/completions` or `/v1/chat/completions` request,
+read into the arguments of `serving.api.generation_request`, and engine outputs written as OpenAI
+response objects and stream chunks.
+
+Fields follow OpenAI's API reference, defaults included (`temperature` 1, `top_p` 1, `max_tokens`
+16 as in the completions API); `top_k` (-1 or 0: off) and `stop_token_ids` are vLLM's extra fields.
+`model` names an adapter, or the base model for none. Fields this server does not implement are
+refused unless they hold their neutral value, never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from serving.api import ApiError, Status
+
+# Not implemented: the values that leave them off are accepted, any other is refused.
+_NEUTRAL = {
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
+    "top_logprobs": (None, 0), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
+}
+_OPENAI_TEMPERATURE = 1.0  # the API's default; the engine's own default (greedy) applies to gRPC only
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParsedRequest:
+    """One completions or chat request, read and type-checked (values are checked by SamplingParams).
+
+    Attributes:
+      model: the `model` field as given (echoed in responses).
+      adapter: the adapter it names; None for the base model.
+      prompt, prompt_ids, messages: exactly one is set (prompt_ids: a completions prompt of token ids).
+      sampling: SamplingParams fields.
+      field_names: sampling field -> the request field it came from, where they differ
+        (`max_completion_tokens`), so errors name what the client sent.
+      stream, include_usage: SSE streaming; a final usage chunk (`stream_options.include_usage`).
+    """
+
+    model: str
+    adapter: str | None
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    sampling: dict[str, Any]
+    field_names: dict[str, str]
+    stream: bool
+    include_usage: bool
+
+    @property
+    def prompt_field(self) -> str:
+        return "messages" if self.messages is not None else "prompt"
+
+
+def parse_request(body: Any, *, chat: bool, base_model: str) -> ParsedRequest:
+    """Reads a request body (decoded JSON).
+
+    Raises:
+      ApiError: INVALID_ARGUMENT naming the field (`param`).
+    """
+    if not isinstance(body, dict):
+        raise _invalid("the request body must be a JSON object")
+    for name, neutral in _NEUTRAL.items():
+        if name in body and body[name] not in neutral:
+            raise _invalid(f"{name}={body[name]!r} is not supported (leave it unset)", name)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _invalid(f"model={model!r} must be a string", "model")
+    model = model or base_model
+    sampling, field_names = _sampling(body)
+    prompt = _messages(body) if chat else _prompt(body)
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise _invalid(f"stream={stream!r} must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise _invalid("stream_options must be an object like {\"include_usage\": true}", "stream_options")
+    return ParsedRequest(model=model, adapter=None if model == base_model else model, **prompt, sampling=sampling,
+                         field_names=field_names, stream=stream, include_usage=options.get("include_usage", False))
+
+
+def _sampling(body: dict) -> tuple[dict[str, Any], dict[str, str]]:
+    sampling: dict[str, Any] = {"temperature": _OPENAI_TEMPERATURE}
+    field_names: dict[str, str] = {}
+    given = [f for f in ("max_completion_tokens", "max_tokens") if body.get(f) is not None]
+    if len(given) == 2 and body[given[0]] != body[given[1]]:
+        raise _invalid("give max_completion_tokens or max_tokens, not both", "max_tokens")
+    if given:
+        sampling["max_tokens"] = body[given[0]]
+        field_names["max_tokens"] = given[0]
+    for name in ("temperature", "top_p", "seed", "top_k"):
+        if body.get(name) is not None:
+            sampling[name] = body[name]
+    if sampling.get("top_k") == -1:  # vLLM's clients send -1 for "off"
+        sampling["top_k"] = 0
+    stop = body.get("stop")
+    if stop is not None:
+        if not isinstance(stop, (str, list)):
+            raise _invalid(f"stop={stop!r} must be a string or a list of strings", "stop")
+        sampling["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list):
+            raise _invalid(f"stop_token_ids={stop_ids!r} must be a list of token ids", "stop_token_ids")
+        sampling["stop_token_ids"] = tuple(stop_ids)
+    return sampling, field_names
+
+
+def _prompt(body: dict) -> dict[str, Any]:
+    """A completions `prompt`: a string or a list of token ids (or a list holding one of those)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return {"prompt_ids": prompt}
+    if prompt is None:
+        raise _invalid("prompt is required", "prompt")
+    raise _invalid("prompt must be one string or one list of token ids (one prompt per request)", "prompt")
+
+
+def _messages(body: dict) -> dict[str, Any]:
+    """Chat `messages` as the tokenizer's chat template takes them: role and text content."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _invalid("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if not isinstance(role, str):
+            raise _invalid(f"messages[{i}] must be an object with a string role", "messages")
+        out.append({"role": role, "content": _text_content(m.get("content"), i)})
+    return {"messages": out}
+
+
+def _text_content(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise _invalid(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def _invalid(message: str, param: str | None = None) -> ApiError:
+    return ApiError(Status.INVALID_ARGUMENT, message, param=param)
+
+
+# Responses.
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response(*, request_id: str, created: int, model: str, chat: bool, text: str, finish_reason: str,
+             usage_: dict[str, int]) -> dict[str, Any]:
+    """A whole (non-streamed) completion or chat completion."""
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice], "usage": usage_}
+
+
+def chunk(*, request_id: str, created: int, model: str, chat: bool, text: str | None = None,
+          finish_reason: str | None = None, role: bool = False, include_usage: bool = False,
+          usage_: dict[str, int] | None = None) -> dict[str, Any]:
+    """One stream chunk: a text delta (and `finish_reason` on the last one), or with `usage_` the
+    final usage chunk, which has no choices."""
+    choices: list[dict[str, Any]] = []
+    if usage_ is None:
+        if chat:
+            delta: dict[str, str] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        else:
+            choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+    out = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+           "model": model, "choices": choices}
+    if include_usage:
+        out["usage"] = usage_  # null on every chunk but the last, as OpenAI sends them
+    return out
+
+
+def error_body(error: ApiError) -> dict[str, Any]:
+    """The OpenAI error object."""
+    return {"error": {"message": error.message, "type": error.status.error_type, "param": error.param,
+                      "code": error.status.name.lower()}}

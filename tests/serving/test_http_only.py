@@ -1,0 +1,37 @@
+"""HTTP without gRPC, on the tiny engine of the gRPC tests: `ServerOptions(port=None)` and the serve
+command's `--no-grpc` (`jaxlora serve --http-port` as a process is in test_lifecycle.py)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from jaxlora.cli.main import main as jaxlora_main
+from serving.server import ServerOptions, build_server
+
+
+def test_http_alone_serves_the_openai_client(engine, adapter_root):
+    server, port = build_server(engine, ServerOptions(port=None, http_port=0, adapter_roots=(str(adapter_root),)))
+    assert port is None and server.port is None and server.http_port > 0
+    server.start()
+    server.warm_up()
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        answer = client.completions.create(model="alpha", prompt="hello", max_tokens=3, temperature=0)
+        assert answer.usage.completion_tokens == 3 and answer.choices[0].finish_reason == "length"
+    finally:
+        server.shutdown(grace_seconds=0)
+    assert not engine.is_running
+
+
+def test_some_protocol_is_needed():
+    with pytest.raises(ValueError, match="gRPC port, an HTTP port, or both"):
+        ServerOptions(port=None, http_port=None)
+    with pytest.raises(ValueError, match="http_port=70000"):
+        ServerOptions(http_port=70000)
+
+
+def test_no_grpc_needs_an_http_port(capsys):
+    assert jaxlora_main(["serve", "--no-grpc"]) == 2
+    assert "--no-grpc needs --http-port" in capsys.readouterr().err
