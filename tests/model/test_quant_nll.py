@@ -4,9 +4,9 @@ default model) on plain English, int8 within 1% of the dense model and FP8 withi
 The text (tests/data/english_text.txt, an essay written for these tests) has 4,105 tokens; the test
 scores the first 4,096 as 8 rows of 512. Why not ~20k tokens: a pass costs ~7 CPU-ms per token on
 the 2-core machine (dense, int8 and FP8 are three passes), so 20k tokens would cost ~420 CPU-s of
-passes alone, 3.5 min or more of wall time; this module measured 140 CPU-s in all (pytest start,
-model load, three compiles, three passes of 4,096 tokens), ~80 s of wall time on two idle cores (the
-passes use both, compiles and loading one). The relative NLL changes it measures: int8 +0.02%,
+passes alone, 3.5 min or more of wall time; this module measured 94-140 CPU-s in all (pytest start,
+model load, three compiles, three passes of 4,096 tokens; more on a busier machine), 60-80 s of wall
+time on two idle cores (the passes use both, compiles and loading one). The relative NLL changes it measures: int8 +0.02%,
 FP8 +0.3%.
 
 The dense reference and the quantized models run in float32 activations: the figure isolates the
