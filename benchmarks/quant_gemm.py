@@ -29,7 +29,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxlora.bench.e2e import LLAMA2_7B, TINY, hbm_gbps  # noqa: E402
@@ -37,7 +36,7 @@ from jaxlora.config import TARGET_MODULES, ModelConfig  # noqa: E402
 from jaxlora.model.quant import Quantization, matmul, quantize  # noqa: E402
 
 FORMATS = ("bf16", "int8", "fp8", "fp8-native")
-FP8 = jnp.dtype(ml_dtypes.float8_e4m3fn)
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
 def fp8_native(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:

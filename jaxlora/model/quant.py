@@ -30,7 +30,6 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -45,7 +44,7 @@ class Quantization(enum.StrEnum):
 
     @property
     def storage_dtype(self) -> jnp.dtype:
-        return jnp.dtype(ml_dtypes.float8_e4m3fn if self is Quantization.FP8 else jnp.int8)
+        return jnp.dtype(jnp.float8_e4m3fn if self is Quantization.FP8 else jnp.int8)
 
     @property
     def max_value(self) -> float:

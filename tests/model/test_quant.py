@@ -4,7 +4,6 @@ quantized layer against its dequantized weight, and what build_model accepts."""
 from __future__ import annotations
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -107,7 +106,7 @@ def test_quantized_model_keeps_embeddings_norms_and_head_dense():
     for name, value in dense.items():
         if name.endswith(".kernel") and name != "lm_head.kernel":
             prefix = name.removesuffix(".kernel")
-            assert name not in q and q[f"{prefix}.qkernel"].dtype == ml_dtypes.float8_e4m3fn
+            assert name not in q and q[f"{prefix}.qkernel"].dtype == jnp.float8_e4m3fn
             assert q[f"{prefix}.qscale"].shape == value.shape[:1] + value.shape[2:]  # [L, out]
         else:
             np.testing.assert_array_equal(np.asarray(q[name]), np.asarray(value), err_msg=name)
