@@ -3,10 +3,13 @@
 A Llama-2-7B-shape model with random bf16 weights drawn on the device, an adapter bank drawn on the
 device (every adapter resident: this measures decoding, not paging), and the real `Engine`.
 
-Each *group* is one compiled engine: backend x adapter setting x batch x prompt length. Within a
-group only data changes, so several distinct-adapter counts (row i on adapter i % d; d = 0 is every
-row on the base slot 0) cost no extra compile. At d = 0, step_ms times the step with the bank (the
-LoRA kernels still run), while the engine run behind tokens_per_s dispatches its bank-free step. Per cell:
+Each *group* is one compiled engine: backend x adapter setting x batch x prompt length x base weight
+format (dense, or weight-only fp8 / int8 projections: rows say "weights": "bf16" | "fp8" | "int8";
+"f32" for the dense --tiny model). Every format runs on the same random weights, quantized from the
+dense draw, in one process; a group's formats run back to back. Within a group only data changes,
+so several distinct-adapter counts (row i on adapter i % d; d = 0 is every row on the base slot 0)
+cost no extra compile. At d = 0, step_ms times the step with the bank (the LoRA kernels still run),
+while the engine run behind tokens_per_s dispatches its bank-free step. Per cell:
 
   step_ms        the engine's jitted step (`runner.ragged_step`) on a decode-only batch
                  (`decode_inputs`), `steps` calls back to back with the page pool and ids fed through,
@@ -14,6 +17,7 @@ LoRA kernels still run), while the engine run behind tokens_per_s dispatches its
                  calls must compile nothing (`jaxlora.engine.compiles`);
   floor_step_ms  (base weight bytes + KV bytes read at that context + distinct adapter bytes) over
                  the device-to-device copy bandwidth measured in the same run (bytes read + written);
+                 a quantized base counts 1 byte per projection weight plus its float32 scales;
   tokens_per_s   end to end: `batch` requests submitted at once to the engine, prompt_len random
                  tokens each, gen_len greedy tokens each; generated tokens over wall time
                  (prefill, scheduling, detokenizing and the per-step readback included);
@@ -42,6 +46,7 @@ from jax.sharding import Mesh
 from jaxlora.engine.compiles import backend_compiles, check_no_compiles
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraConfig, ModelConfig
 from jaxlora.lora.bank import Bank, init_bank
+from jaxlora.model.quant import weight_nbytes
 
 LLAMA2_7B = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
                         num_kv_heads=32, head_dim=128, max_position_embeddings=4096, name="llama-2-7b-shape")
@@ -49,8 +54,10 @@ TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_lay
                    head_dim=16, max_position_embeddings=256, name="tiny")
 
 TARGETS = {"all": TARGET_MODULES, "qkvo": ATTENTION_MODULES}
-ROW_KEYS = ("system", "backend", "batch", "distinct_adapters", "rank", "targets", "prompt_len", "gen_len",
-            "tokens_per_s", "step_ms", "floor_step_ms", "ttft_ms")
+ROW_KEYS = ("system", "backend", "weights", "batch", "distinct_adapters", "rank", "targets", "prompt_len",
+            "gen_len", "tokens_per_s", "step_ms", "floor_step_ms", "ttft_ms")
+WEIGHTS = ("bf16", "f32", "fp8", "int8")  # dense in the model dtype, or the quantization
+QUANTIZED = ("fp8", "int8")
 SYSTEMS = ("jaxlora", "hf-peft")
 
 
@@ -70,6 +77,7 @@ class Group:
     gen_len: int
     distinct: tuple[int, ...]
     e2e: bool = True
+    quantization: str | None = None  # "fp8" | "int8": projections weight-only quantized; None: dense
 
     @property
     def max_slots(self) -> int:
@@ -81,8 +89,8 @@ class Group:
 
     @property
     def label(self) -> str:
-        return (f"{self.backend} r{self.rank}/{self.targets} B={self.batch} P={self.prompt_len} "
-                f"d={list(self.distinct)}{'' if self.e2e else ' (step only)'}")
+        return (f"{self.backend} {self.quantization or 'dense'} r{self.rank}/{self.targets} B={self.batch} "
+                f"P={self.prompt_len} d={list(self.distinct)}{'' if self.e2e else ' (step only)'}")
 
 
 def h200_plan() -> list[Group]:
@@ -130,13 +138,23 @@ def tiny_plan(backends: Sequence[str]) -> list[Group]:
 # -- bytes and bandwidth ----------------------------------------------------------------------------
 
 
-def base_weight_bytes(model: ModelConfig, itemsize: int) -> int:
+def base_weight_bytes(model: ModelConfig, itemsize: int, quantization: str | None = None) -> int:
     """Bytes a decode step must read of the base: every layer, the final norm and the LM head
-    (the embedding table is only gathered, B rows, and is left out)."""
+    (the embedding table is only gathered, B rows, and is left out).
+
+    With a quantization the seven projections count 1 byte per weight plus one float32 scale per
+    output channel; norms and the LM head stay at `itemsize`.
+    """
     c = model
-    per_layer = sum(math.prod(c.module_shape(m)) for m in TARGET_MODULES) + 2 * c.hidden_size
+    projections = sum(math.prod(c.module_shape(m)) for m in TARGET_MODULES)
+    dense = 2 * c.hidden_size  # the two norms of a layer
+    if quantization is None:
+        dense += projections
+        quantized = 0
+    else:
+        quantized = projections + 4 * sum(c.module_shape(m)[1] for m in TARGET_MODULES)
     head = c.hidden_size * c.vocab_size + c.hidden_size
-    return (c.num_layers * per_layer + head) * itemsize
+    return c.num_layers * (dense * itemsize + quantized) + head * itemsize
 
 
 def kv_bytes(model: ModelConfig, batch: int, context: float, itemsize: int) -> float:
@@ -151,7 +169,7 @@ def adapter_bytes(model: ModelConfig, rank: int, targets: Sequence[str], itemsiz
 
 def floor_ms(model: ModelConfig, group: Group, distinct: int, hbm_gbps: float, itemsize: int) -> float:
     context = group.prompt_len + group.gen_len / 2
-    total = (base_weight_bytes(model, itemsize) + kv_bytes(model, group.batch, context, itemsize)
+    total = (base_weight_bytes(model, itemsize, group.quantization) + kv_bytes(model, group.batch, context, itemsize)
              + distinct * adapter_bytes(model, group.rank, TARGETS[group.targets], itemsize))
     return total / (hbm_gbps * 1e9) * 1e3
 
@@ -421,12 +439,20 @@ def run_group(group: Group, model, tokenizer, *, hbm: float, steps: int,
                            ttft_loaded_ms_p50=round(result["ttft_loaded_ms_p50"], 2),
                            ttft_loaded_ms_max=round(result["ttft_loaded_ms_max"], 2))
         details["compiles_after_setup"] = num_traces() - traces0
-        row = {"system": "jaxlora", "backend": group.backend, "batch": group.batch, "distinct_adapters": distinct,
+        row = {"system": "jaxlora", "backend": group.backend, "weights": weights_label(model),
+               "batch": group.batch, "distinct_adapters": distinct,
                "rank": group.rank, "targets": group.targets, "prompt_len": group.prompt_len,
                "gen_len": group.gen_len, "tokens_per_s": _round(tokens_per_s, 1), "step_ms": round(step, 3),
                "floor_step_ms": round(floor, 3), "ttft_ms": _round(ttft, 2)}
         emit(row, details)
     del engine, runner, source, bank
+
+
+def weights_label(model) -> str:
+    """The row's "weights": the quantization, or the dense dtype ("bf16", "f32")."""
+    if model.quantization is not None:
+        return model.quantization.value
+    return {"bfloat16": "bf16", "float32": "f32"}[jnp.dtype(model.dtype).name]
 
 
 def _round(x: float | None, n: int) -> float | None:
@@ -445,8 +471,9 @@ def validate(payload: dict) -> None:
         missing = [k for k in ROW_KEYS if k not in row]
         if missing:
             raise ValueError(f"row {i}: missing {missing}")
-        if row["system"] not in SYSTEMS or row["targets"] not in TARGETS:
-            raise ValueError(f"row {i}: system {row['system']!r} / targets {row['targets']!r} not allowed")
+        if row["system"] not in SYSTEMS or row["targets"] not in TARGETS or row["weights"] not in WEIGHTS:
+            raise ValueError(f"row {i}: system {row['system']!r} / targets {row['targets']!r} / weights "
+                             f"{row['weights']!r} not allowed")
         for k in ("batch", "distinct_adapters", "rank", "prompt_len", "gen_len"):
             if not isinstance(row[k], int) or row[k] < 0:
                 raise ValueError(f"row {i}: {k}={row[k]!r} must be a non-negative int")
@@ -465,8 +492,8 @@ def hf_rows(peer: dict, model: ModelConfig, hbm: float, itemsize: int) -> list[d
         group = Group(backend="peft", rank=peer["rank"], targets="all", batch=peer["batch"],
                       prompt_len=peer["prompt_len"], gen_len=r["gen_len"], distinct=(r["distinct_adapters"],))
         rows.append({"system": "hf-peft", "backend": "peft" if r["distinct_adapters"] else "transformers",
-                     "batch": peer["batch"], "distinct_adapters": r["distinct_adapters"], "rank": peer["rank"],
-                     "targets": "all", "prompt_len": peer["prompt_len"], "gen_len": r["gen_len"],
+                     "weights": "bf16", "batch": peer["batch"], "distinct_adapters": r["distinct_adapters"],
+                     "rank": peer["rank"], "targets": "all", "prompt_len": peer["prompt_len"], "gen_len": r["gen_len"],
                      "tokens_per_s": round(r["tokens_per_s"], 1), "step_ms": round(r["step_ms"], 3),
                      "floor_step_ms": round(floor_ms(model, group, r["distinct_adapters"], hbm, itemsize), 3),
                      "ttft_ms": round(r["ttft_ms"], 2)})
@@ -474,8 +501,9 @@ def hf_rows(peer: dict, model: ModelConfig, hbm: float, itemsize: int) -> list[d
 
 
 def targets_summary(rows: list[dict]) -> list[dict]:
-    """Each issue-8 target with its measured figure (None where a needed cell did not run)."""
-    jl = [r for r in rows if r["system"] == "jaxlora"]
+    """Each issue-8 target (dense rows) and issue-20 target (quantized against dense rows) with its
+    measured figure (None where a needed cell did not run)."""
+    jl = [r for r in rows if r["system"] == "jaxlora" and r["weights"] not in QUANTIZED]
     out = []
 
     def find(**kw):
@@ -513,6 +541,34 @@ def targets_summary(rows: list[dict]) -> list[dict]:
     out.append({"target": "pallas faster than xla and ragged at every batch >= 16 (decode step)",
                 "measured": f"{compared - len(losses)}/{compared} comparisons won" if compared else None,
                 "met": None if not compared else not losses, "detail": "; ".join(losses) or None})
+    return out + quantized_targets(rows)
+
+
+def quantized_targets(rows: list[dict]) -> list[dict]:
+    """Issue 20: 7B shape, B=64, 64 distinct rank-16 adapters on all seven modules: each quantized
+    decode step <= 0.6x the bf16 step; every quantized step within 1.5x its own bytes floor."""
+    jl = [r for r in rows if r["system"] == "jaxlora"]
+    cell = dict(batch=64, distinct_adapters=64, rank=16, targets="all", prompt_len=128)
+
+    def find(**kw):
+        return next((r for r in jl if all(r[k] == v for k, v in kw.items())), None)
+
+    out = []
+    for weights in QUANTIZED:
+        for backend in dict.fromkeys(r["backend"] for r in jl if r["weights"] == weights):
+            q, dense = find(backend=backend, weights=weights, **cell), find(backend=backend, weights="bf16", **cell)
+            if q is None or dense is None:
+                continue
+            ratio = q["step_ms"] / dense["step_ms"]
+            out.append({"target": f"{weights} decode step <= 0.6x the bf16 step ({backend}, B=64, 64 distinct r16/all)",
+                        "measured": round(ratio, 3), "met": ratio <= 0.6,
+                        "detail": f"{q['step_ms']} vs {dense['step_ms']} ms"})
+    quantized = [r for r in jl if r["weights"] in QUANTIZED]
+    worst = max(quantized, key=lambda r: r["step_ms"] / r["floor_step_ms"], default=None)
+    out.append({"target": "every quantized decode step within 1.5x its floor (1-byte weights + scales)",
+                "measured": None if worst is None else round(worst["step_ms"] / worst["floor_step_ms"], 2),
+                "met": None if worst is None else all(r["step_ms"] <= 1.5 * r["floor_step_ms"] for r in quantized),
+                "detail": None if worst is None else f"{worst['weights']} {worst['backend']} {_cell(worst)} is the worst"})
     return out
 
 
@@ -521,7 +577,7 @@ def _cell(r: dict) -> str:
 
 
 def write_markdown(payload: dict, out: Path) -> None:
-    cols = ["system", "backend", "batch", "distinct_adapters", "rank", "targets", "prompt_len", "gen_len",
+    cols = ["system", "backend", "weights", "batch", "distinct_adapters", "rank", "targets", "prompt_len", "gen_len",
             "tokens_per_s", "step_ms", "floor_step_ms", "x_floor", "ttft_ms"]
     lines = [f"# End to end, {payload.get('model', 'llama-2-7b-shape')} ({payload['device']}, jax {payload['jax_version']})", "",
              f"Command: `{payload['command']}`", "",
@@ -531,15 +587,18 @@ def write_markdown(payload: dict, out: Path) -> None:
              "tokens_per_s: end to end through the engine (all requests submitted at once, prefill included); "
              "step_ms: the jitted decode step at the mean context; ttft_ms: one prefill call on an idle engine. "
              "x_floor = step_ms / floor_step_ms.", ""]
+    if payload.get("weights_bytes"):
+        lines += ["Device memory for the base weights: " + ", ".join(
+            f"{w} {b / 1e9:.2f} GB" for w, b in payload["weights_bytes"].items()) + ".", ""]
     if payload.get("targets"):
-        lines += ["## Issue-8 targets", "", "| target | measured | met | detail |", "|---|---|---|---|"]
+        lines += ["## Targets", "", "| target | measured | met | detail |", "|---|---|---|---|"]
         lines += [f"| {t['target']} | {t['measured']} | {t['met']} | {t['detail'] or ''} |" for t in payload["targets"]]
         lines.append("")
     lines += ["## Cells", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in payload["rows"]:
         x = None if not r["step_ms"] or not r["floor_step_ms"] else round(r["step_ms"] / r["floor_step_ms"], 2)
         lines.append("| " + " | ".join("-" if v is None else str(v) for v in
-                                       [*(r[c] for c in cols[:11]), x, r["ttft_ms"]]) + " |")
+                                       (x if c == "x_floor" else r[c] for c in cols)) + " |")
     if payload.get("not_run"):
         lines += ["", "## Not run", ""]
         lines += [f"- {n['group']}: {n['reason']}" for n in payload["not_run"]]
@@ -612,10 +671,18 @@ def write_all(payload: dict, out: Path, *, plots: bool = True) -> None:
 def rerender(source: Path, out: Path, *, hf_peer: Path | None = None) -> dict:
     """Re-renders results (and merges a peer's rows that the run did not have) without running."""
     payload = json.loads(Path(source).read_text())
+    _label_dense_rows(payload)
     if hf_peer is not None and not any(r["system"] == "hf-peft" for r in payload["rows"]):
         add_peer(payload, json.loads(Path(hf_peer).read_text()))
     write_all(payload, out)
     return payload
+
+
+def _label_dense_rows(payload: dict) -> None:
+    """Results written before rows had "weights" come from dense bf16 runs (the GPU plan's only
+    format then): say so, so that they validate and compare with quantized rows."""
+    for row in payload["rows"]:
+        row.setdefault("weights", "bf16")
 
 
 def add_peer(payload: dict, peer: dict) -> None:
@@ -646,6 +713,24 @@ class Options:
     tensor_parallel: int = 1
     skip_groups: int = 0  # start at this index of the plan (a second device call continues the first)
     merge_json: Path | None = None  # an earlier part's e2e.json: its rows are kept and written again
+    weights: tuple[str, ...] = ("bf16",)  # "bf16" (dense in the model dtype), "fp8", "int8"; in this order
+
+
+def with_weights(plan: list[Group], weights: Sequence[str]) -> list[Group]:
+    """Each group once per weight format, back to back (so a budget cut keeps whole comparisons)."""
+    return [dataclasses.replace(g, quantization=None if w == "bf16" else w) for g in plan for w in weights]
+
+
+def base_models(dense, weights: Sequence[str]) -> dict[str | None, object]:
+    """quantization -> LoadedModel for every requested format, all from the same dense weights."""
+    from jaxlora.model.params import quantized_model
+
+    models = {None: dense} if "bf16" in weights else {}
+    for w in weights:
+        if w != "bf16":
+            models[w] = quantized_model(dense, w)
+            jax.block_until_ready(models[w].params)
+    return models
 
 
 def run(opts: Options) -> dict:
@@ -658,19 +743,26 @@ def run(opts: Options) -> dict:
     model_cfg = TINY if opts.tiny else LLAMA2_7B
     dtype = jnp.float32 if opts.tiny else jnp.bfloat16
     plan = tiny_plan(opts.backends) if opts.tiny else [g for g in h200_plan() if g.backend in opts.backends]
+    plan = with_weights(plan, opts.weights)
     print(f"device {dev.device_kind}, jax {jax.__version__}, {len(plan)} groups, budget {opts.budget_s:.0f} s",
           flush=True)
     hbm = hbm_gbps(1 << 20 if opts.tiny else 1 << 31)
     print(f"HBM copy {hbm:.0f} GB/s", flush=True)
-    model = random_model(model_cfg, dtype=dtype)
-    jax.block_until_ready(model.params)
+    dense = random_model(model_cfg, dtype=dtype)
+    jax.block_until_ready(dense.params)
+    models = base_models(dense, opts.weights)
+    del dense  # freed unless "bf16" is among the formats
+    weights_bytes = {weights_label(m): weight_nbytes(m.flat_params()) for m in models.values()}
+    print("weights on the device: " + ", ".join(f"{w} {b / 1e9:.2f} GB" for w, b in weights_bytes.items()),
+          flush=True)
     tokenizer = word_tokenizer(model_cfg.vocab_size)
     payload = {"device": str(dev.device_kind), "jax_version": jax.__version__, "hbm_GBps": round(hbm, 1),
-               "tensor_parallel": opts.tensor_parallel,
+               "tensor_parallel": opts.tensor_parallel, "weights_bytes": weights_bytes,
                "model": model_cfg.name, "command": opts.command, "rows": [], "details": [], "not_run": [],
                "notes": []}
     if opts.merge_json is not None:
         earlier = json.loads(opts.merge_json.read_text())
+        _label_dense_rows(earlier)
         kept = [(r, d) for r, d in zip(earlier["rows"], earlier["details"]) if r["system"] == "jaxlora"]
         payload["rows"] += [r for r, _ in kept]
         payload["details"] += [d for _, d in kept]
@@ -698,7 +790,8 @@ def run(opts: Options) -> dict:
             break
         print(f"[{i}] {group.label} ({left:.0f} s left)", flush=True)
         try:
-            run_group(group, model, tokenizer, hbm=hbm, steps=opts.steps, emit=emit, tensor_parallel=opts.tensor_parallel)
+            run_group(group, models[group.quantization], tokenizer, hbm=hbm, steps=opts.steps, emit=emit,
+                      tensor_parallel=opts.tensor_parallel)
         except Exception as e:  # one broken group must not lose the others
             payload["not_run"].append({"group": group.label, "reason": f"failed: {type(e).__name__}: {e}"[:500]})
             print(f"  FAILED {type(e).__name__}: {e}", flush=True)

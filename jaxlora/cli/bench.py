@@ -2,6 +2,7 @@
 
     jaxlora bench --tiny --out /tmp/bench          # CPU, toy model, seconds
     jaxlora bench --out benchmarks/results         # GPU: Llama-2-7B shape, the issue-8 plan
+    jaxlora bench --quantize bf16 fp8 int8 ...     # every group once per base weight format
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="wall-clock budget: no new group starts once it is spent")
     p.add_argument("--backend", action="append", choices=BACKENDS, help="repeatable; default: all three")
     p.add_argument("--steps", type=int, default=10, help="decode steps timed back to back per cell")
+    p.add_argument("--quantize", nargs="+", choices=("bf16", "fp8", "int8"), default=["bf16"],
+                   help="base weight formats, each group run once per format in this process: bf16 = dense "
+                        "(float32 with --tiny), fp8 / int8 = weight-only quantized projections")
     p.add_argument("--hf-peer", type=Path, default=None,
                    help="results of benchmarks/hf_peer.py to include as hf-peft rows")
     p.add_argument("--no-plots", action="store_true")
@@ -51,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
                        backends=tuple(args.backend or BACKENDS), steps=args.steps,
                        hf_peer=args.hf_peer, plots=not args.no_plots,
                        tensor_parallel=args.tensor_parallel or 1, skip_groups=args.skip_groups,
-                       merge_json=args.merge_json,
+                       merge_json=args.merge_json, weights=tuple(dict.fromkeys(args.quantize)),
                        command="jaxlora bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]))
     payload = e2e.run(opts)
     print(f"wrote {args.out / 'e2e.json'} ({len(payload['rows'])} rows, {len(payload['not_run'])} groups not run)")

@@ -16,6 +16,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter/activation dtype")
 
 
+def add_quantize_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", choices=("fp8", "int8"), default=None,
+                   help="store the seven projections weight-only quantized, one scale per output channel "
+                        "(default: dense; a checkpoint converted with --quantize loads quantized)")
+
+
 def parse_adapter_flags(values: list[str] | None) -> dict[str, str]:
     """`NAME=PATH` flags -> {name: path}; a malformed or repeated flag is an argparse error."""
     out: dict[str, str] = {}

@@ -7,7 +7,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from jaxlora.cli.common import add_model_args, parse_adapter_flags
+from jaxlora.cli.common import add_model_args, add_quantize_arg, parse_adapter_flags
 from jaxlora.config import LoraBackend
 
 log = logging.getLogger(__name__)
@@ -15,6 +15,7 @@ log = logging.getLogger(__name__)
 
 def add_engine_args(p: argparse.ArgumentParser, *, adapters_help: str = "register a PEFT adapter folder") -> None:
     add_model_args(p)
+    add_quantize_arg(p)
     p.set_defaults(dtype=None)  # None: the engine config's dtype decides
     p.add_argument("--config", type=Path, default=None, help="engine config YAML (see configs/)")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
@@ -74,7 +75,7 @@ def build_engine(args: argparse.Namespace, extra_adapters: dict[str, str] | None
 
     adapters = {**(extra_adapters or {}), **parse_adapter_flags(args.adapter)}
     config = engine_config(args)
-    model, tokenizer = load_model(args.model, dtype=DTYPES[config.dtype])
+    model, tokenizer = load_model(args.model, dtype=DTYPES[config.dtype], quantization=args.quantize)
     mesh = None
     if config.mesh.is_sharded:  # fail before the pager and the engine allocate anything
         from jaxlora.parallel import make_mesh

@@ -10,35 +10,41 @@ import jax.numpy as jnp
 from jaxlora.errors import ModelLoadError
 from jaxlora.loading.default_model import default_model_path
 from jaxlora.model.params import LoadedModel, build_model
+from jaxlora.model.quant import Quantization, parse_quantization
 from jaxlora.tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
 
 __all__ = ["default_model_path", "load_model"]
 
 
-def load_model(source: str | Path | None = None, *, dtype: jnp.dtype = jnp.float32) -> tuple[LoadedModel, Tokenizer]:
+def load_model(source: str | Path | None = None, *, dtype: jnp.dtype = jnp.float32,
+               quantization: Quantization | str | None = None) -> tuple[LoadedModel, Tokenizer]:
     """Loads a base model and its tokenizer.
 
     Args:
       source: None for the embedded default (SmolLM2-135M-Instruct GGUF), a `.gguf` file, a Hugging
         Face folder (config.json + safetensors), or a folder written by `jaxlora convert`.
-      dtype: parameter and activation dtype (float32 or bfloat16).
+      dtype: activation dtype and that of every dense parameter (float32 or bfloat16).
+      quantization: "fp8" or "int8" stores the seven projections weight-only quantized
+        (jaxlora.model.quant); None keeps them dense, except that a checkpoint converted with a
+        quantization loads in its own format.
     """
+    quantization = parse_quantization(quantization)
     path = default_model_path() if source is None else Path(source)
     if path.is_dir():
         from jaxlora.loading.orbax_ckpt import is_converted, load_converted
 
         if is_converted(path):
-            return load_converted(path, dtype=dtype)
+            return load_converted(path, dtype=dtype, quantization=quantization)
         from jaxlora.loading.hf_folder import load_hf_arrays
 
         config, arrays = load_hf_arrays(path)
-        model = build_model(config, arrays, dtype=dtype, source=str(path))
+        model = build_model(config, arrays, dtype=dtype, quantization=quantization, source=str(path))
         return model, tokenizer_from_folder(path, eos_token_ids=config.eos_token_ids)
     if path.suffix == ".gguf" or path.is_file():
         from jaxlora.loading.gguf_file import load_gguf_arrays, metadata
 
-        config, arrays, reader = load_gguf_arrays(path)
-        model = build_model(config, arrays, dtype=dtype, source=str(path))
+        config, arrays, reader = load_gguf_arrays(path, quantization=quantization)
+        model = build_model(config, arrays, dtype=dtype, quantization=quantization, source=str(path))
         return model, tokenizer_from_gguf(reader, metadata(reader), source=str(path))
     raise ModelLoadError(f"{path}: no such model file or folder")
 

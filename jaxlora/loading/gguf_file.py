@@ -2,6 +2,18 @@
 
 GGUF stores the q/k projection rows permuted for llama.cpp's interleaved RoPE. Adapters are trained
 against Hugging Face's row order (rotate-half RoPE), so q/k rows are un-permuted here.
+
+With a quantization the seven projections are quantized layer by layer as they are read, so a
+quantized model never exists in float on the device. A Q8_0 tensor loads into int8 without a float
+detour: Q8_0 stores each row ([out, in]) as blocks of 32 int8 values q_b with one float16 scale d_b
+(w = d_b * q_b). A per-output-channel int8 layout has one scale per row, so the row's scale becomes
+
+    scale = max_b |d_b| * max |q_b| / 127        (the row's largest |w|, over 127)
+
+and each block's integers are rescaled to it, q = round(q_b * d_b / scale). The block holding the
+row's largest weight keeps its integers exactly; a block with a smaller d_b loses resolution (at most
+scale / 2 per weight, the int8 bound). The result equals int8-quantizing the dequantized row, bit for
+bit, without building that float row first.
 """
 
 from __future__ import annotations
@@ -16,6 +28,7 @@ import numpy as np
 from jaxlora.config import ModelConfig, RopeScaling
 from jaxlora.errors import ModelLoadError
 from jaxlora.loading.names import stack_layers
+from jaxlora.model.quant import Quantization, quantize
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 Q = gguf.GGMLQuantizationType
@@ -36,6 +49,7 @@ _BLOCK_TENSORS = {
     "ffn_down": ("layers.mlp.down_proj.kernel", True),
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
+_Q8_0_BLOCK_BYTES = 2 + 32  # float16 scale, then 32 int8 values
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
@@ -109,25 +123,60 @@ def dequantize(tensor: Any, *, source: str) -> np.ndarray:
     return np.asarray(gguf.quants.dequantize(tensor.data, ttype), dtype=np.float32)
 
 
-def load_gguf_arrays(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], gguf.GGUFReader]:
-    """(config, flat float32 parameter arrays, the open reader for the tokenizer)."""
+def q8_0_to_int8(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 matrix as per-row int8 (q [out, in], scale [out] float32); see the module doc."""
+    rows = tensor.data.shape[0]
+    blocks = np.ascontiguousarray(tensor.data).reshape(rows, -1, _Q8_0_BLOCK_BYTES)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, blocks]
+    qs = blocks[..., 2:].copy().view(np.int8)  # [out, blocks, 32]
+    amax = (np.abs(d) * np.abs(qs.astype(np.float32)).max(axis=-1)).max(axis=-1)  # [out]
+    scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    # The same float32 operations, in the same order, as quantize() on the dequantized row.
+    w = d[..., None] * qs.astype(np.float32)
+    q = np.clip(np.round(w / scale[:, None, None]), -127, 127).astype(np.int8)
+    return q.reshape(rows, -1), scale
+
+
+def _quantized_rows(tensor: Any, quantization: Quantization, *, source: str) -> tuple[np.ndarray, np.ndarray]:
+    """A projection tensor as (q [out, in], scale [out]) of the given format."""
+    if quantization is Quantization.INT8 and Q(tensor.tensor_type) == Q.Q8_0:
+        return q8_0_to_int8(tensor)
+    q, scale = quantize(dequantize(tensor, source=source).T, quantization)  # [in, out] in, [out] scales
+    return np.asarray(q).T, np.asarray(scale)
+
+
+def load_gguf_arrays(path: Path, *, quantization: Quantization | None = None
+                     ) -> tuple[ModelConfig, dict[str, np.ndarray], gguf.GGUFReader]:
+    """(config, flat parameter arrays, the open reader for the tokenizer).
+
+    Arrays are float32, except the projections' `qkernel` / `qscale` with a quantization.
+    """
     reader = open_gguf(path)
     names = {t.name for t in reader.tensors}
     config = config_from_gguf(metadata(reader), "output.weight" in names, source=str(path))
     per_layer: dict[str, list[np.ndarray | None]] = {}
     flat: dict[str, np.ndarray] = {}
+    heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
     for t in reader.tensors:
-        w = dequantize(t, source=str(path))
         m = _BLOCK_RE.match(t.name)
         if m and m.group(2) in _BLOCK_TENSORS and int(m.group(1)) < config.num_layers:
-            kind = m.group(2)
-            if kind == "attn_q":
-                w = unpermute_rope_rows(w, config.num_heads)
-            elif kind == "attn_k":
-                w = unpermute_rope_rows(w, config.num_kv_heads)
+            kind, layer = m.group(2), int(m.group(1))
             name, transpose = _BLOCK_TENSORS[kind]
-            per_layer.setdefault(name, [None] * config.num_layers)[int(m.group(1))] = w.T if transpose else w
-        elif t.name == "token_embd.weight":
+            if transpose and quantization is not None:
+                # Rows are output channels: the permutation moves each row's scale with it.
+                q, scale = (unpermute_rope_rows(a, heads[kind]) if kind in heads else a
+                            for a in _quantized_rows(t, quantization, source=str(path)))
+                prefix = name.removesuffix(".kernel")
+                per_layer.setdefault(f"{prefix}.qkernel", [None] * config.num_layers)[layer] = q.T
+                per_layer.setdefault(f"{prefix}.qscale", [None] * config.num_layers)[layer] = scale
+                continue
+            w = dequantize(t, source=str(path))
+            if kind in heads:
+                w = unpermute_rope_rows(w, heads[kind])
+            per_layer.setdefault(name, [None] * config.num_layers)[layer] = w.T if transpose else w
+            continue
+        w = dequantize(t, source=str(path))
+        if t.name == "token_embd.weight":
             flat["embed_tokens.embedding"] = w
         elif t.name == "output_norm.weight":
             flat["norm.scale"] = w

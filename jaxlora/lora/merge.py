@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from jaxlora.errors import ModelLoadError
 from jaxlora.model.params import LoadedModel
 
 _MODULE_PARAM = {
@@ -27,7 +28,11 @@ def merged_params(model: LoadedModel, weights: Mapping[str, tuple[np.ndarray, np
 
     weights: module -> (A [L, in, r], B [L, r, out]) with the scale folded into B.
     Kernels are [L, in, out], so the delta of layer l is A[l] @ B[l]; it is added in float32.
+    Raises ModelLoadError for a quantized base: its merged weights would have to be quantized again.
     """
+    if model.quantization is not None:
+        raise ModelLoadError(f"cannot merge into {model.quantization} base weights; merge into the dense "
+                             f"model (load it without --quantize, or from the unconverted source)")
     flat = {k: np.asarray(v) for k, v in model.flat_params().items()}
     for module, (a, b) in weights.items():
         name = _MODULE_PARAM[module]

@@ -26,6 +26,7 @@ import pallas_kernels
 from jaxlora.config import ModelConfig
 from jaxlora.lora.apply import LoraRuntime, apply_group, step_plan, token_slots_for
 from jaxlora.model.kv_cache import KVCache, PagedKVCache
+from jaxlora.model.quant import QuantLinear, Quantization, project
 from jaxlora.model.rope import apply_rope, inverse_frequencies
 from jaxlora.parallel import layers as tp
 
@@ -44,7 +45,11 @@ class RMSNorm(nnx.Module):
         return self.scale[...] * xf.astype(x.dtype)
 
 
-def _linear(d_in: int, d_out: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
+def _linear(d_in: int, d_out: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs,
+            quantization: Quantization | None = None) -> nnx.Linear | QuantLinear:
+    """A projection, `layer(x) = x @ W (+ b)`: dense in `dtype`, or weight-only quantized."""
+    if quantization is not None:
+        return QuantLinear(d_in, d_out, quantization=quantization, use_bias=bias, dtype=dtype)
     return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
                       kernel_init=nnx.initializers.normal(0.02))
 
@@ -101,12 +106,12 @@ class StepInputs:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, quantization: Quantization | None = None):
         self.cfg = cfg
-        self.q_proj = _linear(cfg.hidden_size, cfg.q_size, cfg.attention_bias, dtype, rngs)
-        self.k_proj = _linear(cfg.hidden_size, cfg.kv_size, cfg.attention_bias, dtype, rngs)
-        self.v_proj = _linear(cfg.hidden_size, cfg.kv_size, cfg.attention_bias, dtype, rngs)
-        self.o_proj = _linear(cfg.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, rngs)
+        self.q_proj = _linear(cfg.hidden_size, cfg.q_size, cfg.attention_bias, dtype, rngs, quantization)
+        self.k_proj = _linear(cfg.hidden_size, cfg.kv_size, cfg.attention_bias, dtype, rngs, quantization)
+        self.v_proj = _linear(cfg.hidden_size, cfg.kv_size, cfg.attention_bias, dtype, rngs, quantization)
+        self.o_proj = _linear(cfg.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, rngs, quantization)
 
     def __call__(self, x: jax.Array, kv: KVCache, layer: jax.Array, lora: dict, s: StepInputs):
         """x [b, t, D]; kv: every layer's cache; layer: this layer's index -> (out [b, t, D], kv)."""
@@ -137,7 +142,7 @@ class Attention(nnx.Module):
         if s.tensor_axis is None:
             out = {"o_proj": self.o_proj(a2)}
         else:  # row-parallel: the bias joins after the all-reduce, or every shard would add it
-            out = {"o_proj": a2 @ self.o_proj.kernel[...]}
+            out = {"o_proj": project(self.o_proj, a2)}
         out = apply_group("o", lora.get("o"), a2, out, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan,
                           layer=layer)
         o = out["o_proj"]
@@ -203,10 +208,10 @@ def _attend(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Arr
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs)
-        self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs)
-        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, rngs)
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, quantization: Quantization | None = None):
+        self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs, quantization)
+        self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs, quantization)
+        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, rngs, quantization)
 
     def __call__(self, x: jax.Array, layer: jax.Array, lora: dict, s: StepInputs) -> jax.Array:
         b, t, _ = x.shape
@@ -223,11 +228,11 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, quantization: Quantization | None = None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=dtype)
-        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, quantization=quantization)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=dtype)
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, quantization=quantization)
 
     def __call__(self, x, kv: KVCache, layer: jax.Array, lora: dict, s: StepInputs):
         attn, kv = self.self_attn(self.input_layernorm(x), kv, layer, lora, s)
@@ -237,9 +242,14 @@ class DecoderLayer(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """Decoder-only Llama. `__call__` returns final hidden states; `logits` applies the LM head."""
+    """Decoder-only Llama. `__call__` returns final hidden states; `logits` applies the LM head.
 
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+    quantization: store the seven projections of every layer weight-only quantized
+    (jaxlora.model.quant); embeddings, norms and the LM head stay in `dtype`.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs,
+                 quantization: Quantization | None = None):
         self.cfg = cfg
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
                                       embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
@@ -247,7 +257,7 @@ class Llama(nnx.Module):
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(cfg, dtype=dtype, rngs=rngs)
+            return DecoderLayer(cfg, dtype=dtype, rngs=rngs, quantization=quantization)
 
         self.layers = make_layers(rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=dtype)

@@ -3,7 +3,8 @@ steps take.
 
 Flat names are the NNX state paths joined by dots, e.g. `layers.self_attn.q_proj.kernel`
 ([num_layers, in, out]) or `embed_tokens.embedding` ([vocab, hidden]). Loaders produce this mapping;
-`build_model` checks it against the architecture (names and shapes) before any array is used.
+`build_model` checks it against the architecture (names and shapes) before any array is used. With a
+quantization the seven projections hold `qkernel` + `qscale` instead of `kernel` (jaxlora.model.quant).
 """
 
 from __future__ import annotations
@@ -19,16 +20,22 @@ from flax import nnx
 from jaxlora.config import ModelConfig
 from jaxlora.errors import ModelLoadError
 from jaxlora.model.llama import Llama
+from jaxlora.model.quant import Quantization, parse_quantization, quantize_arrays
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
-    """A base model ready to run: config, the static graph and the parameter state (a pytree)."""
+    """A base model ready to run: config, the static graph and the parameter state (a pytree).
+
+    dtype: activations and every dense parameter; quantization: how the projections are stored
+    (None: dense, in `dtype`).
+    """
 
     config: ModelConfig
     graphdef: nnx.GraphDef
     params: nnx.State
     dtype: jnp.dtype
+    quantization: Quantization | None = None
 
     def module(self) -> Llama:
         """A Llama module bound to the params (cheap: use inside jit, or for eager tests)."""
@@ -42,23 +49,32 @@ def _flat(state: nnx.State) -> list[tuple[tuple, jax.Array]]:
     return [(path, var.get_value()) for path, var in nnx.to_flat_state(state)]
 
 
-def _abstract_state(config: ModelConfig, dtype: jnp.dtype) -> tuple[nnx.GraphDef, nnx.State]:
-    return nnx.split(nnx.eval_shape(lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0))))
+def _abstract_state(config: ModelConfig, dtype: jnp.dtype, quantization: Quantization | None
+                    ) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(nnx.eval_shape(lambda: Llama(config, dtype=dtype, quantization=quantization,
+                                                  rngs=nnx.Rngs(0))))
 
 
-def abstract_model(config: ModelConfig, dtype: jnp.dtype) -> tuple[nnx.GraphDef, dict[str, jax.ShapeDtypeStruct]]:
+def abstract_model(config: ModelConfig, dtype: jnp.dtype, quantization: Quantization | str | None = None
+                   ) -> tuple[nnx.GraphDef, dict[str, jax.ShapeDtypeStruct]]:
     """The graph and the expected name -> (shape, dtype) of every parameter, without allocating."""
-    graphdef, state = _abstract_state(config, dtype)
+    graphdef, state = _abstract_state(config, dtype, parse_quantization(quantization))
     return graphdef, {".".join(map(str, p)): v for p, v in _flat(state)}
 
 
 def build_model(config: ModelConfig, arrays: Mapping[str, np.ndarray | jax.Array], *,
-                dtype: jnp.dtype = jnp.float32, source: str = "<arrays>") -> LoadedModel:
+                dtype: jnp.dtype = jnp.float32, quantization: Quantization | str | None = None,
+                source: str = "<arrays>") -> LoadedModel:
     """Validates names and shapes of `arrays` against `config` and places them on the device.
 
+    With a quantization, dense projection kernels among `arrays` are quantized here (on the default
+    device, one tensor at a time); projections given already quantized must have the format's dtype.
     Raises ModelLoadError naming `source` and the offending tensor.
     """
-    graphdef, state = _abstract_state(config, dtype)
+    quantization = parse_quantization(quantization)
+    if quantization is not None:
+        arrays = quantize_arrays(arrays, quantization)
+    graphdef, state = _abstract_state(config, dtype, quantization)
     expected = {".".join(map(str, p)): v for p, v in _flat(state)}
     missing = sorted(set(expected) - set(arrays))
     if missing:
@@ -70,20 +86,32 @@ def build_model(config: ModelConfig, arrays: Mapping[str, np.ndarray | jax.Array
         if tuple(arrays[name].shape) != tuple(spec.shape):
             raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(arrays[name].shape)}, "
                                  f"expected {tuple(spec.shape)}")
+        if not _is_float(spec.dtype) and arrays[name].dtype != spec.dtype:
+            raise ModelLoadError(f"{source}: tensor {name} has dtype {arrays[name].dtype}, expected {spec.dtype} "
+                                 f"({quantization} weights are never cast from another format)")
     for path, var in nnx.to_flat_state(state):
-        var.set_value(jnp.asarray(arrays[".".join(map(str, path))], dtype=dtype))
-    return LoadedModel(config=config, graphdef=graphdef, params=state, dtype=jnp.dtype(dtype))
+        # The expected dtype: `dtype` for dense parameters, the storage dtype / float32 for quantized ones.
+        var.set_value(jnp.asarray(arrays[".".join(map(str, path))], dtype=var.get_value().dtype))
+    return LoadedModel(config=config, graphdef=graphdef, params=state, dtype=jnp.dtype(dtype),
+                       quantization=quantization)
+
+
+def _is_float(dtype: jnp.dtype) -> bool:
+    """A dtype any float array may be cast to (fp8 storage is not: it takes scaled values only)."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def random_model(config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, seed: int = 0,
-                 std: float = 0.02) -> LoadedModel:
+                 std: float = 0.02, quantization: Quantization | str | None = None) -> LoadedModel:
     """A model with random weights (tests and benchmarks).
 
     Matrices are N(0, std); norm scales are 1 + N(0, 0.1) so that a norm applied with the wrong
     weight cannot go unnoticed. Drawn as `draw_params` says (small models on the host, large ones
-    on the device, so a 7B-shape model never crosses the host link).
+    on the device, so a 7B-shape model never crosses the host link). With a quantization the dense
+    draw is quantized (the same seed gives the same underlying weights in every format).
     """
-    return build_model(config, draw_params(config, dtype=dtype, seed=seed, std=std), dtype=dtype, source="random")
+    return build_model(config, draw_params(config, dtype=dtype, seed=seed, std=std), dtype=dtype,
+                       quantization=quantization, source="random")
 
 
 def draw_params(config: ModelConfig, *, dtype: jnp.dtype, seed: int = 0, std: float = 0.02,
@@ -122,6 +150,14 @@ def _normal(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Arr
         return jax.random.normal(key, shape, dtype)
     layers = jnp.arange(shape[0], dtype=jnp.int32)
     return jax.lax.map(lambda i: jax.random.normal(jax.random.fold_in(key, i), shape[1:], dtype), layers)
+
+
+def quantized_model(model: LoadedModel, quantization: Quantization | str) -> LoadedModel:
+    """`model` (dense) with its projections quantized; the dense model is left as it is."""
+    if model.quantization is not None:
+        raise ValueError(f"the model is already quantized ({model.quantization}); quantize a dense model")
+    return build_model(model.config, model.flat_params(), dtype=model.dtype, quantization=quantization,
+                       source="quantized_model")
 
 
 def _init_value(name: str, normal, std: float):

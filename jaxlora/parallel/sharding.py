@@ -6,6 +6,9 @@ Base weights, Megatron-style (n = mesh "tensor" size; flat names as in jaxlora.m
                    bias   [L, out]      like their outputs       P(None, "tensor")
     o/down         kernel [L, in, out]  split by input rows      P(None, "tensor", None)
                    bias   [L, out]      whole (added once, after the all-reduce)
+    quantized      qkernel [L, in, out] like kernel
+    (any of them)  qscale  [L, out]     like bias: split with the output columns of q/k/v/gate/up;
+                                        whole for o/down (each shard scales its partial sum)
     embed_tokens   [V, D]               by vocabulary; by hidden when n does not divide V
     lm_head        kernel [D, V]        by vocabulary; by hidden rows when n does not divide V
     norms          whole
@@ -46,6 +49,7 @@ T = TENSOR_AXIS
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW_PARALLEL = ("o_proj", "down_proj")
 _ROW_PARALLEL_GROUPS = ("o", "down")
+_MATRICES = ("kernel", "qkernel")  # [L, in, out]; the other leaves of a projection are [L, out]
 KV_SPEC = P(None, None, None, T, None)
 
 
@@ -74,9 +78,9 @@ def param_spec(name: str, shape: tuple[int, ...], tensor: int) -> P:
     if name == "lm_head.kernel":  # [D, V]
         return P(None, T) if shape[1] % tensor == 0 else P(T, None)
     if module in _COLUMN_PARALLEL:
-        return P(None, None, T) if leaf == "kernel" else P(None, T)
+        return P(None, None, T) if leaf in _MATRICES else P(None, T)
     if module in _ROW_PARALLEL:
-        return P(None, T, None) if leaf == "kernel" else P()
+        return P(None, T, None) if leaf in _MATRICES else P()
     if leaf == "scale":
         return P()
     raise ValueError(f"no tensor-parallel layout for parameter {name!r}")

@@ -103,7 +103,9 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return out
 
 
-def _write_gguf(path: Path, model, arch: str = "llama") -> None:
+def _write_gguf(path: Path, model, arch: str = "llama", projection_type: gguf.GGMLQuantizationType | None = None
+                ) -> None:
+    """`model` as a GGUF file; projection_type stores the seven projections in that quantized type."""
     cfg = model.config
     hf = flat_to_hf({k: np.asarray(v) for k, v in model.flat_params().items()}, cfg)
     w = gguf.GGUFWriter(str(path), arch)
@@ -135,7 +137,12 @@ def _write_gguf(path: Path, model, arch: str = "llama") -> None:
                 t = _permute(t, cfg.num_heads)
             elif g_name == "attn_k":
                 t = _permute(t, cfg.num_kv_heads)
-            w.add_tensor(f"blk.{i}.{g_name}.weight", np.ascontiguousarray(t))
+            t = np.ascontiguousarray(t)
+            if projection_type is not None and "norm" not in g_name:
+                w.add_tensor(f"blk.{i}.{g_name}.weight", gguf.quants.quantize(t, projection_type),
+                             raw_dtype=projection_type)
+            else:
+                w.add_tensor(f"blk.{i}.{g_name}.weight", t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -109,3 +109,16 @@ def test_tensor_parallel_flag():
     assert engine_config(p.parse_args(["--tensor-parallel", "2"])).mesh.tensor == 2
     with pytest.raises(ValueError, match="tensor=0"):
         engine_config(p.parse_args(["--tensor-parallel", "0"]))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_quantized_projections_split_like_their_dense_kernels(quantization):
+    _, params = abstract_model(CFG, "float32", quantization)
+    specs = {name: param_spec(name, spec.shape, 4) for name, spec in params.items()}
+    assert "layers.self_attn.q_proj.kernel" not in specs
+    for module in ("self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj", "mlp.up_proj"):
+        assert specs[f"layers.{module}.qkernel"] == P(None, None, T)  # [L, in, out] by output columns
+        assert specs[f"layers.{module}.qscale"] == P(None, T)  # [L, out] with its columns
+    for module in ("self_attn.o_proj", "mlp.down_proj"):
+        assert specs[f"layers.{module}.qkernel"] == P(None, T, None)  # by input rows
+        assert specs[f"layers.{module}.qscale"] == P()  # whole: each shard scales its partial sum

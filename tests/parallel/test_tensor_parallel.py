@@ -114,3 +114,17 @@ def test_bench_step_timer_compiles_nothing_in_its_timed_loop(result):
     timer = result["bench_timer"]
     assert "error" not in timer, timer.get("error")
     assert timer["step_ms"] > 0
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_quantized_base_greedy_tokens_match_one_device(result, quantization, tensor):
+    """Weight-only quantized projections split like their dense kernels, scales with them."""
+    runs = result["quantized"][quantization]
+    assert runs[f"tp{tensor}"] == runs["reference"]
+    assert runs[f"tp{tensor}_max_logit_diff"] <= TOLERANCES["float32"]["atol"]
+
+
+def test_quantized_step_has_the_dense_step_collectives(result):
+    """Scales are applied per shard (o/down: to the partial sums), so no collective is added."""
+    assert result["raw_hlo_int8"] == result["raw_hlo"]

@@ -28,7 +28,7 @@ from jaxlora.lora.apply import LoraRuntime
 from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
 from jaxlora.model import RaggedBatch, init_kv_cache, init_paged_kv_cache
 from jaxlora.model.forward import forward_logits
-from jaxlora.model.params import random_model
+from jaxlora.model.params import quantized_model, random_model
 from jaxlora.parallel import MeshConfig, make_mesh
 from jaxlora.parallel.forward import sharded_forward_logits
 from jaxlora.parallel.sharding import (
@@ -231,16 +231,33 @@ def _split_collectives(hlo: str) -> dict:
     }
 
 
-def check_raw_hlo(result: dict) -> None:
+def check_quantized(result: dict) -> None:
+    """The raw mixed-adapter check on weight-only quantized bases (q/k/v/gate/up scales split with
+    their columns, o/down scales whole), and the int8 step's collectives."""
+    dense = random_model(RAW_CONFIG, seed=3, std=0.2)
+    bank = raw_bank(RAW_CONFIG, RAW_LORA)
+    result["quantized"] = {}
+    for quantization in ("int8", "fp8"):
+        model = quantized_model(dense, quantization)
+        ref_tokens, ref_logits = raw_greedy(model, bank, None, "xla")
+        out = result["quantized"][quantization] = {"reference": ref_tokens}
+        for n in TENSOR_SIZES:
+            tokens, logits = raw_greedy(model, bank, make_mesh(MeshConfig(tensor=n)), "xla")
+            out[f"tp{n}"] = tokens
+            out[f"tp{n}_max_logit_diff"] = float(np.abs(logits - ref_logits).max())
+    check_raw_hlo(result, quantization="int8")
+
+
+def check_raw_hlo(result: dict, quantization: str | None = None) -> None:
     """Collectives of a decode-shaped sharded forward (tp=4) with the vocab-parallel layout."""
-    model, mesh = random_model(RAW_CONFIG, seed=3), make_mesh(MeshConfig(tensor=4))
+    model, mesh = random_model(RAW_CONFIG, seed=3, quantization=quantization), make_mesh(MeshConfig(tensor=4))
     rows = len(RAW_SLOTS)
     tok = jnp.zeros((rows, 1), jnp.int32)
     hlo = sharded_forward_logits.lower(
         model.graphdef, shard_model(model, mesh).params, tok, tok, shard_kv(init_kv_cache(RAW_CONFIG, rows, 8), mesh),
         shard_bank(raw_bank(RAW_CONFIG, RAW_LORA), mesh), jnp.asarray(RAW_SLOTS, jnp.int32), mesh=mesh,
         runtime=LoraRuntime.for_platform("xla")).compile().as_text()
-    result["raw_hlo"] = _split_collectives(hlo)
+    result["raw_hlo" if quantization is None else f"raw_hlo_{quantization}"] = _split_collectives(hlo)
 
 
 # The engine's step on a decode-only batch (one token per row) at the Llama-2-7B shape with many
@@ -309,6 +326,7 @@ def main() -> None:
     check_engine_shape_hlo(result)
     check_raw(result)
     check_raw_hlo(result)
+    check_quantized(result)
     engine = check_engine(result)
     check_hlo(engine, result)
     check_bench_timer(engine, result)

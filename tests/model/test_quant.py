@@ -1,0 +1,131 @@
+"""Weight-only quantization (jaxlora.model.quant): per-channel round-trip bounds of each format, the
+quantized layer against its dequantized weight, and what build_model accepts."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlora.errors import ModelLoadError
+from jaxlora.lora.merge import merged_params
+from jaxlora.model.params import build_model, quantized_model, random_model
+from jaxlora.model.quant import (
+    QuantLinear,
+    Quantization,
+    dequantize,
+    dequantize_arrays,
+    project,
+    quantize,
+)
+from tests.helpers import tiny_config
+from tests.tolerances import assert_close
+
+IN, OUT = 576, 2049  # SmolLM2's hidden size, and an odd width
+
+
+def _weights() -> np.ndarray:
+    """[IN, OUT] float32 with per-channel magnitudes from 1e-4 to 1e2, an all-zero channel, a channel
+    with one large outlier and one of tiny values (fp8's subnormal range after scaling)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((IN, OUT)).astype(np.float32) * np.logspace(-4, 2, OUT, dtype=np.float32)
+    w[:, 7] = 0.0
+    w[:, 8] = rng.standard_normal(IN) * 0.01
+    w[3, 8] = 50.0
+    w[:, 9] = rng.standard_normal(IN) * 1e-5
+    w[0, 9] = 1.0  # the rest of channel 9 sits 1e5x below its amax: subnormal e4m3 (< 2^-6) after scaling
+    return w
+
+
+def _round_trip(quantization: Quantization):
+    w = _weights()
+    q, scale = quantize(jnp.asarray(w), quantization)
+    assert q.dtype == quantization.storage_dtype and q.shape == (IN, OUT)
+    assert scale.dtype == jnp.float32 and scale.shape == (OUT,)
+    back = np.asarray(dequantize(q, scale))
+    return w, np.asarray(q).astype(np.float32), np.asarray(scale), back
+
+
+def test_int8_round_trip_within_half_a_step_per_channel():
+    w, q, scale, back = _round_trip(Quantization.INT8)
+    amax = np.abs(w).max(axis=0)
+    live = amax > 0
+    np.testing.assert_allclose(scale[live], amax[live] / 127, rtol=1e-6)
+    assert scale[7] == 1.0 and not back[:, 7].any()  # a zero channel stays exactly zero
+    assert (np.abs(q).max(axis=0)[live] == 127).all()  # the channel's amax maps onto the limit
+    err = np.abs(w - back).max(axis=0)
+    # Half a step, plus float32 rounding of w / scale and of q * scale.
+    assert (err <= scale / 2 * (1 + 1e-5) + np.abs(w).max(axis=0) * 2e-7).all()
+    assert (err[live] > 0).any()  # the weights really went through 8 bits
+
+
+def test_fp8_round_trip_within_e4m3_bound_per_channel():
+    w, q, scale, back = _round_trip(Quantization.FP8)
+    amax = np.abs(w).max(axis=0)
+    live = amax > 0
+    np.testing.assert_allclose(scale[live], amax[live] / 448, rtol=1e-6)
+    assert scale[7] == 1.0 and not back[:, 7].any()
+    assert (np.abs(q).max(axis=0)[live] == 448).all()
+    err = np.abs(w - back)
+    # e4m3 keeps 3 mantissa bits: a normal value is off by at most 2^-4 of itself; below 2^-6 (scaled)
+    # the subnormal step is 2^-9, so at most 2^-10 * scale. Plus float32 rounding.
+    bound = np.maximum(np.abs(w) * 2.0 ** -4, scale * 2.0 ** -10) * (1 + 1e-5) + np.abs(w) * 2e-7
+    assert (err <= bound).all()
+    assert (np.abs(w[:, 9] / scale[9]) < 2.0 ** -6).sum() > IN // 2  # channel 9 did test the subnormal bound
+    assert err[:, live].max() > 0
+
+
+def test_int8_hand_computed_case():
+    # Column [2, -1, 0.3]: amax 2, scale 2/127; -1 / (2/127) = -63.5 rounds half to even -> -64,
+    # 0.3 * 63.5 = 19.05 -> 19. Dequantized: -64 * 2/127 = -1.00787..., 19 * 2/127 = 0.29921...
+    q, scale = quantize(jnp.asarray([[2.0], [-1.0], [0.3]]), Quantization.INT8)
+    assert np.asarray(q)[:, 0].tolist() == [127, -64, 19]
+    np.testing.assert_allclose(np.asarray(dequantize(q, scale))[:, 0], [2.0, -128 / 127, 38 / 127], rtol=1e-6)
+
+
+def test_quant_linear_is_x_times_the_dequantized_weight_plus_bias():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((48, 80)).astype(np.float32)
+    bias = rng.standard_normal(80).astype(np.float32)
+    x = rng.standard_normal((5, 48)).astype(np.float32)
+    for quantization in Quantization:
+        layer = QuantLinear(48, 80, quantization=quantization, use_bias=True, dtype=jnp.float32)
+        q, scale = quantize(jnp.asarray(w), quantization)
+        layer.qkernel.set_value(q)
+        layer.qscale.set_value(scale)
+        layer.bias.set_value(jnp.asarray(bias))
+        dense = x @ np.asarray(dequantize(q, scale))
+        assert_close(layer(jnp.asarray(x)), dense + bias, "float32", str(quantization))
+        assert_close(project(layer, jnp.asarray(x)), dense, "float32", str(quantization))  # no bias
+
+
+def test_quantized_model_keeps_embeddings_norms_and_head_dense():
+    model = random_model(tiny_config(tie_word_embeddings=False, attention_bias=True), seed=2)
+    q = quantized_model(model, "fp8").flat_params()
+    dense = model.flat_params()
+    for name, value in dense.items():
+        if name.endswith(".kernel") and name != "lm_head.kernel":
+            prefix = name.removesuffix(".kernel")
+            assert name not in q and q[f"{prefix}.qkernel"].dtype == jnp.float8_e4m3fn
+            assert q[f"{prefix}.qscale"].shape == value.shape[:1] + value.shape[2:]  # [L, out]
+        else:
+            np.testing.assert_array_equal(np.asarray(q[name]), np.asarray(value), err_msg=name)
+    with pytest.raises(ValueError, match="already quantized"):
+        quantized_model(quantized_model(model, "int8"), "fp8")
+
+
+def test_build_model_never_casts_quantized_weights_across_formats():
+    model = quantized_model(random_model(tiny_config(), seed=2), "int8")
+    arrays = model.flat_params()
+    with pytest.raises(ModelLoadError, match=r"down_proj\.qkernel has dtype int8, expected float8_e4m3fn"):
+        build_model(model.config, arrays, quantization="fp8")
+    with pytest.raises(ValueError, match="must be one of"):
+        build_model(model.config, arrays, quantization="int4")
+    dense = build_model(model.config, dequantize_arrays(arrays))
+    assert dense.quantization is None and "layers.mlp.up_proj.kernel" in dense.flat_params()
+
+
+def test_merging_into_a_quantized_base_is_refused():
+    model = quantized_model(random_model(tiny_config(), seed=2), "int8")
+    with pytest.raises(ModelLoadError, match="cannot merge into int8 base weights"):
+        merged_params(model, {})
