@@ -19,6 +19,7 @@ import dataclasses
 import enum
 import importlib.metadata
 import logging
+import os
 import queue
 import threading
 import time
@@ -34,6 +35,7 @@ from grpc_reflection.v1alpha import reflection
 from jaxlora.engine.request import FinishReason, GenerationRequest, RequestOutput, SamplingParams
 from jaxlora.errors import (
     AdapterError,
+    AdapterExistsError,
     AdapterInUseError,
     CapacityError,
     JaxloraError,
@@ -45,6 +47,7 @@ from serving.gen import inference_pb2 as pb
 from serving.gen import inference_pb2_grpc as pb_grpc
 from serving.metrics import ServerMetrics
 from serving.security import AdapterRoots, AuthInterceptor, PathRefused
+from serving.wire import DecodeGuard
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,10 @@ class ServerOptions:
       grace_seconds: on shutdown, how long in-flight streams may run before they are cancelled.
       unload_timeout_seconds: how long UnloadAdapter waits for requests using the adapter.
       model_name: what GetServerInfo reports as the model (default: the model config's name).
+      tokenize_slots: Generate calls that tokenize their prompt at once (on their own gRPC thread,
+        outside the engine loop); the others wait. A burst of long prompts then cannot take every
+        core from the engine loop, which would stall every running stream. Default: a quarter of
+        the cores, at least one.
     """
 
     host: str = "127.0.0.1"
@@ -84,6 +91,7 @@ class ServerOptions:
     grace_seconds: float = 30.0
     unload_timeout_seconds: float = 30.0
     model_name: str = ""
+    tokenize_slots: int = dataclasses.field(default_factory=lambda: max(1, (os.cpu_count() or 1) // 4))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adapter_roots", tuple(str(r) for r in self.adapter_roots))
@@ -91,7 +99,7 @@ class ServerOptions:
             raise ValueError(f"port={self.port} must be in [0, 65535]")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port={self.metrics_port} must be in [0, 65535]")
-        for field in ("max_concurrent_streams", "max_message_bytes"):
+        for field in ("max_concurrent_streams", "max_message_bytes", "tokenize_slots"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
         for field in ("grace_seconds", "unload_timeout_seconds"):
@@ -162,6 +170,8 @@ def _status_of(error: Exception, *, is_draining: bool = False) -> tuple[grpc.Sta
     match error:
         case UnknownAdapterError():
             return grpc.StatusCode.NOT_FOUND, str(error)
+        case AdapterExistsError():
+            return grpc.StatusCode.ALREADY_EXISTS, str(error)
         case PathRefused():
             return grpc.StatusCode.PERMISSION_DENIED, str(error)
         case FileNotFoundError():
@@ -189,6 +199,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.metrics = metrics
         self.admission = admission
         self.roots = AdapterRoots(options.adapter_roots)
+        self._tokenize_slots = threading.BoundedSemaphore(options.tokenize_slots)
 
     # Generate.
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
@@ -209,7 +220,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         gen = self._generation_request(request, engine_id=f"{client_id}#{uuid.uuid4().hex[:12]}")
         updates: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         try:
-            self.engine.submit(gen, callback=updates.put)
+            with self._tokenize_slots:  # submit tokenizes
+                self.engine.submit(gen, callback=updates.put)
         except JaxloraError as e:
             raise _Abort(*_status_of(e, is_draining=self.admission.phase is not Phase.SERVING)) from None
         self.metrics.adapter_requests.labels(adapter=gen.adapter or "").inc()
@@ -449,7 +461,7 @@ def build_server(engine: Any, options: ServerOptions = ServerOptions()) -> tuple
     metrics = ServerMetrics(engine)
     servicer = InferenceServicer(engine, options, metrics, admission)
     num_threads = options.max_concurrent_streams + 16  # streams plus room for unary and health calls
-    interceptors = [AuthInterceptor(api_key=options.api_key, admin_key=options.admin_key)]
+    interceptors = [AuthInterceptor(api_key=options.api_key, admin_key=options.admin_key), DecodeGuard()]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="jaxlora-grpc"),
         interceptors=interceptors, maximum_concurrent_rpcs=num_threads,
