@@ -85,7 +85,7 @@ def _engine_args(argv: list[str]):
 
 
 def test_default_host_adapter_memory_is_a_share_of_the_machine(files, monkeypatch, capsys):
-    import jaxlora.adapters.host_budget as host_budget
+    from jaxlora.adapters import host_budget
     from jaxlora.adapters.registry import slot_nbytes
     from jaxlora.cli.engine_args import build_engine, engine_config
     from jaxlora.errors import CapacityError

@@ -237,3 +237,27 @@ def test_resume_keeps_own_records_and_cuts_only_a_torn_record(job_files, tmp_pat
     with ResultsFile.open(output, input_path=requests, expected=expected, overwrite=True) as results:
         assert results.num_done == 0
     assert output.read_text() == ""
+
+
+def _read_only_file(tmp_path: Path) -> Path:
+    """A file this process cannot open for writing (root ignores file modes: then a sysfs file)."""
+    if os.geteuid() != 0:
+        path = tmp_path / "read-only.jsonl"
+        path.write_text("")
+        path.chmod(0o444)
+        return path
+    notes = Path("/sys/kernel/notes")  # read-only for everyone, root included
+    if not notes.is_file():
+        pytest.skip("running as root without /sys/kernel/notes: no file here refuses root's writes")
+    return notes
+
+
+@pytest.mark.parametrize("where, reason", [
+    ("read-only", "Permission denied"),
+    ("no-parent", "No such file or directory"),
+    ("folder", "Is a directory"),
+])
+def test_an_unwritable_output_is_refused_before_loading(job_files, tmp_path, no_engine, capsys, where, reason):
+    output = {"read-only": lambda: _read_only_file(tmp_path), "no-parent": lambda: tmp_path / "no" / "out.jsonl",
+              "folder": lambda: tmp_path}[where]()
+    assert reason in _refused(job_files, output, capsys)
