@@ -13,6 +13,10 @@ class AdapterError(JaxloraError, ValueError):
     """An adapter cannot be loaded; the message names the adapter, the tensor and the reason."""
 
 
+class AdapterExistsError(AdapterError):
+    """An adapter name is already registered, or being registered by a concurrent load (gRPC ALREADY_EXISTS)."""
+
+
 class UnknownAdapterError(JaxloraError, KeyError):
     """A request or call named an adapter that is not registered."""
 

@@ -7,6 +7,7 @@ tokens), or the byte-level BPE stored in GGUF metadata, rebuilt with the `tokeni
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -58,8 +59,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.hf.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token stands for (special tokens included): a text of
+        more than `n * max_token_bytes` bytes cannot tokenize to `n` tokens or fewer."""
+        return max(len(self.hf.decode([i], skip_special_tokens=False).encode()) for i in range(self.vocab_size))
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        ids = self.hf.encode(text, add_special_tokens=False).ids
+        # encode_batch runs the Rust tokenizer with the GIL released (encode holds it: one long prompt
+        # stalled every other Python thread, the engine loop included).
+        ids = self.hf.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids

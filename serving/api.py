@@ -32,6 +32,7 @@ import grpc
 from jaxlora.engine.request import FinishReason, GenerationRequest, Messages, RequestOutput, SamplingParams
 from jaxlora.errors import (
     AdapterError,
+    AdapterExistsError,
     AdapterInUseError,
     CapacityError,
     JaxloraError,
@@ -107,6 +108,8 @@ def error_of(error: Exception, *, is_draining: bool = False) -> ApiError:
             return error
         case UnknownAdapterError():
             return ApiError(Status.NOT_FOUND, str(error))
+        case AdapterExistsError():  # a concurrent load of the same name won the registry's reservation
+            return ApiError(Status.ALREADY_EXISTS, str(error))
         case PathRefused():
             return ApiError(Status.PERMISSION_DENIED, str(error))
         case FileNotFoundError():

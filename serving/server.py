@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import logging
+import os
 import queue
 import threading
 import time
@@ -44,6 +45,7 @@ from serving.gen import inference_pb2_grpc as pb_grpc
 from serving.http_server import HttpServer
 from serving.metrics import ServerMetrics
 from serving.security import AdapterRoots, AuthInterceptor, PathRefused
+from serving.wire import DecodeGuard
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,10 @@ class ServerOptions:
       unload_timeout_seconds: how long UnloadAdapter waits for requests using the adapter.
       model_name: the base model's name: what GetServerInfo reports, and the HTTP API's `model` that
         picks no adapter (default: the model config's name).
+      tokenize_slots: Generate calls that tokenize their prompt at once (on their own gRPC thread,
+        outside the engine loop); the others wait. A burst of long prompts then cannot take every
+        core from the engine loop, which would stall every running stream. Default: a quarter of
+        the cores, at least one.
     """
 
     host: str = "127.0.0.1"
@@ -88,6 +94,7 @@ class ServerOptions:
     grace_seconds: float = 30.0
     unload_timeout_seconds: float = 30.0
     model_name: str = ""
+    tokenize_slots: int = dataclasses.field(default_factory=lambda: max(1, (os.cpu_count() or 1) // 4))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adapter_roots", tuple(str(r) for r in self.adapter_roots))
@@ -97,7 +104,7 @@ class ServerOptions:
                 raise ValueError(f"{field}={value} must be in [0, 65535]")
         if self.port is None and self.http_port is None:
             raise ValueError("give a gRPC port, an HTTP port, or both")
-        for field in ("max_concurrent_streams", "max_message_bytes"):
+        for field in ("max_concurrent_streams", "max_message_bytes", "tokenize_slots"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
         for field in ("grace_seconds", "unload_timeout_seconds"):
@@ -132,6 +139,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.metrics = metrics
         self.admission = admission
         self.admin = admin
+        self._tokenize_slots = threading.BoundedSemaphore(options.tokenize_slots)
 
     # Generate.
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
@@ -152,7 +160,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         gen = self._generation_request(request, engine_id=f"{client_id}#{uuid.uuid4().hex[:12]}")
         updates: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         try:
-            self.metrics.submit(self.engine, gen, updates.put)
+            with self._tokenize_slots:  # submit tokenizes
+                self.metrics.submit(self.engine, gen, updates.put)
         except JaxloraError as e:
             raise error_of(e, is_draining=self.admission.phase is not Phase.SERVING) from None
         if not context.add_callback(lambda: self.engine.cancel(gen.request_id)):
@@ -391,7 +400,7 @@ def build_server(engine: Any, options: ServerOptions = ServerOptions()) -> tuple
                          unload_timeout_seconds=options.unload_timeout_seconds)
     servicer = InferenceServicer(engine, options, metrics, admission, admin)
     num_threads = options.max_concurrent_streams + 16  # streams plus room for unary and health calls
-    interceptors = [AuthInterceptor(api_key=options.api_key, admin_key=options.admin_key)]
+    interceptors = [AuthInterceptor(api_key=options.api_key, admin_key=options.admin_key), DecodeGuard()]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="jaxlora-grpc"),
         interceptors=interceptors, maximum_concurrent_rpcs=num_threads,

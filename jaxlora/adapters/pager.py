@@ -186,7 +186,8 @@ class Pager:
           source: a PEFT folder (adapter_config.json + adapter_model.safetensors) or a HostAdapter.
 
         Raises:
-          AdapterError: invalid name, name taken, or an adapter that does not fit model and bank.
+          AdapterError: invalid name, or an adapter that does not fit model and bank.
+          AdapterExistsError: the name is registered, or being registered by another call.
           CapacityError: the host budget cannot hold one more adapter.
         """
         check_adapter_name(name)

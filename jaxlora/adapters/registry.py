@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlora.config import LoraConfig, ModelConfig
-from jaxlora.errors import AdapterError, CapacityError
+from jaxlora.errors import AdapterError, AdapterExistsError, CapacityError
 from jaxlora.lora.bank import Bank, bank_groups, flat_slot_layout, init_bank
 from jaxlora.lora.host_adapter import HostAdapter
-from jaxlora.lora.validate import check_adapter_name
+from jaxlora.lora.validate import RANK_HINT, check_adapter_name, check_weight_magnitude
 
 
 class HostMemory(enum.StrEnum):
@@ -173,14 +173,15 @@ def load_host_adapter(name: str, source: str | Path | HostAdapter, model: ModelC
 
 
 def check_host_adapter(name: str, adapter: HostAdapter, model: ModelConfig, lora: LoraConfig) -> None:
-    """Raises AdapterError unless `adapter` fits the model and the bank and holds finite numbers."""
+    """Raises AdapterError unless `adapter` fits the model and the bank and its weights are finite and
+    within MAX_ADAPTER_WEIGHT (jaxlora.lora.validate)."""
     where = f"adapter {name!r}"
     extra = sorted(set(adapter.target_modules) - set(lora.target_modules))
     if extra:
         raise AdapterError(f"{where}: targets {extra}, which the bank does not hold "
                            f"(target_modules={list(lora.target_modules)})")
     if adapter.rank > lora.max_rank:
-        raise AdapterError(f"{where}: rank={adapter.rank} must be <= max_rank={lora.max_rank}")
+        raise AdapterError(f"{where}: rank={adapter.rank} must be <= max_rank={lora.max_rank} ({RANK_HINT})")
     for module, (a, b) in adapter.weights.items():
         d_in, d_out = model.module_shape(module)
         r = a.shape[-1]
@@ -188,8 +189,7 @@ def check_host_adapter(name: str, adapter: HostAdapter, model: ModelConfig, lora
             raise AdapterError(f"{where}: {module} has a {a.shape}, b {b.shape}; the model wants "
                                f"a [{model.num_layers}, {d_in}, r], b [{model.num_layers}, r, {d_out}]")
         for which, x in (("a", a), ("b", b)):
-            if not np.isfinite(x).all():
-                raise AdapterError(f"{where}: {module}.{which} holds NaN or infinite values")
+            check_weight_magnitude(f"{where}: {module}.{which}", x)
 
 
 def prepare_adapter(
@@ -254,11 +254,11 @@ class Registry:
         """Claims `name` and `nbytes` for a load about to start.
 
         Raises:
-          AdapterError: the name is registered or being registered.
+          AdapterExistsError: the name is registered or being registered.
           CapacityError: the bytes do not fit in what is left of the budget.
         """
         if name in self._adapters or name in self._reserved:
-            raise AdapterError(f"adapter name {name!r} is already registered")
+            raise AdapterExistsError(f"adapter name {name!r} is already registered")
         if self.capacity_bytes is not None and self.used_bytes + nbytes > self.capacity_bytes:
             raise CapacityError(
                 f"host adapter memory is full: adapter {name!r} needs {nbytes / 2**20:.1f} MiB, "

@@ -1,4 +1,8 @@
-"""`jaxlora client --prompt TEXT [--adapter NAME]`: stream one completion from a running server."""
+"""`jaxlora client --prompt TEXT [--adapter NAME]`: stream one reply from a running server.
+
+`--prompt` is a user message, rendered with the model's chat template (as `jaxlora generate
+--prompt`); `--raw` sends it as raw text to complete (the gRPC `prompt` field).
+"""
 
 from __future__ import annotations
 
@@ -14,10 +18,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="sent as 'authorization: Bearer KEY' (default: $JAXLORA_API_KEY)")
     p.add_argument("--adapter", default="", help="adapter name (default: the base model)")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--prompt", help="text to complete")
+    what.add_argument("--prompt", help="a user message (chat template applied; --raw: text to complete as is)")
     what.add_argument("--list-adapters", action="store_true", help="list the server's adapters and exit")
     what.add_argument("--info", action="store_true", help="print the server's model and limits and exit")
-    p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    p.add_argument("--raw", action="store_true", help="send --prompt as raw text, without the chat template")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -36,7 +40,10 @@ def run(args: argparse.Namespace) -> int:
     with InferenceClient(f"{args.host}:{args.port}", api_key=args.api_key, timeout=args.timeout) as client:
         try:
             if args.list_adapters:
-                for a in client.list_adapters():
+                adapters = client.list_adapters()
+                if not adapters:
+                    print("no adapters loaded (requests without an adapter use the base model)")
+                for a in adapters:
                     where = f"slot {a.slot}" if a.resident else "host"
                     print(f"{a.name}\trank {a.rank}\t{','.join(a.target_modules)}\t{where}\t{a.in_flight} in flight")
                 return 0
@@ -50,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _stream(client, args: argparse.Namespace) -> int:
-    chat = dict(messages=[{"role": "user", "content": args.prompt}]) if args.chat else dict(prompt=args.prompt)
+    chat = dict(prompt=args.prompt) if args.raw else dict(messages=[{"role": "user", "content": args.prompt}])
     last = None
     for chunk in client.stream(adapter=args.adapter, max_tokens=args.max_tokens, temperature=args.temperature,
                                top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, **chat):

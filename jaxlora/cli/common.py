@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import jax.numpy as jnp
 
@@ -22,14 +23,26 @@ def add_quantize_arg(p: argparse.ArgumentParser) -> None:
                         "(default: dense; a checkpoint converted with --quantize loads quantized)")
 
 
-def parse_adapter_flags(values: list[str] | None) -> dict[str, str]:
-    """`NAME=PATH` flags -> {name: path}; a malformed or repeated flag is an argparse error."""
-    out: dict[str, str] = {}
-    for v in values or []:
-        name, sep, path = v.partition("=")
+class AdapterFlag(argparse.Action):
+    """`--adapter NAME=PATH` (repeatable) into {name: path}. A malformed flag, an invalid or repeated
+    name, or a path that is no adapter folder is a usage error at parse time, before any model loads."""
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        from jaxlora.errors import AdapterError
+        from jaxlora.lora.validate import check_adapter_name
+
+        adapters = dict(getattr(namespace, self.dest) or {})  # never mutate the shared default
+        name, sep, path = value.partition("=")
         if not sep or not name or not path:
-            raise argparse.ArgumentTypeError(f"--adapter expects NAME=PATH, got {v!r}")
-        if name in out:
-            raise argparse.ArgumentTypeError(f"--adapter {name!r} given twice")
-        out[name] = path
-    return out
+            raise argparse.ArgumentError(self, f"expects NAME=PATH, got {value!r}")
+        try:
+            check_adapter_name(name)
+        except AdapterError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+        if name in adapters:
+            raise argparse.ArgumentError(self, f"{name!r} is given twice ({adapters[name]} and {path})")
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise argparse.ArgumentError(self, f"{name}={path}: no adapter_config.json there (not a PEFT "
+                                               "adapter folder)")
+        adapters[name] = path
+        setattr(namespace, self.dest, adapters)

@@ -38,11 +38,14 @@ def run(args: argparse.Namespace) -> int:
     from jaxlora.train.demo import DEMO_DIR, shown_behaviours
 
     folder = args.demo_dir or DEMO_DIR
+    if args.demo_dir is not None and not folder.is_dir():
+        print(f"jaxlora demo: error: --demo-dir {folder}: no such folder", file=sys.stderr)
+        return 2
     prompts = tuple(args.prompt or DEFAULT_PROMPTS)
     try:
         adapters = demo_adapters(folder) if folder.is_dir() else {}
         engine = build_engine(args, extra_adapters=adapters)
-        names = [None, *adapters, *(a.partition("=")[0] for a in args.adapter)]
+        names = [None, *{**adapters, **args.adapter}]
         print(f"base model + {len(names) - 1} adapters ({', '.join(map(str, names[1:]))}) x {len(prompts)} "
               f"prompts = {len(names) * len(prompts)} rows in one continuous batch; warming up...",
               file=sys.stderr, flush=True)

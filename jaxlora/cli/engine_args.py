@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import sys
 from pathlib import Path
 
-from jaxlora.cli.common import add_model_args, add_quantize_arg, parse_adapter_flags
+from jaxlora.cli.common import AdapterFlag, add_model_args, add_quantize_arg
 from jaxlora.config import LoraBackend
 
 log = logging.getLogger(__name__)
@@ -18,10 +19,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, adapters_help: str = "registe
     add_quantize_arg(p)
     p.set_defaults(dtype=None)  # None: the engine config's dtype decides
     p.add_argument("--config", type=Path, default=None, help="engine config YAML (see configs/)")
-    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+    p.add_argument("--adapter", action=AdapterFlag, default={}, metavar="NAME=PATH",
                    help=f"{adapters_help} under NAME (repeatable)")
     p.add_argument("--max-slots", type=int, default=None, help="device adapter slots, slot 0 (base) included")
-    p.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank the bank holds")
+    p.add_argument("--max-lora-rank", type=int, default=None,
+                   help="largest adapter rank the bank holds (default: the config's, or the largest rank of "
+                        "the --adapter folders if that is larger)")
     p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory at most")
     p.add_argument("--prefetch-adapters", type=int, default=None, metavar="N",
                    help="page in the adapters of up to N waiting requests ahead of admission, 0 = off "
@@ -45,12 +48,23 @@ def with_tensor_parallel(config, tensor_parallel: int | None):
     return dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, tensor=tensor_parallel))
 
 
-def engine_config(args: argparse.Namespace, model_config=None):
-    """The EngineConfig from --config with the flag overrides applied."""
+def engine_config(args: argparse.Namespace, adapters: dict[str, str] | None = None):
+    """The EngineConfig from --config with the flag overrides applied.
+
+    Without --max-lora-rank the bank's rank is the config's, raised to the largest rank among
+    `adapters` (name -> PEFT folder, default: the --adapter flags), so that every adapter named at
+    start-up fits. Raises AdapterError for an adapter_config.json that cannot be read.
+    """
     from jaxlora.engine import EngineConfig
 
     config = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
-    lora_overrides = {k: v for k, v in (("max_slots", args.max_slots), ("max_rank", args.max_lora_rank),
+    max_rank = args.max_lora_rank
+    if max_rank is None:
+        from jaxlora.lora.peft_format import read_lora_spec
+
+        folders = (args.adapter if adapters is None else adapters).values()
+        max_rank = max([config.lora.max_rank, *(read_lora_spec(f).max_rank for f in folders)])
+    lora_overrides = {k: v for k, v in (("max_slots", args.max_slots), ("max_rank", max_rank),
                                         ("backend", args.lora_backend)) if v is not None}
     config = dataclasses.replace(config, lora=dataclasses.replace(config.lora, **lora_overrides))
     if args.dtype is not None:
@@ -73,8 +87,8 @@ def build_engine(args: argparse.Namespace, extra_adapters: dict[str, str] | None
     from jaxlora.engine import Engine
     from jaxlora.loading import load_model
 
-    adapters = {**(extra_adapters or {}), **parse_adapter_flags(args.adapter)}
-    config = engine_config(args)
+    adapters = {**(extra_adapters or {}), **args.adapter}
+    config = engine_config(args, adapters)
     model, tokenizer = load_model(args.model, dtype=DTYPES[config.dtype], quantization=args.quantize)
     mesh = None
     if config.mesh.is_sharded:  # fail before the pager and the engine allocate anything
@@ -83,14 +97,30 @@ def build_engine(args: argparse.Namespace, extra_adapters: dict[str, str] | None
 
         check_divisible(model.config, config.mesh.tensor)
         mesh = make_mesh(config.mesh)
-    capacity = config.host_capacity_bytes
-    if args.max_cpu_loras is not None:
-        if args.max_cpu_loras < 1:
-            raise ValueError(f"--max-cpu-loras={args.max_cpu_loras} must be >= 1")
-        capacity = args.max_cpu_loras * slot_nbytes(model.config, config.lora, model.dtype)
-        config = dataclasses.replace(config, host_capacity_bytes=capacity)
+    capacity = _host_capacity(args, config, slot_nbytes(model.config, config.lora, model.dtype))
+    config = dataclasses.replace(config, host_capacity_bytes=capacity)
     pager = Pager(model.config, config.lora, host_capacity_bytes=capacity, dtype=model.dtype, mesh=mesh)
     for name, path in adapters.items():
         pager.register(name, path)
         log.info("registered adapter %r from %s", name, path)
     return Engine(model, tokenizer, config, pager)
+
+
+def _host_capacity(args: argparse.Namespace, config, slot_bytes: int) -> int:
+    """Host bytes registered adapters may take: --max-cpu-loras, else the config's, else a share of
+    this machine's memory (jaxlora.adapters.host_budget). Printed, since it bounds LoadAdapter."""
+    from jaxlora.adapters.host_budget import HOST_SHARE, default_host_capacity_bytes, machine_memory_bytes
+
+    if args.max_cpu_loras is not None:
+        if args.max_cpu_loras < 1:
+            raise ValueError(f"--max-cpu-loras={args.max_cpu_loras} must be >= 1")
+        capacity, origin = args.max_cpu_loras * slot_bytes, "--max-cpu-loras"
+    elif config.host_capacity_bytes is not None:
+        capacity, origin = config.host_capacity_bytes, "the engine config's host_capacity_bytes"
+    else:
+        memory = machine_memory_bytes()
+        capacity = default_host_capacity_bytes(memory)
+        origin = f"{HOST_SHARE:.0%} of this machine's {memory / 2**30:.1f} GiB; --max-cpu-loras N to change"
+    print(f"host adapter memory: {capacity / 2**30:.2f} GiB, room for {capacity // slot_bytes} adapters of "
+          f"{slot_bytes / 2**20:.1f} MiB ({origin})", file=sys.stderr, flush=True)
+    return capacity

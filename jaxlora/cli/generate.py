@@ -14,11 +14,15 @@ from jaxlora.errors import JaxloraError
 def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--prompt", help="one prompt (chat template applied); the reply goes to stdout")
+    mode.add_argument("--prompt", help="one user message (the chat template is applied; --raw: text to "
+                                       "complete as is); the reply goes to stdout")
     mode.add_argument("--input", type=Path, help="requests, one JSON object per line")
     p.add_argument("--output", type=Path, help="results JSONL for --input (appended; re-running resumes)")
-    p.add_argument("--use", default=None, metavar="NAME", help="adapter for --prompt (default: base model)")
-    p.add_argument("--raw", action="store_true", help="send --prompt as is, without the chat template")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace what --output holds instead of resuming from it")
+    p.add_argument("--use", default=None, metavar="NAME",
+                   help="adapter for --prompt, one of the --adapter names (default: base model)")
+    p.add_argument("--raw", action="store_true", help="send --prompt as raw text, without the chat template")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -28,14 +32,31 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    problem = _usage_problem(args)
+    if problem:
+        print(f"jaxlora generate: error: {problem}", file=sys.stderr)
+        return 2
     if args.input is not None:
         from jaxlora.engine.batch_job import run_batch_job
 
-        if not args.output:
-            print("jaxlora generate: --input needs --output", file=sys.stderr)
-            return 2
         return run_batch_job(args)
     return _run_prompt(args)
+
+
+def _usage_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags taken together (checked before anything loads), or None."""
+    if args.input is not None:
+        if args.output is None:
+            return "--input needs --output"
+        if args.use is not None or args.raw:
+            return "--use and --raw go with --prompt; batch lines name their own adapter and prompt kind"
+        return None
+    if args.output is not None or args.overwrite:
+        return "--output and --overwrite go with --input"
+    if args.use is not None and args.use not in args.adapter:
+        given = ", ".join(args.adapter) or "none"
+        return f"--use {args.use}: no --adapter {args.use}=PATH was given (adapters given: {given})"
+    return None
 
 
 def _run_prompt(args: argparse.Namespace) -> int:

@@ -20,9 +20,20 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# Subcommands that never compile (no persistent compilation cache to set up).
+_NO_COMPILES = frozenset({"client"})
+
+
+class UsageParser(argparse.ArgumentParser):
+    """Prints a usage error as one line (argparse prints the whole usage first) and exits 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="jaxlora", description="Multi-LoRA LLM serving in JAX.")
+    parser = UsageParser(prog="jaxlora", description="Multi-LoRA LLM serving in JAX.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     for name, (module, help_text) in SUBCOMMANDS.items():
@@ -32,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
             mod.add_args(p)
             p.set_defaults(_run=mod.run)
     args = parser.parse_args(argv)
+    if args.command not in _NO_COMPILES:
+        from jaxlora.cli import compile_cache
+
+        compile_cache.enable()
     return int(args._run(args) or 0)
 
 

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         server = _build(args)
-    except (JaxloraError, ValueError, OSError, RuntimeError, argparse.ArgumentTypeError) as e:
+    except (JaxloraError, ValueError, OSError, RuntimeError) as e:
         print(f"jaxlora serve: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()
@@ -68,16 +68,19 @@ def _addresses(host: str, server) -> str:
 
 
 def _build(args: argparse.Namespace):
+    from serving.security import AdapterRoots
     from serving.server import ServerOptions, build_server
 
     if args.no_grpc and args.http_port is None:
         raise ValueError("--no-grpc needs --http-port")
-    engine = build_engine(args)
+    # Options and adapter roots are checked before the model loads, so a typo fails at once.
     options = ServerOptions(host=args.host, port=None if args.no_grpc else args.port, http_port=args.http_port,
                             api_key=args.api_key or None,
                             admin_key=args.admin_key or None, adapter_roots=tuple(args.adapter_root),
                             metrics_port=args.metrics_port, max_concurrent_streams=args.max_concurrent_streams,
                             grace_seconds=args.grace_period,
                             model_name=str(args.model) if args.model else "SmolLM2-135M-Instruct")
+    AdapterRoots(options.adapter_roots)
+    engine = build_engine(args)
     server, _ = build_server(engine, options)
     return server

@@ -1,29 +1,31 @@
 """Offline batch generation: JSONL requests in, JSONL results out, resumable after any crash.
 
 Input lines: {"custom_id", "prompt" | "messages", "adapter"?, "max_tokens"?, "temperature"?, "top_p"?,
-"top_k"?, "seed"?, "stop"?, "stop_token_ids"?}. Output lines: {"custom_id", "adapter", "text",
-"token_ids", "finish_reason", "error"}, exactly one per input line, in input order.
+"top_k"?, "seed"?, "stop"?, "stop_token_ids"?}; `prompt` is raw text to complete, `messages` a chat
+rendered with the model's chat template. Output lines: {"custom_id", "request_hash", "adapter",
+"text", "token_ids", "finish_reason", "error"}, exactly one per input line, in input order.
 
 Crash safety: results are written in input order as soon as every earlier line is done, one line per
-`write`, flushed and fsync'd. A re-run reads the output, drops a torn last line, and skips the input
-lines already answered (matched by custom_id, counting repeats; lines without one by line number),
-so after `kill -9` nothing is lost or written twice.
+`write`, fsync'd. A re-run checks that the output holds this input's results (see
+jaxlora.engine.results_file: fingerprints, lock, torn-line repair), then skips the lines already
+answered, so after `kill -9` nothing is lost or written twice, and a file that is not this job's is
+refused instead of overwritten. Everything about `--input`/`--output` is checked before the model
+loads.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from jaxlora.engine.engine import Engine, RequestHandle
 from jaxlora.engine.request import FinalOutput, GenerationRequest, SamplingParams
+from jaxlora.engine.results_file import ResultsFile, ResultsFileError, request_hash
 from jaxlora.errors import CapacityError, JaxloraError
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
@@ -31,54 +33,82 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop
 
 @dataclasses.dataclass
 class _Line:
-    """One input line: where it is, how it is keyed for resume, and its outcome."""
+    """One input line: where it is, its fingerprint, and its outcome."""
 
     number: int  # 1-based line number in the input
-    key: str
+    request_hash: str
     custom_id: Any = None
+    has_id: bool = False  # custom_id is usable (a string or an integer)
     adapter: str | None = None
     request: GenerationRequest | None = None
     record: dict[str, Any] | None = None  # the output record once known
 
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        """The record fields that tie a result to this line (results_file checks them on resume)."""
+        out = {"custom_id": self.custom_id, "request_hash": self.request_hash}
+        if not self.has_id:
+            out["line"] = self.number
+        return out
+
 
 def run_batch_job(args: argparse.Namespace) -> int:
-    """Loads the model and adapters, runs the job, prints the JSON summary on stderr. Exit code 0
-    when every line got a record (error records included), 2 for unusable arguments.
+    """Checks the files, loads the model and adapters, runs the job, prints the JSON summary on
+    stderr. Exit code 0 when every line got a record (error records included), 2 for unusable
+    arguments or files (before the model loads), 1 when the results cannot be written.
 
-    `args` carries the engine flags of jaxlora.cli.engine_args plus input, output and no_progress.
+    `args` carries the engine flags of jaxlora.cli.engine_args plus input, output, overwrite and
+    no_progress.
     """
     from jaxlora.cli.engine_args import build_engine
 
-    if not args.input.is_file():
-        print(f"error: --input {args.input}: no such file", file=sys.stderr)
-        return 2
     try:
-        engine = build_engine(args)
-    except (JaxloraError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        lines = read_input(args.input)
+        results = ResultsFile.open(args.output, input_path=args.input, expected=[x.fingerprint for x in lines],
+                                   overwrite=args.overwrite)
+    except ResultsFileError as e:
+        print(f"jaxlora generate: {e}", file=sys.stderr)
         return 2
-    engine.warmup()
-    summary = BatchJob(engine, args.input, args.output, progress=not args.no_progress).run()
+    with results:
+        try:
+            engine = build_engine(args)
+        except (JaxloraError, ValueError, OSError) as e:
+            print(f"jaxlora generate: {e}", file=sys.stderr)
+            return 2
+        engine.warmup()
+        try:
+            summary = BatchJob(engine, lines, results, progress=not args.no_progress).run()
+        except ResultsFileError as e:
+            print(f"jaxlora generate: {e}", file=sys.stderr)
+            return 1
     print(json.dumps(summary), file=sys.stderr, flush=True)
     return 0
 
 
-class BatchJob:
-    """Runs the not-yet-answered lines of `input_path` through `engine`, appending to `output_path`."""
+def read_input(path: Path) -> list[_Line]:
+    """The non-blank lines of the input file, parsed; ResultsFileError if it cannot be read."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return [_parse_line(number, text) for number, text in enumerate(f, start=1) if text.strip()]
+    except OSError as e:
+        raise ResultsFileError(f"--input {path}: {e.strerror}") from None
 
-    def __init__(self, engine: Engine, input_path: Path, output_path: Path, *, progress: bool = True) -> None:
+
+class BatchJob:
+    """Runs the input lines not yet answered in `results` through `engine`, appending to `results`."""
+
+    def __init__(self, engine: Engine, lines: list[_Line], results: ResultsFile, *, progress: bool = True) -> None:
         self.engine = engine
-        self.input_path = Path(input_path)
-        self.output_path = Path(output_path)
+        self.lines = lines
+        self.results = results
         self.progress = progress
 
     def run(self) -> dict[str, Any]:
-        done = _answered_keys(self.output_path)
-        todo = [line for line in self._read_input() if not _consume(done, line.key)]
+        todo = self.lines[self.results.num_done:]
         start = time.perf_counter()
         stats_before = self.engine.stats()
-        with open(self.output_path, "a", encoding="utf-8") as out, self._bar(len(todo)) as bar:
-            self._generate(todo, out, bar)
+        with self._bar(len(todo)) as bar:
+            self._generate(todo, bar)
         seconds = time.perf_counter() - start
         stats = self.engine.stats()
         generated = sum(len(line.record["token_ids"]) for line in todo)
@@ -100,15 +130,7 @@ class BatchJob:
 
         return tqdm(total=total, unit="req", file=sys.stderr, disable=not (self.progress and sys.stderr.isatty()))
 
-    def _read_input(self) -> list[_Line]:
-        lines = []
-        with open(self.input_path, encoding="utf-8", errors="replace") as f:
-            for number, text in enumerate(f, start=1):
-                if text.strip():
-                    lines.append(_parse_line(number, text))
-        return lines
-
-    def _generate(self, todo: list[_Line], out: TextIO, bar) -> None:
+    def _generate(self, todo: list[_Line], bar) -> None:
         in_flight: dict[int, RequestHandle] = {}  # index into todo -> handle
         next_submit = next_write = 0
         while next_write < len(todo):
@@ -127,26 +149,27 @@ class BatchJob:
             for i in [i for i, h in in_flight.items() if h.done]:
                 todo[i].record = _result_record(todo[i], in_flight.pop(i).result())
             while next_write < len(todo) and todo[next_write].record is not None:
-                _append_durably(out, todo[next_write].record)
+                self.results.append(todo[next_write].record)
                 next_write += 1
                 bar.update(1)
 
 
 def _parse_line(number: int, text: str) -> _Line:
     """A request, or an error record for a line that is not one (the job goes on)."""
+    digest = request_hash(text)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        line = _Line(number=number, key=f"line:{number}")
+        line = _Line(number=number, request_hash=digest)
         line.record = _error_record(line, f"line {number}: malformed JSON ({e.msg})")
         return line
     if not isinstance(obj, dict):
-        line = _Line(number=number, key=f"line:{number}")
+        line = _Line(number=number, request_hash=digest)
         line.record = _error_record(line, f"line {number}: expected a JSON object")
         return line
     cid = obj.get("custom_id")
     has_id = isinstance(cid, (str, int)) and not isinstance(cid, bool)
-    line = _Line(number=number, key=f"id:{json.dumps(cid)}" if has_id else f"line:{number}", custom_id=cid,
+    line = _Line(number=number, request_hash=digest, custom_id=cid, has_id=has_id,
                  adapter=obj.get("adapter") if isinstance(obj.get("adapter"), str) else None)
     try:
         if not has_id:
@@ -161,56 +184,10 @@ def _parse_line(number: int, text: str) -> _Line:
 
 
 def _result_record(line: _Line, result: FinalOutput) -> dict[str, Any]:
-    return {"custom_id": line.custom_id, "adapter": line.adapter, "text": result.text,
-            "token_ids": list(result.token_ids), "finish_reason": result.finish_reason.value, "error": result.error}
+    return {**line.fingerprint, "adapter": line.adapter, "text": result.text, "token_ids": list(result.token_ids),
+            "finish_reason": result.finish_reason.value, "error": result.error}
 
 
 def _error_record(line: _Line, error: str) -> dict[str, Any]:
-    record = {"custom_id": line.custom_id, "adapter": line.adapter, "text": "", "token_ids": [],
-              "finish_reason": "error", "error": error}
-    if line.key.startswith("line:"):
-        record["line"] = line.number  # no usable custom_id: resume matches by line number
-    return record
-
-
-def _record_key(record: dict[str, Any]) -> str:
-    if "line" in record:
-        return f"line:{record['line']}"
-    return f"id:{json.dumps(record.get('custom_id'))}"
-
-
-def _answered_keys(path: Path) -> collections.Counter[str]:
-    """Keys of the complete records in `path`; a torn last line (crash mid-write) is cut off."""
-    keys: collections.Counter[str] = collections.Counter()
-    if not path.exists():
-        return keys
-    data = path.read_bytes()
-    good = 0  # bytes of complete, parseable lines
-    for raw in data.splitlines(keepends=True):
-        if not raw.endswith(b"\n"):
-            break
-        try:
-            record = json.loads(raw)
-        except json.JSONDecodeError:
-            break
-        keys[_record_key(record)] += 1
-        good += len(raw)
-    if good < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(good)
-            f.flush()
-            os.fsync(f.fileno())
-    return keys
-
-
-def _consume(done: collections.Counter[str], key: str) -> bool:
-    if done[key] > 0:
-        done[key] -= 1
-        return True
-    return False
-
-
-def _append_durably(out: TextIO, record: dict[str, Any]) -> None:
-    out.write(json.dumps(record, ensure_ascii=False) + "\n")
-    out.flush()
-    os.fsync(out.fileno())
+    return {**line.fingerprint, "adapter": line.adapter, "text": "", "token_ids": [], "finish_reason": "error",
+            "error": error}

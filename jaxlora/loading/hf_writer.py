@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
 
 from jaxlora.loading.names import flat_to_hf
 from jaxlora.model.params import LoadedModel
 from jaxlora.tokenizer import Tokenizer, save_tokenizer
+from jaxlora.weights_file import save_safetensors
 
 
 def save_hf_folder(model: LoadedModel, tokenizer: Tokenizer | None, out: Path,
@@ -19,8 +19,8 @@ def save_hf_folder(model: LoadedModel, tokenizer: Tokenizer | None, out: Path,
     out.mkdir(parents=True, exist_ok=True)
     flat = flat if flat is not None else {k: np.asarray(v) for k, v in model.flat_params().items()}
     tensors = flat_to_hf(flat, model.config)
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_safetensors({k: np.ascontiguousarray(v) for k, v in tensors.items()}, out / "model.safetensors",
+                     metadata={"format": "pt"})
     cfg = model.config.to_hf_dict()
     cfg["torch_dtype"] = str(np.asarray(next(iter(flat.values()))).dtype)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -32,12 +32,12 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors' numpy reader needs it)
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from jaxlora.config import TARGET_MODULES, ModelConfig
 from jaxlora.errors import AdapterError
 from jaxlora.lora.host_adapter import HostAdapter, stack_module
-from jaxlora.lora.validate import check_adapter_name
+from jaxlora.lora.validate import RANK_HINT, check_adapter_name, check_weight_magnitude
+from jaxlora.weights_file import save_safetensors
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -143,6 +143,11 @@ class LoraSpec:
         r, alpha = self.rank_and_alpha(key)
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
+    @property
+    def max_rank(self) -> int:
+        """The largest rank any module may have (r, or a rank_pattern entry)."""
+        return max([self.r, *self.rank_pattern.values()])
+
     def _is_excluded(self, key: str) -> bool:
         if self.exclude_modules is None:
             return False
@@ -217,6 +222,14 @@ def load_peft_adapter(path: str | Path, *, name: str, model_config: ModelConfig,
         source=str(folder),
         base_model_name_or_path=base if isinstance(base, str) else None,
     )
+
+
+def read_lora_spec(path: str | Path) -> LoraSpec:
+    """The LoraSpec of a PEFT folder's adapter_config.json, without reading its weights (cheap: the
+    command line sizes the bank from it before loading anything). Raises AdapterError."""
+    folder = Path(path)
+    where = f"adapter {folder}"
+    return parse_lora_config(_read_config(folder, where), where=where)
 
 
 def _read_config(folder: Path, where: str) -> dict[str, Any]:
@@ -463,15 +476,15 @@ def _fold(
     if a.shape[0] != b.shape[1]:
         raise AdapterError(f"{where}: tensor {b_key}: rank {b.shape[1]} does not match lora_A's rank {a.shape[0]}")
     if a.shape[0] > max_rank:
-        raise AdapterError(f"{where}: tensor {a_key}: rank {a.shape[0]} exceeds max_rank={max_rank}")
+        raise AdapterError(f"{where}: tensor {a_key}: rank {a.shape[0]} exceeds max_rank={max_rank} "
+                           f"({RANK_HINT})")
     if a.shape[0] != r:
         raise AdapterError(f"{where}: tensor {a_key}: rank {a.shape[0]} but {CONFIG_FILE} gives r={r} "
                            "for this module (r / rank_pattern)")
     a32 = a.astype(np.float32).T
     b32 = b.astype(np.float32).T * np.float32(spec.scale(key))
     for tensor, value in ((a_key, a32), (b_key, b32)):
-        if not np.isfinite(value).all():
-            raise AdapterError(f"{where}: tensor {tensor}: contains NaN or Inf values")
+        check_weight_magnitude(f"{where}: tensor {tensor}", value)
     return np.ascontiguousarray(a32), np.ascontiguousarray(b32)
 
 
@@ -546,6 +559,6 @@ def save_peft_adapter(
     }
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_safetensors(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt"})
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return folder

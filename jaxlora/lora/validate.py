@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
+
 from jaxlora.errors import AdapterError
+
+# The largest magnitude an adapter weight may have once its scale is folded in (A, and B times
+# lora_alpha / r). Trained adapters stay far below it: the demo adapters' largest is 0.09, PEFT
+# initializes A at about 1/sqrt(in_features) and B at zero. Weights near it would push activations
+# past float32's range within a few layers, and the request would decode NaN logits into empty text.
+MAX_ADAPTER_WEIGHT = 1e3
+
+# Said wherever an adapter's rank is refused: the bank's rank is fixed at start-up.
+RANK_HINT = "the bank's largest rank; start with a larger --max-lora-rank (engine config: lora.max_rank)"
 
 # Names travel in requests, metrics labels and file names: keep them to a safe alphabet.
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -20,3 +31,14 @@ def check_adapter_name(name: object) -> str:
             f"adapter name {name!r} is invalid: use 1-128 characters from A-Z a-z 0-9 . _ - (not '.' or '..')"
         )
     return name
+
+
+def check_weight_magnitude(where: str, weights: np.ndarray) -> None:
+    """Raises AdapterError unless every entry of `weights` (an adapter's A, or B with its scale
+    folded in) is finite and at most MAX_ADAPTER_WEIGHT in magnitude; `where` names the tensor."""
+    if not np.isfinite(weights).all():
+        raise AdapterError(f"{where}: contains NaN or Inf values")
+    largest = float(np.abs(weights).max(initial=0.0))
+    if largest > MAX_ADAPTER_WEIGHT:
+        raise AdapterError(f"{where}: holds a weight of magnitude {largest:.3g} (scale folded in), above the "
+                           f"bound {MAX_ADAPTER_WEIGHT:g}: its outputs would overflow to NaN")

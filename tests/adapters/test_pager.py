@@ -160,10 +160,13 @@ def test_bad_adapters_never_enter_the_registry(tmp_path):
     (corrupt / "adapter_model.safetensors").write_bytes(b"\x00" * 40)
     nan_weights = {m: (a_.copy(), b_.copy()) for m, (a_, b_) in a.weights.items()}
     next(iter(nan_weights.values()))[1][0, 0, 0] = np.nan
+    huge_weights = {m: (a_.copy(), b_.copy()) for m, (a_, b_) in a.weights.items()}
+    next(iter(huge_weights.values()))[1][0, 0, 0] = 1e30  # finite, but would decode NaN
     bad_sources = {
         "corrupt": corrupt,
         "missing": tmp_path / "does-not-exist",
         "nan": HostAdapter(name="nan", rank=a.rank, target_modules=a.target_modules, weights=nan_weights),
+        "huge": HostAdapter(name="huge", rank=a.rank, target_modules=a.target_modules, weights=huge_weights),
         "too-big": random_host_adapter("too-big", MODEL, rank=8, modules=("q_proj",), rng=np.random.default_rng(0)),
         "gate": random_host_adapter("gate", MODEL, rank=2, modules=("gate_proj",), rng=np.random.default_rng(0)),
         "wrong-shape": random_host_adapter("x", tiny_config(hidden_size=16, num_heads=2, num_kv_heads=1),

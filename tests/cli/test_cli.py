@@ -72,3 +72,64 @@ def test_convert_then_load_converted(files, capsys):
 def test_missing_model_is_a_clear_error(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "nothing"), "--prompt", "hi"]) == 2
     assert "no such model file or folder" in capsys.readouterr().err
+
+
+def _engine_args(argv: list[str]):
+    import argparse
+
+    from jaxlora.cli.engine_args import add_engine_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return p.parse_args(argv)
+
+
+def test_default_host_adapter_memory_is_a_share_of_the_machine(files, monkeypatch, capsys):
+    from jaxlora.adapters import host_budget
+    from jaxlora.adapters.registry import slot_nbytes
+    from jaxlora.cli.engine_args import build_engine, engine_config
+    from jaxlora.errors import CapacityError
+
+    args = _engine_args(_common(files))
+    slot = slot_nbytes(tiny_model().config, engine_config(args).lora, np.float32)
+    monkeypatch.setattr(host_budget, "machine_memory_bytes", lambda: 4 * 3 * slot)  # a quarter: 3 adapters
+    engine = build_engine(args)
+    assert engine.config.host_capacity_bytes == 3 * slot
+    err = capsys.readouterr().err
+    assert "room for 3 adapters" in err and "25% of this machine's" in err, err
+    for i in range(3):
+        engine.register_adapter(f"a{i}", files / "demo" / "upper")
+    with pytest.raises(CapacityError, match="host adapter memory is full"):
+        engine.register_adapter("a3", files / "demo" / "upper")
+
+
+def test_bank_rank_follows_the_adapters_named_at_start_up(files, tmp_path):
+    from jaxlora.cli.engine_args import build_engine, engine_config
+    from jaxlora.errors import AdapterError
+
+    cfg = tiny_model().config
+    rng = np.random.default_rng(1)
+    weights = {"q_proj": (rng.normal(0, 0.1, (cfg.num_layers, cfg.module_shape("q_proj")[0], 8)).astype(np.float32),
+                          rng.normal(0, 0.1, (cfg.num_layers, 8, cfg.module_shape("q_proj")[1])).astype(np.float32))}
+    big = save_peft_adapter(tmp_path / "rank8", weights=weights, rank=8, alpha=8)
+    assert engine_config(_engine_args([*_common(files), "--adapter", f"big={big}"])).lora.max_rank == 8
+    small = f"up={files / 'demo' / 'upper'}"  # rank 2: the config's max_rank (4) is the floor
+    assert engine_config(_engine_args([*_common(files), "--adapter", small])).lora.max_rank == 4
+    pinned = _engine_args([*_common(files), "--adapter", f"big={big}", "--max-lora-rank", "4"])
+    with pytest.raises(AdapterError, match="rank 8 exceeds max_rank=4.*--max-lora-rank"):
+        build_engine(pinned)
+
+
+def test_merge_output_files_follow_the_umask(files, tmp_path):
+    import os
+    import stat
+
+    out = tmp_path / "merged"
+    old = os.umask(0o027)
+    try:
+        assert main(["merge", "--model", str(files / "model"), "--adapter", str(files / "demo" / "upper"),
+                     "--out", str(out)]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o640}, modes

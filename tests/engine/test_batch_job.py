@@ -1,4 +1,5 @@
-"""`jaxlora generate` batch mode as a subprocess: error records, input order, kill -9 and resume."""
+"""`jaxlora generate` batch mode: error records, input order, kill -9 and resume, a full disk (as
+subprocesses); who owns the results file (in-process, refused before any model loads)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+import jaxlora.cli.engine_args
+from jaxlora.cli.main import main
+from jaxlora.engine.batch_job import read_input
+from jaxlora.engine.results_file import ResultsFile
 from jaxlora.loading.orbax_ckpt import save_converted
 from tests.engine.fakes import char_tokenizer, tiny_model
 
@@ -47,15 +52,16 @@ def command(root: Path, output: Path) -> list[str]:
 
 def env(root: Path) -> dict[str, str]:
     # A persistent compilation cache shared by the three runs keeps the test fast.
-    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(root / "jax-cache"),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PLATFORMS": "cpu"}
+    return {**os.environ, "JAXLORA_COMPILATION_CACHE": str(root / "jax-cache"), "JAX_PLATFORMS": "cpu"}
 
 
 def read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_kill_and_resume_gives_every_line_once_with_the_same_tokens(job_files):
+@pytest.fixture(scope="module")
+def reference(job_files) -> list[dict]:
+    """The records of one uninterrupted run."""
     root = job_files
     full = root / "full.jsonl"
     done = subprocess.run(command(root, full), env=env(root), capture_output=True, text=True, timeout=300)
@@ -63,7 +69,15 @@ def test_kill_and_resume_gives_every_line_once_with_the_same_tokens(job_files):
     summary = json.loads(done.stderr.strip().splitlines()[-1])
     assert summary["requests"] == NUM_GOOD + 3 and summary["errors"] == 3
     assert summary["compiles_after_warmup"] == 0 and summary["generated_tokens"] > 0
-    reference = read(full)
+    assert _cache_entries(root), "the first run left nothing in the persistent compilation cache"
+    return read(full)
+
+
+def _cache_entries(root: Path) -> set[str]:
+    return {p.name for p in (root / "jax-cache").iterdir()}
+
+
+def test_full_run_answers_every_line_in_order(reference):
     ids = [r["custom_id"] for r in reference]
     assert ids[:6] == ["req-0", "req-1", "req-2", "req-3", None, "req-4"]  # input order
     by_id = {r["custom_id"]: r for r in reference}
@@ -71,7 +85,11 @@ def test_kill_and_resume_gives_every_line_once_with_the_same_tokens(job_files):
     assert "missing" in by_id["bad-adapter"]["error"] and by_id["bad-adapter"]["finish_reason"] == "error"
     assert "max_seq_len" in by_id["too-long"]["error"]
     assert all(r["error"] is None and r["token_ids"] for r in reference if str(r["custom_id"]).startswith("req-"))
+    assert len({r["request_hash"] for r in reference}) == len(reference)
 
+
+def test_kill_and_resume_gives_every_line_once_with_the_same_tokens(job_files, reference):
+    root = job_files
     # Kill -9 as soon as a few results are on disk, then resume (twice: the second run is a no-op).
     out = root / "resumed.jsonl"
     proc = subprocess.Popen(command(root, out), env=env(root), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -91,5 +109,155 @@ def test_kill_and_resume_gives_every_line_once_with_the_same_tokens(job_files):
     assert json.loads(again.stderr.strip().splitlines()[-1])["requests"] == len(reference) - partial
     assert read(out) == reference
     assert killed_early, "the job finished before it could be killed; make it longer"
+    cached = _cache_entries(root)
     third = subprocess.run(command(root, out), env=env(root), capture_output=True, text=True, timeout=300)
     assert json.loads(third.stderr.strip().splitlines()[-1])["requests"] == 0 and read(out) == reference
+    assert _cache_entries(root) == cached  # a second start compiles nothing: every compile is a cache hit
+
+
+# Runs the rest of argv with writes past LIMIT bytes failing (EFBIG), as on a full disk: the write that
+# crosses the limit is cut short, the next one fails. SIGXFSZ is ignored (it would kill the process),
+# and both settings survive the exec. A wrapper instead of preexec_fn: forking this multithreaded
+# test process to run Python in the child can deadlock.
+_WITH_FILE_SIZE_LIMIT = """import os, resource, signal, sys
+limit = int(sys.argv[1])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
+
+
+def test_a_full_disk_leaves_whole_records_then_resumes(job_files, reference):
+    root = job_files
+    out = root / "full-disk.jsonl"
+    out.write_text("results of some other experiment\n")
+    limit = 1000  # a few records, then a write torn by the limit
+    limited = [sys.executable, "-c", _WITH_FILE_SIZE_LIMIT, str(limit), *command(root, out)[1:], "--overwrite"]
+    full = subprocess.run(limited, env=env(root), capture_output=True, text=True, timeout=300)
+    assert full.returncode == 1, full.stderr
+    assert "Traceback" not in full.stderr
+    assert f"cannot write --output {out}" in full.stderr.strip().splitlines()[-1]
+    data = out.read_bytes()
+    assert 0 < len(data) <= limit and data.endswith(b"\n")  # --overwrite emptied it; no torn line
+    assert read(out) == reference[:len(read(out))]
+    again = subprocess.run(command(root, out), env=env(root), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert read(out) == reference
+
+
+# Who owns --output: everything below is refused before the model loads, and leaves the file as it was.
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the engine was built before the output file was checked")
+
+    monkeypatch.setattr(jaxlora.cli.engine_args, "build_engine", refuse)
+
+
+def _records(root: Path, count: int, **changes) -> list[dict]:
+    """Result records this job would write for its first `count` lines (fields overridden by `changes`)."""
+    lines = read_input(root / "requests.jsonl")[:count]
+    return [{**x.fingerprint, "adapter": None, "text": "t", "token_ids": [5], "finish_reason": "length",
+             "error": None, **changes} for x in lines]
+
+
+def _jsonl(records: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def _refused(root: Path, output: Path, capsys, *extra: str) -> str:
+    argv = ["generate", "--model", str(root / "model"), "--config", str(root / "engine.yaml"),
+            "--input", str(root / "requests.jsonl"), "--output", str(output), *extra]
+    before = output.read_bytes() if output.is_file() else None
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert (output.read_bytes() if output.is_file() else None) == before
+    return err
+
+
+@pytest.mark.parametrize("content, found", [
+    ("my notes, not results\n", "not a JSON record"),  # unrelated text
+    ("my notes, no newline", "unrelated text"),  # not mistaken for a torn last record
+    ('{"id": 1, "answer": 42}\n', "not a result record"),  # unrelated JSON
+])
+def test_an_output_holding_other_things_is_refused(job_files, tmp_path, no_engine, capsys, content, found):
+    output = tmp_path / "out.jsonl"
+    output.write_text(content)
+    err = _refused(job_files, output, capsys)
+    assert found in err and "--overwrite" in err
+
+
+def test_a_bad_line_among_results_is_refused_not_cut(job_files, tmp_path, no_engine, capsys):
+    records = _records(job_files, 6)
+    output = tmp_path / "out.jsonl"
+    output.write_text(_jsonl(records[:3]) + "a stray line\n" + _jsonl(records[3:]))
+    assert "line 4 holds text that is not a JSON record" in _refused(job_files, output, capsys)
+
+
+def test_results_of_another_job_with_the_same_custom_ids_are_refused(job_files, tmp_path, no_engine, capsys):
+    output = tmp_path / "out.jsonl"
+    output.write_text(_jsonl(_records(job_files, 4, request_hash="0123456789abcdef")))
+    assert "does not answer input request 1" in _refused(job_files, output, capsys)
+    foreign = [{k: v for k, v in r.items() if k != "request_hash"} for r in _records(job_files, 4)]
+    output.write_text(_jsonl(foreign))  # same custom_ids, no fingerprint at all
+    assert "not a result record" in _refused(job_files, output, capsys)
+
+
+def test_output_equal_to_input_is_refused_also_through_links(job_files, tmp_path, no_engine, capsys):
+    requests = job_files / "requests.jsonl"
+    assert "is the input file" in _refused(job_files, requests, capsys)
+    symlink, hardlink = tmp_path / "sym.jsonl", tmp_path / "hard.jsonl"
+    symlink.symlink_to(requests)
+    os.link(requests, hardlink)
+    for link in (symlink, hardlink):
+        assert "is the input file" in _refused(job_files, link, capsys)
+
+
+def test_a_second_job_on_the_same_output_is_refused_at_once(job_files, tmp_path, no_engine, capsys):
+    output = tmp_path / "out.jsonl"
+    lines = read_input(job_files / "requests.jsonl")
+    with ResultsFile.open(output, input_path=job_files / "requests.jsonl", expected=[x.fingerprint for x in lines]):
+        start = time.perf_counter()
+        assert "in use by another running job" in _refused(job_files, output, capsys)
+        assert time.perf_counter() - start < 5
+
+
+def test_resume_keeps_own_records_and_cuts_only_a_torn_record(job_files, tmp_path):
+    requests = job_files / "requests.jsonl"
+    expected = [x.fingerprint for x in read_input(requests)]
+    output = tmp_path / "out.jsonl"
+    whole = _jsonl(_records(job_files, 5))
+    output.write_text(whole + '{"custom_id": "req-5", "requ')
+    with ResultsFile.open(output, input_path=requests, expected=expected) as results:
+        assert results.num_done == 5
+    assert output.read_text() == whole
+    with ResultsFile.open(output, input_path=requests, expected=expected, overwrite=True) as results:
+        assert results.num_done == 0
+    assert output.read_text() == ""
+
+
+def _read_only_file(tmp_path: Path) -> Path:
+    """A file this process cannot open for writing (root ignores file modes: then a sysfs file)."""
+    if os.geteuid() != 0:
+        path = tmp_path / "read-only.jsonl"
+        path.write_text("")
+        path.chmod(0o444)
+        return path
+    notes = Path("/sys/kernel/notes")  # read-only for everyone, root included
+    if not notes.is_file():
+        pytest.skip("running as root without /sys/kernel/notes: no file here refuses root's writes")
+    return notes
+
+
+@pytest.mark.parametrize("where, reason", [
+    ("read-only", "Permission denied"),
+    ("no-parent", "No such file or directory"),
+    ("folder", "Is a directory"),
+])
+def test_an_unwritable_output_is_refused_before_loading(job_files, tmp_path, no_engine, capsys, where, reason):
+    output = {"read-only": lambda: _read_only_file(tmp_path), "no-parent": lambda: tmp_path / "no" / "out.jsonl",
+              "folder": lambda: tmp_path}[where]()
+    assert reason in _refused(job_files, output, capsys)

@@ -277,7 +277,7 @@ def replace(key, value):
 
 def test_rejects_rank_above_max_rank(tmp_path, rng):
     message = rejected(tmp_path, rng, max_rank=2)
-    assert QA0 in message and "rank 4 exceeds max_rank=2" in message
+    assert QA0 in message and "rank 4 exceeds max_rank=2" in message and "--max-lora-rank" in message
 
 
 @pytest.mark.parametrize("key, shape, reason", [
@@ -325,6 +325,26 @@ def test_rejects_non_finite_values(tmp_path, rng, bad, dtype):
         t[QB0][3, 1] = bad
     message = rejected(tmp_path, rng, edit=poison, dtype=dtype)
     assert QB0 in message and "NaN or Inf" in message
+
+
+def test_rejects_finite_weights_above_the_magnitude_bound(tmp_path, rng):
+    # The bound applies to B with its scale folded in: 100 passes at scale 1 and fails at scale 32.
+    def big_b(t):
+        t[QB0][3, 1] = 100.0
+    assert load(write_adapter(tmp_path / "ok", {**BASE_CONFIG, "lora_alpha": 4}, _edited(rng, big_b)))
+    message = rejected(tmp_path, rng, edit=big_b, config={"lora_alpha": 128})
+    assert QB0 in message and "magnitude 3.2e+03" in message and "bound 1000" in message
+
+    def huge_a(t):
+        t[QA0][0, 0] = 1e30
+    message = rejected(tmp_path, rng, edit=huge_a)
+    assert QA0 in message and "magnitude 1e+30" in message
+
+
+def _edited(rng, edit) -> dict[str, np.ndarray]:
+    tensors = make_tensors(rng, ["q_proj", "down_proj"], range(2))
+    edit(tensors)
+    return tensors
 
 
 @pytest.mark.parametrize("config, reason", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 
 import grpc
 import pytest
@@ -104,3 +105,40 @@ def test_no_adapter_root_means_no_runtime_loading(engine):
     with running_server(engine) as server, connect(server) as client:
         e = rpc_error(lambda: client.load_adapter("spare-5", "spare-5"))
         assert e.code() is Code.PERMISSION_DENIED and "--adapter-root" in e.details()
+
+
+def test_concurrent_loads_of_one_name_give_one_ok_and_already_exists(client, monkeypatch):
+    import jaxlora.adapters.pager as pager_module
+
+    real_prepare = pager_module.prepare_adapter
+
+    def slow_prepare(*args, **kwargs):  # keeps every load inside the first one's window
+        time.sleep(0.5)
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(pager_module, "prepare_adapter", slow_prepare)
+    barrier = threading.Barrier(4)
+    codes: list[Code] = []
+
+    def load() -> None:
+        barrier.wait()
+        try:
+            client.load_adapter("racer", "spare-5")
+            codes.append(Code.OK)
+        except grpc.RpcError as e:
+            codes.append(e.code())
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(codes, key=str) == sorted([Code.OK] + [Code.ALREADY_EXISTS] * 3, key=str), codes
+    client.unload_adapter("racer")
+
+
+def test_host_memory_full_is_resource_exhausted():
+    from jaxlora.errors import CapacityError
+    from serving.server import _status_of
+
+    assert _status_of(CapacityError("host adapter memory is full"))[0] is Code.RESOURCE_EXHAUSTED

@@ -156,3 +156,24 @@ def test_serve_starts_on_the_default_model_with_no_flags(smollm2_gguf_path):
             assert out.completion_tokens > 0
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
+
+
+def test_client_cli_sends_a_chat_message_unless_raw(engine, server, monkeypatch, capsys):
+    sent = []
+    real_submit = engine.submit
+
+    def recording_submit(request, callback=None):
+        sent.append(request)
+        return real_submit(request, callback)
+
+    monkeypatch.setattr(engine, "submit", recording_submit)
+    port = str(server.port)
+    assert jaxlora_main(["client", "--port", port, "--prompt", "hi", "--max-tokens", "2"]) == 0
+    assert jaxlora_main(["client", "--port", port, "--raw", "--prompt", "hi", "--max-tokens", "2"]) == 0
+    assert [(r.messages, r.prompt) for r in sent] == [([{"role": "user", "content": "hi"}], None), (None, "hi")]
+
+
+def test_client_cli_lists_no_adapters_in_words(engine, server, monkeypatch, capsys):
+    monkeypatch.setattr(engine, "list_adapters", lambda: [])
+    assert jaxlora_main(["client", "--port", str(server.port), "--list-adapters"]) == 0
+    assert "no adapters loaded" in capsys.readouterr().out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import grpc
@@ -164,3 +165,30 @@ def test_internal_error_in_one_request_spares_the_server(engine, client, monkeyp
     e = rpc_error(lambda: client.generate("boom", max_tokens=2))
     assert e.code() is Code.INTERNAL and "a bug" not in e.details()  # no internals leak to clients
     assert client.generate("fine", max_tokens=3).completion_tokens == 3
+
+
+def _raw_call(server, method: str, payload: bytes, *, streaming: bool):
+    """Sends `payload` as the request bytes of `method`, as a client that builds messages by hand would."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        if streaming:
+            return list(channel.unary_stream(method)(payload, timeout=30))
+        return channel.unary_unary(method)(payload, timeout=30)
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize("method, payload", [
+    ("Generate", b"\x12\x03\xed\xa0\x80"),  # prompt: a lone surrogate (U+D800) as UTF-8 encoders write it
+    ("Generate", b"\x12\x02\xff\xfe"),  # prompt: invalid UTF-8
+    ("Generate", b"\x1a\x0b\x0a\x04user\x12\x03\xed\xa0\x80"),  # a chat message's content: lone surrogate
+    ("Generate", b"\x12\xff\xff\xff"),  # corrupt: a length past the end of the message
+    ("LoadAdapter", b"\x0a\x02\xc3\x28"),  # name: invalid UTF-8
+])
+def test_invalid_argument_undecodable_request(server, caplog, method, payload):
+    caplog.set_level(logging.INFO)
+    e = rpc_error(lambda: _raw_call(server, f"/jaxlora.v1.Inference/{method}", payload,
+                                    streaming=method == "Generate"))
+    assert e.code() is Code.INVALID_ARGUMENT and "does not decode" in e.details(), e.details()
+    assert "Exception deserializing" not in caplog.text and "Traceback" not in caplog.text
+    assert [r.levelname for r in caplog.records if "undecodable request" in r.getMessage()] == ["WARNING"]

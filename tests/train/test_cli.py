@@ -4,6 +4,8 @@ response masking are the real ones), then --resume."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 from helpers import tiny_config
@@ -27,9 +29,16 @@ def test_train_cli_writes_a_peft_folder_and_resumes(tiny_with_smollm2_tokenizer,
     argv = ["--data", str(data), "--out", str(out), "--steps", "4", "--batch", "2", "--rank", "2",
             "--targets", "q_proj,v_proj", "--lr", "1e-2", "--eval-fraction", "0.2", "--eval-every", "2",
             "--save-every", "2", "--no-progress", "--save-dtype", "bfloat16"]
-    assert main(argv) == 0
+    old_umask = os.umask(0o027)
+    try:
+        assert main(argv) == 0
+    finally:
+        os.umask(old_umask)
     assert {"adapter_config.json", "adapter_model.safetensors", "train_log.json", "train_state"} <= {
         p.name for p in out.iterdir()}
+    # Every file follows the umask, the weights included (safetensors alone writes them 0600).
+    modes = {str(p.relative_to(out)): stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*") if p.is_file()}
+    assert set(modes.values()) == {0o640}, modes
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (2, 16.0, ["q_proj", "v_proj"])
     log = json.loads((out / "train_log.json").read_text())
