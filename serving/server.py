@@ -342,7 +342,7 @@ class InferenceServer(grpc.Server):
         """Compiles every shape (once per engine), starts the engine loop, then serves."""
         if self.engine.compiles_after_warmup is None:
             start = time.perf_counter()
-            self.engine.warmup()
+            self.engine.warmup(progress=lambda what, k, n: log.info("compiling %s (%d/%d)", what, k, n))
             # One real request through the whole path (tokenizer, admission, prefill, decode) before
             # SERVING: a padding-only warm-up can miss a compile, and the first client should not pay.
             self.engine.generate([GenerationRequest(request_id=f"warmup-{uuid.uuid4().hex}", prompt_ids=[0],

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def warmup_progress(what: str, k: int, n: int) -> None:
+    """Engine.warmup's progress callback for the commands: one stderr line per compiled shape."""
+    print(f"  compiling {what} ({k}/{n})", file=sys.stderr, flush=True)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

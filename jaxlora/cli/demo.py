@@ -10,6 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from jaxlora.cli.common import warmup_progress
 from jaxlora.cli.engine_args import add_engine_args, build_engine
 from jaxlora.errors import JaxloraError
 
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"base model + {len(names) - 1} adapters ({', '.join(map(str, names[1:]))}) x {len(prompts)} "
               f"prompts = {len(names) * len(prompts)} rows in one continuous batch; warming up...",
               file=sys.stderr, flush=True)
-        engine.warmup()
+        engine.warmup(progress=warmup_progress)
         start = time.perf_counter()
         handles = [(name, prompt, engine.submit(GenerationRequest(
             request_id=f"{i}-{j}", messages=[{"role": "user", "content": prompt}], adapter=name,

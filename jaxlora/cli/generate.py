@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from jaxlora.cli.common import warmup_progress
 from jaxlora.cli.engine_args import add_engine_args, build_engine
 from jaxlora.errors import JaxloraError
 
@@ -67,7 +68,7 @@ def _run_prompt(args: argparse.Namespace) -> int:
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                   top_k=args.top_k, seed=args.seed)
         prompt = {"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}
-        engine.warmup()
+        engine.warmup(progress=warmup_progress)
         start = time.perf_counter()
         handle = engine.submit(GenerationRequest(request_id="cli", adapter=args.use, sampling=sampling, **prompt))
     except (JaxloraError, ValueError, OSError) as e:

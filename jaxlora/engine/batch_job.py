@@ -60,6 +60,7 @@ def run_batch_job(args: argparse.Namespace) -> int:
     `args` carries the engine flags of jaxlora.cli.engine_args plus input, output, overwrite and
     no_progress.
     """
+    from jaxlora.cli.common import warmup_progress
     from jaxlora.cli.engine_args import build_engine
 
     try:
@@ -75,7 +76,7 @@ def run_batch_job(args: argparse.Namespace) -> int:
         except (JaxloraError, ValueError, OSError) as e:
             print(f"jaxlora generate: {e}", file=sys.stderr)
             return 2
-        engine.warmup()
+        engine.warmup(progress=warmup_progress)
         try:
             summary = BatchJob(engine, lines, results, progress=not args.no_progress).run()
         except ResultsFileError as e:

@@ -405,6 +405,16 @@ def test_non_finite_logits_fail_that_request_alone_naming_its_adapter(engine):
     assert outs[1].error is None and outs[1].token_ids == expected
 
 
+def test_warmup_reports_each_shape_it_compiles(engine):
+    """Warm-up tells which step shape it compiles, k of n: every token budget, with and without the bank."""
+    seen: list[tuple[str, int, int]] = []
+    engine.warmup(progress=lambda what, k, n: seen.append((what, k, n)))
+    budgets = engine.config.token_budgets
+    assert [(k, n) for _, k, n in seen] == [(k, 2 * len(budgets)) for k in range(1, 2 * len(budgets) + 1)]
+    assert all(any(f"{b} tokens" in what for what, _, _ in seen) for b in budgets)
+    assert sum("with adapters" in what for what, _, _ in seen) == len(budgets)
+
+
 # Last in this module: it stops the shared engine for good.
 def test_background_loop_serves_threads_and_drains_on_stop(engine):
     requests = traffic(8, seed=5)
