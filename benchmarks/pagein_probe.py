@@ -142,7 +142,7 @@ def loop_variants(step, base, x, slot_ids, state, flats, device, ks, args) -> li
         issue_ms = []
         jax.block_until_ready(state["bank"])
         t0 = time.perf_counter()
-        for i in range(steps):
+        for _ in range(steps):
             ta = time.perf_counter()
             pre = [jax.device_put(f, device) for f in flats[:k]] if how.startswith("split") and k else []
             y = step(base, state["bank"], xx, slot_ids)
@@ -232,7 +232,7 @@ def main() -> None:
     layout = FlatLayout.for_bank(model, lora, DTYPE)
     rng = np.random.default_rng(0)
     flats = []
-    for i in range(max(ks)):
+    for _ in range(max(ks)):
         flat = (rng.standard_normal(layout.size, np.float32) * 0.01).astype(layout.dtype)
         flats.append(jax.block_until_ready(jax.device_put(flat, pinned)) if pinned is not None else flat)
     nbytes = layout.nbytes

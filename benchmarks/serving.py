@@ -639,7 +639,7 @@ def run_setting(setting: Setting, model: LoadedModel, size: Scale, args: argpars
             row = {**base_row, **key, "rate": rate, "duration_s": args.duration, "max_drain_s": args.max_drain_s,
                    "seed": args.seed, "input_range": list(size.input_range),
                    "output_range": list(size.output_range), "ranks": list(setting.ranks),
-                   "modules": list(setting.modules), "slots": setting.slots,
+                   "modules": list(setting.modules),
                    "n_asked": setting.n, "slots": setting.slots, "paged": n > setting.slots,
                    "registration_s": round(reg_s, 1), "sweep": sweep, **result,
                    "run_s": round(time.perf_counter() - t_run, 1), "note": note}

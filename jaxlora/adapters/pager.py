@@ -477,7 +477,7 @@ class Pager:
     def _finish_writes(self, written: list[tuple[int, str | None]], seconds: float | None) -> None:
         """Bookkeeping after writes were issued, in issue order (the last write to a slot wins)."""
         last = {slot: name for slot, name in written}
-        for slot, name in written:
+        for _slot, name in written:
             if name is None:
                 continue
             adapter = self._registry.get(name)

@@ -256,7 +256,7 @@ def test_thousand_adapters_eight_slots_power_law_no_compiles():
                     running[next(ids)] = [name, steps_per_request]
                 pager.prefetch(queue[:4])
                 pager.commit()
-                for key, (name, left) in list(running.items()):
+                for key, (name, _left) in list(running.items()):
                     slot = pager.is_ready(name)
                     if slot is None:
                         continue
