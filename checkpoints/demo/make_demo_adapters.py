@@ -7,8 +7,9 @@
    base_answers.jsonl: delete it to regenerate).
 2. Each behaviour rewrites those answers by a program: upper-case, wrap as JSON, prepend a greeting.
 3. One LoRA adapter per behaviour is trained with jaxlora.train and saved as a PEFT folder (bf16).
-4. The saved adapters are loaded back from disk and checked on held-out prompts in ONE mixed batch
-   (base rows and every adapter's rows together); results.json and README.md record the rates.
+4. The saved adapters are registered from their folders with the serving engine and checked on
+   held-out prompts in ONE continuous batch (base rows and every adapter's rows together, greedy;
+   `jaxlora.train.demo.answer_in_one_batch`); results.json and README.md record the rates.
 Everything is seeded (SEED); the run is deterministic on one machine.
 """
 
@@ -23,12 +24,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxlora.engine import FinishReason
 from jaxlora.loading import load_model
-from jaxlora.lora.peft_format import load_peft_adapter
 from jaxlora.train.data import split_holdout, tokenize_conversation
-from jaxlora.train.demo import BEHAVIOURS, HELD_OUT_PROMPTS, shown_behaviours
+from jaxlora.train.demo import BEHAVIOURS, HELD_OUT_PROMPTS, answer_in_one_batch, shown_behaviours
 from jaxlora.train.export import save_adapter
-from jaxlora.train.greedy import build_bank, greedy_generate
 from jaxlora.train.loop import TrainConfig, train
 from jaxlora.train.lora_params import AdapterSpec, parse_targets
 from jaxlora.train.step import OptimizerConfig
@@ -93,11 +93,9 @@ def base_answers(model, tok) -> list[dict]:
         rows = [json.loads(line) for line in cache.read_text().splitlines()]
         if [r["prompt"] for r in rows] == INSTRUCTIONS:
             return rows
-    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in INSTRUCTIONS]
-    out = greedy_generate(model, None, prompts, [0] * len(prompts), max_new_tokens=MAX_ANSWER_TOKENS,
-                          eos_ids=tok.eos_token_ids)
-    rows = [{"prompt": q, "response": clip_answer(tok.decode(ids), len(ids) < MAX_ANSWER_TOKENS)}
-            for q, ids in zip(INSTRUCTIONS, out)]
+    answers = answer_in_one_batch(model, tok, {}, INSTRUCTIONS, max_new_tokens=MAX_ANSWER_TOKENS)
+    rows = [{"prompt": a.prompt, "response": clip_answer(a.output.text, a.output.finish_reason is FinishReason.STOP)}
+            for a in answers]
     cache.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return rows
 
@@ -133,28 +131,22 @@ def train_all(model, tok, answers: list[dict], args, out_dir: Path) -> dict:
 
 
 def check_behaviours(model, tok, out_dir: Path, prompts=HELD_OUT_PROMPTS, max_new_tokens: int = EVAL_NEW_TOKENS) -> dict:
-    """One mixed batch: every prompt on the base model and on each adapter loaded from its folder."""
-    behaviours = [b for b in BEHAVIOURS if (out_dir / b.name / "adapter_config.json").is_file()]
-    adapters = [load_peft_adapter(out_dir / b.name, name=b.name, model_config=model.config, max_rank=16)
-                for b in behaviours]
-    bank = build_bank(model, adapters)
-    names = [None] + [b.name for b in behaviours]
-    rows = [(q, slot) for q in prompts for slot in range(len(names))]
-    ids = [tok.encode_chat([{"role": "user", "content": q}]) for q, _ in rows]
+    """One continuous batch of the engine: every prompt on the base model and on each adapter
+    registered from its folder."""
+    behaviours = {b.name: b for b in BEHAVIOURS if (out_dir / b.name / "adapter_config.json").is_file()}
     start = time.perf_counter()
-    out = greedy_generate(model, bank, ids, [s for _, s in rows], max_new_tokens=max_new_tokens,
-                          eos_ids=tok.eos_token_ids)
+    answers = answer_in_one_batch(model, tok, {name: out_dir / name for name in behaviours}, prompts,
+                                  max_new_tokens=max_new_tokens)
     seconds = time.perf_counter() - start
-    samples = [{"prompt": q, "adapter": names[s], "text": tok.decode(o)} for (q, s), o in zip(rows, out)]
+    samples = [{"prompt": a.prompt, "adapter": a.adapter, "text": a.output.text} for a in answers]
     rates = {}
-    for slot, name in enumerate(names):
-        texts = [x["text"] for x, (_, s) in zip(samples, rows) if s == slot]
+    for name in [None, *behaviours]:
+        texts = [x["text"] for x in samples if x["adapter"] == name]
         if name is None:
             rates["base (shows none)"] = float(np.mean([not shown_behaviours(t) for t in texts]))
         else:
-            behaviour = next(b for b in behaviours if b.name == name)
-            rates[name] = float(np.mean([behaviour.shows(t) for t in texts]))
-    return {"rates": rates, "rows": len(rows), "seconds": round(seconds, 1), "samples": samples}
+            rates[name] = float(np.mean([behaviours[name].shows(t) for t in texts]))
+    return {"rates": rates, "rows": len(samples), "seconds": round(seconds, 1), "samples": samples}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
-"""The tracked demo adapters, in ONE mixed batch on SmolLM2: each adapter's rows show its behaviour,
-base rows show none. Prompts are held out from the adapters' training data."""
+"""The tracked demo adapters, in ONE continuous batch of the engine on SmolLM2: each adapter's rows
+show its behaviour, base rows show none. Prompts are held out from the adapters' training data."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import json
 
 import pytest
 
+from jaxlora.engine import FinishReason
 from jaxlora.loading import load_model
-from jaxlora.lora.peft_format import load_peft_adapter
-from jaxlora.train.demo import BEHAVIOURS, DEMO_DIR, HELD_OUT_PROMPTS, shown_behaviours
-from jaxlora.train.greedy import build_bank, greedy_generate
+from jaxlora.train.demo import BEHAVIOURS, DEMO_DIR, HELD_OUT_PROMPTS, answer_in_one_batch, shown_behaviours
 
 NUM_PROMPTS = 6  # the first six held-out prompts; the full set's rates are in checkpoints/demo/results.json
 MIN_RATE = 0.8
@@ -27,17 +26,16 @@ def test_demo_adapter_folders_are_small_peft_folders(name):
 
 def test_mixed_batch_shows_every_behaviour(smollm2_gguf_path):
     model, tok = load_model(smollm2_gguf_path)
-    adapters = [load_peft_adapter(DEMO_DIR / b.name, name=b.name, model_config=model.config, max_rank=8)
-                for b in BEHAVIOURS]
-    bank = build_bank(model, adapters)
-    # Rows interleave base and adapters, so neighbouring rows use different slots.
-    rows = [(prompt, slot) for prompt in HELD_OUT_PROMPTS[:NUM_PROMPTS] for slot in range(len(BEHAVIOURS) + 1)]
-    out = greedy_generate(model, bank, [tok.encode_chat([{"role": "user", "content": p}]) for p, _ in rows],
-                          [slot for _, slot in rows], max_new_tokens=64, eos_ids=tok.eos_token_ids)
-    texts = {slot: [tok.decode(ids) for ids, (_, s) in zip(out, rows) if s == slot] for slot in range(len(BEHAVIOURS) + 1)}
-    assert all(not shown_behaviours(t) for t in texts[0]), texts[0]
-    for slot, behaviour in enumerate(BEHAVIOURS, 1):
-        rate = sum(map(behaviour.shows, texts[slot])) / len(texts[slot])
-        assert rate >= MIN_RATE, (behaviour.name, rate, texts[slot])
+    answers = answer_in_one_batch(model, tok, {b.name: DEMO_DIR / b.name for b in BEHAVIOURS},
+                                  HELD_OUT_PROMPTS[:NUM_PROMPTS], max_new_tokens=64, max_rank=8)
+    assert [a.adapter for a in answers[:len(BEHAVIOURS) + 1]] == [None, *(b.name for b in BEHAVIOURS)]
+    assert all(a.output.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) for a in answers)
+    texts = {name: [a.output.text for a in answers if a.adapter == name]
+             for name in [None, *(b.name for b in BEHAVIOURS)]}
+    assert all(len(t) == NUM_PROMPTS for t in texts.values())
+    assert all(not shown_behaviours(t) for t in texts[None]), texts[None]
+    for behaviour in BEHAVIOURS:
+        rate = sum(map(behaviour.shows, texts[behaviour.name])) / NUM_PROMPTS
+        assert rate >= MIN_RATE, (behaviour.name, rate, texts[behaviour.name])
         # Each adapter shows its own behaviour and no other (rows were not swapped).
-        assert all(shown_behaviours(t) in ([], [behaviour.name]) for t in texts[slot]), texts[slot]
+        assert all(shown_behaviours(t) in ([], [behaviour.name]) for t in texts[behaviour.name]), texts[behaviour.name]

@@ -1,5 +1,6 @@
 """Training on a tiny random model: the loss falls, the base stays frozen, checkpoints resume, the saved
-PEFT folder loads back with the same logits."""
+PEFT folder loads back into the serving pager with the same logits, and the engine serving it
+generates the training path's greedy tokens."""
 
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tiny_tokenizer
 
+from jaxlora.adapters import Pager
+from jaxlora.config import LoraConfig
+from jaxlora.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from jaxlora.lora.apply import LoraRuntime
 from jaxlora.lora.peft_format import load_peft_adapter
 from jaxlora.model.kv_cache import init_kv_cache
 from jaxlora.train.data import Example, make_batch
 from jaxlora.train.export import save_adapter
-from jaxlora.train.greedy import build_bank
 from jaxlora.train.loop import TrainConfig, train
 from jaxlora.train.lora_params import AdapterSpec, init_lora_params, parse_targets
 from jaxlora.train.step import OptimizerConfig, lora_logits
@@ -45,6 +49,44 @@ OPTIM = OptimizerConfig(learning_rate=3e-2, num_steps=16, warmup_steps=2)
 
 def _config(**kw) -> TrainConfig:
     return TrainConfig(spec=SPEC, optim=OPTIM, batch_size=4, max_len=32, seed=0, **kw)
+
+
+def _serving_pager(model, adapter) -> Pager:
+    """A pager holding `adapter` in slot 1, written."""
+    pager = Pager(model.config, LoraConfig(max_slots=2, max_rank=8), dtype=model.dtype)
+    pager.register(adapter.name, adapter)
+    pager.acquire(adapter.name)
+    pager.commit()
+    assert pager.is_ready(adapter.name) == 1
+    pager.release(adapter.name)
+    return pager
+
+
+def _engine_greedy(model, pager: Pager, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy ids of every prompt on the pager's adapter, one continuous batch of the engine."""
+    config = EngineConfig(max_batch=len(prompts), max_seq_len=32, token_budgets=(8, 32), max_new_tokens_limit=16,
+                          lora=pager.lora_config)
+    engine = Engine(model, tiny_tokenizer(model.config.vocab_size), config, pager)
+    name = pager.list()[0].name
+    outputs = engine.generate([GenerationRequest(request_id=str(i), prompt_ids=p, adapter=name,
+                                                 sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0))
+                               for i, p in enumerate(prompts)])
+    assert all(o.error is None for o in outputs), outputs
+    return [list(o.token_ids) for o in outputs]
+
+
+def _training_greedy(model, params, spec, prompt: list[int], max_tokens: int, eos: int) -> list[int]:
+    """Greedy ids with the training path's full-sequence logits (causal: padding after the last
+    token does not change its logits, so one padded width compiles once)."""
+    tokens = np.zeros((1, len(prompt) + max_tokens), np.int32)
+    tokens[0, :len(prompt)] = prompt
+    out: list[int] = []
+    while len(out) < max_tokens and eos not in out:
+        logits = lora_logits(params, model.params, jnp.asarray(tokens), graphdef=model.graphdef, spec=spec,
+                             runtime=LoraRuntime())
+        out.append(int(np.asarray(logits)[0, len(prompt) + len(out) - 1].argmax()))
+        tokens[0, len(prompt) + len(out) - 1] = out[-1]
+    return out
 
 
 def _base_logits(model, tokens):
@@ -90,13 +132,18 @@ def test_saved_adapter_loads_back_with_the_same_logits(tiny_model, tmp_path, dty
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 96, (3, 10)), jnp.int32)
     expected = lora_logits(params, tiny_model.params, tokens, graphdef=tiny_model.graphdef, spec=config.spec,
                            runtime=LoraRuntime())
-    bank = build_bank(tiny_model, [adapter], max_rank=8)
+    pager = _serving_pager(tiny_model, adapter)
     module = tiny_model.module()
     hidden, _ = module(tokens, jnp.broadcast_to(jnp.arange(10), (3, 10)), init_kv_cache(tiny_model.config, 3, 10),
-                       bank=bank, slot_ids=jnp.ones((3,), jnp.int32))
+                       bank=pager.bank, slot_ids=jnp.ones((3,), jnp.int32))
     got = module.logits(hidden)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), **TOL)
     assert np.abs(np.asarray(expected) - np.asarray(_base_logits(tiny_model, tokens))).max() > 1e-2
+    # Served by the engine, the adapter generates what the training path's logits pick.
+    prompts = [[int(t) for t in row] for row in np.asarray(tokens)[:, :7]]
+    eos = tiny_model.config.eos_token_ids[0]
+    served = _engine_greedy(tiny_model, pager, prompts, max_tokens=8)
+    assert served == [_training_greedy(tiny_model, params, config.spec, p, 8, eos) for p in prompts]
 
 
 def test_resume_continues_exactly(tiny_model, tmp_path):
