@@ -5,8 +5,8 @@
                  embedding and logits); imports only jax, so the model can use it
     sharding.py  PartitionSpecs of params / bank / KV cache, divisibility checks, placement (random
                  models drawn in their shards too), and `shard_step`, which runs a whole model step
-                 per shard under `shard_map`
-    forward.py   the sharded twin of jaxlora.model.forward.forward_logits
+                 per shard under `shard_map` (the engine's step, and jaxlora.model.forward.forward_logits
+                 given a mesh)
 
 Only mesh.py is imported here: sharding.py imports the model, which imports layers.py.
 """

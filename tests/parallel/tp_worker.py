@@ -30,7 +30,6 @@ from jaxlora.model import RaggedBatch, init_kv_cache, init_paged_kv_cache
 from jaxlora.model.forward import forward_logits
 from jaxlora.model.params import quantized_model, random_model
 from jaxlora.parallel import MeshConfig, make_mesh
-from jaxlora.parallel.forward import sharded_forward_logits
 from jaxlora.parallel.sharding import (
     KV_SPEC,
     bank_specs,
@@ -82,9 +81,7 @@ def raw_greedy(model, bank, mesh, backend: str) -> tuple[list[list[int]], np.nda
         params, bank, kv = shard_model(model, mesh).params, shard_bank(bank, mesh), shard_kv(kv, mesh)
 
     def forward(tok, pos, kv):
-        if mesh is None:
-            return forward_logits(model.graphdef, params, tok, pos, kv, bank, slots, runtime=runtime)
-        return sharded_forward_logits(model.graphdef, params, tok, pos, kv, bank, slots, mesh=mesh, runtime=runtime)
+        return forward_logits(model.graphdef, params, tok, pos, kv, bank, slots, runtime=runtime, mesh=mesh)
 
     positions = jnp.broadcast_to(jnp.arange(PROMPT_LEN, dtype=jnp.int32), (rows, PROMPT_LEN))
     logits, kv = forward(tokens, positions, kv)
@@ -117,9 +114,9 @@ def check_raw(result: dict) -> None:
     slots = jnp.asarray(RAW_SLOTS, jnp.int32)
     ref, _ = forward_logits(model.graphdef, model.params, tok, pos, init_kv_cache(RAW_CONFIG, len(RAW_SLOTS), 4),
                             bank, slots, runtime=runtime)
-    got, _ = sharded_forward_logits(model.graphdef, shard_model(model, mesh).params, tok, pos,
-                                    shard_kv(init_kv_cache(RAW_CONFIG, len(RAW_SLOTS), 4), mesh),
-                                    shard_bank(bank, mesh), slots, mesh=mesh, runtime=runtime)
+    got, _ = forward_logits(model.graphdef, shard_model(model, mesh).params, tok, pos,
+                            shard_kv(init_kv_cache(RAW_CONFIG, len(RAW_SLOTS), 4), mesh),
+                            shard_bank(bank, mesh), slots, mesh=mesh, runtime=runtime)
     result["raw"]["pallas_tp2_max_logit_diff"] = float(np.abs(np.asarray(got) - np.asarray(ref)).max())
 
 
@@ -253,7 +250,7 @@ def check_raw_hlo(result: dict, quantization: str | None = None) -> None:
     model, mesh = random_model(RAW_CONFIG, seed=3, quantization=quantization), make_mesh(MeshConfig(tensor=4))
     rows = len(RAW_SLOTS)
     tok = jnp.zeros((rows, 1), jnp.int32)
-    hlo = sharded_forward_logits.lower(
+    hlo = forward_logits.lower(
         model.graphdef, shard_model(model, mesh).params, tok, tok, shard_kv(init_kv_cache(RAW_CONFIG, rows, 8), mesh),
         shard_bank(raw_bank(RAW_CONFIG, RAW_LORA), mesh), jnp.asarray(RAW_SLOTS, jnp.int32), mesh=mesh,
         runtime=LoraRuntime.for_platform("xla")).compile().as_text()
