@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jaxlora.bench.e2e import TINY, ResidentBank, adapter_name, random_bank, word_tokenizer  # noqa: E402
+from jaxlora.adapters import ResidentBank  # noqa: E402
+from jaxlora.bench.e2e import TINY, adapter_name, random_bank, word_tokenizer  # noqa: E402
 from jaxlora.config import LoraConfig  # noqa: E402
 from jaxlora.engine.config import EngineConfig  # noqa: E402
 from jaxlora.engine.engine import Engine  # noqa: E402
@@ -32,7 +33,7 @@ def run(backend: str, attention: str, model, requests) -> tuple[list[tuple[int, 
     lora = LoraConfig(max_slots=8, max_rank=8, backend=backend)
     config = EngineConfig(max_batch=8, max_seq_len=128, token_budgets=(8, 32, 64), page_size=16, num_pages=40,
                           max_new_tokens_limit=48, lora=lora, attention=attention)
-    source = ResidentBank(random_bank(model.config, lora, 6, model.dtype, seed=1), lora.max_slots, 6)
+    source = ResidentBank(random_bank(model.config, lora, 6, model.dtype, seed=1), [adapter_name(i) for i in range(6)])
     tokenizer = word_tokenizer(model.config.vocab_size)
     engine = Engine(model, tokenizer, config, source, runtime=LoraRuntime.for_platform(backend, attention=attention))
     engine.warmup()

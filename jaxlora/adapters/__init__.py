@@ -1,8 +1,24 @@
-"""Host-side adapter management: registry (host memory), slot table (bookkeeping), pager (device slots)."""
+"""Adapters while serving: which exist, which device slot each sits in, and when they move.
+
+    source.py       AdapterSource, the contract the engine and the scheduler rely on
+    pager.py        Pager: thousands of adapters in host memory, a few device slots, page-ins
+                    overlapped with the engine's steps
+    resident.py     ResidentBank: a fixed set of adapters resident in the bank for good (benchmarks, tests)
+    registry.py     name -> validated adapter in host memory, packed as one slot wants it
+    slot_table.py   slot <-> name, LRU order and pins (plain Python)
+    metrics.py      hit, miss, page-in and eviction counters
+
+What an adapter *is* (its math in the model, the device bank's layout and slot writes, PEFT folders,
+validation, merging) lives in `jaxlora.lora`, which knows nothing of slots over time; this package
+builds on it.
+"""
 
 from jaxlora.adapters.metrics import PagerMetrics
 from jaxlora.adapters.pager import AdapterInfo, Pager
 from jaxlora.adapters.registry import HostMemory, Registry, RegisteredAdapter
+from jaxlora.adapters.resident import ResidentBank
 from jaxlora.adapters.slot_table import SlotTable
+from jaxlora.adapters.source import AdapterSource
 
-__all__ = ["AdapterInfo", "HostMemory", "Pager", "PagerMetrics", "RegisteredAdapter", "Registry", "SlotTable"]
+__all__ = ["AdapterInfo", "AdapterSource", "HostMemory", "Pager", "PagerMetrics", "RegisteredAdapter", "Registry",
+           "ResidentBank", "SlotTable"]

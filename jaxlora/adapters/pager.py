@@ -12,12 +12,9 @@ Life of a page-in:
     is_ready(name)    the slot once written (the engine polls this; acquire is called once per request)
     release(name)     unpin; an unpinned slot may be evicted for another adapter
 
-Engine loop order, per step (jaxlora.engine.Engine.step): admit (acquire once per new request;
-`can_place` says whether it would get a slot), `prefetch` the waiting requests' adapters,
-`stage()`, dispatch step N+1 with `bank`, `commit()`, then block on step N's tokens (the engine
-runs one step behind), then `release` finished requests. A step with nothing to dispatch still
-calls `commit()`, so requests waiting for a page-in progress. Read `pager.bank` afresh for every
-step: `commit` donates the old one.
+When the engine calls each of these (and why a commit may go before the dispatch) is the step order
+in `jaxlora.engine.engine`'s module docstring. Read `pager.bank` afresh for every step: `commit`
+donates the old one. The pager implements `jaxlora.adapters.AdapterSource`.
 
 Why the split (measured on the H200, benchmarks/results/pagein_probe.json): a host->device copy
 waits for the work already queued on the device when it is issued. Staged before step N+1's
@@ -161,7 +158,7 @@ class Pager:
         if mesh is not None:
             self.place_on(mesh)
         else:
-            self._warm_up()
+            self.warmup()
 
     def place_on(self, mesh: jax.sharding.Mesh) -> None:
         """Splits the bank over a tensor-parallel mesh (keeping every written slot) and compiles the
@@ -175,7 +172,7 @@ class Pager:
         # path the single-device pager uses), then device -> mesh over the device links (see _write).
         self._entry_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.mesh = mesh
-        self._warm_up()
+        self.warmup()
 
     # ---------------------------------------------------------------- registry (any thread)
     def register(self, name: str, source: str | Path | HostAdapter) -> AdapterInfo:
@@ -530,16 +527,18 @@ class Pager:
         return jax.block_until_ready(jax.device_put(flat, self._host_sharding))
 
     def warmup(self) -> None:
-        """Compiles the slot write. The constructor already did, so this is a no-op kept for callers
-        that warm every component; it never touches a slot that may hold an adapter."""
-
-    def _warm_up(self) -> None:
         """Compiles the slot writes once per padded size, through the same path as page-ins (zero
-        compiles later).
+        compiles later). The constructor and `place_on` call it; calling it again is safe at any
+        time from the engine thread.
 
-        Writes zeros into slot 1, which only ever holds zeros or an adapter queued after this runs.
+        It rewrites slot 1 with what it holds: the adapter written there (its host buffer is what
+        its page-in wrote), else zeros. A slot that is not ready is read by no request, and a
+        write still queued for it is issued later, so it wins.
         """
-        zeros = self._to_device(None)
+        with self._lock:
+            name = self._table.name_in(1)
+            flat = self._registry.get(name).flat if name in self._ready else None
+        on_device = self._to_device(flat)
         for size in self._write_sizes:
-            self.bank = self._write_many([1] * size, [zeros] * size)
+            self.bank = self._write_many([1] * size, [on_device] * size)
         jax.block_until_ready(self.bank)

@@ -43,8 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxlora.engine.compiles import backend_compiles, check_no_compiles
+from jaxlora.adapters import ResidentBank
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraConfig, ModelConfig
+from jaxlora.engine.compiles import backend_compiles, check_no_compiles
 from jaxlora.lora.bank import Bank, init_bank
 from jaxlora.model.quant import weight_nbytes
 
@@ -221,55 +222,6 @@ def random_bank(model: ModelConfig, lora: LoraConfig, num_adapters: int, dtype, 
     return jax.tree_util.tree_unflatten(treedef, jax.jit(draw, out_shardings=out_shardings)(jax.random.key(seed)))
 
 
-class ResidentBank:
-    """The engine's slot source when every adapter is already on the device: adapter `a{i}` lives in
-    slot i + 1 for good. Same protocol as `jaxlora.adapters.Pager` (acquire, is_ready, release,
-    can_place, commit, has, bank, max_slots), minus paging."""
-
-    def __init__(self, bank: Bank, max_slots: int, num_adapters: int) -> None:
-        self.bank = bank
-        self.max_slots = max_slots
-        self.mesh = None
-        self._slots = {adapter_name(i): i + 1 for i in range(num_adapters)}
-
-    def has(self, name: str) -> bool:
-        return name in self._slots
-
-    def acquire(self, name: str) -> int:
-        return self._slots[name]
-
-    def is_ready(self, name: str) -> int:
-        return self._slots[name]
-
-    def slot_at_commit(self, name: str) -> int:
-        return self._slots[name]
-
-    def slot_of(self, name: str) -> int | None:
-        return self._slots.get(name)
-
-    def release(self, name: str) -> None:
-        pass
-
-    def can_place(self, name: str) -> bool:
-        return True
-
-    def prefetch(self, names) -> None:
-        pass
-
-    def stage(self) -> None:
-        pass
-
-    def commit(self) -> None:
-        pass
-
-    def place_on(self, mesh) -> None:
-        """Splits the bank over a tensor-parallel mesh (the Engine calls this)."""
-        from jaxlora.parallel.sharding import shard_bank
-
-        self.bank = shard_bank(self.bank, mesh)
-        self.mesh = mesh
-
-
 def adapter_name(i: int) -> str:
     return f"a{i}"
 
@@ -406,8 +358,8 @@ def run_group(group: Group, model, tokenizer, *, hbm: float, steps: int,
     runtime = LoraRuntime.for_platform(group.backend)
     t0 = time.perf_counter()
     # Only the source holds the bank: splitting it over a mesh frees the one-device copy.
-    source = ResidentBank(random_bank(cfg, lora, max(group.distinct), model.dtype), group.max_slots,
-                          max(group.distinct))
+    source = ResidentBank(random_bank(cfg, lora, max(group.distinct), model.dtype),
+                          [adapter_name(i) for i in range(max(group.distinct))])
     if group.e2e:
         engine = Engine(model, tokenizer, config, source, runtime=runtime)
         engine.warmup()

@@ -102,10 +102,6 @@ class EngineConfig:
             raise ValueError(f"host_capacity_bytes={self.host_capacity_bytes} must be >= 1")
 
     @property
-    def adapter_cap(self) -> int:
-        return self.max_adapters_per_batch or self.lora.max_slots - 1
-
-    @property
     def jnp_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.dtype)
 

@@ -39,6 +39,8 @@ from typing import Any
 
 import jax
 
+from jaxlora.adapters.pager import AdapterInfo
+from jaxlora.adapters.source import AdapterSource
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.detokenizer import Detokenizer
 from jaxlora.engine.request import (
@@ -54,6 +56,8 @@ from jaxlora.engine.runner import Runner, WarmupProgress, num_traces
 from jaxlora.engine.scheduler import Scheduler, StepPlan
 from jaxlora.errors import CapacityError, JaxloraError, RequestError, UnknownAdapterError
 from jaxlora.lora.apply import LoraRuntime
+from jaxlora.lora.bank import Bank
+from jaxlora.lora.host_adapter import HostAdapter
 from jaxlora.model.params import LoadedModel
 from jaxlora.tokenizer import Tokenizer
 
@@ -124,8 +128,8 @@ class _Counters:
 class Engine:
     """Continuous batching of mixed-adapter requests over one model and one adapter pager."""
 
-    def __init__(self, model: LoadedModel, tokenizer: Tokenizer, config: EngineConfig, pager: Any = None, *,
-                 runtime: LoraRuntime | None = None) -> None:
+    def __init__(self, model: LoadedModel, tokenizer: Tokenizer, config: EngineConfig,
+                 pager: AdapterSource | None = None, *, runtime: LoraRuntime | None = None) -> None:
         if pager is not None and pager.max_slots != config.lora.max_slots:
             raise ValueError(f"pager has {pager.max_slots} slots but config.lora.max_slots={config.lora.max_slots}")
         self.model = model
@@ -134,13 +138,12 @@ class Engine:
         self.pager = pager
         self.runner = Runner(model, config, runtime=runtime or LoraRuntime.for_platform(config.lora.backend,
                                                                                        attention=config.attention))
-        if pager is not None and self.runner.mesh is not None and getattr(pager, "mesh", None) != self.runner.mesh:
-            if not hasattr(pager, "place_on"):
-                raise ValueError(f"config.mesh={config.mesh} needs a pager that can split its bank (Pager.place_on)")
+        if pager is not None and self.runner.mesh is not None and pager.mesh != self.runner.mesh:
             pager.place_on(self.runner.mesh)
         self.pages = PageTable(self.runner.num_pages, config.page_size, self.runner.pages_per_seq)
         self.scheduler = Scheduler(max_batch=config.max_batch, token_budgets=config.token_budgets, pages=self.pages,
-                                   max_adapters=config.adapter_cap, max_wait_steps=config.max_wait_steps,
+                                   max_adapters_per_batch=config.max_adapters_per_batch,
+                                   max_wait_steps=config.max_wait_steps,
                                    slots=pager, reserve_pages=max(1, self.runner.num_pages // 100))
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -245,7 +248,7 @@ class Engine:
         self.scheduler.token_read(req, token)
         self._append_token(req, token, outputs)
 
-    def _bank(self):
+    def _bank(self) -> Bank | None:
         return None if self.pager is None else self.pager.bank
 
     def _stage_page_ins(self) -> None:
@@ -354,8 +357,7 @@ class Engine:
         """Compiles every static shape (the step at each token budget, with and without the bank).
         `progress(what, k, n)` is called before each of the n compiles."""
         if self.pager is not None:
-            if hasattr(self.pager, "warmup"):
-                self.pager.warmup()
+            self.pager.warmup()
             self.pager.commit()
         self.runner.warmup(None if self.pager is None else self.pager.bank, self.pages, progress)
         self._compiles_at_warmup = self.runner.step_compiles
@@ -387,23 +389,23 @@ class Engine:
             "compiles": num_traces(),
             "compiles_after_warmup": self.compiles_after_warmup,
         }
-        if self.pager is not None and hasattr(self.pager, "metrics"):
+        if self.pager is not None:
             # Counters only: copying the latency samples (up to 10,000) on every call cost about a
             # millisecond, and raced with the engine thread appending to them.
             out["pager"] = self.pager.metrics.counters()
         return out
 
     # Adapters (pass-through to the pager).
-    def register_adapter(self, name: str, path_or_adapter: str | Path | Any):
+    def register_adapter(self, name: str, path_or_adapter: str | Path | HostAdapter) -> AdapterInfo:
         return self._require_pager().register(name, path_or_adapter)
 
     def unregister_adapter(self, name: str, *, wait: bool = True, timeout: float | None = None) -> None:
         self._require_pager().unregister(name, wait=wait, timeout=timeout)
 
-    def list_adapters(self) -> list:
+    def list_adapters(self) -> list[AdapterInfo]:
         return [] if self.pager is None else self.pager.list()
 
-    def _require_pager(self):
+    def _require_pager(self) -> AdapterSource:
         if self.pager is None:
             raise JaxloraError("this engine was built without an adapter pager")
         return self.pager

@@ -30,36 +30,16 @@ import bisect
 import collections
 import dataclasses
 import heapq
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from jaxlora.engine.kv_pages import PageTable
 from jaxlora.engine.request import Phase, Request
 from jaxlora.errors import JaxloraError
 
+if TYPE_CHECKING:  # the scheduler stays importable without JAX
+    from jaxlora.adapters.source import AdapterSource
+
 BASE_SLOT = 0
-
-
-class SlotSource(Protocol):
-    """Adapter name -> device slot (the pager, `jaxlora.adapters.Pager`).
-
-    acquire pins (once per request) and returns the slot if written, else queues a page-in and
-    returns None; is_ready then polls; release unpins; can_place says whether acquiring now would
-    get a slot without waiting for another adapter's release; slot_at_commit is is_ready for a call
-    dispatched after the pager's next commit; slot_of is the slot assigned to an adapter (written, or
-    its write queued), else None.
-    """
-
-    def acquire(self, name: str) -> int | None: ...
-
-    def is_ready(self, name: str) -> int | None: ...
-
-    def release(self, name: str) -> None: ...
-
-    def can_place(self, name: str) -> bool: ...
-
-    def slot_at_commit(self, name: str) -> int | None: ...
-
-    def slot_of(self, name: str) -> int | None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,15 +83,27 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, *, max_batch: int, token_budgets: tuple[int, ...], pages: PageTable, max_adapters: int,
-                 max_wait_steps: int, slots: SlotSource | None, reserve_pages: int = 0) -> None:
+    """The policy in the module docstring, over `pages` and the adapter source `slots`.
+
+    Args:
+      max_adapters_per_batch: distinct adapters pinned at once (None: every slot of `slots` but
+        the base slot).
+      slots: where adapters get their device slots (`jaxlora.adapters.AdapterSource`; it uses the
+        slot members); None serves the base model only.
+    """
+
+    def __init__(self, *, max_batch: int, token_budgets: tuple[int, ...], pages: PageTable,
+                 max_adapters_per_batch: int | None, max_wait_steps: int, slots: AdapterSource | None,
+                 reserve_pages: int = 0) -> None:
         self.max_batch = max_batch
         self.token_budgets = tuple(sorted(token_budgets))
         if self.token_budgets[-1] < max_batch:
             raise ValueError(f"the largest token budget {self.token_budgets[-1]} must hold a decode token for "
                              f"each of the {max_batch} rows")
         self.pages = pages
-        self.max_adapters = max_adapters
+        if max_adapters_per_batch is None:
+            max_adapters_per_batch = 0 if slots is None else slots.max_slots - 1
+        self.max_adapters_per_batch = max_adapters_per_batch
         self.max_wait_steps = max_wait_steps
         self.slots = slots
         self.reserve_pages = reserve_pages  # kept free at admission, so running requests can grow
@@ -327,7 +319,7 @@ class Scheduler:
             raise JaxloraError(f"adapter {name!r} requested but the engine has no adapter pager")
         if not req.has_pin:
             if name not in self._adapter_users:
-                if len(self._adapter_users) >= self.max_adapters:
+                if len(self._adapter_users) >= self.max_adapters_per_batch:
                     return False
                 if not is_starving and not self.slots.can_place(name):
                     return False

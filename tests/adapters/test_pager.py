@@ -105,6 +105,24 @@ def test_release_without_acquire_and_unknown_names():
         pager.unregister("nope")
 
 
+def test_warmup_keeps_every_written_slot():
+    """warmup rewrites slot 1 with what it holds, so it is safe after adapters were paged in."""
+    pager, ads = make_pager(3)
+    slots = {a.name: acquire_ready(pager, a.name) for a in ads}
+    assert sorted(slots.values()) == [1, 2, 3]
+    with jax.no_tracing():  # compiled at construction
+        pager.warmup()
+    for a in ads:
+        assert_slot_holds(pager, slots[a.name], pager.host_entries(a.name))
+    assert_slot_zero(pager, 0)
+    pager.release(ads[0].name)
+    pager.unregister(ads[0].name)  # its slot's reset is queued, not yet written
+    pager.warmup()
+    pager.commit()
+    assert_slot_zero(pager, slots[ads[0].name])
+    pager.check()
+
+
 def test_prefetch_fills_free_slots_without_pinning():
     pager, ads = make_pager(10)
     names = [a.name for a in ads]

@@ -87,7 +87,7 @@ def make_request(rid: str, *, adapter: str | None = None, prompt_len: int = 5, m
 
 
 def make_scheduler(slots=None, *, num_pages: int = 64, page_size: int = 4, **kw) -> Scheduler:
-    args = dict(max_batch=2, token_budgets=(4, 16), max_adapters=3, max_wait_steps=3, slots=slots)
+    args = dict(max_batch=2, token_budgets=(4, 16), max_adapters_per_batch=3, max_wait_steps=3, slots=slots)
     args.update(kw)
     pages = PageTable(num_pages, page_size, max_pages_per_seq=16)
     return Scheduler(pages=pages, **args)
@@ -224,7 +224,7 @@ def test_cold_adapter_does_not_block_hot_ones_and_lands_next_step():
 
 def test_cap_on_distinct_adapters_per_batch():
     slots = FakeSlots(4, {"a", "b", "c"})
-    s = make_scheduler(slots, max_batch=4, max_adapters=2)
+    s = make_scheduler(slots, max_batch=4, max_adapters_per_batch=2)
     reqs = [make_request("1", adapter="a", max_tokens=20), make_request("2", adapter="b", max_tokens=20),
             make_request("3", adapter="c"), make_request("4", adapter="a", max_tokens=20)]
     for r in reqs:
@@ -263,7 +263,7 @@ def test_blocker_lets_pinned_requests_drain():
     # The cap (2) is held by requests that pinned while the only row was busy; an older request for
     # a third adapter starves. Blocking everyone behind it would deadlock: pinned ones must run.
     slots = FakeSlots(3, {"a", "b", "c"})
-    s = make_scheduler(slots, max_batch=1, max_adapters=2, max_wait_steps=1)
+    s = make_scheduler(slots, max_batch=1, max_adapters_per_batch=2, max_wait_steps=1)
     busy = make_request("busy", max_tokens=1)
     s.add(busy)
     run_step(s)  # takes the only row and finishes
