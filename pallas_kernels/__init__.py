@@ -5,12 +5,13 @@ paged-attention kernel of the flat-token-batch step (`ragged_paged_attention`, i
 
 Imports only jax and numpy; usable on its own. `lora_shrink`, `lora_expand` and
 `lora_expand_multi` (with `lora_plan`, built once per step) are the interface the model calls (see `api` for the contract); the segmented
-(SGMV) and per-row (BGMV) Triton kernels are public too (their TPU scalar-prefetch variants as `tpu_*`), and `reference` holds the naive versions.
+(SGMV) and per-row (BGMV) Triton kernels are public too (their TPU scalar-prefetch variants as `tpu_*`), `xla_backends` holds the XLA backends (`xla`,
+`ragged`), and `reference` the naive versions tests check everything against.
 """
 
-from pallas_kernels import reference, tuning
+from pallas_kernels import reference, tuning, xla_backends
 from pallas_kernels.decode_attention import decode_attention
-from pallas_kernels.api import BACKENDS, lora_expand, lora_expand_multi, lora_group, lora_shrink
+from pallas_kernels.api import BACKENDS, Backend, lora_expand, lora_expand_multi, lora_group, lora_shrink
 from pallas_kernels.lora_tpu import bgmv_expand as tpu_bgmv_expand
 from pallas_kernels.lora_tpu import bgmv_shrink as tpu_bgmv_shrink
 from pallas_kernels.lora_tpu import sgmv_expand as tpu_sgmv_expand
@@ -23,6 +24,7 @@ from pallas_kernels.ragged_attention_xla import ragged_paged_attention_xla
 
 __all__ = [
     "BACKENDS",
+    "Backend",
     "LoraPlan",
     "bgmv_expand",
     "decode_attention",
@@ -43,4 +45,5 @@ __all__ = [
     "tpu_sgmv_expand",
     "tpu_sgmv_shrink",
     "tuning",
+    "xla_backends",
 ]

@@ -36,11 +36,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import lora_tpu, lora_triton, reference, tuning
-from pallas_kernels.plan import BACKENDS, LoraPlan, check_plan, lora_plan
+from pallas_kernels import lora_tpu, lora_triton, reference, tuning, xla_backends
+from pallas_kernels.plan import BACKENDS, Backend, LoraPlan, check_plan, lora_plan
 
 
-def _check_backend(backend: str) -> None:
+def _check_backend(backend: Backend) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
 
@@ -50,7 +50,7 @@ def _check_seg_len(num_tokens: int, seg_len: int | None) -> None:
         raise ValueError(f"seg_len={seg_len} must be positive and divide the {num_tokens} tokens")
 
 
-def _resolve_plan(plan: LoraPlan | None, slot_ids: jax.Array | None, *, backend: str, seg_len: int | None,
+def _resolve_plan(plan: LoraPlan | None, slot_ids: jax.Array | None, *, backend: Backend, seg_len: int | None,
                   num_tokens: int, num_slots: int) -> LoraPlan:
     _check_backend(backend)
     _check_seg_len(num_tokens, seg_len)
@@ -76,7 +76,7 @@ def _layer_of(bank: jax.Array, layer: jax.Array | None, ndim: int) -> jax.Array:
 
 
 def lora_shrink(
-    x: jax.Array, a: jax.Array, slot_ids: jax.Array | None, *, backend: str, interpret: bool = False,
+    x: jax.Array, a: jax.Array, slot_ids: jax.Array | None, *, backend: Backend, interpret: bool = False,
     seg_len: int | None = None, plan: LoraPlan | None = None, layer: jax.Array | None = None,
 ) -> jax.Array:
     """h[t] = x[t] @ a[slot_ids[t]].
@@ -108,9 +108,9 @@ def lora_shrink(
             return lora_tpu.bgmv_shrink(x, a, slot_ids, interpret=interpret)
         return lora_tpu.sgmv_shrink(x, a, *_tpu_segments(slot_ids, seg_len), interpret=interpret)
     if backend == "xla":
-        return reference.shrink_xla(x, a, slot_ids, seg_len)
+        return xla_backends.shrink_xla(x, a, slot_ids, seg_len)
     if backend == "ragged":
-        return reference.shrink_ragged(x, a, slot_ids, (plan.sort_order, plan.group_sizes))
+        return xla_backends.shrink_ragged(x, a, slot_ids, (plan.sort_order, plan.group_sizes))
     if backend == "onehot":
         return reference.shrink_onehot(x, a, slot_ids)
     return reference.shrink_loop(x, a, slot_ids)
@@ -139,16 +139,16 @@ def _expand_one(y, h, b, plan: LoraPlan, h_col, *, backend, interpret, seg_len, 
         return lora_tpu.sgmv_expand(y, h, b, *_tpu_segments(slot_ids, seg_len), h_col=h_col, interpret=interpret)
     h = h[:, h_col : h_col + b.shape[1]]
     if backend == "xla":
-        return reference.expand_xla(y, h, b, slot_ids, seg_len)
+        return xla_backends.expand_xla(y, h, b, slot_ids, seg_len)
     if backend == "ragged":
-        return reference.expand_ragged(y, h, b, slot_ids, (plan.sort_order, plan.group_sizes))
+        return xla_backends.expand_ragged(y, h, b, slot_ids, (plan.sort_order, plan.group_sizes))
     if backend == "onehot":
         return reference.expand_onehot(y, h, b, slot_ids)
     return reference.expand_loop(y, h, b, slot_ids)
 
 
 def lora_expand(
-    y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array | None, *, backend: str, interpret: bool = False,
+    y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array | None, *, backend: Backend, interpret: bool = False,
     seg_len: int | None = None, plan: LoraPlan | None = None, layer: jax.Array | None = None,
 ) -> jax.Array:
     """y_new[t] = y[t] + h[t] @ b[slot_ids[t]].
@@ -171,7 +171,7 @@ def lora_expand(
 
 
 def lora_expand_multi(
-    ys: tuple[jax.Array, ...], h: jax.Array, bs: tuple[jax.Array, ...], slot_ids: jax.Array | None, *, backend: str,
+    ys: tuple[jax.Array, ...], h: jax.Array, bs: tuple[jax.Array, ...], slot_ids: jax.Array | None, *, backend: Backend,
     interpret: bool = False, seg_len: int | None = None, plan: LoraPlan | None = None, layer: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """ys_new[g][t] = ys[g][t] + h[t, g*R:(g+1)*R] @ bs[g][slot_ids[t]], for the G modules of one shrink.
@@ -202,7 +202,7 @@ def lora_expand_multi(
 
 def lora_group(
     x: jax.Array, a: jax.Array, ys: tuple[jax.Array, ...], bs: tuple[jax.Array, ...], slot_ids: jax.Array | None, *,
-    backend: str, interpret: bool = False, seg_len: int | None = None, plan: LoraPlan | None = None,
+    backend: Backend, interpret: bool = False, seg_len: int | None = None, plan: LoraPlan | None = None,
     layer: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """ys_new[g][t] = ys[g][t] + (x[t] @ a[s])[g*R:(g+1)*R] @ bs[g][s], s = slot_ids[t]: a module group's LoRA term.

@@ -9,13 +9,17 @@ computed once by `lora_plan` and passed to `lora_shrink` / `lora_expand` / `lora
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import lora_triton, reference, tuning
+from pallas_kernels import lora_triton, tuning, xla_backends
 
-BACKENDS = ("pallas", "xla", "ragged", "onehot", "loop", "pallas_tpu")
+# The LoRA backends `api.py` dispatches to (its docstring says what each is); "onehot" and "loop"
+# are the naive references, for tests. jaxlora's `LoraBackend` is the subset a model serves with.
+Backend = typing.Literal["pallas", "xla", "ragged", "onehot", "loop", "pallas_tpu"]
+BACKENDS: tuple[str, ...] = typing.get_args(Backend)
 
 
 def _static(**kw):
@@ -39,7 +43,7 @@ class LoraPlan:
     groups: lora_triton.RowGroups | None
     sort_order: jax.Array | None
     group_sizes: jax.Array | None
-    backend: str = _static()
+    backend: Backend = _static()
     seg_len: int | None = _static()
     num_slots: int = _static()
 
@@ -57,7 +61,7 @@ def _tile_heights(num_tokens: int, seg_len: int | None) -> tuple[int, ...]:
     return tuple(heights)
 
 
-def lora_plan(slot_ids: jax.Array, *, num_slots: int, seg_len: int | None = None, backend: str) -> LoraPlan:
+def lora_plan(slot_ids: jax.Array, *, num_slots: int, seg_len: int | None = None, backend: Backend) -> LoraPlan:
     """Builds the step's metadata for `backend` from slot_ids [T] int32 in [0, num_slots).
 
     Args:
@@ -84,12 +88,12 @@ def lora_plan(slot_ids: jax.Array, *, num_slots: int, seg_len: int | None = None
         groups = lora_triton.make_row_groups(slot_ids, num_slots=num_slots, seg_len=seg_len,
                                              block_rows=_tile_heights(num_tokens, seg_len))
     elif backend == "ragged":
-        sort_order, group_sizes = reference.sort_by_slot(slot_ids, num_slots)
+        sort_order, group_sizes = xla_backends.sort_by_slot(slot_ids, num_slots)
     return LoraPlan(slot_ids=slot_ids, groups=groups, sort_order=sort_order, group_sizes=group_sizes,
                     backend=backend, seg_len=seg_len, num_slots=num_slots)
 
 
-def check_plan(plan: LoraPlan, *, backend: str, seg_len: int | None, num_tokens: int, num_slots: int) -> None:
+def check_plan(plan: LoraPlan, *, backend: Backend, seg_len: int | None, num_tokens: int, num_slots: int) -> None:
     """Raises ValueError when a plan was built for other rows or another backend than this op's."""
     got = (plan.backend, plan.seg_len, plan.num_tokens, plan.num_slots)
     want = (backend, seg_len, num_tokens, num_slots)

@@ -142,3 +142,13 @@ def test_fused_decode_group_matches_the_loop_reference(rng, stacked, dtype):
     base_rows = np.asarray(slots) == 0
     for g, y in zip(got, ys):
         np.testing.assert_array_equal(np.asarray(g)[base_rows], np.asarray(y)[base_rows])
+
+
+def test_backend_names_are_listed_once():
+    """The model's backends are a subset of the kernels' ones; loop and onehot are test references."""
+    from jaxlora.config import LoraBackend
+
+    assert pk.BACKENDS == ("pallas", "xla", "ragged", "onehot", "loop", "pallas_tpu")
+    assert {b.value for b in LoraBackend} == set(pk.BACKENDS) - {"onehot", "loop", "pallas_tpu"}
+    with pytest.raises(ValueError, match="must be one of"):
+        pk.lora_plan(jnp.zeros(4, jnp.int32), num_slots=2, backend="gather")
