@@ -50,7 +50,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxlora.adapters import HostMemory, Pager  # noqa: E402
 from jaxlora.bench.e2e import LLAMA2_7B, TINY, word_tokenizer  # noqa: E402
-from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraConfig, ModelConfig  # noqa: E402
+from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig  # noqa: E402
 from jaxlora.engine.config import EngineConfig  # noqa: E402
 from jaxlora.engine.engine import Engine  # noqa: E402
 from jaxlora.engine.request import GenerationRequest, SamplingParams  # noqa: E402
@@ -503,7 +503,7 @@ def main() -> None:
     parser.add_argument("--host-gb", type=float, default=None,
                         help="host budget for registered adapters, GB; caps --registered, and the 'full' setting "
                              "registers as many as fit (default: half the free memory)")
-    parser.add_argument("--backend", choices=("pallas", "xla", "ragged"), default=None,
+    parser.add_argument("--backend", choices=[b.value for b in LoraBackend], default=None,
                         help="LoRA backend (default: pallas on GPU, xla elsewhere)")
     parser.add_argument("--caps", type=int, nargs="+", default=[16],
                         help="pager variants: page-ins per commit (the first is the default row)")

@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxlora.bench.e2e import LLAMA2_7B, TINY, hbm_gbps, random_bank, slot_pattern, time_decode  # noqa: E402
-from jaxlora.config import TARGET_MODULES, LoraConfig  # noqa: E402
+from jaxlora.config import TARGET_MODULES, LoraBackend, LoraConfig  # noqa: E402
 from jaxlora.engine.config import EngineConfig  # noqa: E402
 from jaxlora.engine.runner import Runner  # noqa: E402
 from jaxlora.lora.apply import LoraRuntime  # noqa: E402
@@ -159,7 +159,7 @@ def main() -> None:
         lora = LoraConfig(max_slots=65, max_rank=16, target_modules=TARGET_MODULES, backend="xla")
         bank = random_bank(model_cfg, lora, 64, jnp.bfloat16)
         slots = slot_pattern(B, 64)
-        for backend in ("xla", "ragged", "pallas"):
+        for backend in LoraBackend:
             runner = runner_for(LoraRuntime(backend=backend, interpret=interpret, **BASE_VARIANTS[best]),
                                 lora=LoraConfig(max_slots=65, max_rank=16, target_modules=TARGET_MODULES,
                                                 backend=backend))

@@ -75,7 +75,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.paging import pool_adapters, register_copies, weight_pool  # noqa: E402
 from jaxlora.adapters import Pager  # noqa: E402
 from jaxlora.bench.e2e import LLAMA2_7B, TINY, word_tokenizer  # noqa: E402
-from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraConfig, ModelConfig  # noqa: E402
+from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig  # noqa: E402
 from jaxlora.engine.config import ENGINE_KIND, EngineConfig  # noqa: E402
 from jaxlora.engine.engine import Engine  # noqa: E402
 from jaxlora.engine.request import FinishReason, GenerationRequest, RequestOutput, SamplingParams  # noqa: E402
@@ -570,7 +570,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals (default 120; --tiny 2)")
     p.add_argument("--max-drain-s", type=float, default=None, help="after the last arrival (default 60; --tiny 20)")
     p.add_argument("--host-gb", type=float, default=64.0, help="host budget for registered adapters, GB")
-    p.add_argument("--backend", choices=("pallas", "xla", "ragged"), default=None,
+    p.add_argument("--backend", choices=[b.value for b in LoraBackend], default=None,
                    help="LoRA backend (default: pallas on GPU, xla elsewhere)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no run (or setting) that could end after this many seconds")

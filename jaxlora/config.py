@@ -25,11 +25,20 @@ MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
 
 
 class LoraBackend(enum.StrEnum):
-    """How the per-row LoRA term is computed (all give the same numbers)."""
+    """How the per-row LoRA term is computed (all give the same numbers): the backends of
+    `pallas_kernels.Backend` a model serves with (the others are naive references for tests)."""
 
     XLA = "xla"  # gather A[slot] / B[slot] per row, then einsum
     RAGGED = "ragged"  # lax.ragged_dot over rows sorted by slot
     PALLAS = "pallas"  # pallas_kernels shrink/expand kernels
+
+
+class AttentionBackend(enum.StrEnum):
+    """How the step's attention is computed (all give the same numbers)."""
+
+    AUTO = "auto"  # PALLAS on GPU, XLA elsewhere (resolved by `LoraRuntime.for_platform`)
+    XLA = "xla"  # plain XLA ops (the blocked ragged attention; dense masked einsum for dense caches)
+    PALLAS = "pallas"  # pallas_kernels attention kernels
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -44,7 +44,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxlora.adapters import ResidentBank
-from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraConfig, ModelConfig
+from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig
 from jaxlora.engine.compiles import backend_compiles, check_no_compiles
 from jaxlora.lora.bank import Bank, init_bank
 from jaxlora.model.quant import weight_nbytes
@@ -484,7 +484,7 @@ def targets_summary(rows: list[dict]) -> list[dict]:
     compared = 0
     for r in pallas:
         key = {k: r[k] for k in ("batch", "distinct_adapters", "rank", "targets", "prompt_len")}
-        for other in ("xla", "ragged"):
+        for other in (LoraBackend.XLA, LoraBackend.RAGGED):
             o = find(backend=other, **key)
             if o is not None:
                 compared += 1
@@ -657,7 +657,7 @@ class Options:
     out: Path
     tiny: bool = False
     budget_s: float = 300.0
-    backends: tuple[str, ...] = ("pallas", "xla", "ragged")
+    backends: tuple[str, ...] = (LoraBackend.PALLAS, LoraBackend.XLA, LoraBackend.RAGGED)
     steps: int = 10
     hf_peer: Path | None = None
     plots: bool = True

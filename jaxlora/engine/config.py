@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import yaml
 
-from jaxlora.config import LoraConfig
+from jaxlora.config import AttentionBackend, LoraConfig
 from jaxlora.parallel.mesh import MeshConfig
 
 _DTYPES = ("float32", "bfloat16")
@@ -45,7 +45,7 @@ class EngineConfig:
       dtype: parameter, activation and KV cache dtype name.
       host_capacity_bytes: host memory for registered adapters (None: unbounded).
       mesh: devices the engine spans (`mesh: {tensor: 2}` splits every layer over two devices).
-      attention: decode attention, "auto" (the Pallas kernel on GPU, XLA elsewhere), "pallas" or "xla".
+      attention: the step's attention (`AttentionBackend`; "auto": the Pallas kernel on GPU, XLA elsewhere).
       prefetch_adapters: page in (unpinned) the adapters of up to this many waiting requests, in
         arrival order, while rows are busy, so a request's adapter is resident when its row frees
         (0: page in only on admission).
@@ -65,7 +65,7 @@ class EngineConfig:
     dtype: str = "float32"
     host_capacity_bytes: int | None = None
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    attention: str = "auto"
+    attention: AttentionBackend = AttentionBackend.AUTO
     prefetch_adapters: int = 16
 
     def __post_init__(self) -> None:
@@ -94,8 +94,9 @@ class EngineConfig:
             raise ValueError(f"max_adapters_per_batch={cap} must be in [1, max_slots-1={self.lora.max_slots - 1}]")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {_DTYPES}")
-        if self.attention not in ("auto", "pallas", "xla"):
-            raise ValueError(f"attention={self.attention!r} must be one of ('auto', 'pallas', 'xla')")
+        if self.attention not in tuple(AttentionBackend):
+            raise ValueError(f"attention={self.attention!r} must be one of {tuple(a.value for a in AttentionBackend)}")
+        object.__setattr__(self, "attention", AttentionBackend(self.attention))
         if self.prefetch_adapters < 0:
             raise ValueError(f"prefetch_adapters={self.prefetch_adapters} must be >= 0")
         if self.host_capacity_bytes is not None and self.host_capacity_bytes < 1:

@@ -17,13 +17,10 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from jaxlora.config import LoraBackend
+from jaxlora.config import AttentionBackend, LoraBackend
 from jaxlora.lora.bank import GROUPS
 
 GROUP_MODULES: dict[str, tuple[str, ...]] = dict(GROUPS)
-
-
-ATTENTION_BACKENDS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +29,10 @@ class LoraRuntime:
 
     backend: how the LoRA term is computed.
     interpret: run Pallas kernels in interpret mode (CPU).
-    attention: "pallas" runs decode steps (one token per row) through
+    attention: PALLAS runs decode steps (one token per row) through
       `pallas_kernels.decode_attention`, which reads only each row's valid positions straight out of
-      the stacked cache; "xla" uses the dense masked einsum (prefill always does).
+      the stacked cache; XLA uses the dense masked einsum (prefill always does). Never AUTO here:
+      `for_platform` resolves it.
     unroll_layers: run the layers as an unrolled Python loop instead of `lax.scan` (same math; lets
       XLA see each layer's weights as a static slice, at the cost of compile time growing with depth).
     unroll_max_tokens: unroll only steps of at most this many tokens (one token per row). Small
@@ -44,18 +42,21 @@ class LoraRuntime:
 
     backend: LoraBackend = LoraBackend.XLA
     interpret: bool = False
-    attention: str = "xla"
+    attention: AttentionBackend = AttentionBackend.XLA
     unroll_layers: bool = False
     unroll_max_tokens: int = 512
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", LoraBackend(self.backend))  # accept the string form too
-        if self.attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention={self.attention!r} must be one of {ATTENTION_BACKENDS}")
+        resolved = tuple(a.value for a in AttentionBackend if a is not AttentionBackend.AUTO)
+        if self.attention not in resolved:
+            raise ValueError(f"attention={self.attention!r} must be one of {resolved}")
+        object.__setattr__(self, "attention", AttentionBackend(self.attention))
 
     @classmethod
     def for_platform(cls, backend: LoraBackend | str, platform: str | None = None, *,
-                     attention: str = "auto", unroll_layers: bool | None = None) -> "LoraRuntime":
+                     attention: AttentionBackend | str = AttentionBackend.AUTO,
+                     unroll_layers: bool | None = None) -> "LoraRuntime":
         """Pallas runs natively on GPU and TPU; on CPU the only way to run it is the interpreter.
 
         attention="auto" picks the Pallas decode-attention kernel on GPU and XLA elsewhere;
@@ -66,9 +67,10 @@ class LoraRuntime:
         if unroll_layers is None:
             unroll_layers = platform == "gpu"
         backend = LoraBackend(backend)
-        if attention == "auto":
-            attention = "pallas" if platform == "gpu" else "xla"
-        uses_pallas = backend is LoraBackend.PALLAS or attention == "pallas"
+        attention = AttentionBackend(attention)
+        if attention is AttentionBackend.AUTO:
+            attention = AttentionBackend.PALLAS if platform == "gpu" else AttentionBackend.XLA
+        uses_pallas = backend is LoraBackend.PALLAS or attention is AttentionBackend.PALLAS
         return cls(backend=backend, interpret=uses_pallas and platform == "cpu", attention=attention,
                    unroll_layers=unroll_layers)
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
-from jaxlora.config import ModelConfig
+from jaxlora.config import AttentionBackend, ModelConfig
 from jaxlora.lora.apply import LoraRuntime, apply_group, step_plan, token_slots_for
 from jaxlora.model.kv_cache import KVCache, PagedKVCache
 from jaxlora.model.quant import QuantLinear, Quantization, project
@@ -130,7 +130,7 @@ class Attention(nnx.Module):
         if s.ragged is not None:
             kv = _write_pages(kv, layer, k[:, 0], v[:, 0], s.ragged)
             attn = _attend_ragged(q[:, 0], kv, layer, s.ragged, s.runtime).reshape(b, t, -1)
-        elif t == 1 and s.row_ids is None and s.runtime.attention == "pallas":
+        elif t == 1 and s.row_ids is None and s.runtime.attention is AttentionBackend.PALLAS:
             # Decode: write the new key/value in place, then read only valid positions of this layer.
             kv = _write_cache(kv, layer, k, v, s.positions, jnp.arange(b, dtype=jnp.int32))
             attn = pallas_kernels.decode_attention(q[:, 0], kv.k, kv.v, layer, s.positions[:, 0] + 1,
@@ -187,7 +187,7 @@ def _write_pages(kv: PagedKVCache, layer: jax.Array, k: jax.Array, v: jax.Array,
 def _attend_ragged(q: jax.Array, kv: PagedKVCache, layer: jax.Array, batch: RaggedBatch, runtime) -> jax.Array:
     """q [T, H, Dh] over each token's own sequence in the page pool -> [T, H, Dh]."""
     args = (q, kv.k, kv.v, layer, batch.q_start, batch.q_len, batch.kv_len, batch.block_tables)
-    if runtime.attention == "pallas":
+    if runtime.attention is AttentionBackend.PALLAS:
         return pallas_kernels.ragged_paged_attention(*args, interpret=runtime.interpret)
     return pallas_kernels.ragged_paged_attention_xla(*args)
 

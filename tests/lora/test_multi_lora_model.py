@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxlora.config import TARGET_MODULES, LoraBackend, LoraConfig
+from jaxlora.config import TARGET_MODULES, AttentionBackend, LoraBackend, LoraConfig
 from jaxlora.lora.apply import LoraRuntime
 from jaxlora.lora.bank import init_bank, reset_slot, set_slot, slot_arrays
 from jaxlora.lora.merge import merged_params
@@ -119,3 +119,17 @@ def jax_copy(tree):
 
     # set_slot donates its input; the module-scoped bank must survive for other tests.
     return jax.tree_util.tree_map(jnp.copy, tree)
+
+
+def test_attention_names_come_from_one_enum():
+    from jaxlora.engine.config import EngineConfig
+
+    assert EngineConfig().attention is AttentionBackend.AUTO
+    assert EngineConfig(attention="xla").attention is AttentionBackend.XLA
+    with pytest.raises(ValueError, match="attention='flash' must be one of"):
+        EngineConfig(attention="flash")
+    assert LoraRuntime.for_platform("xla", "gpu").attention is AttentionBackend.PALLAS
+    assert LoraRuntime.for_platform("xla", "cpu", attention="auto").attention is AttentionBackend.XLA
+    assert LoraRuntime(attention="pallas").attention is AttentionBackend.PALLAS
+    with pytest.raises(ValueError, match="attention='auto' must be one of"):
+        LoraRuntime(attention="auto")  # for_platform resolves auto
