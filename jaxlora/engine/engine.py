@@ -126,7 +126,11 @@ class _Counters:
 
 
 class Engine:
-    """Continuous batching of mixed-adapter requests over one model and one adapter pager."""
+    """Continuous batching of mixed-adapter requests over one model and one adapter source.
+
+    pager: where adapters get their device slots, any `jaxlora.adapters.AdapterSource` (the paging
+      `Pager`, or the all-resident `ResidentBank`); None serves the base model only.
+    """
 
     def __init__(self, model: LoadedModel, tokenizer: Tokenizer, config: EngineConfig,
                  pager: AdapterSource | None = None, *, runtime: LoraRuntime | None = None) -> None:
