@@ -31,8 +31,16 @@ from jaxlora.model.params import random_model  # noqa: E402
 
 def run(backend: str, attention: str, model, requests) -> tuple[list[tuple[int, ...]], int | None, float]:
     lora = LoraConfig(max_slots=8, max_rank=8, backend=backend)
-    config = EngineConfig(max_batch=8, max_seq_len=128, token_budgets=(8, 32, 64), page_size=16, num_pages=40,
-                          max_new_tokens_limit=48, lora=lora, attention=attention)
+    config = EngineConfig(
+        max_batch=8,
+        max_seq_len=128,
+        token_budgets=(8, 32, 64),
+        page_size=16,
+        num_pages=40,
+        max_new_tokens_limit=48,
+        lora=lora,
+        attention=attention,
+    )
     source = ResidentBank(random_bank(model.config, lora, 6, model.dtype, seed=1), [adapter_name(i) for i in range(6)])
     tokenizer = word_tokenizer(model.config.vocab_size)
     engine = Engine(model, tokenizer, config, source, runtime=LoraRuntime.for_platform(backend, attention=attention))
@@ -52,17 +60,26 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model = random_model(TINY, dtype=jnp.float32)
     rng = np.random.default_rng(0)
-    requests = [GenerationRequest(request_id=f"r{i}", prompt_ids=rng.integers(3, TINY.vocab_size, int(n)).tolist(),
-                                  adapter=adapter_name(i % 6) if i % 4 else None,
-                                  sampling=SamplingParams(max_tokens=int(m)))
-                for i, (n, m) in enumerate(zip(rng.integers(1, 70, 14), rng.integers(4, 40, 14)))]
+    requests = [
+        GenerationRequest(
+            request_id=f"r{i}",
+            prompt_ids=rng.integers(3, TINY.vocab_size, int(n)).tolist(),
+            adapter=adapter_name(i % 6) if i % 4 else None,
+            sampling=SamplingParams(max_tokens=int(m)),
+        )
+        for i, (n, m) in enumerate(zip(rng.integers(1, 70, 14), rng.integers(4, 40, 14)))
+    ]
     result = {"device": jax.devices()[0].device_kind}
     fast, compiles, seconds = run("pallas", "pallas", model, requests)
     slow, _, _ = run("xla", "xla", model, requests)
     same = sum(a == b for a, b in zip(fast, slow))
-    result.update(requests=len(requests), identical=same, compiles_after_warmup=compiles, seconds=round(seconds, 2),
-                  first_difference=next(([i, list(a), list(b)] for i, (a, b) in enumerate(zip(fast, slow)) if a != b),
-                                        None))
+    result.update(
+        requests=len(requests),
+        identical=same,
+        compiles_after_warmup=compiles,
+        seconds=round(seconds, 2),
+        first_difference=next(([i, list(a), list(b)] for i, (a, b) in enumerate(zip(fast, slow)) if a != b), None),
+    )
     print(json.dumps(result), flush=True)
     (args.out / "engine_gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
 

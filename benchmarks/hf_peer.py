@@ -30,10 +30,24 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 import torch  # noqa: E402
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256)
+LLAMA2_7B = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    max_position_embeddings=4096,
+)
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 
 def sync(device: str) -> None:
@@ -63,8 +77,15 @@ def copy_gbps(device: str) -> float | None:
 def timed_generate(model, ids, mask, new_tokens: int, device: str, **kw) -> float:
     sync(device)
     t0 = time.perf_counter()
-    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                   do_sample=False, pad_token_id=0, **kw)
+    model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        **kw,
+    )
     sync(device)
     return time.perf_counter() - t0
 
@@ -73,8 +94,13 @@ def measure(model, ids, mask, gen_len: int, device: str, **kw) -> dict:
     ttft = timed_generate(model, ids, mask, 1, device, **kw)
     total = timed_generate(model, ids, mask, gen_len, device, **kw)
     batch = ids.shape[0]
-    return {"tokens_per_s": batch * gen_len / total, "ttft_ms": ttft * 1e3,
-            "step_ms": (total - ttft) / max(gen_len - 1, 1) * 1e3, "gen_len": gen_len, "seconds": total}
+    return {
+        "tokens_per_s": batch * gen_len / total,
+        "ttft_ms": ttft * 1e3,
+        "step_ms": (total - ttft) / max(gen_len - 1, 1) * 1e3,
+        "gen_len": gen_len,
+        "seconds": total,
+    }
 
 
 def main() -> None:
@@ -91,16 +117,22 @@ def main() -> None:
     p.add_argument("--skip-base", action="store_true", help="only the mixed-adapter batch")
     args = p.parse_args()
 
+    import peft
     import transformers
+    from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import peft
-    from peft import LoraConfig, get_peft_model
-
     dev = args.device
-    result = {"device": torch.cuda.get_device_name() if dev == "cuda" else dev, "torch": torch.__version__,
-              "transformers": transformers.__version__, "peft": peft.__version__, "batch": args.batch,
-              "prompt_len": args.prompt_len, "rank": args.rank, "rows": []}
+    result = {
+        "device": torch.cuda.get_device_name() if dev == "cuda" else dev,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "rank": args.rank,
+        "rows": [],
+    }
     result["copy_GBps"] = copy_gbps(dev)
 
     def save():
@@ -125,8 +157,9 @@ def main() -> None:
             save()
 
     t = time.perf_counter()
-    cfg = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=MODULES, lora_dropout=0.0,
-                     init_lora_weights=False)
+    cfg = LoraConfig(
+        r=args.rank, lora_alpha=2 * args.rank, target_modules=MODULES, lora_dropout=0.0, init_lora_weights=False
+    )
     names = [f"a{i}" for i in range(args.adapters)]
     with torch.device(dev):
         peft_model = get_peft_model(model, cfg, adapter_name=names[0])

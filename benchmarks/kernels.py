@@ -147,19 +147,28 @@ def make_fn(op: str, backend: str, seg_len: int | None, num_slots: int, knobs: d
         expand = {**tuning.lookup("expand", mode, num_tokens), **knobs.get("expand", {})}
         heights = (shrink["block_rows"],) + ((expand["block_rows"],) if expand.get("impl") != "rows" else ())
         groups = lora_triton.make_row_groups(slots, num_slots=num_slots, seg_len=seg_len, block_rows=heights)
-        return pk.LoraPlan(slot_ids=slots, groups=groups, sort_order=None, group_sizes=None, backend="pallas",
-                           seg_len=seg_len, num_slots=num_slots)
+        return pk.LoraPlan(
+            slot_ids=slots,
+            groups=groups,
+            sort_order=None,
+            group_sizes=None,
+            backend="pallas",
+            seg_len=seg_len,
+            num_slots=num_slots,
+        )
 
     def shrink(x, a, plan):
         if backend == "pallas" and knobs:
-            return lora_triton.grouped_shrink(x, a, plan.groups, mode=mode, interpret=S.interpret,
-                                              **knobs.get("shrink", {}))
+            return lora_triton.grouped_shrink(
+                x, a, plan.groups, mode=mode, interpret=S.interpret, **knobs.get("shrink", {})
+            )
         return pk.lora_shrink(x, a, None, backend=backend, seg_len=seg_len, plan=plan, interpret=S.interpret)
 
     def expand(y, h, b, plan):
         if backend == "pallas" and knobs and seg_len is None:
-            return lora_triton.decode_expand(y, h, b, plan.slot_ids, plan.groups, interpret=S.interpret,
-                                             **knobs.get("expand", {}))
+            return lora_triton.decode_expand(
+                y, h, b, plan.slot_ids, plan.groups, interpret=S.interpret, **knobs.get("expand", {})
+            )
         return pk.lora_expand(y, h, b, None, backend=backend, seg_len=seg_len, plan=plan, interpret=S.interpret)
 
     def apply(layers, slots):
@@ -222,7 +231,7 @@ def all_cases():
         for distinct in (16, tokens):
             yield case(tokens, distinct, hidden_out=S.ffn), False
     tokens = 16 * S.tokens[-1] // 2 if not S.interpret else 64
-    for seg_len in ((128, 512, 2048) if not S.interpret else (16, 32)):
+    for seg_len in (128, 512, 2048) if not S.interpret else (16, 32):
         yield case(tokens, tokens // seg_len, mode="prefill", seg_len=seg_len), False
 
 
@@ -243,9 +252,15 @@ def run_case(rng, c, backends, ops, num_layers):
             print(f"FAILED {op} {backend} {c}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         floor_us = floor_bytes(op, c["tokens"], c["hidden_in"], c["hidden_out"], c["rank"], c["distinct"]) / (
-            HBM_GBPS * 1e3)
-        row = dict(op=op, **{k: c[k] for k in ("mode", "tokens", "hidden_in", "hidden_out", "rank", "distinct")},
-                   backend=backend, us=round(us, 2), floor_us=round(floor_us, 2))
+            HBM_GBPS * 1e3
+        )
+        row = dict(
+            op=op,
+            **{k: c[k] for k in ("mode", "tokens", "hidden_in", "hidden_out", "rank", "distinct")},
+            backend=backend,
+            us=round(us, 2),
+            floor_us=round(floor_us, 2),
+        )
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -257,8 +272,14 @@ def run_case(rng, c, backends, ops, num_layers):
 def check() -> bool:
     """Compiled pallas (both decode expand impls, with and without a plan) vs xla on awkward shapes."""
     rng = np.random.default_rng(0)
-    shapes = [(37, 2049, 48, 300, None), (256, 4096, 16, 11008, None), (512, 576, 1, 1536, None),
-              (64, 1536, 128, 576, None), (1024, 4096, 16, 4096, 128), (384, 2049, 8, 2049, 128)]
+    shapes = [
+        (37, 2049, 48, 300, None),
+        (256, 4096, 16, 11008, None),
+        (512, 576, 1, 1536, None),
+        (64, 1536, 128, 576, None),
+        (1024, 4096, 16, 4096, 128),
+        (384, 2049, 8, 2049, 128),
+    ]
     cases = [(jnp.bfloat16, s) for s in shapes] + [(jnp.float32, shapes[0]), (jnp.float32, shapes[3])]
     if S.interpret:
         cases = [(jnp.float32, (37, 200, 24, 70, None)), (jnp.bfloat16, (32, 96, 8, 64, 16))]
@@ -278,10 +299,12 @@ def check() -> bool:
         h_ref = pk.lora_shrink(x, a, slots, backend="xla", seg_len=seg_len)
         y_ref = pk.lora_expand(y, h_ref, b, slots, backend="xla", seg_len=seg_len)
         plan = pk.lora_plan(slots, num_slots=num_slots, seg_len=seg_len, backend="pallas")
-        got = {"shrink": pk.lora_shrink(x, a, slots, backend="pallas", **kw),
-               "shrink+plan": pk.lora_shrink(x, a, None, backend="pallas", plan=plan, **kw),
-               "expand": pk.lora_expand(y, h_ref, b, slots, backend="pallas", **kw),
-               "expand+plan": pk.lora_expand(y, h_ref, b, None, backend="pallas", plan=plan, **kw)}
+        got = {
+            "shrink": pk.lora_shrink(x, a, slots, backend="pallas", **kw),
+            "shrink+plan": pk.lora_shrink(x, a, None, backend="pallas", plan=plan, **kw),
+            "expand": pk.lora_expand(y, h_ref, b, slots, backend="pallas", **kw),
+            "expand+plan": pk.lora_expand(y, h_ref, b, None, backend="pallas", plan=plan, **kw),
+        }
         if seg_len is None:
             for impl in lora_triton.EXPAND_IMPLS:
                 got[f"expand:{impl}"] = pk.bgmv_expand(y, h_ref, b, slots, impl=impl, interpret=S.interpret)
@@ -295,23 +318,35 @@ def check() -> bool:
             ok = err < (2e-2 if dtype == jnp.bfloat16 else 1e-3) and exact
             all_ok &= ok
             parts.append(f"{name} {err:.1e}{'' if ok else ' BAD'}")
-        print(f"check {jnp.dtype(dtype).name:8s} T={tokens:5d} D={hidden:5d} R={rank:4d} O={out:5d} seg={seg_len}: "
-              + ", ".join(parts), flush=True)
+        print(
+            f"check {jnp.dtype(dtype).name:8s} T={tokens:5d} D={hidden:5d} R={rank:4d} O={out:5d} seg={seg_len}: "
+            + ", ".join(parts),
+            flush=True,
+        )
     print("check", "PASSED" if all_ok else "FAILED", flush=True)
     return all_ok
 
 
 def tune_grid():
     if S.interpret:
-        return ([dict(block_k=128, split_k=sk, num_warps=4, num_stages=3, block_rows=16) for sk in (1, 2)],
-                [dict(impl="rows", block_rows=2, block_out=64, num_warps=4, num_stages=1),
-                 dict(impl="grouped", block_rows=4, block_out=64, out_split=2, num_warps=4, num_stages=1)])
-    shrink = [dict(block_k=bk, split_k=sk, num_warps=w, num_stages=3, block_rows=16)
-              for bk, sk, w in ((256, 2, 4), (256, 4, 4), (256, 1, 4), (512, 4, 8), (256, 8, 4))]
-    expand = ([dict(impl="rows", block_rows=br, block_out=bo, num_warps=w, num_stages=1)
-               for br, bo, w in ((2, 256, 4), (4, 256, 4), (1, 512, 4), (8, 128, 4))]
-              + [dict(impl="grouped", block_rows=br, block_out=bo, out_split=os, num_warps=4, num_stages=st)
-                 for br, bo, os, st in ((16, 128, 8, 3), (4, 128, 8, 1))])
+        return (
+            [dict(block_k=128, split_k=sk, num_warps=4, num_stages=3, block_rows=16) for sk in (1, 2)],
+            [
+                dict(impl="rows", block_rows=2, block_out=64, num_warps=4, num_stages=1),
+                dict(impl="grouped", block_rows=4, block_out=64, out_split=2, num_warps=4, num_stages=1),
+            ],
+        )
+    shrink = [
+        dict(block_k=bk, split_k=sk, num_warps=w, num_stages=3, block_rows=16)
+        for bk, sk, w in ((256, 2, 4), (256, 4, 4), (256, 1, 4), (512, 4, 8), (256, 8, 4))
+    ]
+    expand = [
+        dict(impl="rows", block_rows=br, block_out=bo, num_warps=w, num_stages=1)
+        for br, bo, w in ((2, 256, 4), (4, 256, 4), (1, 512, 4), (8, 128, 4))
+    ] + [
+        dict(impl="grouped", block_rows=br, block_out=bo, out_split=os, num_warps=4, num_stages=st)
+        for br, bo, os, st in ((16, 128, 8, 3), (4, 128, 8, 1))
+    ]
     return shrink, expand
 
 
@@ -334,8 +369,10 @@ def tune(num_layers: int, deadline: float) -> dict:
             scored = []
             for knobs in grid:
                 try:
-                    per = [time_per_layer(make_fn(op, "pallas", None, d + 1, {op: knobs}), sets[d], num_layers, reps=2)
-                           for d in pats]
+                    per = [
+                        time_per_layer(make_fn(op, "pallas", None, d + 1, {op: knobs}), sets[d], num_layers, reps=2)
+                        for d in pats
+                    ]
                 except Exception as e:
                     print(f"tune FAILED {op} T={tokens} {knobs}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
@@ -356,7 +393,7 @@ def install(best: dict) -> None:
         table[bucket] = dict(knobs)
     for op in ("shrink", "expand"):
         print(f"{op.upper()}_DECODE = {{", flush=True)
-        for bucket, knobs in sorted(tuning.TABLES[(op, 'decode')].items()):
+        for bucket, knobs in sorted(tuning.TABLES[(op, "decode")].items()):
             print(f"    {bucket}: dict({', '.join(f'{k}={v!r}' for k, v in knobs.items())}),", flush=True)
         print("}", flush=True)
 
@@ -376,8 +413,10 @@ def model_scan(num_layers: int) -> list[dict]:
         key = jax.random.key(int(rng.integers(1 << 30)))
         ka, kb, kx = jax.random.split(key, 3)
         a = jax.random.normal(ka, (num_layers, num_slots, S.wide, 3 * rank), DTYPE) * 0.02
-        bs = tuple(jax.random.normal(jax.random.fold_in(kb, i), (num_layers, num_slots, rank, o), DTYPE) * 0.02
-                   for i, o in enumerate(outs))
+        bs = tuple(
+            jax.random.normal(jax.random.fold_in(kb, i), (num_layers, num_slots, rank, o), DTYPE) * 0.02
+            for i, o in enumerate(outs)
+        )
         x = jax.random.normal(kx, (tokens, S.wide), DTYPE)
         slots = jnp.asarray(slot_pattern(rng, tokens, distinct, None))
         kw = dict(backend=backend, interpret=S.interpret)
@@ -406,9 +445,16 @@ def model_scan(num_layers: int) -> list[dict]:
             print(f"model FAILED {backend} hoist={hoist}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         floor = sum(floor_bytes("shrink+expand", tokens, S.wide, o, rank, distinct) for o in outs) / (HBM_GBPS * 1e3)
-        row = dict(op="qkv scan", mode="decode", tokens=tokens, distinct=distinct, backend=backend,
-                   plan="hoisted" if hoist else "per op", us=round(float(np.median(times)), 2),
-                   floor_us=round(floor, 2))
+        row = dict(
+            op="qkv scan",
+            mode="decode",
+            tokens=tokens,
+            distinct=distinct,
+            backend=backend,
+            plan="hoisted" if hoist else "per op",
+            us=round(float(np.median(times)), 2),
+            floor_us=round(floor, 2),
+        )
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -416,12 +462,22 @@ def model_scan(num_layers: int) -> list[dict]:
 
 def write_results(out: Path, rows: list[dict], model_rows: list[dict], tuned: dict, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    payload = dict(device=str(jax.devices()[0].device_kind), jax_version=jax.__version__, hbm_GBps=round(HBM_GBPS, 1),
-                   command=command, tuned={f"{op} T={t}": k for (op, t), k in tuned.items()}, rows=rows,
-                   model_rows=model_rows)
+    payload = dict(
+        device=str(jax.devices()[0].device_kind),
+        jax_version=jax.__version__,
+        hbm_GBps=round(HBM_GBPS, 1),
+        command=command,
+        tuned={f"{op} T={t}": k for (op, t), k in tuned.items()},
+        rows=rows,
+        model_rows=model_rows,
+    )
     (out / "kernels.json").write_text(json.dumps(payload, indent=1))
-    lines = ["| op | mode | T | in->out | rank | distinct | floor us | " + " | ".join(BACKENDS)
-             + " | pallas/floor | pallas/best other |", "|" + "---|" * (9 + len(BACKENDS))]
+    lines = [
+        "| op | mode | T | in->out | rank | distinct | floor us | "
+        + " | ".join(BACKENDS)
+        + " | pallas/floor | pallas/best other |",
+        "|" + "---|" * (9 + len(BACKENDS)),
+    ]
     key = lambda r: (r["op"], r["mode"], r["tokens"], r["hidden_in"], r["hidden_out"], r["rank"], r["distinct"])
     for k, group in itertools.groupby(sorted(rows, key=key), key=key):
         group = {r["backend"]: r for r in group}
@@ -430,19 +486,33 @@ def write_results(out: Path, rows: list[dict], model_rows: list[dict], tuned: di
         others = [group[b]["us"] for b in ("xla", "ragged", "onehot") if b in group]
         ratio = f"{group['pallas']['us'] / floor:.2f}" if "pallas" in group else "-"
         vs = f"{group['pallas']['us'] / min(others):.2f}" if "pallas" in group and others else "-"
-        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]}->{k[4]} | {k[5]} | {k[6]} | {floor:.1f} | "
-                     + " | ".join(cells) + f" | {ratio} | {vs} |")
-    model_lines = ["| group | T | distinct | backend | plan | us per layer | floor us |", "|---|---|---|---|---|---|---|"]
-    model_lines += [f"| {r['op']} | {r['tokens']} | {r['distinct']} | {r['backend']} | {r['plan']} | {r['us']:.1f} | "
-                    f"{r['floor_us']:.1f} |" for r in model_rows]
+        lines.append(
+            f"| {k[0]} | {k[1]} | {k[2]} | {k[3]}->{k[4]} | {k[5]} | {k[6]} | {floor:.1f} | "
+            + " | ".join(cells)
+            + f" | {ratio} | {vs} |"
+        )
+    model_lines = [
+        "| group | T | distinct | backend | plan | us per layer | floor us |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    model_lines += [
+        f"| {r['op']} | {r['tokens']} | {r['distinct']} | {r['backend']} | {r['plan']} | {r['us']:.1f} | "
+        f"{r['floor_us']:.1f} |"
+        for r in model_rows
+    ]
     tuned_lines = [f"- {op} T={t}: `{k}`" for (op, t), k in tuned.items()]
     (out / "kernels.md").write_text(
         f"# LoRA kernels on {payload['device']} (JAX {jax.__version__}, HBM copy {HBM_GBPS:.0f} GB/s)\n\n"
         f"Median microseconds per layer; the step's `lora_plan` is built once per pass and shared by the layers.\n"
         f"pallas = the backend as shipped (tuning.py's rule); pallas-rows / pallas-grouped force the decode expand impl.\n"
-        f"Command: `{command}`\n\n" + "\n".join(lines) + "\n\n## Model-level: qkv group in lax.scan over layers\n\n"
-        + "\n".join(model_lines) + "\n\n## Tuned in this run (installed for the table above)\n\n"
-        + "\n".join(tuned_lines) + "\n")
+        f"Command: `{command}`\n\n"
+        + "\n".join(lines)
+        + "\n\n## Model-level: qkv group in lax.scan over layers\n\n"
+        + "\n".join(model_lines)
+        + "\n\n## Tuned in this run (installed for the table above)\n\n"
+        + "\n".join(tuned_lines)
+        + "\n"
+    )
     plot(out / "kernels.png", rows)
 
 

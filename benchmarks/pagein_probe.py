@@ -39,6 +39,7 @@ DTYPE = jnp.bfloat16
 
 # -- a stand-in decode step: reads every base weight and each row's adapter once, like a decode step
 
+
 def random_base(model: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
     """Stacked random base projections {module: [L, in, out]} in bf16 (built on device)."""
     out = {}
@@ -63,7 +64,7 @@ def make_step(lora: LoraConfig):
             h = jnp.einsum("bi,bir->br", x_in, layer_bank[group]["a"][slots])  # A[slot]: [B, in, G*R]
             for i, m in enumerate(group_modules[group]):
                 b = layer_bank[group]["b"][m][slots]  # [B, R, out]
-                outs[m] = outs[m] + jnp.einsum("br,bro->bo", h[:, i * R:(i + 1) * R], b)
+                outs[m] = outs[m] + jnp.einsum("br,bro->bo", h[:, i * R : (i + 1) * R], b)
             return outs
 
         def layer(x, inputs):
@@ -165,8 +166,12 @@ def loop_variants(step, base, x, slot_ids, state, flats, device, ks, args) -> li
             y_prev, xx = y, y
         jax.block_until_ready((y_prev, state["bank"], carried))
         total = time.perf_counter() - t0
-        return {"k": k, "how": how, "ms_per_step": round(total / steps * 1e3, 3),
-                "host_issue_ms_p50": round(float(np.median(issue_ms)), 3)}
+        return {
+            "k": k,
+            "how": how,
+            "ms_per_step": round(total / steps * 1e3, 3),
+            "host_issue_ms_p50": round(float(np.median(issue_ms)), 3),
+        }
 
     for k, how in [(0, "none")] + [(k, h) for k in ks if 2 <= k <= 16 for h in ("after", "split", "split1", "lagged")]:
         try:
@@ -184,21 +189,37 @@ def render(path: Path) -> None:
 
     def table(rows: list[dict]) -> list[str]:
         cols = list(dict.fromkeys(k for r in rows for k in r))
-        return (["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-                + ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows])
+        return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] + [
+            "| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows
+        ]
 
-    lines = [f"# Page-in probe ({d['device']}, jax {d['jax_version']})", "", f"Command: `{d['command']}`", "",
-             f"Adapter buffer: {d['adapter_bytes'] / 1e6:.1f} MB (S1: rank 8, q/k/v/o, Llama-2-7B shape, bf16).", ""]
+    lines = [
+        f"# Page-in probe ({d['device']}, jax {d['jax_version']})",
+        "",
+        f"Command: `{d['command']}`",
+        "",
+        f"Adapter buffer: {d['adapter_bytes'] / 1e6:.1f} MB (S1: rank 8, q/k/v/o, Llama-2-7B shape, bf16).",
+        "",
+    ]
     sections = [
         ("size_curve", "One pinned_host -> device copy, by size"),
         ("copies_only", "k adapter copies issued back to back, no slot writes"),
-        ("burst", "k page-ins (copy + slot write): one write call per adapter (put_each, put_list) or one "
-                  "jitted call reading the pinned buffers itself (in_jit)"),
-        ("overlap", "A stand-in decode step dispatched, then k page-ins: step output ready, everything ready, "
-                    "host time issuing the page-ins"),
-        ("loop", "Engine-like loop (one step behind), k page-ins a step: after = copies and writes after the "
-                 "dispatch; split = copies before, writes after (one call each); split1 = copies before, one "
-                 "write call; lagged = writes one step later"),
+        (
+            "burst",
+            "k page-ins (copy + slot write): one write call per adapter (put_each, put_list) or one "
+            "jitted call reading the pinned buffers itself (in_jit)",
+        ),
+        (
+            "overlap",
+            "A stand-in decode step dispatched, then k page-ins: step output ready, everything ready, "
+            "host time issuing the page-ins",
+        ),
+        (
+            "loop",
+            "Engine-like loop (one step behind), k page-ins a step: after = copies and writes after the "
+            "dispatch; split = copies before, writes after (one call each); split1 = copies before, one "
+            "write call; lagged = writes one step later",
+        ),
     ]
     for key, title in sections:
         if d.get(key):
@@ -223,8 +244,12 @@ def main() -> None:
     dev = jax.devices()[0]
     pinned, device = shardings(dev)
     print("device", dev.device_kind, "jax", jax.__version__, "pinned_host", pinned is not None, flush=True)
-    out: dict = {"device": str(dev.device_kind), "jax_version": jax.__version__, "pinned_host": pinned is not None,
-                 "command": "python " + " ".join(sys.argv)}
+    out: dict = {
+        "device": str(dev.device_kind),
+        "jax_version": jax.__version__,
+        "pinned_host": pinned is not None,
+        "command": "python " + " ".join(sys.argv),
+    }
     sizes = [1 << 16, 1 << 20] if args.tiny else [16_777_216, 67_108_864, 268_435_456, 1 << 30]
     out["size_curve"] = size_curve(pinned, device, sizes, args.reps)
 
@@ -299,8 +324,13 @@ def main() -> None:
                 times["all"].append(t4 - t0)
                 times["issue"].append(t2 - t1)
         med = {key: round(float(np.median(v)) * 1e3, 3) for key, v in times.items()}
-        return {"k": k, "how": how if writes else "copies_no_write", "step_out_ms": med["out"],
-                "all_ready_ms": med["all"], "host_issue_ms": med["issue"]}
+        return {
+            "k": k,
+            "how": how if writes else "copies_no_write",
+            "step_out_ms": med["out"],
+            "all_ready_ms": med["all"],
+            "host_issue_ms": med["issue"],
+        }
 
     overlap = [run(0, "none", False)]
     print("overlap", overlap[-1], flush=True)

@@ -40,7 +40,6 @@ import json
 import os
 import sys
 import time
-from collections import deque
 from pathlib import Path
 
 import jax
@@ -75,16 +74,53 @@ class Setting:
 def settings(tiny: bool) -> dict[str, Setting]:
     if tiny:
         return {
-            "s1": Setting(name="s1", rank=4, modules=ATTENTION_MODULES, registered=40, slots=7, rows=4,
-                          requests=24, new_tokens=6, prompt_len=8),
-            "full": Setting(name="full", rank=4, modules=TARGET_MODULES, registered=None, slots=7, rows=4,
-                            requests=24, new_tokens=6, prompt_len=8, max_registered=30),
+            "s1": Setting(
+                name="s1",
+                rank=4,
+                modules=ATTENTION_MODULES,
+                registered=40,
+                slots=7,
+                rows=4,
+                requests=24,
+                new_tokens=6,
+                prompt_len=8,
+            ),
+            "full": Setting(
+                name="full",
+                rank=4,
+                modules=TARGET_MODULES,
+                registered=None,
+                slots=7,
+                rows=4,
+                requests=24,
+                new_tokens=6,
+                prompt_len=8,
+                max_registered=30,
+            ),
         }
     return {
-        "s1": Setting(name="s1", rank=8, modules=ATTENTION_MODULES, registered=2000, slots=64, rows=64,
-                      requests=1024, new_tokens=32, prompt_len=32),
-        "full": Setting(name="full", rank=16, modules=TARGET_MODULES, registered=None, slots=64, rows=64,
-                        requests=1024, new_tokens=32, prompt_len=32),
+        "s1": Setting(
+            name="s1",
+            rank=8,
+            modules=ATTENTION_MODULES,
+            registered=2000,
+            slots=64,
+            rows=64,
+            requests=1024,
+            new_tokens=32,
+            prompt_len=32,
+        ),
+        "full": Setting(
+            name="full",
+            rank=16,
+            modules=TARGET_MODULES,
+            registered=None,
+            slots=64,
+            rows=64,
+            requests=1024,
+            new_tokens=32,
+            prompt_len=32,
+        ),
     }
 
 
@@ -127,8 +163,10 @@ def weight_pool(model: ModelConfig, rank: int, modules: tuple[str, ...], num: in
         weights = {}
         for m in modules:
             d_in, d_out = model.module_shape(m)
-            weights[m] = (rng.standard_normal((model.num_layers, d_in, rank), np.float32) * 0.01,
-                          rng.standard_normal((model.num_layers, rank, d_out), np.float32) * 0.01)
+            weights[m] = (
+                rng.standard_normal((model.num_layers, d_in, rank), np.float32) * 0.01,
+                rng.standard_normal((model.num_layers, rank, d_out), np.float32) * 0.01,
+            )
         pool.append(weights)
     return pool
 
@@ -149,6 +187,7 @@ def register_copies(pager: Pager, adapters: list[HostAdapter], num: int, threads
     `Pager.register` is thread-safe and its work (validate, pack, pin) is numpy and device copies
     that release the GIL, so threads overlap it.
     """
+
     def register(i: int) -> None:
         pager.register(f"a{i}", adapters[i % len(adapters)])  # registered under its own name
 
@@ -172,19 +211,30 @@ def num_registered(setting: Setting, slot_bytes: int, host_bytes: int | None) ->
 
 def make_engine(model, setting: Setting, pager: Pager, backend: str) -> Engine:
     lora = pager.lora_config
-    config = EngineConfig(max_batch=setting.rows, max_seq_len=setting.prompt_len + setting.new_tokens,
-                          token_budgets=tuple(sorted({setting.rows, 8 * setting.prompt_len})),
-                          max_new_tokens_limit=setting.new_tokens, max_queue=setting.requests + 1,
-                          lora=dataclasses.replace(lora, backend=backend), dtype=jnp.dtype(model.dtype).name,
-                          prefetch_adapters=setting.rows)
+    config = EngineConfig(
+        max_batch=setting.rows,
+        max_seq_len=setting.prompt_len + setting.new_tokens,
+        token_budgets=tuple(sorted({setting.rows, 8 * setting.prompt_len})),
+        max_new_tokens_limit=setting.new_tokens,
+        max_queue=setting.requests + 1,
+        lora=dataclasses.replace(lora, backend=backend),
+        dtype=jnp.dtype(model.dtype).name,
+        prefetch_adapters=setting.rows,
+    )
     return Engine(model, word_tokenizer(model.config.vocab_size), config, pager)
 
 
 def make_requests(setting: Setting, adapters: list[str], vocab: int, seed: int) -> list[GenerationRequest]:
     rng = np.random.default_rng(seed)
-    return [GenerationRequest(request_id=f"r{i}", prompt_ids=rng.integers(0, vocab, setting.prompt_len).tolist(),
-                              adapter=name, sampling=SamplingParams(max_tokens=setting.new_tokens))
-            for i, name in enumerate(adapters)]
+    return [
+        GenerationRequest(
+            request_id=f"r{i}",
+            prompt_ids=rng.integers(0, vocab, setting.prompt_len).tolist(),
+            adapter=name,
+            sampling=SamplingParams(max_tokens=setting.new_tokens),
+        )
+        for i, name in enumerate(adapters)
+    ]
 
 
 @contextlib.contextmanager
@@ -193,16 +243,23 @@ def host_profile(engine: Engine):
     read of sampled ids, which is the host waiting for the device): a host-bound loop shows little
     time in `device_get`."""
     totals: collections.Counter[str] = collections.Counter()
-    targets = [(engine.pager, "stage"), (engine.pager, "commit"), (engine.pager, "prefetch"),
-               (engine.runner, "step"), (jax, "device_get")]
+    targets = [
+        (engine.pager, "stage"),
+        (engine.pager, "commit"),
+        (engine.pager, "prefetch"),
+        (engine.runner, "step"),
+        (jax, "device_get"),
+    ]
     originals = [(obj, name, getattr(obj, name)) for obj, name in targets]
     for obj, name, fn in originals:
+
         def timed(*args, _fn=fn, _name=name, **kwargs):
             t0 = time.perf_counter()
             try:
                 return _fn(*args, **kwargs)
             finally:
                 totals[_name] += time.perf_counter() - t0
+
         setattr(obj, name, timed)
     try:
         yield totals
@@ -248,13 +305,19 @@ def run_engine(engine: Engine, requests: list[GenerationRequest]) -> dict:
         xs = [s for (p, pre), s in read_back if p == paging and pre == prefill]
         return round(float(np.mean(xs)) * 1e3, 3) if xs else None
 
-    return {"tokens_per_s": generated / total, "seconds": total, "step_ms_paging": ms(True),
-            "step_ms_no_paging": ms(False), "prefill_step_ms_paging": ms(True, True),
-            "prefill_step_ms_no_paging": ms(False, True), "steps": len(steps),
-            "steps_with_page_ins": sum(p for p, _ in steps),
-            "decode_tokens_per_step": round(counts["decode_tokens"] / max(counts["steps"], 1), 2),
-            "prefill_calls": sum(pre for _, pre in steps),
-            "host_ms_per_step": {k: round(v / len(steps) * 1e3, 3) for k, v in sorted(host.items())}}
+    return {
+        "tokens_per_s": generated / total,
+        "seconds": total,
+        "step_ms_paging": ms(True),
+        "step_ms_no_paging": ms(False),
+        "prefill_step_ms_paging": ms(True, True),
+        "prefill_step_ms_no_paging": ms(False, True),
+        "steps": len(steps),
+        "steps_with_page_ins": sum(p for p, _ in steps),
+        "decode_tokens_per_step": round(counts["decode_tokens"] / max(counts["steps"], 1), 2),
+        "prefill_calls": sum(pre for _, pre in steps),
+        "host_ms_per_step": {k: round(v / len(steps) * 1e3, 3) for k, v in sorted(host.items())},
+    }
 
 
 def timed_page_ins(pager: Pager, names: list[str]) -> tuple[float, float]:
@@ -293,8 +356,18 @@ def burst_page_ins(pager: Pager, names: list[str]) -> float:
     return len(names) * pager.slot_nbytes / seconds / 1e9
 
 
-def run_variant(setting: Setting, engine: Engine, requests: list[GenerationRequest], base_run: dict, *,
-                registered: int, alpha: float, distinct: int, reg_s: float, pageable: Pager) -> dict:
+def run_variant(
+    setting: Setting,
+    engine: Engine,
+    requests: list[GenerationRequest],
+    base_run: dict,
+    *,
+    registered: int,
+    alpha: float,
+    distinct: int,
+    reg_s: float,
+    pageable: Pager,
+) -> dict:
     """One paged run of `requests`, then page-in timings on the same pager; one result row."""
     pager = engine.pager
     before = pager.metrics.snapshot()
@@ -302,67 +375,109 @@ def run_variant(setting: Setting, engine: Engine, requests: list[GenerationReque
     after = pager.metrics.snapshot()
     if engine.compiles_after_warmup:
         raise RuntimeError(f"the engine compiled {engine.compiles_after_warmup} times after warm-up")
-    cold = [f"a{i}" for i in range(registered - 1, max(registered - 1 - 32, -1), -1)
-            if pager.is_ready(f"a{i}") is None][:16]
+    cold = [
+        f"a{i}" for i in range(registered - 1, max(registered - 1 - 32, -1), -1) if pager.is_ready(f"a{i}") is None
+    ][:16]
     p50_ms, gbps = timed_page_ins(pager, cold) if cold else (float("nan"), float("nan"))
     burst = [f"a{i}" for i in range(registered) if pager.is_ready(f"a{i}") is None]
-    burst = burst[:min(pager.max_page_ins_per_commit, setting.slots)]
+    burst = burst[: min(pager.max_page_ins_per_commit, setting.slots)]
     burst_gbps = burst_page_ins(pager, burst)
     pageable_ms, pageable_gbps = timed_page_ins(pageable, [f"a{i}" for i in range(setting.slots + 1)])
     row = {
-        "setting": setting.name, "rank": setting.rank, "modules": list(setting.modules),
-        "adapter_MB": round(pager.slot_nbytes / 1e6, 2), "registered": registered, "slots": setting.slots,
-        "registration_s": round(reg_s, 2), "host_GB_registered": round(registered * pager.slot_nbytes / 1e9, 2),
-        "rows": setting.rows, "requests": setting.requests, "prompt_len": setting.prompt_len,
-        "new_tokens": setting.new_tokens, "popularity_exponent": alpha, "distinct_adapters": distinct,
+        "setting": setting.name,
+        "rank": setting.rank,
+        "modules": list(setting.modules),
+        "adapter_MB": round(pager.slot_nbytes / 1e6, 2),
+        "registered": registered,
+        "slots": setting.slots,
+        "registration_s": round(reg_s, 2),
+        "host_GB_registered": round(registered * pager.slot_nbytes / 1e9, 2),
+        "rows": setting.rows,
+        "requests": setting.requests,
+        "prompt_len": setting.prompt_len,
+        "new_tokens": setting.new_tokens,
+        "popularity_exponent": alpha,
+        "distinct_adapters": distinct,
         "tokens_per_s": round(paged["tokens_per_s"], 1),
         "all_resident_tokens_per_s": round(base_run["tokens_per_s"], 1),
         "throughput_vs_resident": round(paged["tokens_per_s"] / base_run["tokens_per_s"], 4),
         "page_ins": after["page_ins"] - before["page_ins"],
         "prefetches": after["prefetches"] - before["prefetches"],
-        "hits": after["hits"] - before["hits"], "misses": after["misses"] - before["misses"],
-        "page_in_GBps": round(burst_gbps, 2), "page_in_burst_n": len(burst),
-        "page_in_ms_p50": round(p50_ms, 3), "page_in_serial_GBps": round(gbps, 2),
+        "hits": after["hits"] - before["hits"],
+        "misses": after["misses"] - before["misses"],
+        "page_in_GBps": round(burst_gbps, 2),
+        "page_in_burst_n": len(burst),
+        "page_in_ms_p50": round(p50_ms, 3),
+        "page_in_serial_GBps": round(gbps, 2),
         "page_in_wait_ms_p50": round(after["page_in_ms_p50"], 3),
-        "page_in_ms_p50_pageable": round(pageable_ms, 3), "page_in_GBps_pageable": round(pageable_gbps, 2),
-        "step_ms_paging": paged["step_ms_paging"], "step_ms_no_paging": paged["step_ms_no_paging"],
+        "page_in_ms_p50_pageable": round(pageable_ms, 3),
+        "page_in_GBps_pageable": round(pageable_gbps, 2),
+        "step_ms_paging": paged["step_ms_paging"],
+        "step_ms_no_paging": paged["step_ms_no_paging"],
         "step_ms_all_resident": base_run["step_ms_no_paging"],
-        "steps": paged["steps"], "steps_with_page_ins": paged["steps_with_page_ins"],
+        "steps": paged["steps"],
+        "steps_with_page_ins": paged["steps_with_page_ins"],
         "compiles_after_warmup": engine.compiles_after_warmup,
     }
-    row.update(resident_prefill_calls=base_run["prefill_calls"], prefill_calls=paged["prefill_calls"],
-               resident_steps=base_run["steps"], decode_tokens_per_step=paged["decode_tokens_per_step"],
-               resident_decode_tokens_per_step=base_run["decode_tokens_per_step"],
-               prefill_step_ms_paging=paged["prefill_step_ms_paging"],
-               prefill_step_ms_no_paging=paged["prefill_step_ms_no_paging"],
-               resident_prefill_step_ms=base_run["prefill_step_ms_no_paging"],
-               host_ms_per_step=paged["host_ms_per_step"], resident_host_ms_per_step=base_run["host_ms_per_step"])
+    row.update(
+        resident_prefill_calls=base_run["prefill_calls"],
+        prefill_calls=paged["prefill_calls"],
+        resident_steps=base_run["steps"],
+        decode_tokens_per_step=paged["decode_tokens_per_step"],
+        resident_decode_tokens_per_step=base_run["decode_tokens_per_step"],
+        prefill_step_ms_paging=paged["prefill_step_ms_paging"],
+        prefill_step_ms_no_paging=paged["prefill_step_ms_no_paging"],
+        resident_prefill_step_ms=base_run["prefill_step_ms_no_paging"],
+        host_ms_per_step=paged["host_ms_per_step"],
+        resident_host_ms_per_step=base_run["host_ms_per_step"],
+    )
     return row
 
 
-def run_setting(setting: Setting, model, exponents: list[float], host_memory: str, backend: str, *,
-                host_bytes: int | None = None, deadline: float = float("inf"), caps: tuple[int, ...] = (16,),
-                prefetch: tuple[int, ...] | None = None, on_row=lambda row: None) -> list[dict]:
+def run_setting(
+    setting: Setting,
+    model,
+    exponents: list[float],
+    host_memory: str,
+    backend: str,
+    *,
+    host_bytes: int | None = None,
+    deadline: float = float("inf"),
+    caps: tuple[int, ...] = (16,),
+    prefetch: tuple[int, ...] | None = None,
+    on_row=lambda row: None,
+) -> list[dict]:
     """Rows for each exponent and pager variant (page-ins per commit x prefetch depth; the first
     variant is the default); stops before an exponent once time.perf_counter() passes `deadline`.
     Variants run one after the other on the same pager, each starting with what the last left
     resident."""
     prefetch = prefetch or (setting.rows,)
     cfg = model.config
-    lora = LoraConfig(max_slots=setting.slots + 1, max_rank=setting.rank, target_modules=setting.modules,
-                      backend=backend)
+    lora = LoraConfig(
+        max_slots=setting.slots + 1, max_rank=setting.rank, target_modules=setting.modules, backend=backend
+    )
     pool = adapter_pool(cfg, setting)
     rows = []
-    pager = Pager(cfg, lora, dtype=model.dtype, host_memory=host_memory, host_capacity_bytes=host_bytes,
-                  max_page_ins_per_commit=max(caps))  # compiles the writes of every smaller power of two too
+    pager = Pager(
+        cfg,
+        lora,
+        dtype=model.dtype,
+        host_memory=host_memory,
+        host_capacity_bytes=host_bytes,
+        max_page_ins_per_commit=max(caps),
+    )  # compiles the writes of every smaller power of two too
     registered = num_registered(setting, pager.slot_nbytes, host_bytes)
     if registered < setting.slots + 1:
-        print(f"[{setting.name}] skipped: the host budget holds {registered} adapters of "
-              f"{pager.slot_nbytes / 2**20:.1f} MiB, not more than the {setting.slots} slots", flush=True)
+        print(
+            f"[{setting.name}] skipped: the host budget holds {registered} adapters of "
+            f"{pager.slot_nbytes / 2**20:.1f} MiB, not more than the {setting.slots} slots",
+            flush=True,
+        )
         return []
     reg_s = register_all(pager, pool, setting, registered)
-    print(f"[{setting.name}] registered {registered} x {pager.slot_nbytes / 2**20:.1f} MiB in {reg_s:.1f} s",
-          flush=True)
+    print(
+        f"[{setting.name}] registered {registered} x {pager.slot_nbytes / 2**20:.1f} MiB in {reg_s:.1f} s", flush=True
+    )
     resident = Pager(cfg, lora, dtype=model.dtype, host_memory=host_memory)
     register_all(resident, pool, setting, setting.slots)
     resident.prefetch([f"a{i}" for i in range(setting.slots)])
@@ -391,8 +506,17 @@ def run_setting(setting: Setting, model, exponents: list[float], host_memory: st
             pager.max_page_ins_per_commit = cap
             # A benchmark-only swap: the engine reads prefetch_adapters every step; nothing compiled depends on it.
             engine.config = dataclasses.replace(engine.config, prefetch_adapters=depth)
-            row = run_variant(setting, engine, requests, base_run, registered=registered, alpha=alpha,
-                              distinct=int(len(set(idx))), reg_s=reg_s, pageable=pageable)
+            row = run_variant(
+                setting,
+                engine,
+                requests,
+                base_run,
+                registered=registered,
+                alpha=alpha,
+                distinct=int(len(set(idx))),
+                reg_s=reg_s,
+                pageable=pageable,
+            )
             row.update(max_page_ins_per_commit=cap, prefetch_adapters=depth)
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -408,35 +532,74 @@ def run_setting(setting: Setting, model, exponents: list[float], host_memory: st
 def write_results(payload: dict, out: Path, plot: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "paging.json").write_text(json.dumps(payload, indent=1))
-    cols = ["setting", "adapter_MB", "registered", "slots", "popularity_exponent", "distinct_adapters", "tokens_per_s",
-            "all_resident_tokens_per_s", "throughput_vs_resident", "page_ins", "prefill_calls",
-            "resident_prefill_calls", "page_in_ms_p50", "page_in_serial_GBps", "page_in_GBps", "step_ms_paging",
-            "step_ms_no_paging", "step_ms_all_resident", "prefill_step_ms_paging", "prefill_step_ms_no_paging",
-            "resident_prefill_step_ms"]
+    cols = [
+        "setting",
+        "adapter_MB",
+        "registered",
+        "slots",
+        "popularity_exponent",
+        "distinct_adapters",
+        "tokens_per_s",
+        "all_resident_tokens_per_s",
+        "throughput_vs_resident",
+        "page_ins",
+        "prefill_calls",
+        "resident_prefill_calls",
+        "page_in_ms_p50",
+        "page_in_serial_GBps",
+        "page_in_GBps",
+        "step_ms_paging",
+        "step_ms_no_paging",
+        "step_ms_all_resident",
+        "prefill_step_ms_paging",
+        "prefill_step_ms_no_paging",
+        "resident_prefill_step_ms",
+    ]
     pinned = payload["h2d_pinned_GBps"]
     commands = payload.get("commands", [payload["command"]])
-    lines = [f"# Adapter paging ({payload['device']}, jax {payload['jax_version']})", "",
-             "Command(s):", ""] + [f"- `{c}`" for c in commands] + ["",
-             f"Host->device: pinned {pinned} GB/s, pageable {payload['h2d_pageable_GBps']} GB/s "
-             f"({payload['h2d_bytes'] / 1e6:.0f} MB copies); pinned at one adapter's size: "
-             f"{payload.get('h2d_pinned_adapter_GBps')}. Serving: {payload['step']}.", "",
-             "`page_in_GBps`: a burst of `page_in_burst_n` page-ins issued by one stage + commit (the way the "
-             "pager issues them under load); `page_in_serial_GBps` and `page_in_ms_p50`: one at a time, "
-             "blocking. `step_ms_*`: decode-only engine steps that issued page-ins / did not / the all-resident "
-             "run; `prefill_step_ms_*`: the same for steps with a prefill call (requests are admitted in the "
-             "step that pages their adapter in, so page-ins mostly come with a prefill; null: no such step).", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines = (
+        [f"# Adapter paging ({payload['device']}, jax {payload['jax_version']})", "", "Command(s):", ""]
+        + [f"- `{c}`" for c in commands]
+        + [
+            "",
+            f"Host->device: pinned {pinned} GB/s, pageable {payload['h2d_pageable_GBps']} GB/s "
+            f"({payload['h2d_bytes'] / 1e6:.0f} MB copies); pinned at one adapter's size: "
+            f"{payload.get('h2d_pinned_adapter_GBps')}. Serving: {payload['step']}.",
+            "",
+            "`page_in_GBps`: a burst of `page_in_burst_n` page-ins issued by one stage + commit (the way the "
+            "pager issues them under load); `page_in_serial_GBps` and `page_in_ms_p50`: one at a time, "
+            "blocking. `step_ms_*`: decode-only engine steps that issued page-ins / did not / the all-resident "
+            "run; `prefill_step_ms_*`: the same for steps with a prefill call (requests are admitted in the "
+            "step that pages their adapter in, so page-ins mostly come with a prefill; null: no such step).",
+            "",
+            "| " + " | ".join(cols) + " |",
+            "|" + "---|" * len(cols),
+        ]
+    )
     lines += ["| " + " | ".join(str(r.get(c)) for c in cols) + " |" for r in payload["rows"]]
-    lines += ["", "Targets: throughput >= 90% of all-resident at 2,000 adapters; page-ins >= 70% of pinned "
-              "host->device bandwidth (of the same run).", ""]
+    lines += [
+        "",
+        "Targets: throughput >= 90% of all-resident at 2,000 adapters; page-ins >= 70% of pinned "
+        "host->device bandwidth (of the same run).",
+        "",
+    ]
     for r in payload["rows"]:
         row_pinned = r.get("h2d_pinned_GBps", pinned)
         share = f"{r['page_in_GBps'] / row_pinned:.0%}" if row_pinned else "n/a"
-        lines.append(f"- {r['setting']}, {r['registered']} adapters, exponent {r['popularity_exponent']}: "
-                     f"{r['throughput_vs_resident']:.1%} of all-resident; page-ins at {share} of pinned bandwidth")
+        lines.append(
+            f"- {r['setting']}, {r['registered']} adapters, exponent {r['popularity_exponent']}: "
+            f"{r['throughput_vs_resident']:.1%} of all-resident; page-ins at {share} of pinned bandwidth"
+        )
     if payload.get("variant_rows"):
-        vcols = ["setting", "popularity_exponent", "max_page_ins_per_commit", "prefetch_adapters",
-                 "throughput_vs_resident", "prefill_calls", "page_in_GBps"]
+        vcols = [
+            "setting",
+            "popularity_exponent",
+            "max_page_ins_per_commit",
+            "prefetch_adapters",
+            "throughput_vs_resident",
+            "prefill_calls",
+            "page_in_GBps",
+        ]
         lines += ["", "Pager variants (same runs):", "", "| " + " | ".join(vcols) + " |", "|" + "---|" * len(vcols)]
         lines += ["| " + " | ".join(str(r.get(c)) for c in vcols) + " |" for r in payload["variant_rows"]]
     (out / "paging.md").write_text("\n".join(lines) + "\n")
@@ -444,6 +607,7 @@ def write_results(payload: dict, out: Path, plot: bool = True) -> None:
         return
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -452,8 +616,12 @@ def write_results(payload: dict, out: Path, plot: bool = True) -> None:
     for name in dict.fromkeys(r["setting"] for r in payload["rows"]):
         rs = [r for r in payload["rows"] if r["setting"] == name]
         xs = [r["popularity_exponent"] for r in rs]
-        ax.plot(xs, [r["tokens_per_s"] / r["all_resident_tokens_per_s"] for r in rs], "o-",
-                label=f"{name}: {rs[0]['registered']} adapters, {rs[0]['slots']} slots")
+        ax.plot(
+            xs,
+            [r["tokens_per_s"] / r["all_resident_tokens_per_s"] for r in rs],
+            "o-",
+            label=f"{name}: {rs[0]['registered']} adapters, {rs[0]['slots']} slots",
+        )
     ax.axhline(0.9, color="gray", ls="--", lw=1, label="target 90%")
     ax.set_xlabel("power-law exponent (1 = uniform)")
     ax.set_ylabel("tokens/s vs all resident")
@@ -469,8 +637,12 @@ def merge(paths: list[Path], out: Path) -> dict:
     `variant_rows`; every row keeps the command that made it."""
     payloads = [json.loads(p.read_text()) for p in paths]
     merged = {k: v for k, v in payloads[0].items() if k not in ("rows", "command")}
-    merged.update(rows=[], variant_rows=[], commands=[p["command"] for p in payloads],
-                  command="python benchmarks/paging.py --merge " + " ".join(str(p) for p in paths))
+    merged.update(
+        rows=[],
+        variant_rows=[],
+        commands=[p["command"] for p in payloads],
+        command="python benchmarks/paging.py --merge " + " ".join(str(p) for p in paths),
+    )
     seen: set[str] = set()
     for payload in payloads:
         settings_here = {r["setting"] for r in payload["rows"]} - seen
@@ -489,30 +661,64 @@ def merge(paths: list[Path], out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="toy sizes (runs on CPU in seconds)")
-    parser.add_argument("--replay", action="store_true",
-                        help="the settings' full workloads (rows, slots, adapters, requests) on the toy model: the "
-                             "engine's schedule (steps, prefill calls, page-ins) is the H200 run's, without a GPU; "
-                             "its timings mean nothing")
+    parser.add_argument(
+        "--replay",
+        action="store_true",
+        help="the settings' full workloads (rows, slots, adapters, requests) on the toy model: the "
+        "engine's schedule (steps, prefill calls, page-ins) is the H200 run's, without a GPU; "
+        "its timings mean nothing",
+    )
     parser.add_argument("--setting", action="append", choices=("s1", "full"), help="default: both")
     parser.add_argument("--exponents", type=float, nargs="+", default=[1.0, 0.5, 0.1])
     parser.add_argument("--host-memory", choices=[m.value for m in HostMemory], default="auto")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--registered", type=int, default=None,
-                        help="registered adapters per setting (default: the setting's own, 2000 for s1)")
+    parser.add_argument(
+        "--registered",
+        type=int,
+        default=None,
+        help="registered adapters per setting (default: the setting's own, 2000 for s1)",
+    )
     parser.add_argument("--requests", type=int, default=None, help="requests per run (default: the setting's)")
-    parser.add_argument("--host-gb", type=float, default=None,
-                        help="host budget for registered adapters, GB; caps --registered, and the 'full' setting "
-                             "registers as many as fit (default: half the free memory)")
-    parser.add_argument("--backend", choices=[b.value for b in LoraBackend], default=None,
-                        help="LoRA backend (default: pallas on GPU, xla elsewhere)")
-    parser.add_argument("--caps", type=int, nargs="+", default=[16],
-                        help="pager variants: page-ins per commit (the first is the default row)")
-    parser.add_argument("--prefetch", type=int, nargs="+", default=None,
-                        help="pager variants: prefetch depth in waiting requests (default: the setting's rows)")
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="stop starting new settings/exponents after this many seconds; results so far are written")
-    parser.add_argument("--merge", type=Path, nargs="+", default=None,
-                        help="merge these runs' paging.json into --out (no run); see merge()")
+    parser.add_argument(
+        "--host-gb",
+        type=float,
+        default=None,
+        help="host budget for registered adapters, GB; caps --registered, and the 'full' setting "
+        "registers as many as fit (default: half the free memory)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=[b.value for b in LoraBackend],
+        default=None,
+        help="LoRA backend (default: pallas on GPU, xla elsewhere)",
+    )
+    parser.add_argument(
+        "--caps",
+        type=int,
+        nargs="+",
+        default=[16],
+        help="pager variants: page-ins per commit (the first is the default row)",
+    )
+    parser.add_argument(
+        "--prefetch",
+        type=int,
+        nargs="+",
+        default=None,
+        help="pager variants: prefetch depth in waiting requests (default: the setting's rows)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="stop starting new settings/exponents after this many seconds; results so far are written",
+    )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="merge these runs' paging.json into --out (no run); see merge()",
+    )
     args = parser.parse_args()
     if args.merge:
         merge(args.merge, args.out)
@@ -529,19 +735,31 @@ def main() -> None:
     pageable = round(h2d_gbps(h2d_bytes, pinned=False), 2)
     adapter_bytes = 16_777_216 if not small else 1 << 16  # one S1 adapter (rank 8, q/k/v/o, bf16)
     pinned_small = round(h2d_gbps(adapter_bytes, pinned=True, reps=30), 2) if has_pinned_host() else None
-    print(f"h2d GB/s: pinned {pinned}, pageable {pageable}, pinned at {adapter_bytes / 1e6:.1f} MB {pinned_small}",
-          flush=True)
+    print(
+        f"h2d GB/s: pinned {pinned}, pageable {pageable}, pinned at {adapter_bytes / 1e6:.1f} MB {pinned_small}",
+        flush=True,
+    )
     backend = args.backend or ("pallas" if dev.platform == "gpu" else "xla")
     model = random_model(cfg, dtype=jnp.float32 if small else jnp.bfloat16)
     jax.block_until_ready(model.params)
     rows: list[dict] = []
-    payload = {"device": str(dev.device_kind), "jax_version": jax.__version__, "h2d_pinned_GBps": pinned,
-               "h2d_pageable_GBps": pageable, "h2d_bytes": h2d_bytes, "h2d_pinned_adapter_GBps": pinned_small,
-               "h2d_adapter_bytes": adapter_bytes, "model": cfg.name, "host_gb": args.host_gb,
-               "budget_s": args.budget_s, "lora_backend": backend,
-               "step": f"jaxlora Engine + Pager, {cfg.name}, random {jnp.dtype(model.dtype).name} weights, "
-                       f"LoRA backend {backend}",
-               "command": "python " + " ".join(sys.argv), "rows": rows}
+    payload = {
+        "device": str(dev.device_kind),
+        "jax_version": jax.__version__,
+        "h2d_pinned_GBps": pinned,
+        "h2d_pageable_GBps": pageable,
+        "h2d_bytes": h2d_bytes,
+        "h2d_pinned_adapter_GBps": pinned_small,
+        "h2d_adapter_bytes": adapter_bytes,
+        "model": cfg.name,
+        "host_gb": args.host_gb,
+        "budget_s": args.budget_s,
+        "lora_backend": backend,
+        "step": f"jaxlora Engine + Pager, {cfg.name}, random {jnp.dtype(model.dtype).name} weights, "
+        f"LoRA backend {backend}",
+        "command": "python " + " ".join(sys.argv),
+        "rows": rows,
+    }
     not_run = []
     for name in args.setting or ["s1", "full"]:
         if time.perf_counter() > deadline:
@@ -556,9 +774,18 @@ def main() -> None:
         if args.requests is not None:
             setting = dataclasses.replace(setting, requests=args.requests)
         # Results are rewritten after every row, so a run cut short still leaves what it measured.
-        run_setting(setting, model, args.exponents, args.host_memory, backend, host_bytes=host_bytes,
-                    caps=tuple(args.caps), prefetch=tuple(args.prefetch) if args.prefetch else None,
-                    deadline=deadline, on_row=lambda row: (rows.append(row), write_results(payload, args.out, plot=False)))
+        run_setting(
+            setting,
+            model,
+            args.exponents,
+            args.host_memory,
+            backend,
+            host_bytes=host_bytes,
+            caps=tuple(args.caps),
+            prefetch=tuple(args.prefetch) if args.prefetch else None,
+            deadline=deadline,
+            on_row=lambda row: (rows.append(row), write_results(payload, args.out, plot=False)),
+        )
         gc.collect()  # the setting's pinned host copies and device banks go before the next one's
     payload["not_run"] = not_run
     payload["seconds"] = round(time.perf_counter() - t_start, 1)

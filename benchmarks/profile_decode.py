@@ -103,6 +103,7 @@ def step_fn(runner, bank, slots, position):
     def run():
         ids, runner.kv = ragged_step(runner.params, bank, runner.kv, last_ids=runner.last_ids, **inputs, **static)
         return ids
+
     return run
 
 
@@ -126,8 +127,15 @@ def main() -> None:
     model = random_model(model_cfg, dtype=jnp.bfloat16)
 
     def runner_for(runtime: LoraRuntime, lora: LoraConfig | None = None) -> Runner:
-        config = EngineConfig(max_batch=B, max_seq_len=seq, token_budgets=(B,), num_pages=B * seq // 16,
-                              max_new_tokens_limit=seq - 1, dtype="bfloat16", **({"lora": lora} if lora else {}))
+        config = EngineConfig(
+            max_batch=B,
+            max_seq_len=seq,
+            token_budgets=(B,),
+            num_pages=B * seq // 16,
+            max_new_tokens_limit=seq - 1,
+            dtype="bfloat16",
+            **({"lora": lora} if lora else {}),
+        )
         return Runner(model, config, runtime=runtime)
 
     base: dict[str, float] = {}
@@ -160,9 +168,10 @@ def main() -> None:
         bank = random_bank(model_cfg, lora, 64, jnp.bfloat16)
         slots = slot_pattern(B, 64)
         for backend in LoraBackend:
-            runner = runner_for(LoraRuntime(backend=backend, interpret=interpret, **BASE_VARIANTS[best]),
-                                lora=LoraConfig(max_slots=65, max_rank=16, target_modules=TARGET_MODULES,
-                                                backend=backend))
+            runner = runner_for(
+                LoraRuntime(backend=backend, interpret=interpret, **BASE_VARIANTS[best]),
+                lora=LoraConfig(max_slots=65, max_rank=16, target_modules=TARGET_MODULES, backend=backend),
+            )
             time_decode(runner, bank, slots, position, steps=1)
             lora_steps[backend] = time_decode(runner, bank, slots, position, steps=10)
             print(f"lora {backend} d=64 r16 all ({best}): {lora_steps[backend]:.3f} ms", flush=True)
@@ -212,7 +221,7 @@ def timed(fn, *args, reps: int = 10) -> float:
 
 def _layer(h, lw):
     q = h @ lw["q_proj"]
-    q = q.at[:, :lw["k_proj"].shape[1]].add(h @ lw["k_proj"] + h @ lw["v_proj"])
+    q = q.at[:, : lw["k_proj"].shape[1]].add(h @ lw["k_proj"] + h @ lw["v_proj"])
     h = h + q @ lw["o_proj"]
     a = jax.nn.silu(h @ lw["gate_proj"]) * (h @ lw["up_proj"])
     return (h + a @ lw["down_proj"]).astype(h.dtype)
@@ -229,6 +238,7 @@ def matmul_probes(model, model_cfg, B: int) -> dict[str, float]:
         for i in range(model_cfg.num_layers):
             x = _layer(x, {m: a[i] for m, a in w.items()})
         return x
+
     out["unroll_static_slices_mm"] = timed(jax.jit(unrolled), w, x)
     layers = [{m: w[m][i] for m in w} for i in range(model_cfg.num_layers)]
     jax.block_until_ready(layers)
@@ -237,6 +247,7 @@ def matmul_probes(model, model_cfg, B: int) -> dict[str, float]:
         for lw in layers:
             x = _layer(x, lw)
         return x
+
     out["separate_arrays_mm"] = timed(jax.jit(loop), layers, x)
     print("matmul probes (ms):", {k: round(v, 3) for k, v in out.items()}, flush=True)
     return out

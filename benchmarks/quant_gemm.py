@@ -49,6 +49,7 @@ def fp8_native(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
 
 def projections(fmt: str) -> Callable:
     """(h [n, D], layer weights) -> h after the seven projections of one layer, in format `fmt`."""
+
     def mm(h, w):
         if fmt == "bf16":
             return h @ w
@@ -57,9 +58,10 @@ def projections(fmt: str) -> Callable:
     def layer(h, lw):
         q = mm(h, lw["q_proj"])
         kv = mm(h, lw["k_proj"]) + mm(h, lw["v_proj"])
-        h = h + mm(q.at[:, :kv.shape[1]].add(kv), lw["o_proj"])
+        h = h + mm(q.at[:, : kv.shape[1]].add(kv), lw["o_proj"])
         a = jax.nn.silu(mm(h, lw["gate_proj"])) * mm(h, lw["up_proj"])
         return (h + mm(a, lw["down_proj"])).astype(h.dtype)
+
     return layer
 
 
@@ -82,8 +84,8 @@ def weight_bytes(cfg: ModelConfig, fmt: str) -> int:
 
 def weight_buffers(hlo: str, cfg: ModelConfig) -> dict[str, int]:
     """dtype -> weight-shaped results of the entry computation's instructions (see the module doc)."""
-    entry = hlo[hlo.index("ENTRY"):]
-    entry = entry[:entry.index("\n}")]
+    entry = hlo[hlo.index("ENTRY") :]
+    entry = entry[: entry.index("\n}")]
     shapes = {f"{a},{b}" for m in TARGET_MODULES for a, b in [cfg.module_shape(m)]}
     shapes |= {f"{cfg.num_layers},{s}" for s in shapes}
     out: dict[str, int] = {}
@@ -100,6 +102,7 @@ def unrolled(cfg: ModelConfig, fmt: str) -> Callable:
         for i in range(cfg.num_layers):
             x = layer(x, jax.tree.map(lambda a: a[i], w))
         return x
+
     return jax.jit(run)
 
 
@@ -120,8 +123,13 @@ def main() -> None:
     args = p.parse_args()
     cfg = TINY if args.tiny else LLAMA2_7B
     hbm = hbm_gbps(1 << 20 if args.tiny else 1 << 31)
-    result = {"device": jax.devices()[0].device_kind, "jax_version": jax.__version__, "model": cfg.name,
-              "hbm_GBps": round(hbm, 1), "rows": []}
+    result = {
+        "device": jax.devices()[0].device_kind,
+        "jax_version": jax.__version__,
+        "model": cfg.name,
+        "hbm_GBps": round(hbm, 1),
+        "rows": [],
+    }
     print(f"{result['device']}, HBM copy {hbm:.0f} GB/s", flush=True)
     for fmt in args.formats:
         w = stacked_weights(cfg, fmt)
@@ -135,9 +143,15 @@ def main() -> None:
             except Exception as e:  # a probe: report the format that does not compile and go on
                 print(f"{fmt} B={batch}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            row = {"format": fmt, "batch": batch, "weight_bytes": weight_bytes(cfg, fmt), "ms": round(ms, 3),
-                   "floor_ms": round(floor, 4),
-                   "x_floor": round(ms / floor, 2), "weight_buffers": buffers}
+            row = {
+                "format": fmt,
+                "batch": batch,
+                "weight_bytes": weight_bytes(cfg, fmt),
+                "ms": round(ms, 3),
+                "floor_ms": round(floor, 4),
+                "x_floor": round(ms / floor, 2),
+                "weight_buffers": buffers,
+            }
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
         del w, fn

@@ -70,8 +70,7 @@ class Case:
 
 def make_cases(rng: np.random.Generator, scale: Scale) -> list[Case]:
     if scale.interpret:
-        return [Case(name="smoke_mixed", shape="tiny", num_tokens=32,
-                     seqs=((1, 40), (1, 7), (12, 12), (9, 50)))]
+        return [Case(name="smoke_mixed", shape="tiny", num_tokens=32, seqs=((1, 40), (1, 7), (12, 12), (9, 50)))]
     decode = tuple((1, int(n)) for n in rng.integers(300, 1001, 128))
     mixed_decode = tuple((1, int(n)) for n in rng.integers(300, 1001, 64))
     # 300-token chunks: whole prompts (kv_len == q_len) and chunks after a cached prefix.
@@ -95,8 +94,8 @@ def build(case: Case, *, layers: int, seed: int, pages_per_seq: int) -> tuple[tu
     tables = rng.integers(-num_pages, 2 * num_pages, (len(case.seqs), pages_per_seq)).astype(np.int32)
     offsets = np.concatenate([[0], np.cumsum(used)])
     for s in range(len(case.seqs)):
-        tables[s, :used[s]] = ids[offsets[s]:offsets[s + 1]]
-    unused = ids[offsets[-1]:]
+        tables[s, : used[s]] = ids[offsets[s] : offsets[s + 1]]
+    unused = ids[offsets[-1] :]
     key_k, key_v, key_q = jax.random.split(jax.random.key(seed), 3)
     pages_shape = (layers, num_pages, PAGE_SIZE, shape["kv_heads"], shape["head_dim"])
     k = jax.random.normal(key_k, pages_shape, DTYPE).at[:, unused].set(jnp.nan)
@@ -155,8 +154,15 @@ def kernel_fn(scale: Scale, **knobs):
 
 def run_case(case: Case, *, scale: Scale, layers: int, seed: int, deadline: float) -> dict:
     args, is_token = build(case, layers=layers, seed=seed, pages_per_seq=scale.pages_per_seq)
-    row = dict(case=case.name, shape=case.shape, num_tokens=case.num_tokens, num_seqs=len(case.seqs),
-               real_tokens=int(is_token.sum()), floor_us=floor_us(case), layers=layers)
+    row = dict(
+        case=case.name,
+        shape=case.shape,
+        num_tokens=case.num_tokens,
+        num_seqs=len(case.seqs),
+        real_tokens=int(is_token.sum()),
+        floor_us=floor_us(case),
+        layers=layers,
+    )
     last = layers - 1
     ref = jax.jit(ragged_paged_attention_reference)(*args[:3], jnp.int32(last), *args[3:])
     out = jax.jit(kernel_fn(scale))(*args[:3], jnp.int32(last), *args[3:])
@@ -165,8 +171,9 @@ def run_case(case: Case, *, scale: Scale, layers: int, seed: int, deadline: floa
     row["kernel_us"] = time_per_layer_us(over_layers(kernel_fn(scale), layers), args, layers, scale.reps)
     print(f"  kernel {row['kernel_us']:.1f} us/layer (floor {row['floor_us']:.1f})", flush=True)
     try:
-        row["reference_us"] = time_per_layer_us(over_layers(ragged_paged_attention_reference, layers), args, layers,
-                                                scale.reps)
+        row["reference_us"] = time_per_layer_us(
+            over_layers(ragged_paged_attention_reference, layers), args, layers, scale.reps
+        )
         print(f"  reference {row['reference_us']:.1f} us/layer", flush=True)
     except Exception as e:  # noqa: BLE001 - a reference that does not fit must not hide the kernel's figures
         traceback.print_exc()
@@ -175,8 +182,11 @@ def run_case(case: Case, *, scale: Scale, layers: int, seed: int, deadline: floa
     timed = [s for s in row["sweep"] if "us" in s and s["check"]["within_tolerance"]]
     if timed:
         row["best"] = min(timed, key=lambda s: s["us"])
-        print(f"  best block_q={row['best']['block_q']} block_k={row['best']['block_k']}: "
-              f"{row['best']['us']:.1f} us/layer ({row['floor_us'] / row['best']['us']:.0%} of the floor)", flush=True)
+        print(
+            f"  best block_q={row['best']['block_q']} block_k={row['best']['block_k']}: "
+            f"{row['best']['us']:.1f} us/layer ({row['floor_us'] / row['best']['us']:.0%} of the floor)",
+            flush=True,
+        )
     return row
 
 
@@ -191,8 +201,11 @@ def sweep(args, ref, is_token, *, scale: Scale, layers: int, last: int, deadline
             fn = kernel_fn(scale, block_q=block_q, block_k=block_k)
             entry["check"] = errors(jax.jit(fn)(*args[:3], jnp.int32(last), *args[3:]), ref, is_token)
             entry["us"] = time_per_layer_us(over_layers(fn, layers), args, layers, scale.reps)
-            print(f"  block_q={block_q:3d} block_k={block_k:3d}: {entry['us']:8.1f} us/layer, "
-                  f"max err {entry['check']['max_abs_err']:.2e}", flush=True)
+            print(
+                f"  block_q={block_q:3d} block_k={block_k:3d}: {entry['us']:8.1f} us/layer, "
+                f"max err {entry['check']['max_abs_err']:.2e}",
+                flush=True,
+            )
         except Exception as e:  # noqa: BLE001 - one setting that fails to compile must not end the sweep
             traceback.print_exc()
             entry["error"] = repr(e)

@@ -98,13 +98,22 @@ class TraceRequest:
     output_len: int
 
 
-def make_trace(*, n: int, alpha: float, rate: float, cv: float, duration_s: float,
-               input_range: tuple[int, int] = (8, 512), output_range: tuple[int, int] = (8, 512),
-               seed: int = 42) -> list[TraceRequest]:
+def make_trace(
+    *,
+    n: int,
+    alpha: float,
+    rate: float,
+    cv: float,
+    duration_s: float,
+    input_range: tuple[int, int] = (8, 512),
+    output_range: tuple[int, int] = (8, 512),
+    seed: int = 42,
+) -> list[TraceRequest]:
     """S-LoRA's `generate_requests` (see the module docstring): same draws, same order, same seed."""
     if n < 1 or rate <= 0 or cv <= 0 or alpha <= 0 or duration_s <= 0:
-        raise ValueError(f"need n >= 1 and rate, cv, alpha, duration_s > 0; got {n=} {rate=} {cv=} {alpha=} "
-                         f"{duration_s=}")
+        raise ValueError(
+            f"need n >= 1 and rate, cv, alpha, duration_s > 0; got {n=} {rate=} {cv=} {alpha=} {duration_s=}"
+        )
     for name, (lo, hi) in (("input_range", input_range), ("output_range", output_range)):
         if not 1 <= lo < hi:
             raise ValueError(f"{name}=({lo}, {hi}) must satisfy 1 <= low < high")
@@ -114,8 +123,10 @@ def make_trace(*, n: int, alpha: float, rate: float, cv: float, duration_s: floa
     inputs = rng.randint(input_range[0], input_range[1], total)
     outputs = rng.randint(output_range[0], output_range[1], total)
     arrivals = np.cumsum(rng.gamma(1.0 / (cv * cv), cv * cv / rate, total))
-    return [TraceRequest(arrival_s=float(t), adapter=int(a), prompt_len=int(i), output_len=int(o))
-            for t, a, i, o in zip(arrivals, adapters, inputs, outputs)]
+    return [
+        TraceRequest(arrival_s=float(t), adapter=int(a), prompt_len=int(i), output_len=int(o))
+        for t, a, i, o in zip(arrivals, adapters, inputs, outputs)
+    ]
 
 
 # -- settings and the engine ------------------------------------------------------------------------
@@ -136,12 +147,16 @@ class Setting:
 
 def settings(tiny: bool) -> dict[str, Setting]:
     if tiny:
-        return {"s1": Setting(name="s1", ranks=(4,), modules=ATTENTION_MODULES, n=24, slots=4),
-                "s2": Setting(name="s2", ranks=(8, 4, 2, 1), modules=ATTENTION_MODULES, n=24, slots=4),
-                "all": Setting(name="all", ranks=(4,), modules=TARGET_MODULES, n=4, slots=4)}
-    return {"s1": Setting(name="s1", ranks=(8,), modules=ATTENTION_MODULES, n=2000, slots=64),
-            "s2": Setting(name="s2", ranks=(64, 32, 16, 8), modules=ATTENTION_MODULES, n=2000, slots=64),
-            "all": Setting(name="all", ranks=(16,), modules=TARGET_MODULES, n=64, slots=64)}
+        return {
+            "s1": Setting(name="s1", ranks=(4,), modules=ATTENTION_MODULES, n=24, slots=4),
+            "s2": Setting(name="s2", ranks=(8, 4, 2, 1), modules=ATTENTION_MODULES, n=24, slots=4),
+            "all": Setting(name="all", ranks=(4,), modules=TARGET_MODULES, n=4, slots=4),
+        }
+    return {
+        "s1": Setting(name="s1", ranks=(8,), modules=ATTENTION_MODULES, n=2000, slots=64),
+        "s2": Setting(name="s2", ranks=(64, 32, 16, 8), modules=ATTENTION_MODULES, n=2000, slots=64),
+        "all": Setting(name="all", ranks=(16,), modules=TARGET_MODULES, n=64, slots=64),
+    }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -162,12 +177,27 @@ def scale(tiny: bool, model: str) -> Scale:
     """--tiny: toy everything. Else the 7B limits, on the 7B shape or (model "tiny", a CPU check of
     the full-size schedule) on the toy model with positions for the full lengths."""
     if tiny:
-        return Scale(model=TINY, dtype="float32", input_range=(8, 24), output_range=(8, 24), max_batch=8,
-                     max_seq_len=64, token_budgets=(8, 32), page_size=8)
+        return Scale(
+            model=TINY,
+            dtype="float32",
+            input_range=(8, 24),
+            output_range=(8, 24),
+            max_batch=8,
+            max_seq_len=64,
+            token_budgets=(8, 32),
+            page_size=8,
+        )
     cfg = LLAMA2_7B if model == "llama2-7b" else dataclasses.replace(TINY, max_position_embeddings=1024)
-    return Scale(model=cfg, dtype="bfloat16" if model == "llama2-7b" else "float32", input_range=(8, 512),
-                 output_range=(8, 512), max_batch=128, max_seq_len=1024, token_budgets=(128, 512, 2048),
-                 page_size=16)
+    return Scale(
+        model=cfg,
+        dtype="bfloat16" if model == "llama2-7b" else "float32",
+        input_range=(8, 512),
+        output_range=(8, 512),
+        max_batch=128,
+        max_seq_len=1024,
+        token_budgets=(128, 512, 2048),
+        page_size=16,
+    )
 
 
 def make_engine(setting: Setting, model: LoadedModel, pager: Pager, size: Scale, backend: str) -> Engine:
@@ -177,10 +207,16 @@ def make_engine(setting: Setting, model: LoadedModel, pager: Pager, size: Scale,
     longest = size.input_range[1] - 1 + size.output_range[1] - 1
     if longest > size.max_seq_len:
         raise ValueError(f"a request may need {longest} positions, more than max_seq_len={size.max_seq_len}")
-    config = EngineConfig(max_batch=size.max_batch, max_seq_len=size.max_seq_len,
-                          token_budgets=size.token_budgets, page_size=size.page_size,
-                          max_new_tokens_limit=size.output_range[1] - 1, max_queue=1 << 20,
-                          lora=dataclasses.replace(pager.lora_config, backend=backend), dtype=size.dtype)
+    config = EngineConfig(
+        max_batch=size.max_batch,
+        max_seq_len=size.max_seq_len,
+        token_budgets=size.token_budgets,
+        page_size=size.page_size,
+        max_new_tokens_limit=size.output_range[1] - 1,
+        max_queue=1 << 20,
+        lora=dataclasses.replace(pager.lora_config, backend=backend),
+        dtype=size.dtype,
+    )
     engine = Engine(model, word_tokenizer(model.config.vocab_size), config, pager)
     if engine.tokenizer.eos_token_ids:
         raise ValueError("the benchmark tokenizer must have no end-of-sequence id: requests run to max_tokens")
@@ -197,29 +233,42 @@ class TokenCounter:
 
     def snapshot(self) -> dict[str, int]:
         s = self.engine.stats()
-        return dict(prefill_tokens=s["prefill_tokens"], prefill_slots=s["padded_tokens"] - s["decode_tokens"],
-                    decode_tokens=s["decode_tokens"], decode_slots=s["decode_tokens"])
+        return dict(
+            prefill_tokens=s["prefill_tokens"],
+            prefill_slots=s["padded_tokens"] - s["decode_tokens"],
+            decode_tokens=s["decode_tokens"],
+            decode_slots=s["decode_tokens"],
+        )
 
 
 def token_counter(engine: Engine) -> TokenCounter:
     return TokenCounter(engine)
 
 
-def make_pager(setting: Setting, model: LoadedModel, size: Scale, backend: str,
-               host_bytes: int | None) -> tuple[Pager, int, float]:
+def make_pager(
+    setting: Setting, model: LoadedModel, size: Scale, backend: str, host_bytes: int | None
+) -> tuple[Pager, int, float]:
     """A pager with the setting's adapters registered as a0..a{n-1} (n capped by `host_bytes`);
     returns (pager, n, registration seconds). Adapters share a few random weight sets per rank."""
-    lora = LoraConfig(max_slots=setting.slots + 1, max_rank=setting.max_rank, target_modules=setting.modules,
-                      backend=backend)
+    lora = LoraConfig(
+        max_slots=setting.slots + 1, max_rank=setting.max_rank, target_modules=setting.modules, backend=backend
+    )
     # Page-ins per commit: the pager's default 16, or fewer with fewer slots (each size up to it compiles).
-    pager = Pager(model.config, lora, dtype=jnp.dtype(size.dtype), host_capacity_bytes=host_bytes,
-                  max_page_ins_per_commit=min(16, setting.slots))
+    pager = Pager(
+        model.config,
+        lora,
+        dtype=jnp.dtype(size.dtype),
+        host_capacity_bytes=host_bytes,
+        max_page_ins_per_commit=min(16, setting.slots),
+    )
     n = setting.n if host_bytes is None else min(setting.n, host_bytes // pager.slot_nbytes)
     if n < 1:
         raise ValueError(f"--host-gb holds no {pager.slot_nbytes / 1e6:.0f} MB adapter")
     per_rank = 2 if len(setting.ranks) > 1 else 8
-    pools = {r: pool_adapters(weight_pool(model.config, r, setting.modules, per_rank, seed=r), r, setting.modules)
-             for r in setting.ranks}
+    pools = {
+        r: pool_adapters(weight_pool(model.config, r, setting.modules, per_rank, seed=r), r, setting.modules)
+        for r in setting.ranks
+    }
     # Interleaved so that a{i}, a copy of adapters[i % len(adapters)], has rank ranks[i % len(ranks)].
     adapters = [pools[r][j] for j in range(per_rank) for r in setting.ranks]
     seconds = register_copies(pager, adapters, n)
@@ -275,6 +324,7 @@ class _Recorder:
                 if out.finished:
                     line.finished, line.reason = now, out.finish_reason
                     self._done_one()
+
         return on_output
 
     def reject(self, line: _Timeline, error: str) -> None:
@@ -297,15 +347,28 @@ def _engine_counts(engine: Engine, tokens: TokenCounter) -> dict[str, int]:
     return out
 
 
-def run_trace(engine: Engine, tokens: TokenCounter, trace: Sequence[TraceRequest], *, vocab: int,
-              max_drain_s: float, run_id: str, seed: int) -> dict:
+def run_trace(
+    engine: Engine,
+    tokens: TokenCounter,
+    trace: Sequence[TraceRequest],
+    *,
+    vocab: int,
+    max_drain_s: float,
+    run_id: str,
+    seed: int,
+) -> dict:
     """Submits `trace` open loop to the running engine, waits for the last completion or the drain
     cap, cancels what is left and waits until the engine is idle. Returns the run's measurements."""
     rng = np.random.default_rng(seed)
-    requests = [GenerationRequest(request_id=f"{run_id}-{i}", adapter=f"a{r.adapter}",
-                                  prompt_ids=rng.integers(0, vocab, r.prompt_len).tolist(),
-                                  sampling=SamplingParams(max_tokens=r.output_len, stop_token_ids=()))
-                for i, r in enumerate(trace)]
+    requests = [
+        GenerationRequest(
+            request_id=f"{run_id}-{i}",
+            adapter=f"a{r.adapter}",
+            prompt_ids=rng.integers(0, vocab, r.prompt_len).tolist(),
+            sampling=SamplingParams(max_tokens=r.output_len, stop_token_ids=()),
+        )
+        for i, r in enumerate(trace)
+    ]
     recorder = _Recorder(len(trace))
     lag: list[float] = []
     before = _engine_counts(engine, tokens)
@@ -332,8 +395,9 @@ def run_trace(engine: Engine, tokens: TokenCounter, trace: Sequence[TraceRequest
         recorder.closed = True
         t_close = time.perf_counter()
     after = _engine_counts(engine, tokens)
-    unfinished = [req.request_id for req, line in zip(requests, lines)
-                  if line.finished is None and line.rejected is None]
+    unfinished = [
+        req.request_id for req, line in zip(requests, lines) if line.finished is None and line.rejected is None
+    ]
     for rid in unfinished:
         engine.cancel(rid)
     _wait_idle(engine, timeout_s=120.0)
@@ -357,8 +421,14 @@ def _ms(xs: Sequence[float], q: float) -> float | None:
     return round(float(np.percentile(xs, q)) * 1e3, 2) if len(xs) else None
 
 
-def summarize(lines: Sequence[_Timeline], token_times: Sequence[float], counts: Mapping[str, int], *,
-              t_close: float, lag_s: Sequence[float]) -> dict:
+def summarize(
+    lines: Sequence[_Timeline],
+    token_times: Sequence[float],
+    counts: Mapping[str, int],
+    *,
+    t_close: float,
+    lag_s: Sequence[float],
+) -> dict:
     """One run's row fields from the request timelines and the engine counter deltas."""
     completed = [x for x in lines if x.reason is FinishReason.LENGTH]
     wrong = [x for x in completed if x.tokens != x.output_len]
@@ -385,19 +455,26 @@ def summarize(lines: Sequence[_Timeline], token_times: Sequence[float], counts: 
         return round(free / total, 4) if total else None
 
     row = {
-        "requests": len(lines), "completed": len(completed), "unfinished": len(unfinished),
-        "rejected": len(rejected), "stopped_other": len(stopped),
+        "requests": len(lines),
+        "completed": len(completed),
+        "unfinished": len(unfinished),
+        "rejected": len(rejected),
+        "stopped_other": len(stopped),
         "no_first_token": sum(1 for x in lines if x.first is None),
-        "served_req_s": round(len(completed) / window, 3), "served_tok_s": round(tokens_in_window / window, 1),
+        "served_req_s": round(len(completed) / window, 3),
+        "served_tok_s": round(tokens_in_window / window, 1),
         "window_s": round(window, 2),
-        "slo_attainment": round(met / len(lines), 4) if lines else None, "slo_ttft_s": SLO_TTFT_S,
-        "steps": steps, "preemptions": counts["preemptions"],
+        "slo_attainment": round(met / len(lines), 4) if lines else None,
+        "slo_ttft_s": SLO_TTFT_S,
+        "steps": steps,
+        "preemptions": counts["preemptions"],
         "prefill_tokens_per_step": round(counts["prefill_tokens"] / steps, 2) if steps else None,
         "decode_tokens_per_step": round(counts["decode_tokens"] / steps, 2) if steps else None,
         "padding_share": share(slots - filled, slots),
         "prefill_padding_share": share(counts["prefill_slots"] - counts["prefill_tokens"], counts["prefill_slots"]),
         "decode_padding_share": share(counts["decode_slots"] - counts["decode_tokens"], counts["decode_slots"]),
-        "page_ins": counts.get("pager_page_ins"), "compiles_during_run": counts["compiles"],
+        "page_ins": counts.get("pager_page_ins"),
+        "compiles_during_run": counts["compiles"],
         "submit_lag_ms_p99": _ms(lag_s, 99),
         "mean_prompt_len": _mean([x.prompt_len for x in lines]),
         "mean_output_len": _mean([x.output_len for x in lines]),
@@ -411,8 +488,9 @@ def summarize(lines: Sequence[_Timeline], token_times: Sequence[float], counts: 
 # -- the rate sweep ---------------------------------------------------------------------------------
 
 
-def next_sweep_rate(slo_by_rate: Mapping[float, float], *, target: float = 0.9, resolution: float = 0.5
-                    ) -> float | None:
+def next_sweep_rate(
+    slo_by_rate: Mapping[float, float], *, target: float = 0.9, resolution: float = 0.5
+) -> float | None:
     """The next rate of a coarse bisection for the highest rate with SLO attainment >= target, or
     None when the bracket is narrower than `resolution` (req/s). No passing rate yet: half the
     lowest; no failing rate above the best pass: twice it."""
@@ -445,10 +523,28 @@ def merge_rows(old: Iterable[dict], new: Iterable[dict]) -> list[dict]:
     return sorted(rows.values(), key=lambda r: (r["engine"], r["setting"], r["n"], r["cv"], r["alpha"], r["rate"]))
 
 
-MD_COLUMNS = ["engine", "setting", "n", "rate", "duration_s", "requests", "served_req_s", "served_tok_s",
-              "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "e2e_ms_p50", "slo_attainment",
-              "unfinished", "steps", "prefill_tokens_per_step", "decode_tokens_per_step", "padding_share",
-              "page_ins"]
+MD_COLUMNS = [
+    "engine",
+    "setting",
+    "n",
+    "rate",
+    "duration_s",
+    "requests",
+    "served_req_s",
+    "served_tok_s",
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "tpot_ms_p50",
+    "tpot_ms_p99",
+    "e2e_ms_p50",
+    "slo_attainment",
+    "unfinished",
+    "steps",
+    "prefill_tokens_per_step",
+    "decode_tokens_per_step",
+    "padding_share",
+    "page_ins",
+]
 
 
 def slo_summary(rows: Sequence[dict], target: float = 0.9) -> list[dict]:
@@ -461,32 +557,65 @@ def slo_summary(rows: Sequence[dict], target: float = 0.9) -> list[dict]:
     for (engine, setting, n, cv, alpha, duration), rs in groups.items():
         ok = [r["rate"] for r in rs if r["slo_attainment"] is not None and r["slo_attainment"] >= target]
         best = max(ok, default=None)
-        miss = min((r["rate"] for r in rs if r["slo_attainment"] is not None and r["slo_attainment"] < target
-                    and (best is None or r["rate"] > best)), default=None)
-        out.append(dict(engine=engine, setting=setting, n=n, cv=cv, alpha=alpha, duration_s=duration,
-                        max_rate_at_slo=best, lowest_rate_missing=miss))
+        miss = min(
+            (
+                r["rate"]
+                for r in rs
+                if r["slo_attainment"] is not None
+                and r["slo_attainment"] < target
+                and (best is None or r["rate"] > best)
+            ),
+            default=None,
+        )
+        out.append(
+            dict(
+                engine=engine,
+                setting=setting,
+                n=n,
+                cv=cv,
+                alpha=alpha,
+                duration_s=duration,
+                max_rate_at_slo=best,
+                lowest_rate_missing=miss,
+            )
+        )
     return out
 
 
 def write_markdown(payload: dict, out: Path) -> None:
     rows = payload["rows"]
     commands = list(dict.fromkeys(r["command"] for r in rows))
-    lines = [f"# Open-loop serving ({payload['device']}, jax {payload['jax_version']})", "",
-             "S-LoRA's synthetic trace: Gamma arrivals (cv), power-law adapter popularity (alpha), input and "
-             "output lengths uniform in [8, 512) (rows' `input_range`, `output_range`), EOS ignored. Served "
-             "req/s and tok/s: completed requests and generated tokens over the first arrival to the last "
-             "completion. SLO attainment: share of all "
-             f"arrived requests with a first token within {SLO_TTFT_S:g} s. unfinished: not done "
-             "`max_drain_s` after the last arrival. padding_share: share of the token slots computed by "
-             "prefill and decode calls that held no request's token. Times in ms.", "",
-             "Commands:", ""] + [f"- `{c}`" for c in commands] + ["",
-             "| " + " | ".join(MD_COLUMNS) + " |", "|" + "---|" * len(MD_COLUMNS)]
+    lines = (
+        [
+            f"# Open-loop serving ({payload['device']}, jax {payload['jax_version']})",
+            "",
+            "S-LoRA's synthetic trace: Gamma arrivals (cv), power-law adapter popularity (alpha), input and "
+            "output lengths uniform in [8, 512) (rows' `input_range`, `output_range`), EOS ignored. Served "
+            "req/s and tok/s: completed requests and generated tokens over the first arrival to the last "
+            "completion. SLO attainment: share of all "
+            f"arrived requests with a first token within {SLO_TTFT_S:g} s. unfinished: not done "
+            "`max_drain_s` after the last arrival. padding_share: share of the token slots computed by "
+            "prefill and decode calls that held no request's token. Times in ms.",
+            "",
+            "Commands:",
+            "",
+        ]
+        + [f"- `{c}`" for c in commands]
+        + ["", "| " + " | ".join(MD_COLUMNS) + " |", "|" + "---|" * len(MD_COLUMNS)]
+    )
     lines += ["| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in MD_COLUMNS) + " |" for r in rows]
-    lines += ["", "Highest measured rate at SLO attainment >= 0.9 (and the lowest measured rate above it that "
-              "missed):", "", "| engine | setting | n | cv | alpha | duration_s | max rate at SLO | lowest miss |",
-              "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {s['engine']} | {s['setting']} | {s['n']} | {s['cv']} | {s['alpha']} | {s['duration_s']} | "
-              f"{s['max_rate_at_slo']} | {s['lowest_rate_missing']} |" for s in slo_summary(rows)]
+    lines += [
+        "",
+        "Highest measured rate at SLO attainment >= 0.9 (and the lowest measured rate above it that missed):",
+        "",
+        "| engine | setting | n | cv | alpha | duration_s | max rate at SLO | lowest miss |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {s['engine']} | {s['setting']} | {s['n']} | {s['cv']} | {s['alpha']} | {s['duration_s']} | "
+        f"{s['max_rate_at_slo']} | {s['lowest_rate_missing']} |"
+        for s in slo_summary(rows)
+    ]
     notes = sorted({r["note"] for r in rows if r.get("note")})
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
@@ -498,6 +627,7 @@ def write_plot(payload: dict, out: Path) -> bool:
     matplotlib."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -505,8 +635,10 @@ def write_plot(payload: dict, out: Path) -> bool:
     rows = payload["rows"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for label in dict.fromkeys((r["engine"], r["setting"], r["n"], r["cv"], r["alpha"]) for r in rows):
-        rs = sorted((r for r in rows if (r["engine"], r["setting"], r["n"], r["cv"], r["alpha"]) == label),
-                    key=lambda r: r["rate"])
+        rs = sorted(
+            (r for r in rows if (r["engine"], r["setting"], r["n"], r["cv"], r["alpha"]) == label),
+            key=lambda r: r["rate"],
+        )
         name = f"{label[0]} {label[1]} (n={label[2]})"
         xs = [r["rate"] for r in rs]
         ax1.plot(xs, [r["served_req_s"] for r in rs], "o-", label=name)
@@ -536,8 +668,10 @@ def write_results(payload: dict, out: Path, *, plot: bool = True) -> None:
 
 def engine_commit() -> str:
     """The checkout's HEAD (+"-dirty" with uncommitted changes). Raises without git."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
+
     try:
         head = git("rev-parse", "--short=12", "HEAD").strip()
         dirty = git("status", "--porcelain", "--untracked-files=no").strip()
@@ -552,30 +686,57 @@ def engine_commit() -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy model, sizes and lengths (CPU, seconds)")
-    p.add_argument("--model", choices=("llama2-7b", "tiny"), default="llama2-7b",
-                   help="without --tiny: the model under the 7B limits (tiny: a CPU check of the full schedule)")
+    p.add_argument(
+        "--model",
+        choices=("llama2-7b", "tiny"),
+        default="llama2-7b",
+        help="without --tiny: the model under the 7B limits (tiny: a CPU check of the full schedule)",
+    )
     p.add_argument("--settings", nargs="+", choices=("s1", "s2", "all"), default=["all", "s1", "s2"])
     p.add_argument("--rates", type=float, nargs="*", default=[4.0, 10.0, 40.0], help="offered req/s")
-    p.add_argument("--sweep", type=int, default=0, help="up to this many extra runs per setting bisecting for "
-                   "the highest rate at SLO attainment >= --slo-target")
-    p.add_argument("--sweep-settings", nargs="+", choices=("s1", "s2", "all"), default=None,
-                   help="the settings that get --sweep (default: every one run)")
+    p.add_argument(
+        "--sweep",
+        type=int,
+        default=0,
+        help="up to this many extra runs per setting bisecting for the highest rate at SLO attainment >= --slo-target",
+    )
+    p.add_argument(
+        "--sweep-settings",
+        nargs="+",
+        choices=("s1", "s2", "all"),
+        default=None,
+        help="the settings that get --sweep (default: every one run)",
+    )
     p.add_argument("--slo-target", type=float, default=0.9)
     p.add_argument("--sweep-resolution", type=float, default=0.5, help="req/s")
     p.add_argument("--cv", type=float, default=1.0)
     p.add_argument("--alpha", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--slots", type=int, default=None, help="device adapter slots of every setting (default: the "
-                   "setting's, 64); with at most one distinct adapter per slot, this caps the batch's adapters")
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="device adapter slots of every setting (default: the "
+        "setting's, 64); with at most one distinct adapter per slot, this caps the batch's adapters",
+    )
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals (default 120; --tiny 2)")
     p.add_argument("--max-drain-s", type=float, default=None, help="after the last arrival (default 60; --tiny 20)")
     p.add_argument("--host-gb", type=float, default=64.0, help="host budget for registered adapters, GB")
-    p.add_argument("--backend", choices=[b.value for b in LoraBackend], default=None,
-                   help="LoRA backend (default: pallas on GPU, xla elsewhere)")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="start no run (or setting) that could end after this many seconds")
-    p.add_argument("--setup-s", type=float, default=None,
-                   help="expected seconds to set up a setting, for --budget-s (default 150; --tiny 30)")
+    p.add_argument(
+        "--backend",
+        choices=[b.value for b in LoraBackend],
+        default=None,
+        help="LoRA backend (default: pallas on GPU, xla elsewhere)",
+    )
+    p.add_argument(
+        "--budget-s", type=float, default=None, help="start no run (or setting) that could end after this many seconds"
+    )
+    p.add_argument(
+        "--setup-s",
+        type=float,
+        default=None,
+        help="expected seconds to set up a setting, for --budget-s (default 150; --tiny 30)",
+    )
     p.add_argument("--merge", action="store_true", help=f"add to --out/{RESULTS} (rows of the same key replaced)")
     p.add_argument("--skip-measured", action="store_true", help="with --merge: skip rates the file has already")
     p.add_argument("--render", action="store_true", help=f"only rewrite serving.md/png from --out/{RESULTS}")
@@ -602,9 +763,19 @@ class _Clock:
         return time.perf_counter() + seconds <= self.deadline
 
 
-def run_setting(setting: Setting, model: LoadedModel, size: Scale, args: argparse.Namespace, *, backend: str,
-                clock: _Clock, previous: list[dict], base_row: dict, on_row: Callable[[dict], None],
-                not_run: list[str]) -> None:
+def run_setting(
+    setting: Setting,
+    model: LoadedModel,
+    size: Scale,
+    args: argparse.Namespace,
+    *,
+    backend: str,
+    clock: _Clock,
+    previous: list[dict],
+    base_row: dict,
+    on_row: Callable[[dict], None],
+    not_run: list[str],
+) -> None:
     """One engine for the setting; runs --rates, then the sweep; calls on_row after every run."""
     run_s = args.duration + args.max_drain_s + 10.0  # arrivals, drain cap, flush
     host = int(args.host_gb * 1e9) if not args.tiny else None
@@ -612,9 +783,11 @@ def run_setting(setting: Setting, model: LoadedModel, size: Scale, args: argpars
     pager, n, reg_s = make_pager(setting, model, size, backend, host)
     note = None
     if n < setting.n:
-        note = (f"{setting.name}: {n} adapters registered, not {setting.n}: the pager keeps each host copy padded "
-                f"to rank {setting.max_rank} ({pager.slot_nbytes / 1e6:.0f} MB), and --host-gb {args.host_gb:g} "
-                f"holds {n}")
+        note = (
+            f"{setting.name}: {n} adapters registered, not {setting.n}: the pager keeps each host copy padded "
+            f"to rank {setting.max_rank} ({pager.slot_nbytes / 1e6:.0f} MB), and --host-gb {args.host_gb:g} "
+            f"holds {n}"
+        )
     print(f"[{setting.name}] {n} adapters x {pager.slot_nbytes / 1e6:.1f} MB registered in {reg_s:.1f} s", flush=True)
     engine = make_engine(setting, model, pager, size, backend)
     engine.warmup()
@@ -626,28 +799,76 @@ def run_setting(setting: Setting, model: LoadedModel, size: Scale, args: argpars
     measured = set(slo) if args.skip_measured else set()
     engine.start()
     try:
+
         def run(rate: float, sweep: bool) -> None:
             if not clock.fits(run_s):
                 print(f"[{setting.name}] time budget spent: rate {rate} not run", flush=True)
                 not_run.append(f"{setting.name}@{rate:g}")
                 return
-            trace = make_trace(n=n, alpha=args.alpha, rate=rate, cv=args.cv, duration_s=args.duration,
-                               input_range=size.input_range, output_range=size.output_range, seed=args.seed)
+            trace = make_trace(
+                n=n,
+                alpha=args.alpha,
+                rate=rate,
+                cv=args.cv,
+                duration_s=args.duration,
+                input_range=size.input_range,
+                output_range=size.output_range,
+                seed=args.seed,
+            )
             t_run = time.perf_counter()
-            result = run_trace(engine, tokens, trace, vocab=model.config.vocab_size, max_drain_s=args.max_drain_s,
-                               run_id=f"{setting.name}-{rate:g}", seed=args.seed + 1)
-            row = {**base_row, **key, "rate": rate, "duration_s": args.duration, "max_drain_s": args.max_drain_s,
-                   "seed": args.seed, "input_range": list(size.input_range),
-                   "output_range": list(size.output_range), "ranks": list(setting.ranks),
-                   "modules": list(setting.modules),
-                   "n_asked": setting.n, "slots": setting.slots, "paged": n > setting.slots,
-                   "registration_s": round(reg_s, 1), "sweep": sweep, **result,
-                   "run_s": round(time.perf_counter() - t_run, 1), "note": note}
+            result = run_trace(
+                engine,
+                tokens,
+                trace,
+                vocab=model.config.vocab_size,
+                max_drain_s=args.max_drain_s,
+                run_id=f"{setting.name}-{rate:g}",
+                seed=args.seed + 1,
+            )
+            row = {
+                **base_row,
+                **key,
+                "rate": rate,
+                "duration_s": args.duration,
+                "max_drain_s": args.max_drain_s,
+                "seed": args.seed,
+                "input_range": list(size.input_range),
+                "output_range": list(size.output_range),
+                "ranks": list(setting.ranks),
+                "modules": list(setting.modules),
+                "n_asked": setting.n,
+                "slots": setting.slots,
+                "paged": n > setting.slots,
+                "registration_s": round(reg_s, 1),
+                "sweep": sweep,
+                **result,
+                "run_s": round(time.perf_counter() - t_run, 1),
+                "note": note,
+            }
             slo[rate] = row["slo_attainment"]
-            print(json.dumps({k: row[k] for k in ("setting", "rate", "requests", "completed", "unfinished",
-                                                  "served_req_s", "served_tok_s", "ttft_ms_p50", "ttft_ms_p99",
-                                                  "tpot_ms_p50", "slo_attainment", "padding_share", "run_s")}),
-                  flush=True)
+            print(
+                json.dumps(
+                    {
+                        k: row[k]
+                        for k in (
+                            "setting",
+                            "rate",
+                            "requests",
+                            "completed",
+                            "unfinished",
+                            "served_req_s",
+                            "served_tok_s",
+                            "ttft_ms_p50",
+                            "ttft_ms_p99",
+                            "tpot_ms_p50",
+                            "slo_attainment",
+                            "padding_share",
+                            "run_s",
+                        )
+                    }
+                ),
+                flush=True,
+            )
             on_row(row)
 
         for rate in args.rates:
@@ -678,18 +899,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     size = scale(args.tiny, args.model)
     dev = jax.devices()[0]
     backend = args.backend or ("pallas" if dev.platform == "gpu" else "xla")
-    print(f"device {dev.device_kind}, jax {jax.__version__}, engine {ENGINE_KIND} at {commit}, "
-          f"model {size.model.name}, LoRA backend {backend}", flush=True)
+    print(
+        f"device {dev.device_kind}, jax {jax.__version__}, engine {ENGINE_KIND} at {commit}, "
+        f"model {size.model.name}, LoRA backend {backend}",
+        flush=True,
+    )
     previous = json.loads(path.read_text())["rows"] if args.merge and path.exists() else []
     model = random_model(size.model, dtype=jnp.dtype(size.dtype))
     jax.block_until_ready(model.params)
     command = "python benchmarks/serving.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    base_row = {"device": str(dev.device_kind), "engine_commit": commit, "model": size.model.name,
-                "lora_backend": backend, "command": command}
+    base_row = {
+        "device": str(dev.device_kind),
+        "engine_commit": commit,
+        "model": size.model.name,
+        "lora_backend": backend,
+        "command": command,
+    }
     new_rows: list[dict] = []
     not_run: list[str] = []
-    payload = {"device": str(dev.device_kind), "jax_version": jax.__version__, "engine_commit": commit,
-               "rows": previous, "not_run": not_run}
+    payload = {
+        "device": str(dev.device_kind),
+        "jax_version": jax.__version__,
+        "engine_commit": commit,
+        "rows": previous,
+        "not_run": not_run,
+    }
 
     def on_row(row: dict) -> None:  # results after every run: a cut run keeps what it measured
         new_rows.append(row)
@@ -704,8 +938,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         setting = settings(args.tiny)[name]
         if args.slots is not None:
             setting = dataclasses.replace(setting, slots=args.slots)
-        run_setting(setting, model, size, args, backend=backend, clock=clock, previous=previous,
-                    base_row=base_row, on_row=on_row, not_run=not_run)
+        run_setting(
+            setting,
+            model,
+            size,
+            args,
+            backend=backend,
+            clock=clock,
+            previous=previous,
+            base_row=base_row,
+            on_row=on_row,
+            not_run=not_run,
+        )
         gc.collect()  # the setting's engine (KV cache), bank and pinned host copies go before the next
         live = sum(a.nbytes for a in jax.live_arrays())  # the next setting needs the KV cache's room
         print(f"live arrays after {name}: {live / 2**30:.2f} GiB", flush=True)

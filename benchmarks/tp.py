@@ -58,9 +58,9 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jaxlora.engine.compiles import backend_compiles, check_no_compiles  # noqa: E402
 from jaxlora.bench.e2e import LLAMA2_7B, TINY, decode_inputs, hbm_gbps, random_bank, slot_pattern  # noqa: E402
 from jaxlora.config import LoraConfig, ModelConfig  # noqa: E402
+from jaxlora.engine.compiles import backend_compiles, check_no_compiles  # noqa: E402
 from jaxlora.engine.config import EngineConfig  # noqa: E402
 from jaxlora.engine.kv_pages import pages_for  # noqa: E402
 from jaxlora.engine.runner import Runner, ragged_step  # noqa: E402
@@ -69,10 +69,28 @@ from jaxlora.parallel import MeshConfig, make_mesh  # noqa: E402
 from jaxlora.parallel.mesh import TENSOR_AXIS  # noqa: E402
 from jaxlora.parallel.sharding import random_sharded_model  # noqa: E402
 
-LLAMA2_70B = ModelConfig(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
-                         num_kv_heads=8, head_dim=128, max_position_embeddings=4096, name="llama-2-70b-shape")
-TINY_GQA = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=8,
-                       num_kv_heads=2, head_dim=8, max_position_embeddings=256, name="tiny-gqa")
+LLAMA2_70B = ModelConfig(
+    vocab_size=32000,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_layers=80,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=128,
+    max_position_embeddings=4096,
+    name="llama-2-70b-shape",
+)
+TINY_GQA = ModelConfig(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=3,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    name="tiny-gqa",
+)
 MODELS = {"7b": LLAMA2_7B, "70b": LLAMA2_70B, "tiny": TINY, "tiny-gqa": TINY_GQA}
 RANK = 16
 PROMPT_LEN, GEN_LEN = 128, 128  # the cache holds prompt + gen; steps run at the mean context
@@ -159,8 +177,7 @@ def weight_bytes_per_gpu(model) -> int:
     """One GPU's shard of every weight a decode step reads (the embedding table only when it is also
     the LM head: otherwise a step gathers B rows of it)."""
     tied = model.config.tie_word_embeddings
-    return sum(local_bytes(a) for name, a in model.flat_params().items()
-               if tied or name != "embed_tokens.embedding")
+    return sum(local_bytes(a) for name, a in model.flat_params().items() if tied or name != "embed_tokens.embedding")
 
 
 def kv_bytes_per_gpu(cfg: ModelConfig, batch: int, context: int, itemsize: int, tensor: int) -> int:
@@ -212,16 +229,18 @@ def compile_step(runner: Runner, bank: dict | None, position: int) -> tuple[Step
     """Lowers and compiles the engine's step on a decode-only batch for this runner ahead of time."""
     B = runner.config.max_batch
     place = replicated(runner)
-    tokens = jax.device_put(np.random.default_rng(0).integers(0, runner.model.config.vocab_size, B,
-                                                              dtype=np.int32), place)
+    tokens = jax.device_put(
+        np.random.default_rng(0).integers(0, runner.model.config.vocab_size, B, dtype=np.int32), place
+    )
     inputs = step_inputs(runner, place, np.zeros(B, np.int32), position)
     t0 = time.perf_counter()
     lowered = ragged_step.trace(runner.params, bank, runner.kv, *inputs, tokens, **runner._static).lower()
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
-    step = Step(runner=runner, compiled=compiled, bank=bank, kv=runner.kv, tokens=tokens, position=position,
-                place=place)
+    step = Step(
+        runner=runner, compiled=compiled, bank=bank, kv=runner.kv, tokens=tokens, position=position, place=place
+    )
     return step, {"lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2)}
 
 
@@ -267,9 +286,17 @@ def engine_config(case: Case, backend: str, dtype: str) -> EngineConfig:
     """One step shape (T = batch: a decode-only batch) and a page pool of every row at full length."""
     lora = LoraConfig(max_slots=case.max_slots, max_rank=RANK, backend=backend)
     max_seq_len = PROMPT_LEN + GEN_LEN
-    return EngineConfig(max_batch=case.batch, max_seq_len=max_seq_len, token_budgets=(case.batch,),
-                        page_size=PAGE_SIZE, num_pages=case.batch * pages_for(max_seq_len, PAGE_SIZE),
-                        max_new_tokens_limit=GEN_LEN, lora=lora, dtype=dtype, mesh=MeshConfig(tensor=case.tensor))
+    return EngineConfig(
+        max_batch=case.batch,
+        max_seq_len=max_seq_len,
+        token_budgets=(case.batch,),
+        page_size=PAGE_SIZE,
+        num_pages=case.batch * pages_for(max_seq_len, PAGE_SIZE),
+        max_new_tokens_limit=GEN_LEN,
+        lora=lora,
+        dtype=dtype,
+        mesh=MeshConfig(tensor=case.tensor),
+    )
 
 
 class Models:
@@ -292,38 +319,64 @@ class Models:
         return self._model
 
 
-def run_case(case: Case, models: Models, *, backend: str, hbm: float, steps: int, greedy_steps: int,
-             emit: Callable[[dict], None], payload: dict, profile: bool) -> None:
+def run_case(
+    case: Case,
+    models: Models,
+    *,
+    backend: str,
+    hbm: float,
+    steps: int,
+    greedy_steps: int,
+    emit: Callable[[dict], None],
+    payload: dict,
+    profile: bool,
+) -> None:
     """Compiles the case's step and emits one row per distinct count; adds the greedy tokens to
     payload["_greedy"] and, with `profile`, the step's all-reduce time to payload["profile"]."""
     model = models.get(case.model, case.tensor)
     cfg, itemsize = model.config, jnp.dtype(models.dtype).itemsize
-    runner = Runner(model, engine_config(case, backend, jnp.dtype(models.dtype).name),
-                    runtime=LoraRuntime.for_platform(backend))
+    runner = Runner(
+        model, engine_config(case, backend, jnp.dtype(models.dtype).name), runtime=LoraRuntime.for_platform(backend)
+    )
     bank = None
     if case.bank:
         bank = random_bank(cfg, runner.config.lora, max(case.distinct), models.dtype, mesh=runner.mesh)
     position = PROMPT_LEN + GEN_LEN // 2
     step, compile_info = compile_step(runner, bank, position)
     print(f"  lowered in {compile_info['lower_s']} s, compiled in {compile_info['compile_s']} s", flush=True)
-    base_bytes = weight_bytes_per_gpu(model) + kv_bytes_per_gpu(cfg, case.batch, position + 1, itemsize,
-                                                                 case.tensor)
+    base_bytes = weight_bytes_per_gpu(model) + kv_bytes_per_gpu(cfg, case.batch, position + 1, itemsize, case.tensor)
     per_adapter = adapter_bytes_per_gpu(bank) if bank is not None else 0
     for i, d in enumerate(case.distinct):
         ms = time_step(step, slot_pattern(case.batch, d), steps)
         floor = (base_bytes + d * per_adapter) / (hbm * 1e9) * 1e3
-        emit({"case": case.label, "model": cfg.name, "tensor": case.tensor, "batch": case.batch, "bank": case.bank, "distinct": d,
-              "backend": backend, "rank": RANK, "position": position, "step_ms": round(ms, 3),
-              "floor_ms": round(floor, 3), "x_floor": round(ms / floor, 2),
-              "tokens_per_s": round(case.batch / ms * 1e3, 1), "gb_per_gpu": round((base_bytes + d * per_adapter) / 1e9, 2),
-              **(compile_info if i == 0 else {})})
+        emit(
+            {
+                "case": case.label,
+                "model": cfg.name,
+                "tensor": case.tensor,
+                "batch": case.batch,
+                "bank": case.bank,
+                "distinct": d,
+                "backend": backend,
+                "rank": RANK,
+                "position": position,
+                "step_ms": round(ms, 3),
+                "floor_ms": round(floor, 3),
+                "x_floor": round(ms / floor, 2),
+                "tokens_per_s": round(case.batch / ms * 1e3, 1),
+                "gb_per_gpu": round((base_bytes + d * per_adapter) / 1e9, 2),
+                **(compile_info if i == 0 else {}),
+            }
+        )
     if case.greedy:
         payload["_greedy"][f"{case.model}/B{case.batch}/tp{case.tensor}"] = {
             "tokens": greedy_tokens(step, max(case.distinct), greedy_steps),
-            "sumsq": sum_of_squares(runner.params) + sum_of_squares(bank)}
+            "sumsq": sum_of_squares(runner.params) + sum_of_squares(bank),
+        }
     if profile:
-        payload["profile"] = profile_allreduce(step, slot_pattern(case.batch, max(case.distinct)), case.label,
-                                               case.tensor)
+        payload["profile"] = profile_allreduce(
+            step, slot_pattern(case.batch, max(case.distinct)), case.label, case.tensor
+        )
 
 
 # -- collectives alone and in a profile ---------------------------------------------------------------
@@ -346,8 +399,14 @@ def allreduce_chain_ms(cfg: ModelConfig, tensor: int, batch: int, dtype: jnp.dty
     outs = [f(x) for _ in range(steps)]
     jax.block_until_ready(outs)
     ms = (time.perf_counter() - t0) / steps * 1e3
-    return {"model": cfg.name, "tensor": tensor, "batch": batch, "all_reduces": count, "chain_ms": round(ms, 3),
-            "per_all_reduce_us": round(ms / count * 1e3, 1)}
+    return {
+        "model": cfg.name,
+        "tensor": tensor,
+        "batch": batch,
+        "all_reduces": count,
+        "chain_ms": round(ms, 3),
+        "per_all_reduce_us": round(ms / count * 1e3, 1),
+    }
 
 
 def profile_allreduce(step: Step, slots: np.ndarray, label: str, num_gpus: int, steps: int = 3) -> dict:
@@ -357,12 +416,16 @@ def profile_allreduce(step: Step, slots: np.ndarray, label: str, num_gpus: int, 
 
     inputs = step.inputs(slots, step.position)
     ops = device_op_times(lambda: step(inputs, step.tokens), steps=steps)
-    collective = [(n, ms, k) for n, ms, k in ops if any(s in n.lower() for s in ("all-reduce", "allreduce",
-                                                                                   "all_reduce"))]
-    return {"case": label, "device_ms_per_gpu": round(sum(ms for _, ms, _ in ops) / num_gpus, 3),
-            "allreduce_ms_per_gpu": round(sum(ms for _, ms, _ in collective) / num_gpus, 3),
-            "allreduce_launches_per_gpu": sum(k for *_, k in collective) // num_gpus,
-            "top_ops_both_gpus": ops[:12]}
+    collective = [
+        (n, ms, k) for n, ms, k in ops if any(s in n.lower() for s in ("all-reduce", "allreduce", "all_reduce"))
+    ]
+    return {
+        "case": label,
+        "device_ms_per_gpu": round(sum(ms for _, ms, _ in ops) / num_gpus, 3),
+        "allreduce_ms_per_gpu": round(sum(ms for _, ms, _ in collective) / num_gpus, 3),
+        "allreduce_launches_per_gpu": sum(k for *_, k in collective) // num_gpus,
+        "top_ops_both_gpus": ops[:12],
+    }
 
 
 # -- results ------------------------------------------------------------------------------------------
@@ -379,13 +442,19 @@ def greedy_summary(greedy: dict) -> list[dict]:
                 continue
             a, b = np.asarray(ref["tokens"]), np.asarray(got["tokens"])
             diverged = [int(np.argmax(ra != rb)) for ra, rb in zip(a, b) if (ra != rb).any()]
-            out.append({"compare": f"{key} vs {other.rsplit('/', 1)[1]}", "rows": int(a.shape[0]),
-                        "steps": int(a.shape[1]), "identical_rows": int(a.shape[0] - len(diverged)),
-                        "identical_tokens": round(float((a == b).mean()), 4),
-                        "first_divergence_step": min(diverged) if diverged else None,
-                        # Both runs must have drawn the same weights and bank (float32 sums differ
-                        # only by summation order).
-                        "same_weights": abs(ref["sumsq"] - got["sumsq"]) <= 1e-4 * ref["sumsq"]})
+            out.append(
+                {
+                    "compare": f"{key} vs {other.rsplit('/', 1)[1]}",
+                    "rows": int(a.shape[0]),
+                    "steps": int(a.shape[1]),
+                    "identical_rows": int(a.shape[0] - len(diverged)),
+                    "identical_tokens": round(float((a == b).mean()), 4),
+                    "first_divergence_step": min(diverged) if diverged else None,
+                    # Both runs must have drawn the same weights and bank (float32 sums differ
+                    # only by summation order).
+                    "same_weights": abs(ref["sumsq"] - got["sumsq"]) <= 1e-4 * ref["sumsq"],
+                }
+            )
     return out
 
 
@@ -394,44 +463,79 @@ def targets(payload: dict) -> list[dict]:
     rows = payload["rows"]
 
     def find(model, tensor, batch, distinct, bank=True):
-        return next((r for r in rows if (r["model"], r["tensor"], r["batch"], r["distinct"], r["bank"])
-                     == (model, tensor, batch, distinct, bank)), None)
+        return next(
+            (
+                r
+                for r in rows
+                if (r["model"], r["tensor"], r["batch"], r["distinct"], r["bank"])
+                == (model, tensor, batch, distinct, bank)
+            ),
+            None,
+        )
 
     out = []
     m7 = MODELS["tiny" if payload["tiny"] else "7b"].name
     for batch, distinct in ((64, 64), (256, 64), (256, 256)):
         lora, none = find(m7, 2, batch, distinct), find(m7, 2, batch, 0, False) or find(m7, 2, batch, 0)
         ratio = None if not (lora and none) else lora["step_ms"] / none["step_ms"]
-        out.append({"target": f"7B TP2 B={batch}: {distinct} distinct within 1.2x of no adapters",
-                    "measured": None if ratio is None else round(ratio, 2),
-                    "met": None if ratio is None else ratio <= 1.2,
-                    "detail": None if ratio is None else f"{lora['step_ms']} vs {none['step_ms']} ms "
-                                                         f"({'bank-free' if not none['bank'] else 'd=0 with bank'})"})
+        out.append(
+            {
+                "target": f"7B TP2 B={batch}: {distinct} distinct within 1.2x of no adapters",
+                "measured": None if ratio is None else round(ratio, 2),
+                "met": None if ratio is None else ratio <= 1.2,
+                "detail": None
+                if ratio is None
+                else f"{lora['step_ms']} vs {none['step_ms']} ms "
+                f"({'bank-free' if not none['bank'] else 'd=0 with bank'})",
+            }
+        )
     for distinct, bank in ((0, False), (0, True), (64, True), (256, True)):
         one, two = find(m7, 1, 256, distinct, bank), find(m7, 2, 256, distinct, bank)
         ratio = None if not (one and two) else two["step_ms"] / one["step_ms"]
-        out.append({"target": f"7B B=256 d={distinct}{'' if bank else ' bank-free'}: TP2 step <= 0.6x TP1",
-                    "measured": None if ratio is None else round(ratio, 2),
-                    "met": None if ratio is None else ratio <= 0.6,
-                    "detail": None if ratio is None else f"{two['step_ms']} vs {one['step_ms']} ms"})
+        out.append(
+            {
+                "target": f"7B B=256 d={distinct}{'' if bank else ' bank-free'}: TP2 step <= 0.6x TP1",
+                "measured": None if ratio is None else round(ratio, 2),
+                "met": None if ratio is None else ratio <= 0.6,
+                "detail": None if ratio is None else f"{two['step_ms']} vs {one['step_ms']} ms",
+            }
+        )
     for g in payload["greedy"]:
-        out.append({"target": f"greedy tokens identical, {g['compare']}", "measured": g["identical_tokens"],
-                    "met": g["identical_rows"] == g["rows"],
-                    "detail": f"{g['identical_rows']}/{g['rows']} rows identical over {g['steps']} steps"})
+        out.append(
+            {
+                "target": f"greedy tokens identical, {g['compare']}",
+                "measured": g["identical_tokens"],
+                "met": g["identical_rows"] == g["rows"],
+                "detail": f"{g['identical_rows']}/{g['rows']} rows identical over {g['steps']} steps",
+            }
+        )
     m70 = MODELS["tiny-gqa" if payload["tiny"] else "70b"].name
     big = [r for r in rows if r["model"] == m70]
     worst = max(big, key=lambda r: r["x_floor"], default=None)
-    out.append({"target": "70B TP2: every decode step <= 1.6x its per-GPU bytes floor",
-                "measured": None if worst is None else worst["x_floor"],
-                "met": None if worst is None else all(r["x_floor"] <= 1.6 for r in big),
-                "detail": None if worst is None else f"worst B={worst['batch']} d={worst['distinct']} "
-                                                     f"{'bank' if worst['bank'] else 'bank-free'}"})
+    out.append(
+        {
+            "target": "70B TP2: every decode step <= 1.6x its per-GPU bytes floor",
+            "measured": None if worst is None else worst["x_floor"],
+            "met": None if worst is None else all(r["x_floor"] <= 1.6 for r in big),
+            "detail": None
+            if worst is None
+            else f"worst B={worst['batch']} d={worst['distinct']} {'bank' if worst['bank'] else 'bank-free'}",
+        }
+    )
     compiles = [r for r in big if "compile_s" in r]
-    out.append({"target": "70B compile time reported (lower + compile, per compiled step)",
-                "measured": None if not compiles else round(max(r["lower_s"] + r["compile_s"] for r in compiles), 1),
-                "met": None if not compiles else all(r["lower_s"] + r["compile_s"] <= 300 for r in compiles),
-                "detail": "; ".join(f"B={r['batch']} {'bank' if r['bank'] else 'bank-free'}: lower "
-                                    f"{r['lower_s']} s + compile {r['compile_s']} s" for r in compiles) or None})
+    out.append(
+        {
+            "target": "70B compile time reported (lower + compile, per compiled step)",
+            "measured": None if not compiles else round(max(r["lower_s"] + r["compile_s"] for r in compiles), 1),
+            "met": None if not compiles else all(r["lower_s"] + r["compile_s"] <= 300 for r in compiles),
+            "detail": "; ".join(
+                f"B={r['batch']} {'bank' if r['bank'] else 'bank-free'}: lower "
+                f"{r['lower_s']} s + compile {r['compile_s']} s"
+                for r in compiles
+            )
+            or None,
+        }
+    )
     return out
 
 
@@ -448,15 +552,32 @@ def write_results(payload: dict, out: Path) -> None:
 
 
 def markdown(payload: dict) -> str:
-    cols = ["model", "tensor", "batch", "bank", "distinct", "step_ms", "floor_ms", "x_floor", "tokens_per_s",
-            "gb_per_gpu", "lower_s", "compile_s"]
-    lines = [f"# Tensor parallelism ({payload['device']} x {payload['num_devices']}, jax {payload['jax_version']})", "",
-             f"Command: `{payload['command']}`", "",
-             f"HBM (device-to-device copy, read + written, GPU 0): {payload['hbm_GBps']} GB/s. Backend "
-             f"{payload['backend']}, rank {RANK} on all seven modules, every row at context {payload['position']}.",
-             "floor_ms: bytes ONE GPU reads per step (its weight shard, its KV heads, its share of each distinct "
-             "adapter) over that bandwidth. bank = false: the bank-free step the engine runs when no row has an "
-             "adapter.", ""]
+    cols = [
+        "model",
+        "tensor",
+        "batch",
+        "bank",
+        "distinct",
+        "step_ms",
+        "floor_ms",
+        "x_floor",
+        "tokens_per_s",
+        "gb_per_gpu",
+        "lower_s",
+        "compile_s",
+    ]
+    lines = [
+        f"# Tensor parallelism ({payload['device']} x {payload['num_devices']}, jax {payload['jax_version']})",
+        "",
+        f"Command: `{payload['command']}`",
+        "",
+        f"HBM (device-to-device copy, read + written, GPU 0): {payload['hbm_GBps']} GB/s. Backend "
+        f"{payload['backend']}, rank {RANK} on all seven modules, every row at context {payload['position']}.",
+        "floor_ms: bytes ONE GPU reads per step (its weight shard, its KV heads, its share of each distinct "
+        "adapter) over that bandwidth. bank = false: the bank-free step the engine runs when no row has an "
+        "adapter.",
+        "",
+    ]
     if payload.get("targets"):
         lines += ["## Targets", "", "| target | measured | met | detail |", "|---|---|---|---|"]
         lines += [f"| {t['target']} | {t['measured']} | {t['met']} | {t['detail'] or ''} |" for t in payload["targets"]]
@@ -469,9 +590,15 @@ def markdown(payload: dict) -> str:
         lines += ["", "## All-reduces alone", ""] + [f"- {json.dumps(a)}" for a in payload["allreduce"]]
     if payload.get("profile"):
         p = payload["profile"]
-        lines += ["", "## All-reduces in the step (profile, per GPU)", "",
-                  f"- {p['case']}: {p['allreduce_ms_per_gpu']} ms of {p['device_ms_per_gpu']} ms device time "
-                  f"({p['allreduce_launches_per_gpu']} launches)" if "device_ms_per_gpu" in p else f"- {json.dumps(p)}"]
+        lines += [
+            "",
+            "## All-reduces in the step (profile, per GPU)",
+            "",
+            f"- {p['case']}: {p['allreduce_ms_per_gpu']} ms of {p['device_ms_per_gpu']} ms device time "
+            f"({p['allreduce_launches_per_gpu']} launches)"
+            if "device_ms_per_gpu" in p
+            else f"- {json.dumps(p)}",
+        ]
     if payload.get("not_run"):
         lines += ["", "## Not run", ""] + [f"- {n['case']}: {n['reason']}" for n in payload["not_run"]]
     return "\n".join(lines) + "\n"
@@ -491,12 +618,28 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"need {max(c.tensor for c in plan)} devices, found {jax.devices()}")
     dev = jax.devices()[0]
     hbm = hbm_gbps(1 << 20 if tiny else 1 << 31)
-    print(f"{len(jax.devices())} x {dev.device_kind}, jax {jax.__version__}, HBM copy {hbm:.0f} GB/s, "
-          f"{len(plan)} cases, budget {args.budget_s:.0f} s", flush=True)
-    payload = {"device": str(dev.device_kind), "num_devices": len(jax.devices()), "jax_version": jax.__version__,
-               "hbm_GBps": round(hbm, 1), "backend": backend, "tiny": tiny, "position": PROMPT_LEN + GEN_LEN // 2,
-               "command": args.command, "rows": [], "not_run": [], "allreduce": [], "profile": {}, "_greedy": {},
-               "_earlier_greedy": [], "_earlier_not_run": []}
+    print(
+        f"{len(jax.devices())} x {dev.device_kind}, jax {jax.__version__}, HBM copy {hbm:.0f} GB/s, "
+        f"{len(plan)} cases, budget {args.budget_s:.0f} s",
+        flush=True,
+    )
+    payload = {
+        "device": str(dev.device_kind),
+        "num_devices": len(jax.devices()),
+        "jax_version": jax.__version__,
+        "hbm_GBps": round(hbm, 1),
+        "backend": backend,
+        "tiny": tiny,
+        "position": PROMPT_LEN + GEN_LEN // 2,
+        "command": args.command,
+        "rows": [],
+        "not_run": [],
+        "allreduce": [],
+        "profile": {},
+        "_greedy": {},
+        "_earlier_greedy": [],
+        "_earlier_not_run": [],
+    }
     if args.append and (args.out / "tp.json").exists():
         keep_earlier(payload, json.loads((args.out / "tp.json").read_text()))
     models = Models(dtype)
@@ -512,20 +655,37 @@ def run(args: argparse.Namespace) -> dict:
     probed = False
     for i, case in enumerate(plan):
         if deadline - time.perf_counter() < case.est_s:
-            payload["not_run"] += [{"case": c.label, "reason": f"budget ({args.budget_s:.0f} s) spent"} for c in plan[i:]]
+            payload["not_run"] += [
+                {"case": c.label, "reason": f"budget ({args.budget_s:.0f} s) spent"} for c in plan[i:]
+            ]
             break
         print(f"[{i}] {case.label} ({deadline - time.perf_counter():.0f} s left)", flush=True)
         # The first TP case also measures its collectives: alone, and (GPU) inside the step.
         probe = case.tensor > 1 and case.bank and not probed and not payload["allreduce"]
         probed = probed or probe
-        attempt(lambda: run_case(case, models, backend=backend, hbm=hbm, steps=args.steps,
-                                 greedy_steps=args.greedy_steps, emit=emit, payload=payload,
-                                 profile=probe and profile),
-                case.label, payload)
+        attempt(
+            lambda: run_case(
+                case,
+                models,
+                backend=backend,
+                hbm=hbm,
+                steps=args.steps,
+                greedy_steps=args.greedy_steps,
+                emit=emit,
+                payload=payload,
+                profile=probe and profile,
+            ),
+            case.label,
+            payload,
+        )
         if probe:
-            attempt(lambda: payload["allreduce"].append(
-                allreduce_chain_ms(MODELS[case.model], case.tensor, case.batch, dtype, args.steps)),
-                f"all-reduce chain, {case.label}", payload)
+            attempt(
+                lambda: payload["allreduce"].append(
+                    allreduce_chain_ms(MODELS[case.model], case.tensor, case.batch, dtype, args.steps)
+                ),
+                f"all-reduce chain, {case.label}",
+                payload,
+            )
         write_results(payload, args.out)
         gc.collect()
     payload["wall_s"] = round(time.perf_counter() - t_start, 1)
@@ -562,14 +722,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for tp.json and tp.md")
     p.add_argument("--tiny", action="store_true", help="toy models (CPU with 2 fake devices: seconds)")
     p.add_argument("--budget-s", type=float, default=500.0, help="no case starts once this wall time is spent")
-    p.add_argument("--backend", choices=("pallas", "xla"), default=None, help="LoRA backend (default: pallas; "
-                   "xla with --tiny)")
+    p.add_argument(
+        "--backend", choices=("pallas", "xla"), default=None, help="LoRA backend (default: pallas; xla with --tiny)"
+    )
     p.add_argument("--steps", type=int, default=20, help="decode steps timed back to back per cell")
     p.add_argument("--greedy-steps", type=int, default=16, help="tokens per row of the greedy TP 1 / TP 2 run")
     p.add_argument("--only", nargs="*", default=None, help="run only cases whose label contains one of these")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler trace of the TP 2 step")
-    p.add_argument("--append", action="store_true",
-                   help="keep the measurements of OUT/tp.json from an earlier call and add this call's")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the measurements of OUT/tp.json from an earlier call and add this call's",
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.greedy_steps < 1 or args.budget_s <= 0:
         p.error("--steps and --greedy-steps must be >= 1, --budget-s > 0")

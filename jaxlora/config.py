@@ -78,8 +78,15 @@ class ModelConfig:
     name: str = "llama"
 
     def __post_init__(self) -> None:
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                      "num_kv_heads", "head_dim"):
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
         if self.num_heads % self.num_kv_heads:

@@ -15,14 +15,17 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from jaxlora.errors import ModelLoadError
 
 # llama.cpp pre-tokenizer names -> pre-tokenizer builders (the regexes llama.cpp uses for them).
 _GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _byte_level() -> pre_tokenizers.PreTokenizer:
@@ -30,10 +33,12 @@ def _byte_level() -> pre_tokenizers.PreTokenizer:
 
 
 def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 _PRE_TOKENIZERS = {
@@ -118,12 +123,15 @@ def tokenizer_from_gguf(reader: Any, meta: dict[str, Any], *, source: str) -> To
 
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
-        raise ModelLoadError(f"{source}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE "
-                             "'gpt2'); convert the model to a Hugging Face folder with tokenizer.json")
+        raise ModelLoadError(
+            f"{source}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE "
+            "'gpt2'); convert the model to a Hugging Face folder with tokenizer.json"
+        )
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_TOKENIZERS:
-        raise ModelLoadError(f"{source}: GGUF pre-tokenizer {pre!r} is not supported "
-                             f"(supported: {', '.join(sorted(_PRE_TOKENIZERS))})")
+        raise ModelLoadError(
+            f"{source}: GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
+        )
     tokens = field_array(reader, "tokenizer.ggml.tokens") or []
     merges = field_array(reader, "tokenizer.ggml.merges") or []
     types = field_array(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -133,8 +141,9 @@ def tokenizer_from_gguf(reader: Any, meta: dict[str, Any], *, source: str) -> To
     hf.pre_tokenizer = _PRE_TOKENIZERS[pre]()
     hf.decoder = decoders.ByteLevel()
     # CONTROL (3) and USER_DEFINED (4) tokens are matched whole, before BPE.
-    hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                           for i, t in enumerate(types) if t in (3, 4)])
+    hf.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t in (3, 4)]
+    )
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return Tokenizer(
         hf=hf,
@@ -169,8 +178,13 @@ def tokenizer_from_folder(folder: Path, *, eos_token_ids: Sequence[int] = ()) ->
         return None if tok is None else hf.token_to_id(tok)
 
     eos = tuple(eos_token_ids) or tuple(i for i in [token_id("eos_token")] if i is not None)
-    return Tokenizer(hf=hf, chat_template=template, eos_token_ids=eos, bos_token_id=token_id("bos_token"),
-                     add_bos=bool(tc.get("add_bos_token", False)))
+    return Tokenizer(
+        hf=hf,
+        chat_template=template,
+        eos_token_ids=eos,
+        bos_token_id=token_id("bos_token"),
+        add_bos=bool(tc.get("add_bos_token", False)),
+    )
 
 
 def save_tokenizer(tok: Tokenizer, folder: Path) -> None:
@@ -178,8 +192,11 @@ def save_tokenizer(tok: Tokenizer, folder: Path) -> None:
     (and with Hugging Face's AutoTokenizer)."""
     folder.mkdir(parents=True, exist_ok=True)
     tok.hf.save(str(folder / "tokenizer.json"))
-    cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": tok.add_bos,
-                           "clean_up_tokenization_spaces": False}
+    cfg: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": tok.add_bos,
+        "clean_up_tokenization_spaces": False,
+    }
     if tok.chat_template is not None:
         cfg["chat_template"] = tok.chat_template
     if tok.eos_token_ids:

@@ -16,8 +16,9 @@ import numpy as np
 from safetensors.numpy import save_file
 
 
-def save_safetensors(tensors: Mapping[str, np.ndarray], path: str | Path, *,
-                     metadata: dict[str, str] | None = None) -> None:
+def save_safetensors(
+    tensors: Mapping[str, np.ndarray], path: str | Path, *, metadata: dict[str, str] | None = None
+) -> None:
     """`save_file`, then the mode a plain `open(path, "w")` would give: the umask's for a new file,
     the old mode for a file that was there."""
     path = Path(path)

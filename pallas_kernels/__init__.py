@@ -10,8 +10,8 @@ Imports only jax and numpy; usable on its own. `lora_shrink`, `lora_expand` and
 """
 
 from pallas_kernels import reference, tuning, xla_backends
-from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.api import BACKENDS, Backend, lora_expand, lora_expand_multi, lora_group, lora_shrink
+from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.lora_tpu import bgmv_expand as tpu_bgmv_expand
 from pallas_kernels.lora_tpu import bgmv_shrink as tpu_bgmv_shrink
 from pallas_kernels.lora_tpu import sgmv_expand as tpu_sgmv_expand

@@ -50,8 +50,15 @@ def _check_seg_len(num_tokens: int, seg_len: int | None) -> None:
         raise ValueError(f"seg_len={seg_len} must be positive and divide the {num_tokens} tokens")
 
 
-def _resolve_plan(plan: LoraPlan | None, slot_ids: jax.Array | None, *, backend: Backend, seg_len: int | None,
-                  num_tokens: int, num_slots: int) -> LoraPlan:
+def _resolve_plan(
+    plan: LoraPlan | None,
+    slot_ids: jax.Array | None,
+    *,
+    backend: Backend,
+    seg_len: int | None,
+    num_tokens: int,
+    num_slots: int,
+) -> LoraPlan:
     _check_backend(backend)
     _check_seg_len(num_tokens, seg_len)
     if plan is None:
@@ -76,8 +83,15 @@ def _layer_of(bank: jax.Array, layer: jax.Array | None, ndim: int) -> jax.Array:
 
 
 def lora_shrink(
-    x: jax.Array, a: jax.Array, slot_ids: jax.Array | None, *, backend: Backend, interpret: bool = False,
-    seg_len: int | None = None, plan: LoraPlan | None = None, layer: jax.Array | None = None,
+    x: jax.Array,
+    a: jax.Array,
+    slot_ids: jax.Array | None,
+    *,
+    backend: Backend,
+    interpret: bool = False,
+    seg_len: int | None = None,
+    plan: LoraPlan | None = None,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """h[t] = x[t] @ a[slot_ids[t]].
 
@@ -94,8 +108,7 @@ def lora_shrink(
     Returns:
       h: [T, R] in x.dtype (f32 accumulation).
     """
-    plan = _resolve_plan(plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=x.shape[0],
-                         num_slots=a.shape[-3])
+    plan = _resolve_plan(plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=x.shape[0], num_slots=a.shape[-3])
     slot_ids = plan.slot_ids
     if backend == "pallas":
         mode = "decode" if seg_len is None else "prefill"
@@ -128,10 +141,12 @@ def _expand_one(y, h, b, plan: LoraPlan, h_col, *, backend, interpret, seg_len, 
         if y.shape[0] == 0:
             return y
         if seg_len is None:
-            return lora_triton.decode_expand(y, h, b, slot_ids, plan.groups, h_col=h_col, interpret=interpret,
-                                             layer=layer)
-        return lora_triton.grouped_expand(y, h, b, plan.groups, mode="prefill", h_col=h_col, interpret=interpret,
-                                          layer=layer)
+            return lora_triton.decode_expand(
+                y, h, b, slot_ids, plan.groups, h_col=h_col, interpret=interpret, layer=layer
+            )
+        return lora_triton.grouped_expand(
+            y, h, b, plan.groups, mode="prefill", h_col=h_col, interpret=interpret, layer=layer
+        )
     b = _layer_of(b, layer, 3)
     if backend == "pallas_tpu":
         if seg_len is None:
@@ -148,8 +163,16 @@ def _expand_one(y, h, b, plan: LoraPlan, h_col, *, backend, interpret, seg_len, 
 
 
 def lora_expand(
-    y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array | None, *, backend: Backend, interpret: bool = False,
-    seg_len: int | None = None, plan: LoraPlan | None = None, layer: jax.Array | None = None,
+    y: jax.Array,
+    h: jax.Array,
+    b: jax.Array,
+    slot_ids: jax.Array | None,
+    *,
+    backend: Backend,
+    interpret: bool = False,
+    seg_len: int | None = None,
+    plan: LoraPlan | None = None,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """y_new[t] = y[t] + h[t] @ b[slot_ids[t]].
 
@@ -165,14 +188,21 @@ def lora_expand(
     """
     if h.ndim != 2 or b.ndim != (3 if layer is None else 4) or h.shape[1] != b.shape[-2]:
         raise ValueError(f"h {h.shape} must be [T, R] for b {b.shape} [(L,) S, R, O]")
-    plan = _resolve_plan(plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=y.shape[0],
-                         num_slots=b.shape[-3])
+    plan = _resolve_plan(plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=y.shape[0], num_slots=b.shape[-3])
     return _expand_one(y, h, b, plan, 0, backend=backend, interpret=interpret, seg_len=seg_len, layer=layer)
 
 
 def lora_expand_multi(
-    ys: tuple[jax.Array, ...], h: jax.Array, bs: tuple[jax.Array, ...], slot_ids: jax.Array | None, *, backend: Backend,
-    interpret: bool = False, seg_len: int | None = None, plan: LoraPlan | None = None, layer: jax.Array | None = None,
+    ys: tuple[jax.Array, ...],
+    h: jax.Array,
+    bs: tuple[jax.Array, ...],
+    slot_ids: jax.Array | None,
+    *,
+    backend: Backend,
+    interpret: bool = False,
+    seg_len: int | None = None,
+    plan: LoraPlan | None = None,
+    layer: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """ys_new[g][t] = ys[g][t] + h[t, g*R:(g+1)*R] @ bs[g][slot_ids[t]], for the G modules of one shrink.
 
@@ -192,8 +222,9 @@ def lora_expand_multi(
     rank, ndim = bs[0].shape[-2], 3 if layer is None else 4
     if any(b.ndim != ndim or b.shape[-2] != rank for b in bs) or h.ndim != 2 or h.shape[1] != len(bs) * rank:
         raise ValueError(f"h {h.shape} must be [T, G*R] for G={len(bs)} banks of rank {[b.shape for b in bs]}")
-    plan = _resolve_plan(plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=h.shape[0],
-                         num_slots=bs[0].shape[-3])
+    plan = _resolve_plan(
+        plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=h.shape[0], num_slots=bs[0].shape[-3]
+    )
     return tuple(
         _expand_one(y, h, b, plan, g * rank, backend=backend, interpret=interpret, seg_len=seg_len, layer=layer)
         for g, (y, b) in enumerate(zip(ys, bs))
@@ -201,8 +232,16 @@ def lora_expand_multi(
 
 
 def lora_group(
-    x: jax.Array, a: jax.Array, ys: tuple[jax.Array, ...], bs: tuple[jax.Array, ...], slot_ids: jax.Array | None, *,
-    backend: Backend, interpret: bool = False, seg_len: int | None = None, plan: LoraPlan | None = None,
+    x: jax.Array,
+    a: jax.Array,
+    ys: tuple[jax.Array, ...],
+    bs: tuple[jax.Array, ...],
+    slot_ids: jax.Array | None,
+    *,
+    backend: Backend,
+    interpret: bool = False,
+    seg_len: int | None = None,
+    plan: LoraPlan | None = None,
     layer: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """ys_new[g][t] = ys[g][t] + (x[t] @ a[s])[g*R:(g+1)*R] @ bs[g][s], s = slot_ids[t]: a module group's LoRA term.
@@ -221,11 +260,17 @@ def lora_group(
     """
     _check_backend(backend)
     kw = dict(backend=backend, interpret=interpret, seg_len=seg_len, layer=layer)
-    if backend == "pallas" and seg_len is None and x.shape[0] and \
-            tuning.lookup("expand", "decode", x.shape[0]).get("impl") == "rows":
-        plan = _resolve_plan(plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=x.shape[0],
-                             num_slots=a.shape[-3])
-        return lora_triton.decode_group(x, a, tuple(ys), tuple(bs), plan.slot_ids, plan.groups, layer=layer,
-                                        interpret=interpret)
+    if (
+        backend == "pallas"
+        and seg_len is None
+        and x.shape[0]
+        and tuning.lookup("expand", "decode", x.shape[0]).get("impl") == "rows"
+    ):
+        plan = _resolve_plan(
+            plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=x.shape[0], num_slots=a.shape[-3]
+        )
+        return lora_triton.decode_group(
+            x, a, tuple(ys), tuple(bs), plan.slot_ids, plan.groups, layer=layer, interpret=interpret
+        )
     h = lora_shrink(x, a, slot_ids, plan=plan, **kw)
     return lora_expand_multi(tuple(ys), h, tuple(bs), slot_ids, plan=plan, **kw)

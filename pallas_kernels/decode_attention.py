@@ -34,8 +34,20 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, block_t: int, head_dim: int, group: int,
-            max_len: int, scale: float):
+def _kernel(
+    layer_ref,
+    len_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    *,
+    block_t: int,
+    head_dim: int,
+    group: int,
+    max_len: int,
+    scale: float,
+):
     # layer_ref: [1] int32; len_ref: [B] int32; q_ref: [B, H, Dh]; k_ref / v_ref: [L, R, T, KVH, Dh];
     # o_ref: [B, H, Dh].
     b, h = pl.program_id(0), pl.program_id(1)
@@ -64,8 +76,16 @@ def _kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, block_t: int, hea
 
 
 def decode_attention(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, lengths: jax.Array, *,
-    block_t: int = 64, num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    lengths: jax.Array,
+    *,
+    block_t: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
 ) -> jax.Array:
     """Attention of one new token per row over the first `lengths[b]` positions of its cache row.
 
@@ -87,15 +107,18 @@ def decode_attention(
         raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be [L, R, T, KVH, Dh]")
     _, rows, max_len, num_kv, cache_dim = k_cache.shape
     if cache_dim != head_dim or rows < batch or num_heads % num_kv:
-        raise ValueError(f"q {q.shape} [B, H, Dh] does not fit the cache {k_cache.shape} [L, R>=B, T, KVH, Dh] "
-                         "with H a multiple of KVH")
+        raise ValueError(
+            f"q {q.shape} [B, H, Dh] does not fit the cache {k_cache.shape} [L, R>=B, T, KVH, Dh] "
+            "with H a multiple of KVH"
+        )
     if lengths.shape != (batch,):
         raise ValueError(f"lengths {lengths.shape} must be [B] with B={batch}")
     for name, value in (("head_dim", head_dim), ("block_t", block_t)):
         if not _is_pow2(value):
             raise ValueError(f"{name}={value} must be a power of two (Triton works on power-of-two blocks)")
-    kernel = functools.partial(_kernel, block_t=block_t, head_dim=head_dim, group=num_heads // num_kv,
-                               max_len=max_len, scale=head_dim ** -0.5)
+    kernel = functools.partial(
+        _kernel, block_t=block_t, head_dim=head_dim, group=num_heads // num_kv, max_len=max_len, scale=head_dim**-0.5
+    )
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),

@@ -108,8 +108,9 @@ def _item_row_mask(tile_ref, lo_ref, hi_ref, item, block_rows: int) -> jax.Array
     return (rows >= lo_ref[item]) & (rows < hi_ref[item])
 
 
-def _sgmv_shrink_kernel(tile_ref, lo_ref, hi_ref, slot_ref, first_ref, x_ref, a_ref, h_ref, acc_ref,
-                        *, block_rows: int):
+def _sgmv_shrink_kernel(
+    tile_ref, lo_ref, hi_ref, slot_ref, first_ref, x_ref, a_ref, h_ref, acc_ref, *, block_rows: int
+):
     # tile/lo/hi/slot/first_ref: [I] int32 SMEM work items. x_ref: [BT, BK]; a_ref: [BK, R] (a[slot]);
     # h_ref: [BT, R], resident over the items of one tile; acc_ref: [BT, R] f32 scratch.
     item, k = pl.program_id(0), pl.program_id(1)
@@ -132,8 +133,9 @@ def _sgmv_shrink_kernel(tile_ref, lo_ref, hi_ref, slot_ref, first_ref, x_ref, a_
         h_ref[...] = jnp.where(is_mine, acc_ref[...].astype(h_ref.dtype), h_ref[...])
 
 
-def _sgmv_expand_kernel(tile_ref, lo_ref, hi_ref, slot_ref, first_ref, h_ref, b_ref, y_ref, out_ref,
-                        *, block_rows: int):
+def _sgmv_expand_kernel(
+    tile_ref, lo_ref, hi_ref, slot_ref, first_ref, h_ref, b_ref, y_ref, out_ref, *, block_rows: int
+):
     # tile/lo/hi/slot/first_ref: [I] int32 SMEM. h_ref: [BT, R]; b_ref: [R, BO] (b[slot]);
     # y_ref, out_ref: [BT, BO], out resident over the items of one tile.
     item = pl.program_id(1)
@@ -198,8 +200,9 @@ def _slot_order(slot_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "interpret"))
-def bgmv_shrink(x: jax.Array, a: jax.Array, slot_ids: jax.Array, *, block_k: int | None = None,
-                interpret: bool = False) -> jax.Array:
+def bgmv_shrink(
+    x: jax.Array, a: jax.Array, slot_ids: jax.Array, *, block_k: int | None = None, interpret: bool = False
+) -> jax.Array:
     """Per-row shrink: h[t] = x[t] @ a[slot_ids[t]], the slot picked by scalar prefetch.
 
     Args:
@@ -242,8 +245,16 @@ def bgmv_shrink(x: jax.Array, a: jax.Array, slot_ids: jax.Array, *, block_k: int
 
 
 @functools.partial(jax.jit, static_argnames=("h_col", "block_o", "interpret"))
-def bgmv_expand(y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array, *, h_col: int = 0,
-                block_o: int | None = None, interpret: bool = False) -> jax.Array:
+def bgmv_expand(
+    y: jax.Array,
+    h: jax.Array,
+    b: jax.Array,
+    slot_ids: jax.Array,
+    *,
+    h_col: int = 0,
+    block_o: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
     """Per-row expand: y[t] + h[t, h_col:h_col+R] @ b[slot_ids[t]], the slot picked by scalar prefetch.
 
     Args:
@@ -310,8 +321,16 @@ def _tpu_work_items(seg_starts: jax.Array, seg_slots: jax.Array, num_tokens: int
 
 
 @functools.partial(jax.jit, static_argnames=("block_rows", "block_k", "interpret"))
-def sgmv_shrink(x: jax.Array, a: jax.Array, seg_starts: jax.Array, seg_slots: jax.Array, *,
-                block_rows: int = 128, block_k: int | None = None, interpret: bool = False) -> jax.Array:
+def sgmv_shrink(
+    x: jax.Array,
+    a: jax.Array,
+    seg_starts: jax.Array,
+    seg_slots: jax.Array,
+    *,
+    block_rows: int = 128,
+    block_k: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
     """Segmented shrink: h[i] = x[i] @ a[seg_slots[g]] for seg_starts[g] <= i < seg_starts[g + 1].
 
     Args:
@@ -357,9 +376,18 @@ def sgmv_shrink(x: jax.Array, a: jax.Array, seg_starts: jax.Array, seg_slots: ja
 
 
 @functools.partial(jax.jit, static_argnames=("h_col", "block_rows", "block_o", "interpret"))
-def sgmv_expand(y: jax.Array, h: jax.Array, b: jax.Array, seg_starts: jax.Array, seg_slots: jax.Array, *,
-                h_col: int = 0, block_rows: int = 128, block_o: int | None = None,
-                interpret: bool = False) -> jax.Array:
+def sgmv_expand(
+    y: jax.Array,
+    h: jax.Array,
+    b: jax.Array,
+    seg_starts: jax.Array,
+    seg_slots: jax.Array,
+    *,
+    h_col: int = 0,
+    block_rows: int = 128,
+    block_o: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
     """Segmented expand: y[i] + h[i, h_col:h_col+R] @ b[seg_slots[g]] for rows i of segment g.
 
     Args:

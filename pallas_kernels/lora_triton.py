@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -134,8 +133,9 @@ class RowGroups:
     items: dict[int, tuple[jax.Array, jax.Array, jax.Array, jax.Array]]
 
 
-def make_row_groups(slot_ids: jax.Array, *, num_slots: int, seg_len: int | None,
-                    block_rows: tuple[int, ...]) -> RowGroups:
+def make_row_groups(
+    slot_ids: jax.Array, *, num_slots: int, seg_len: int | None, block_rows: tuple[int, ...]
+) -> RowGroups:
     """Groups the T rows of slot_ids [T] by slot (decode) or cuts them into runs of seg_len (prefill)."""
     num_tokens = slot_ids.shape[0]
     slot_ids = slot_ids.astype(jnp.int32)
@@ -184,9 +184,25 @@ def _rank_product(h: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def _shrink_kernel(
-    layer_ref, tile_ref, lo_ref, hi_ref, slot_ref, order_ref, x_ref, a_ref, h_ref,
-    *, block_rows: int, block_k: int, k_per_split: int, rank_pad: int, hidden: int, rank: int,
-    num_tokens: int, has_order: bool, is_split: bool,
+    layer_ref,
+    tile_ref,
+    lo_ref,
+    hi_ref,
+    slot_ref,
+    order_ref,
+    x_ref,
+    a_ref,
+    h_ref,
+    *,
+    block_rows: int,
+    block_k: int,
+    k_per_split: int,
+    rank_pad: int,
+    hidden: int,
+    rank: int,
+    num_tokens: int,
+    has_order: bool,
+    is_split: bool,
 ):
     # tile/lo/hi/slot_ref: [I] int32 work items; order_ref: [T] int32 position -> row.
     # layer_ref: [1] int32; x_ref: [T, D]; a_ref: [L, S, D, R];
@@ -197,8 +213,9 @@ def _shrink_kernel(
     col_ok = cols < rank
 
     def item_rows():
-        rows, in_item = _item_rows(item, tile_ref, lo_ref, hi_ref, order_ref, block_rows=block_rows,
-                                   num_tokens=num_tokens, has_order=has_order)
+        rows, in_item = _item_rows(
+            item, tile_ref, lo_ref, hi_ref, order_ref, block_rows=block_rows, num_tokens=num_tokens, has_order=has_order
+        )
         out_at = (split, rows[:, None], cols[None, :]) if is_split else (rows[:, None], cols[None, :])
         return rows, in_item, out_at, in_item[:, None] & col_ok[None, :]
 
@@ -206,7 +223,9 @@ def _shrink_kernel(
         ks = split * k_per_split + step * block_k + jnp.arange(block_k, dtype=jnp.int32)
         k_ok = ks < hidden
         x = pltriton.load(x_ref.at[rows[:, None], ks[None, :]], mask=in_item[:, None] & k_ok[None, :], other=0)
-        a = pltriton.load(a_ref.at[layer, slot, ks[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0)
+        a = pltriton.load(
+            a_ref.at[layer, slot, ks[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0
+        )
         return acc + _dot(x, a)
 
     @pl.when(slot != 0)
@@ -223,9 +242,26 @@ def _shrink_kernel(
 
 
 def _expand_kernel(
-    layer_ref, tile_ref, lo_ref, hi_ref, slot_ref, order_ref, h_ref, b_ref, y_ref, out_ref,
-    *, block_rows: int, block_out: int, out_steps: int, rank_pad: int, rank: int, h_col: int, out_dim: int,
-    num_tokens: int, has_order: bool,
+    layer_ref,
+    tile_ref,
+    lo_ref,
+    hi_ref,
+    slot_ref,
+    order_ref,
+    h_ref,
+    b_ref,
+    y_ref,
+    out_ref,
+    *,
+    block_rows: int,
+    block_out: int,
+    out_steps: int,
+    rank_pad: int,
+    rank: int,
+    h_col: int,
+    out_dim: int,
+    num_tokens: int,
+    has_order: bool,
 ):
     # tile/lo/hi/slot_ref: [I] int32 work items; order_ref: [T] int32 position -> row.
     # h_ref: [T, C] (this module's columns are h_col .. h_col+R-1); layer_ref: [1] int32; b_ref: [L, S, R, O];
@@ -236,8 +272,9 @@ def _expand_kernel(
 
     @pl.when(slot != 0)  # no adapter (or an unused item): y stays as it is, nothing is read
     def _():
-        rows, in_item = _item_rows(item, tile_ref, lo_ref, hi_ref, order_ref, block_rows=block_rows,
-                                   num_tokens=num_tokens, has_order=has_order)
+        rows, in_item = _item_rows(
+            item, tile_ref, lo_ref, hi_ref, order_ref, block_rows=block_rows, num_tokens=num_tokens, has_order=has_order
+        )
         r = jnp.arange(rank_pad, dtype=jnp.int32)
         r_ok = r < rank
         h = pltriton.load(h_ref.at[rows[:, None], h_col + r[None, :]], mask=in_item[:, None] & r_ok[None, :], other=0)
@@ -245,7 +282,9 @@ def _expand_kernel(
         def add_block(step, carry):
             outs = (out_split * out_steps + step) * block_out + jnp.arange(block_out, dtype=jnp.int32)
             out_ok = outs < out_dim
-            b = pltriton.load(b_ref.at[layer, slot, r[:, None], outs[None, :]], mask=r_ok[:, None] & out_ok[None, :], other=0)
+            b = pltriton.load(
+                b_ref.at[layer, slot, r[:, None], outs[None, :]], mask=r_ok[:, None] & out_ok[None, :], other=0
+            )
             mask = in_item[:, None] & out_ok[None, :]
             at = (rows[:, None], outs[None, :])
             y = pltriton.load(y_ref.at[at], mask=mask, other=0)
@@ -256,8 +295,20 @@ def _expand_kernel(
 
 
 def _expand_rows_kernel(
-    layer_ref, slot_ref, h_ref, b_ref, y_ref, out_ref,
-    *, block_rows: int, block_out: int, rank_pad: int, rank: int, h_col: int, out_dim: int, num_tokens: int,
+    layer_ref,
+    slot_ref,
+    h_ref,
+    b_ref,
+    y_ref,
+    out_ref,
+    *,
+    block_rows: int,
+    block_out: int,
+    rank_pad: int,
+    rank: int,
+    h_col: int,
+    out_dim: int,
+    num_tokens: int,
 ):
     # layer_ref: [1] int32; slot_ref: [T] int32; h_ref: [T, C] (this module's columns h_col .. h_col+R-1);
     # b_ref: [L, S, R, O];
@@ -272,7 +323,9 @@ def _expand_rows_kernel(
     r_ok, out_ok = r < rank, outs < out_dim
     h = pltriton.load(h_ref.at[rows[:, None], h_col + r[None, :]], mask=is_used[:, None] & r_ok[None, :], other=0)
     b_mask = is_used[:, None, None] & r_ok[None, :, None] & out_ok[None, None, :]
-    b = pltriton.load(b_ref.at[layer, slots[:, None, None], r[None, :, None], outs[None, None, :]], mask=b_mask, other=0)
+    b = pltriton.load(
+        b_ref.at[layer, slots[:, None, None], r[None, :, None], outs[None, None, :]], mask=b_mask, other=0
+    )
     mask = is_used[:, None] & out_ok[None, :]
     y = pltriton.load(y_ref.at[rows[:, None], outs[None, :]], mask=mask, other=0)
     delta = jnp.sum(h.astype(_F32)[:, :, None] * b.astype(_F32), axis=1)  # [BT, BO]
@@ -280,16 +333,26 @@ def _expand_rows_kernel(
 
 
 def _expand_rows_multi_kernel(
-    layer_ref, slot_ref, h_ref, *refs,
-    num_modules: int, block_rows: int, block_out: int, rank_pad: int, rank: int, out_dims: tuple[int, ...],
-    first_block: tuple[int, ...], num_parts: int, num_tokens: int,
+    layer_ref,
+    slot_ref,
+    h_ref,
+    *refs,
+    num_modules: int,
+    block_rows: int,
+    block_out: int,
+    rank_pad: int,
+    rank: int,
+    out_dims: tuple[int, ...],
+    first_block: tuple[int, ...],
+    num_parts: int,
+    num_tokens: int,
 ):
     # layer_ref: [1] int32; slot_ref: [T] int32; h_ref: [K, T, G*R] f32 split-K partial sums of the
     # group's shrink (summed here, as they are loaded); refs: G banks b_g [L, S, R, O_g], G base
     # outputs y_g [T, O_g], then G outputs aliased to the y_g.
     # Program (i, j): rows i*BT .. and column block j of the concatenated outputs; module g owns
     # blocks first_block[g] .. first_block[g+1]-1, so one launch covers every module of the group.
-    b_refs, y_refs, out_refs = refs[:num_modules], refs[num_modules:2 * num_modules], refs[2 * num_modules:]
+    b_refs, y_refs, out_refs = refs[:num_modules], refs[num_modules : 2 * num_modules], refs[2 * num_modules :]
     layer, j = layer_ref[0], pl.program_id(1)
     rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
     slots = pltriton.load(slot_ref.at[rows], mask=rows < num_tokens, other=0)  # [BT]
@@ -297,6 +360,7 @@ def _expand_rows_multi_kernel(
     r = jnp.arange(rank_pad, dtype=jnp.int32)
     r_ok = r < rank
     for g in range(num_modules):
+
         @pl.when((j >= first_block[g]) & (j < first_block[g + 1]))
         def _(g=g):
             outs = (j - first_block[g]) * block_out + jnp.arange(block_out, dtype=jnp.int32)
@@ -307,8 +371,9 @@ def _expand_rows_multi_kernel(
             for k in range(1, num_parts):
                 h = h + pltriton.load(h_ref.at[(k,) + h_at], mask=h_mask, other=0)
             b_mask = is_used[:, None, None] & r_ok[None, :, None] & out_ok[None, None, :]
-            b = pltriton.load(b_refs[g].at[layer, slots[:, None, None], r[None, :, None], outs[None, None, :]],
-                              mask=b_mask, other=0)
+            b = pltriton.load(
+                b_refs[g].at[layer, slots[:, None, None], r[None, :, None], outs[None, None, :]], mask=b_mask, other=0
+            )
             mask = is_used[:, None] & out_ok[None, :]
             at = (rows[:, None], outs[None, :])
             y = pltriton.load(y_refs[g].at[at], mask=mask, other=0)
@@ -349,7 +414,9 @@ def _check_shrink(x: jax.Array, a: jax.Array) -> None:
 
 def _check_expand(y: jax.Array, h: jax.Array, b: jax.Array, h_col: int) -> None:
     if y.ndim != 2 or h.ndim != 2 or b.ndim not in (3, 4) or h.shape[0] != y.shape[0] or b.shape[-1] != y.shape[1]:
-        raise ValueError(f"expand needs y [T, O], h [T, C], b [(L,) S, R, O]; got y {y.shape}, h {h.shape}, b {b.shape}")
+        raise ValueError(
+            f"expand needs y [T, O], h [T, C], b [(L,) S, R, O]; got y {y.shape}, h {h.shape}, b {b.shape}"
+        )
     if not 0 <= h_col <= h.shape[1] - b.shape[-2]:
         raise ValueError(f"h_col={h_col} + rank {b.shape[-2]} must fit in h's {h.shape[1]} columns")
     if _pad_pow2(b.shape[-2]) > MAX_RANK_PAD:
@@ -361,8 +428,21 @@ MAX_PRODUCT_ELEMS = 16384
 EXPAND_IMPLS = ("grouped", "rows")
 
 
-def _shrink_call(x, a, layer, order, items, *, block_rows, block_k, split_k, num_warps, num_stages, interpret,
-                 keep_partials: bool = False):
+def _shrink_call(
+    x,
+    a,
+    layer,
+    order,
+    items,
+    *,
+    block_rows,
+    block_k,
+    split_k,
+    num_warps,
+    num_stages,
+    interpret,
+    keep_partials: bool = False,
+):
     # a: [L, S, D, R]; layer: [1] int32. keep_partials: return the f32 split-K partial sums [K, T, R]
     # unreduced (K >= 1), for a consumer that sums them as it loads (saves a reduction launch).
     num_tokens, hidden = x.shape
@@ -376,8 +456,16 @@ def _shrink_call(x, a, layer, order, items, *, block_rows, block_k, split_k, num
     is_split = split_k > 1 or keep_partials
     out_shape = (split_k, num_tokens, rank) if is_split else (num_tokens, rank)
     kernel = functools.partial(
-        _shrink_kernel, block_rows=block_rows, block_k=block_k, k_per_split=k_per_split, rank_pad=rank_pad,
-        hidden=hidden, rank=rank, num_tokens=num_tokens, has_order=has_order, is_split=is_split,
+        _shrink_kernel,
+        block_rows=block_rows,
+        block_k=block_k,
+        k_per_split=k_per_split,
+        rank_pad=rank_pad,
+        hidden=hidden,
+        rank=rank,
+        num_tokens=num_tokens,
+        has_order=has_order,
+        is_split=is_split,
     )
     h = pl.pallas_call(
         kernel,
@@ -398,7 +486,9 @@ def _product_block_out(block_out: int, block_rows: int, rank_pad: int, out_dim: 
     return min(block_out, _pad_pow2(out_dim))
 
 
-def _expand_call(y, h, b, layer, order, items, *, h_col, block_rows, block_out, out_split, num_warps, num_stages, interpret):
+def _expand_call(
+    y, h, b, layer, order, items, *, h_col, block_rows, block_out, out_split, num_warps, num_stages, interpret
+):
     # b: [L, S, R, O]; layer: [1] int32.
     num_tokens, out_dim = y.shape
     rank = b.shape[2]
@@ -409,8 +499,16 @@ def _expand_call(y, h, b, layer, order, items, *, h_col, block_rows, block_out, 
     has_order = order is not None
     order = order if has_order else jnp.zeros((1,), jnp.int32)
     kernel = functools.partial(
-        _expand_kernel, block_rows=block_rows, block_out=block_out, out_steps=out_steps, rank_pad=_pad_pow2(rank),
-        rank=rank, h_col=h_col, out_dim=out_dim, num_tokens=num_tokens, has_order=has_order,
+        _expand_kernel,
+        block_rows=block_rows,
+        block_out=block_out,
+        out_steps=out_steps,
+        rank_pad=_pad_pow2(rank),
+        rank=rank,
+        h_col=h_col,
+        out_dim=out_dim,
+        num_tokens=num_tokens,
+        has_order=has_order,
     )
     return pl.pallas_call(
         kernel,
@@ -430,8 +528,14 @@ def _expand_rows_call(y, h, b, layer, slot_ids, *, h_col, block_rows, block_out,
     rank_pad = _pad_pow2(rank)
     block_out = _product_block_out(block_out, min(block_rows, MIN_DOT // 2), rank_pad, out_dim)
     kernel = functools.partial(
-        _expand_rows_kernel, block_rows=block_rows, block_out=block_out, rank_pad=rank_pad, rank=rank, h_col=h_col,
-        out_dim=out_dim, num_tokens=num_tokens,
+        _expand_rows_kernel,
+        block_rows=block_rows,
+        block_out=block_out,
+        rank_pad=rank_pad,
+        rank=rank,
+        h_col=h_col,
+        out_dim=out_dim,
+        num_tokens=num_tokens,
     )
     return pl.pallas_call(
         kernel,
@@ -456,9 +560,17 @@ _EXPAND_KNOBS = ("h_col", "block_rows", "block_out", "out_split", "num_warps", "
 
 @functools.partial(jax.jit, static_argnames=_SHRINK_KNOBS)
 def sgmv_shrink(
-    x: jax.Array, a: jax.Array, seg_starts: jax.Array, seg_slots: jax.Array, *,
-    block_rows: int | None = None, block_k: int | None = None, split_k: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False,
+    x: jax.Array,
+    a: jax.Array,
+    seg_starts: jax.Array,
+    seg_slots: jax.Array,
+    *,
+    block_rows: int | None = None,
+    block_k: int | None = None,
+    split_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
     """Segmented shrink: h[i] = x[i] @ a[seg_slots[g]] for seg_starts[g] <= i < seg_starts[g + 1].
 
@@ -475,16 +587,24 @@ def sgmv_shrink(
       h: [T, R] in x.dtype, accumulated in f32; rows of slot 0 are exactly 0.
     """
     _check_segments(seg_starts, seg_slots)
-    groups = RowGroups(order=None, seg_starts=seg_starts.astype(jnp.int32), seg_slots=seg_slots.astype(jnp.int32),
-                       items={})
+    groups = RowGroups(
+        order=None, seg_starts=seg_starts.astype(jnp.int32), seg_slots=seg_slots.astype(jnp.int32), items={}
+    )
     return grouped_shrink(x, a, groups, mode="prefill", interpret=interpret, **_given(locals(), _SHRINK_KNOBS))
 
 
 @functools.partial(jax.jit, static_argnames=_SHRINK_KNOBS)
 def bgmv_shrink(
-    x: jax.Array, a: jax.Array, slot_ids: jax.Array, *,
-    block_rows: int | None = None, block_k: int | None = None, split_k: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False,
+    x: jax.Array,
+    a: jax.Array,
+    slot_ids: jax.Array,
+    *,
+    block_rows: int | None = None,
+    block_k: int | None = None,
+    split_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
     """Per-row shrink: h[t] = x[t] @ a[slot_ids[t]]; rows sharing a slot read its adapter once per tile.
 
@@ -505,8 +625,16 @@ def bgmv_shrink(
     return grouped_shrink(x, a, groups, mode="decode", interpret=interpret, **_given(locals(), _SHRINK_KNOBS))
 
 
-def grouped_shrink(x: jax.Array, a: jax.Array, groups: RowGroups, *, mode: str, interpret: bool = False,
-                   layer: jax.Array | None = None, **knobs: int | None) -> jax.Array:
+def grouped_shrink(
+    x: jax.Array,
+    a: jax.Array,
+    groups: RowGroups,
+    *,
+    mode: str,
+    interpret: bool = False,
+    layer: jax.Array | None = None,
+    **knobs: int | None,
+) -> jax.Array:
     """Shrink over precomputed row groups (`make_row_groups`); `mode` ("decode" | "prefill") picks the tuning row.
 
     The math, shapes and knobs are those of `bgmv_shrink` / `sgmv_shrink`; a model step builds the
@@ -526,9 +654,19 @@ def grouped_shrink(x: jax.Array, a: jax.Array, groups: RowGroups, *, mode: str, 
 
 @functools.partial(jax.jit, static_argnames=_EXPAND_KNOBS)
 def sgmv_expand(
-    y: jax.Array, h: jax.Array, b: jax.Array, seg_starts: jax.Array, seg_slots: jax.Array, *,
-    h_col: int = 0, block_rows: int | None = None, block_out: int | None = None, out_split: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False,
+    y: jax.Array,
+    h: jax.Array,
+    b: jax.Array,
+    seg_starts: jax.Array,
+    seg_slots: jax.Array,
+    *,
+    h_col: int = 0,
+    block_rows: int | None = None,
+    block_out: int | None = None,
+    out_split: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
     """Segmented expand: y[i] += h[i, c:c+R] @ b[seg_slots[g]] for seg_starts[g] <= i < seg_starts[g + 1].
 
@@ -546,17 +684,27 @@ def sgmv_expand(
       segment, are y unchanged.
     """
     _check_segments(seg_starts, seg_slots)
-    groups = RowGroups(order=None, seg_starts=seg_starts.astype(jnp.int32), seg_slots=seg_slots.astype(jnp.int32),
-                       items={})
+    groups = RowGroups(
+        order=None, seg_starts=seg_starts.astype(jnp.int32), seg_slots=seg_slots.astype(jnp.int32), items={}
+    )
     knobs = _given(locals(), _EXPAND_KNOBS)
     return grouped_expand(y, h, b, groups, mode="prefill", h_col=h_col, interpret=interpret, **knobs)
 
 
 @functools.partial(jax.jit, static_argnames=_EXPAND_KNOBS + ("impl",))
 def bgmv_expand(
-    y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array, *,
-    h_col: int = 0, impl: str | None = None, block_rows: int | None = None, block_out: int | None = None,
-    out_split: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    y: jax.Array,
+    h: jax.Array,
+    b: jax.Array,
+    slot_ids: jax.Array,
+    *,
+    h_col: int = 0,
+    impl: str | None = None,
+    block_rows: int | None = None,
+    block_out: int | None = None,
+    out_split: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Per-row expand: y[t] += h[t, c:c+R] @ b[slot_ids[t]].
@@ -585,8 +733,18 @@ def bgmv_expand(
     return decode_expand(y, h, b, slot_ids, groups, h_col=h_col, interpret=interpret, **knobs)
 
 
-def decode_expand(y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array, groups: RowGroups | None, *,
-                  h_col: int = 0, interpret: bool = False, layer: jax.Array | None = None, **knobs) -> jax.Array:
+def decode_expand(
+    y: jax.Array,
+    h: jax.Array,
+    b: jax.Array,
+    slot_ids: jax.Array,
+    groups: RowGroups | None,
+    *,
+    h_col: int = 0,
+    interpret: bool = False,
+    layer: jax.Array | None = None,
+    **knobs,
+) -> jax.Array:
     """`bgmv_expand` with the grouping precomputed (needed unless impl is "rows").
 
     With `layer`, b is the stacked bank [L, S, R, O] (see `grouped_shrink`)."""
@@ -594,8 +752,7 @@ def decode_expand(y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array,
     if knobs["impl"] not in EXPAND_IMPLS:
         raise ValueError(f"impl={knobs['impl']!r} must be one of {EXPAND_IMPLS}")
     if knobs.pop("impl") == "grouped":
-        return grouped_expand(y, h, b, groups, mode="decode", h_col=h_col, interpret=interpret, layer=layer,
-                              **knobs)
+        return grouped_expand(y, h, b, groups, mode="decode", h_col=h_col, interpret=interpret, layer=layer, **knobs)
     _check_expand(y, h, b, h_col)
     b, layer = _layered(b, layer)
     knobs.pop("out_split", None)
@@ -605,8 +762,18 @@ def decode_expand(y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array,
     return _expand_rows_call(y, h, b, layer, slot_ids, h_col=h_col, interpret=interpret, **knobs)
 
 
-def grouped_expand(y: jax.Array, h: jax.Array, b: jax.Array, groups: RowGroups, *, mode: str, h_col: int = 0,
-                   interpret: bool = False, layer: jax.Array | None = None, **knobs: int | None) -> jax.Array:
+def grouped_expand(
+    y: jax.Array,
+    h: jax.Array,
+    b: jax.Array,
+    groups: RowGroups,
+    *,
+    mode: str,
+    h_col: int = 0,
+    interpret: bool = False,
+    layer: jax.Array | None = None,
+    **knobs: int | None,
+) -> jax.Array:
     """Expand over precomputed row groups; math, shapes and knobs as in `sgmv_expand` / `bgmv_expand`.
 
     With `layer`, b is the stacked bank [L, S, R, O] (see `grouped_shrink`)."""
@@ -622,8 +789,15 @@ def grouped_expand(y: jax.Array, h: jax.Array, b: jax.Array, groups: RowGroups, 
 
 
 def decode_group(
-    x: jax.Array, a: jax.Array, ys: tuple[jax.Array, ...], bs: tuple[jax.Array, ...], slot_ids: jax.Array,
-    groups: RowGroups, *, layer: jax.Array | None = None, interpret: bool = False,
+    x: jax.Array,
+    a: jax.Array,
+    ys: tuple[jax.Array, ...],
+    bs: tuple[jax.Array, ...],
+    slot_ids: jax.Array,
+    groups: RowGroups,
+    *,
+    layer: jax.Array | None = None,
+    interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """One module group's whole LoRA term in decode, in two launches whatever the module count:
 
@@ -650,7 +824,13 @@ def decode_group(
         raise ValueError(f"a {a.shape} must stack G={len(bs)} ranks of {rank}")
     ndim = 3 if layer is None else 4
     for y, b in zip(ys, bs):
-        if y.ndim != 2 or y.shape[0] != x.shape[0] or b.ndim != ndim or b.shape[-2] != rank or b.shape[-1] != y.shape[1]:
+        if (
+            y.ndim != 2
+            or y.shape[0] != x.shape[0]
+            or b.ndim != ndim
+            or b.shape[-2] != rank
+            or b.shape[-1] != y.shape[1]
+        ):
             raise ValueError(f"output {y.shape} [T, O] does not fit bank {b.shape} [(L,) S, R={rank}, O]")
     stacked = layer is not None
     a, layer = _layered(a, layer)
@@ -671,20 +851,29 @@ def decode_group(
     blocks = [pl.cdiv(o, block_out) for o in out_dims]
     first_block = tuple(int(sum(blocks[:g])) for g in range(len(blocks) + 1))
     kernel = functools.partial(
-        _expand_rows_multi_kernel, num_modules=len(ys), block_rows=block_rows, block_out=block_out,
-        rank_pad=rank_pad, rank=rank, out_dims=out_dims, first_block=first_block, num_parts=parts.shape[0],
+        _expand_rows_multi_kernel,
+        num_modules=len(ys),
+        block_rows=block_rows,
+        block_out=block_out,
+        rank_pad=rank_pad,
+        rank=rank,
+        out_dims=out_dims,
+        first_block=first_block,
+        num_parts=parts.shape[0],
         num_tokens=num_tokens,
     )
     first_y = 3 + len(bs)  # operands: layer, slot_ids, partials, banks, outputs
-    return tuple(pl.pallas_call(
-        kernel,
-        out_shape=tuple(jax.ShapeDtypeStruct(y.shape, y.dtype) for y in ys),
-        grid=(pl.cdiv(num_tokens, block_rows), first_block[-1]),
-        input_output_aliases={first_y + g: g for g in range(len(ys))},  # rows without an adapter keep y
-        compiler_params=pltriton.CompilerParams(num_warps=expand["num_warps"], num_stages=expand["num_stages"]),
-        interpret=interpret,
-        name="lora_decode_expand_group",
-    )(layer, slot_ids.astype(jnp.int32), parts, *bs, *ys))
+    return tuple(
+        pl.pallas_call(
+            kernel,
+            out_shape=tuple(jax.ShapeDtypeStruct(y.shape, y.dtype) for y in ys),
+            grid=(pl.cdiv(num_tokens, block_rows), first_block[-1]),
+            input_output_aliases={first_y + g: g for g in range(len(ys))},  # rows without an adapter keep y
+            compiler_params=pltriton.CompilerParams(num_warps=expand["num_warps"], num_stages=expand["num_stages"]),
+            interpret=interpret,
+            name="lora_decode_expand_group",
+        )(layer, slot_ids.astype(jnp.int32), parts, *bs, *ys)
+    )
 
 
 def _layered(bank: jax.Array, layer: jax.Array | None) -> tuple[jax.Array, jax.Array]:

@@ -85,12 +85,20 @@ def lora_plan(slot_ids: jax.Array, *, num_slots: int, seg_len: int | None = None
     slot_ids = slot_ids.astype(jnp.int32)
     groups = sort_order = group_sizes = None
     if backend == "pallas" and num_tokens:
-        groups = lora_triton.make_row_groups(slot_ids, num_slots=num_slots, seg_len=seg_len,
-                                             block_rows=_tile_heights(num_tokens, seg_len))
+        groups = lora_triton.make_row_groups(
+            slot_ids, num_slots=num_slots, seg_len=seg_len, block_rows=_tile_heights(num_tokens, seg_len)
+        )
     elif backend == "ragged":
         sort_order, group_sizes = xla_backends.sort_by_slot(slot_ids, num_slots)
-    return LoraPlan(slot_ids=slot_ids, groups=groups, sort_order=sort_order, group_sizes=group_sizes,
-                    backend=backend, seg_len=seg_len, num_slots=num_slots)
+    return LoraPlan(
+        slot_ids=slot_ids,
+        groups=groups,
+        sort_order=sort_order,
+        group_sizes=group_sizes,
+        backend=backend,
+        seg_len=seg_len,
+        num_slots=num_slots,
+    )
 
 
 def check_plan(plan: LoraPlan, *, backend: Backend, seg_len: int | None, num_tokens: int, num_slots: int) -> None:

@@ -47,8 +47,9 @@ def _is_pow2(n: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("num_blocks", "block_q"))
-def q_block_schedule(q_start: jax.Array, q_len: jax.Array, kv_len: jax.Array, *, num_blocks: int,
-                     block_q: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def q_block_schedule(
+    q_start: jax.Array, q_len: jax.Array, kv_len: jax.Array, *, num_blocks: int, block_q: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Which queries each of `num_blocks` q-blocks handles (jnp, runs inside the jitted step).
 
     Sequence s owns cdiv(q_len[s], block_q) consecutive q-blocks; q-block j of s covers its queries
@@ -70,9 +71,28 @@ def q_block_schedule(q_start: jax.Array, q_len: jax.Array, kv_len: jax.Array, *,
     return seq, row0, rows, pos0
 
 
-def _kernel(layer_ref, seq_ref, row0_ref, rows_ref, pos0_ref, bt_ref, q_ref, k_ref, v_ref, _zeros_ref, o_ref, *,
-            block_q: int, block_k: int, head_dim: int, group: int, page_size: int, num_tokens: int,
-            max_positions: int, scale: float):
+def _kernel(
+    layer_ref,
+    seq_ref,
+    row0_ref,
+    rows_ref,
+    pos0_ref,
+    bt_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    _zeros_ref,
+    o_ref,
+    *,
+    block_q: int,
+    block_k: int,
+    head_dim: int,
+    group: int,
+    page_size: int,
+    num_tokens: int,
+    max_positions: int,
+    scale: float,
+):
     # layer_ref: [1] int32; seq_ref / row0_ref / rows_ref / pos0_ref: [NB] int32 (the q-block schedule);
     # bt_ref: [S, pages_per_seq] int32; q_ref / o_ref: [T, H, Dh]; k_ref / v_ref: [L, P, page_size, KVH, Dh].
     # _zeros_ref is the zero-filled buffer o_ref aliases: padding rows keep its zeros.
@@ -91,8 +111,17 @@ def _kernel(layer_ref, seq_ref, row0_ref, rows_ref, pos0_ref, bt_ref, q_ref, k_r
         # Keys 0..limit-1 are what the last valid query sees; the clamp keeps reads inside the
         # block-table row even when a caller passes kv_len past its capacity.
         limit = jnp.minimum(pos0 + rows, max_positions)
-        at_kv = functools.partial(_kv_block, layer=layer_ref[0], seq=seq, kvh=h // group, d=d, bt_ref=bt_ref,
-                                  block_k=block_k, page_size=page_size, limit=limit)
+        at_kv = functools.partial(
+            _kv_block,
+            layer=layer_ref[0],
+            seq=seq,
+            kvh=h // group,
+            d=d,
+            bt_ref=bt_ref,
+            block_k=block_k,
+            page_size=page_size,
+            limit=limit,
+        )
 
         def step(j, carry):
             m, l, acc = carry
@@ -116,8 +145,9 @@ def _dot(lhs: jax.Array, rhs: jax.Array, *, contract_rhs: int) -> jax.Array:
     """lhs [M, K] times rhs ([K, N], or [N, K] with contract_rhs=1) in float32 on the tensor cores."""
     # Triton's default for float32 operands is TF32 (10-bit mantissa): ask for full precision.
     precision = lax.Precision.HIGHEST if lhs.dtype == _F32 else None
-    return lax.dot_general(lhs, rhs, (((1,), (contract_rhs,)), ((), ())), precision=precision,
-                           preferred_element_type=_F32)
+    return lax.dot_general(
+        lhs, rhs, (((1,), (contract_rhs,)), ((), ())), precision=precision, preferred_element_type=_F32
+    )
 
 
 def _kv_block(j, pages_ref, *, layer, seq, kvh, d, bt_ref, block_k: int, page_size: int, limit):
@@ -141,8 +171,10 @@ def _check(q, k_pages, v_pages, q_start, q_len, kv_len, block_tables, block_q: i
         raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must both be [L, P, page_size, KVH, Dh]")
     num_kv, page_dim = k_pages.shape[3:]
     if page_dim != head_dim or num_heads % num_kv:
-        raise ValueError(f"q {q.shape} [T, H, Dh] does not fit the pages {k_pages.shape} [L, P, page_size, KVH, Dh] "
-                         "with H a multiple of KVH")
+        raise ValueError(
+            f"q {q.shape} [T, H, Dh] does not fit the pages {k_pages.shape} [L, P, page_size, KVH, Dh] "
+            "with H a multiple of KVH"
+        )
     if not q.dtype == k_pages.dtype == v_pages.dtype:
         raise ValueError(f"q, k_pages and v_pages must share a dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
     num_seqs = q_len.shape[0] if q_len.ndim == 1 else -1
@@ -155,15 +187,28 @@ def _check(q, k_pages, v_pages, q_start, q_len, kv_len, block_tables, block_q: i
         raise ValueError(f"block_tables {block_tables.shape} must be [S, pages_per_seq] with S={num_seqs}")
     for name, value in (("head_dim", head_dim), ("block_q", block_q), ("block_k", block_k)):
         if not _is_pow2(value) or value < _MIN_DOT:
-            raise ValueError(f"{name}={value} must be a power of two >= {_MIN_DOT} "
-                             "(Triton works on power-of-two blocks; its dot needs M, N, K >= 16)")
+            raise ValueError(
+                f"{name}={value} must be a power of two >= {_MIN_DOT} "
+                "(Triton works on power-of-two blocks; its dot needs M, N, K >= 16)"
+            )
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_k", "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention(
-    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array, q_start: jax.Array, q_len: jax.Array,
-    kv_len: jax.Array, block_tables: jax.Array, *, block_q: int = 16, block_k: int = 64, num_warps: int = 4,
-    num_stages: int = 2, interpret: bool = False,
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    layer: jax.Array,
+    q_start: jax.Array,
+    q_len: jax.Array,
+    kv_len: jax.Array,
+    block_tables: jax.Array,
+    *,
+    block_q: int = 16,
+    block_k: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
 ) -> jax.Array:
     """Attention of a flat batch of decode tokens and prompt chunks over a paged KV cache.
 
@@ -193,9 +238,16 @@ def ragged_paged_attention(
     num_blocks = pl.cdiv(num_tokens, block_q) + num_seqs
     schedule = q_block_schedule(q_start, q_len, kv_len, num_blocks=num_blocks, block_q=block_q)
     kernel = functools.partial(
-        _kernel, block_q=block_q, block_k=block_k, head_dim=head_dim, group=num_heads // num_kv,
-        page_size=page_size, num_tokens=num_tokens, max_positions=pages_per_seq * page_size,
-        scale=head_dim ** -0.5)
+        _kernel,
+        block_q=block_q,
+        block_k=block_k,
+        head_dim=head_dim,
+        group=num_heads // num_kv,
+        page_size=page_size,
+        num_tokens=num_tokens,
+        max_positions=pages_per_seq * page_size,
+        scale=head_dim**-0.5,
+    )
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -204,5 +256,12 @@ def ragged_paged_attention(
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(jnp.reshape(layer, (1,)).astype(_I32), *schedule, block_tables.astype(_I32), q, k_pages, v_pages,
-      jnp.zeros_like(q))
+    )(
+        jnp.reshape(layer, (1,)).astype(_I32),
+        *schedule,
+        block_tables.astype(_I32),
+        q,
+        k_pages,
+        v_pages,
+        jnp.zeros_like(q),
+    )

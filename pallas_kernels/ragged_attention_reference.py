@@ -39,7 +39,7 @@ def _attend(q, context_k, context_v, position, is_token):
     # Positions a token may not see can hold NaN: zero the values too, not just the weights.
     v = jnp.where(visible[:, None, None], context_v, 0).astype(_F32)
     qg = q.reshape(num_kv, num_heads // num_kv, head_dim).astype(_F32)  # [KVH, G, Dh]
-    scores = jnp.einsum("kgd,xkd->kgx", qg, context_k.astype(_F32), precision=_HIGHEST) * head_dim ** -0.5
+    scores = jnp.einsum("kgd,xkd->kgx", qg, context_k.astype(_F32), precision=_HIGHEST) * head_dim**-0.5
     # A padding token sees nothing: an all -inf row would give NaN, so its scores are all 0 instead.
     scores = jnp.where(visible, scores, jnp.where(is_token, -jnp.inf, 0.0))
     weights = jax.nn.softmax(scores, axis=-1)
@@ -49,8 +49,14 @@ def _attend(q, context_k, context_v, position, is_token):
 
 @jax.jit
 def ragged_paged_attention_reference(
-    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array, q_start: jax.Array, q_len: jax.Array,
-    kv_len: jax.Array, block_tables: jax.Array,
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    layer: jax.Array,
+    q_start: jax.Array,
+    q_len: jax.Array,
+    kv_len: jax.Array,
+    block_tables: jax.Array,
 ) -> jax.Array:
     """q [T, H, Dh], k_pages / v_pages [L, P, page_size, KVH, Dh], layer int32 scalar, q_start / q_len /
     kv_len [S] int32, block_tables [S, pages_per_seq] int32 -> [T, H, Dh] in q.dtype, zeros at padding."""

@@ -33,9 +33,18 @@ def _blocks(num_tokens: int, q_start: jax.Array, q_len: jax.Array, block_q: int)
 
 
 @functools.partial(jax.jit, static_argnames=("block_q",))
-def ragged_paged_attention_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
-                               q_start: jax.Array, q_len: jax.Array, kv_len: jax.Array, block_tables: jax.Array,
-                               *, block_q: int = 16) -> jax.Array:
+def ragged_paged_attention_xla(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    layer: jax.Array,
+    q_start: jax.Array,
+    q_len: jax.Array,
+    kv_len: jax.Array,
+    block_tables: jax.Array,
+    *,
+    block_q: int = 16,
+) -> jax.Array:
     """q [T, H, Dh], k_pages / v_pages [L, P, page_size, KVH, Dh], layer int32 scalar, q_start / q_len /
     kv_len [S] int32, block_tables [S, pages_per_seq] int32 -> [T, H, Dh] in q.dtype (zeros at padding)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -52,7 +61,7 @@ def ragged_paged_attention_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
 
     visible = (jnp.arange(ctx)[None, None, :] <= position[:, :, None]) & real[:, :, None]  # [NB, bq, ctx]
     keys = context(k_pages).astype(_F32)
-    scores = jnp.einsum("bqkgd,bckd->bkgqc", qb, keys) * head_dim ** -0.5
+    scores = jnp.einsum("bqkgd,bckd->bkgqc", qb, keys) * head_dim**-0.5
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     # A padding query sees nothing: give it uniform weights over zeroed values instead of NaN.
     scores = jnp.where(real[:, None, None, :, None], scores, 0.0)

@@ -24,6 +24,7 @@ _HIGHEST = lax.Precision.HIGHEST
 
 # -- a Python loop over rows (tests only: T is unrolled) ------------------------------------------
 
+
 def shrink_loop(x: jax.Array, a: jax.Array, slot_ids: jax.Array) -> jax.Array:
     rows = [jnp.dot(x[t].astype(_F32), a[slot_ids[t]].astype(_F32), precision=_HIGHEST) for t in range(x.shape[0])]
     return jnp.stack(rows).astype(x.dtype)
@@ -39,6 +40,7 @@ def expand_loop(y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array) -
 
 # -- one-hot einsum -----------------------------------------------------------------------------
 
+
 def shrink_onehot(x: jax.Array, a: jax.Array, slot_ids: jax.Array) -> jax.Array:
     onehot = jax.nn.one_hot(slot_ids, a.shape[0], dtype=x.dtype)  # [T, S]
     xa = jnp.einsum("td,sdr->tsr", x, a, preferred_element_type=_F32)  # every row through every slot
@@ -52,8 +54,9 @@ def expand_onehot(y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array)
     return (y.astype(_F32) + delta).astype(y.dtype)
 
 
-def decode_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
-                               lengths: jax.Array) -> jax.Array:
+def decode_attention_reference(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int, lengths: jax.Array
+) -> jax.Array:
     """Plain-JAX reference, written from the definition (dense scores, mask, softmax), no blocks."""
     batch, num_heads, head_dim = q.shape
     keys = k_cache[layer, :batch].astype(jnp.float32)  # [B, T, KVH, Dh]

@@ -19,6 +19,7 @@ _F32 = jnp.float32
 
 # -- XLA gather + einsum ------------------------------------------------------------------------
 
+
 def shrink_xla(x: jax.Array, a: jax.Array, slot_ids: jax.Array, seg_len: int | None = None) -> jax.Array:
     if seg_len is not None:
         # Prefill: gather one adapter per segment, not per token.
@@ -42,6 +43,7 @@ def expand_xla(y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array, se
 
 # -- lax.ragged_dot over rows sorted by slot -----------------------------------------------------
 
+
 def sort_by_slot(slot_ids: jax.Array, num_slots: int) -> tuple[jax.Array, jax.Array]:
     """slot_ids [T] -> (rows in stable slot order [T], rows per slot [S])."""
     order = jnp.argsort(slot_ids, stable=True)
@@ -56,7 +58,9 @@ def shrink_ragged(x: jax.Array, a: jax.Array, slot_ids: jax.Array, sort: tuple |
     return h.astype(x.dtype)
 
 
-def expand_ragged(y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array, sort: tuple | None = None) -> jax.Array:
+def expand_ragged(
+    y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array, sort: tuple | None = None
+) -> jax.Array:
     order, group_sizes = sort if sort is not None else sort_by_slot(slot_ids, b.shape[0])
     delta_sorted = lax.ragged_dot(h[order], b, group_sizes, preferred_element_type=_F32)
     delta = jnp.zeros_like(delta_sorted).at[order].set(delta_sorted)

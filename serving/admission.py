@@ -40,8 +40,9 @@ class Admission:
             if self.phase is not Phase.SERVING:
                 raise ApiError(Status.UNAVAILABLE, "the server is shutting down")
             if self.num_streams >= self.max_streams:
-                raise ApiError(Status.RESOURCE_EXHAUSTED, f"too many streams in flight ({self.max_streams}); "
-                               "retry later")
+                raise ApiError(
+                    Status.RESOURCE_EXHAUSTED, f"too many streams in flight ({self.max_streams}); retry later"
+                )
             self.num_streams += 1
         try:
             yield

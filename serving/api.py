@@ -137,9 +137,16 @@ class Limits:
         return cls(max_new_tokens=engine.config.max_new_tokens_limit, vocab_size=engine.model.config.vocab_size)
 
 
-def generation_request(*, request_id: str, adapter: str | None, sampling: Mapping[str, Any], limits: Limits,
-                       prompt: str | None = None, messages: Messages | None = None,
-                       prompt_ids: Sequence[int] | None = None) -> GenerationRequest:
+def generation_request(
+    *,
+    request_id: str,
+    adapter: str | None,
+    sampling: Mapping[str, Any],
+    limits: Limits,
+    prompt: str | None = None,
+    messages: Messages | None = None,
+    prompt_ids: Sequence[int] | None = None,
+) -> GenerationRequest:
     """The engine request for one API call. The prompt itself (empty, too long for `max_seq_len`,
     token ids outside the vocabulary) is checked by `Engine.submit`.
 
@@ -157,8 +164,14 @@ def generation_request(*, request_id: str, adapter: str | None, sampling: Mappin
     except RequestError as e:
         raise ApiError(Status.INVALID_ARGUMENT, str(e), param=_field_at_fault(sampling, limits)) from None
     try:
-        return GenerationRequest(request_id=request_id, prompt=prompt, messages=messages, prompt_ids=prompt_ids,
-                                 adapter=adapter or None, sampling=params)
+        return GenerationRequest(
+            request_id=request_id,
+            prompt=prompt,
+            messages=messages,
+            prompt_ids=prompt_ids,
+            adapter=adapter or None,
+            sampling=params,
+        )
     except RequestError as e:
         raise ApiError(Status.INVALID_ARGUMENT, str(e)) from None
 
@@ -168,14 +181,16 @@ def _field_at_fault(sampling: Mapping[str, Any], limits: Limits) -> str | None:
     for name, value in sampling.items():
         try:
             SamplingParams(**{"max_tokens": 1, name: value}).check_limits(
-                max_new_tokens_limit=limits.max_new_tokens, vocab_size=limits.vocab_size)
+                max_new_tokens_limit=limits.max_new_tokens, vocab_size=limits.vocab_size
+            )
         except RequestError:
             return name
     return None
 
 
-def final_error(out: RequestOutput, gen: GenerationRequest, *, has_adapter: Callable[[str], bool],
-                client_gone: bool) -> ApiError | None:
+def final_error(
+    out: RequestOutput, gen: GenerationRequest, *, has_adapter: Callable[[str], bool], client_gone: bool
+) -> ApiError | None:
     """None if the request's final update `out` ended it normally (STOP or LENGTH), else the error
     the caller gets.
 
@@ -190,7 +205,10 @@ def final_error(out: RequestOutput, gen: GenerationRequest, *, has_adapter: Call
         return ApiError(Status.UNAVAILABLE, "the server cancelled the request while shutting down")
     if out.finish_reason is FinishReason.ERROR:
         if gen.adapter and not has_adapter(gen.adapter):
-            return ApiError(Status.NOT_FOUND, f"adapter {gen.adapter!r} was unloaded before the request started "
-                            f"({out.error})", param="model")
+            return ApiError(
+                Status.NOT_FOUND,
+                f"adapter {gen.adapter!r} was unloaded before the request started ({out.error})",
+                param="model",
+            )
         return ApiError(Status.INTERNAL, out.error or "the request failed")
     return None

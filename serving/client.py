@@ -44,18 +44,28 @@ class InferenceClient:
       max_message_bytes: largest message accepted from the server.
     """
 
-    def __init__(self, target: str, *, api_key: str | None = None, timeout: float | None = None,
-                 max_message_bytes: int = 4 * 2**20) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        api_key: str | None = None,
+        timeout: float | None = None,
+        max_message_bytes: int = 4 * 2**20,
+    ) -> None:
         self.target = target
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        self._channel = grpc.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes)])
+        self._channel = grpc.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+            ],
+        )
         self._stub = pb_grpc.InferenceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
-    def __enter__(self) -> "InferenceClient":
+    def __enter__(self) -> InferenceClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -69,22 +79,43 @@ class InferenceClient:
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
 
     # Generation.
-    def stream(self, prompt: str | None = None, *, messages: Sequence[dict[str, str]] | None = None,
-               adapter: str = "", request_id: str = "", max_tokens: int | None = None,
-               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-               seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-               timeout: float | None = None) -> grpc.Call:
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[dict[str, str]] | None = None,
+        adapter: str = "",
+        request_id: str = "",
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        timeout: float | None = None,
+    ) -> grpc.Call:
         """Starts a Generate call; iterate the result for GenerateResponse chunks, `.cancel()` to stop.
 
         Give `prompt` (raw text) or `messages` ([{"role", "content"}], rendered with the chat template).
         Unset sampling fields take the server defaults.
         """
-        sampling = {k: v for k, v in dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                          top_k=top_k, seed=seed).items() if v is not None}
+        sampling = {
+            k: v
+            for k, v in dict(
+                max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+            ).items()
+            if v is not None
+        }
         request = pb.GenerateRequest(
-            request_id=request_id, prompt=prompt or "", adapter=adapter or "",
+            request_id=request_id,
+            prompt=prompt or "",
+            adapter=adapter or "",
             messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()],
-            stop=list(stop), stop_token_ids=list(stop_token_ids), **sampling)
+            stop=list(stop),
+            stop_token_ids=list(stop_token_ids),
+            **sampling,
+        )
         return self._stub.Generate(request, timeout=self._timeout(timeout), metadata=self._metadata)
 
     def generate(self, prompt: str | None = None, **kw) -> Completion:
@@ -94,29 +125,40 @@ class InferenceClient:
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
             last = chunk
-        return Completion(request_id=last.request_id, text="".join(text), token_ids=tuple(ids),
-                          finish_reason=_FINISH_NAMES.get(last.finish_reason, "unspecified"),
-                          prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens)
+        return Completion(
+            request_id=last.request_id,
+            text="".join(text),
+            token_ids=tuple(ids),
+            finish_reason=_FINISH_NAMES.get(last.finish_reason, "unspecified"),
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=last.completion_tokens,
+        )
 
     # Adapters and server.
     def load_adapter(self, name: str, path: str, *, timeout: float | None = None) -> pb.AdapterInfo:
-        return self._stub.LoadAdapter(pb.LoadAdapterRequest(name=name, path=str(path)),
-                                      timeout=self._timeout(timeout), metadata=self._metadata)
+        return self._stub.LoadAdapter(
+            pb.LoadAdapterRequest(name=name, path=str(path)), timeout=self._timeout(timeout), metadata=self._metadata
+        )
 
     def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
-        self._stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=self._timeout(timeout),
-                                 metadata=self._metadata)
+        self._stub.UnloadAdapter(
+            pb.UnloadAdapterRequest(name=name), timeout=self._timeout(timeout), metadata=self._metadata
+        )
 
     def list_adapters(self, *, timeout: float | None = None) -> list[pb.AdapterInfo]:
-        return list(self._stub.ListAdapters(pb.ListAdaptersRequest(), timeout=self._timeout(timeout),
-                                            metadata=self._metadata).adapters)
+        return list(
+            self._stub.ListAdapters(
+                pb.ListAdaptersRequest(), timeout=self._timeout(timeout), metadata=self._metadata
+            ).adapters
+        )
 
     def server_info(self, *, timeout: float | None = None) -> pb.ServerInfo:
-        return self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=self._timeout(timeout),
-                                        metadata=self._metadata)
+        return self._stub.GetServerInfo(
+            pb.GetServerInfoRequest(), timeout=self._timeout(timeout), metadata=self._metadata
+        )
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
-        """"SERVING", "NOT_SERVING", ... for `service` ("" = the whole server)."""
+        """ "SERVING", "NOT_SERVING", ... for `service` ("" = the whole server)."""
         reply = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._timeout(timeout))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 

@@ -29,8 +29,14 @@ def generate(out: Path) -> list[Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["grpc_tools.protoc", f"-I{PROTO_ROOT}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-                f"--grpc_python_out={tmp}", PROTO]
+        args = [
+            "grpc_tools.protoc",
+            f"-I{PROTO_ROOT}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            PROTO,
+        ]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {PROTO_ROOT / PROTO}")
         written = []

@@ -63,23 +63,38 @@ class HttpServer:
       OSError: the address cannot be bound.
     """
 
-    def __init__(self, engine: Any, options: ServerOptions, *, model_name: str, metrics: ServerMetrics,
-                 admission: Admission, admin: AdapterAdmin) -> None:
-        self._handlers = _Handlers(engine, options, model_name=model_name, metrics=metrics, admission=admission,
-                                   admin=admin)
+    def __init__(
+        self,
+        engine: Any,
+        options: ServerOptions,
+        *,
+        model_name: str,
+        metrics: ServerMetrics,
+        admission: Admission,
+        admin: AdapterAdmin,
+    ) -> None:
+        self._handlers = _Handlers(
+            engine, options, model_name=model_name, metrics=metrics, admission=admission, admin=admin
+        )
         self.app = self._handlers.app()
         self._socket = _bind(options.host, options.http_port)
         self.port: int = self._socket.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=int(_STOP_TIMEOUT_SECONDS / 2))
+        config = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=int(_STOP_TIMEOUT_SECONDS / 2),
+        )
         self._uvicorn = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._socket]},
-                                        name="jaxlora-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._uvicorn.run, kwargs={"sockets": [self._socket]}, name="jaxlora-http", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + _START_TIMEOUT_SECONDS
         while not self._uvicorn.started:
@@ -111,8 +126,16 @@ def _bind(host: str, port: int) -> socket.socket:
 class _Handlers:
     """The endpoints. Library errors become ApiErrors, answered as OpenAI error objects."""
 
-    def __init__(self, engine: Any, options: ServerOptions, *, model_name: str, metrics: ServerMetrics,
-                 admission: Admission, admin: AdapterAdmin) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        options: ServerOptions,
+        *,
+        model_name: str,
+        metrics: ServerMetrics,
+        admission: Admission,
+        admin: AdapterAdmin,
+    ) -> None:
         self.engine = engine
         self.options = options
         self.model_name = model_name
@@ -132,8 +155,10 @@ class _Handlers:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ]
-        return Starlette(routes=routes, exception_handlers={ApiError: _api_error, HTTPException: _http_error,
-                                                            Exception: _internal_error})
+        return Starlette(
+            routes=routes,
+            exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+        )
 
     # Generation.
     async def completions(self, request: Request) -> Response:
@@ -166,8 +191,15 @@ class _Handlers:
         return JSONResponse({"object": "list", "data": data})
 
     def _model_card(self, name: str, *, parent: str | None) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "jaxlora", "root": name,
-                "parent": parent, "max_model_len": self.engine.config.max_seq_len}
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "jaxlora",
+            "root": name,
+            "parent": parent,
+            "max_model_len": self.engine.config.max_seq_len,
+        }
 
     async def load_adapter(self, request: Request) -> Response:
         self._authorize(request, needs_admin=True)
@@ -257,9 +289,15 @@ class _Call:
         self.parsed = parsed = openai_api.parse_request(body, chat=self.chat, base_model=self.h.model_name)
         request_id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            self.gen = generation_request(request_id=request_id, adapter=parsed.adapter, sampling=parsed.sampling,
-                                          limits=Limits.of(self.h.engine), prompt=parsed.prompt,
-                                          prompt_ids=parsed.prompt_ids, messages=parsed.messages)
+            self.gen = generation_request(
+                request_id=request_id,
+                adapter=parsed.adapter,
+                sampling=parsed.sampling,
+                limits=Limits.of(self.h.engine),
+                prompt=parsed.prompt,
+                prompt_ids=parsed.prompt_ids,
+                messages=parsed.messages,
+            )
         except ApiError as e:
             raise ApiError(e.status, e.message, param=parsed.field_names.get(e.param, e.param)) from None
         self._admitted.enter_context(self.h.admission.stream())
@@ -279,8 +317,11 @@ class _Call:
         except JaxloraError as e:
             error = error_of(e, is_draining=self.h.admission.phase is not Phase.SERVING)
             if error.status is Status.NOT_FOUND:
-                error = ApiError(Status.NOT_FOUND, f"model {self.parsed.model!r} is neither the base model "
-                                 f"{self.h.model_name!r} nor a loaded adapter", param="model")
+                error = ApiError(
+                    Status.NOT_FOUND,
+                    f"model {self.parsed.model!r} is neither the base model {self.h.model_name!r} nor a loaded adapter",
+                    param="model",
+                )
             elif error.status is Status.INVALID_ARGUMENT:  # the engine checked the prompt
                 error = ApiError(error.status, error.message, param=self.parsed.prompt_field)
             raise error from None
@@ -311,8 +352,13 @@ class _Call:
         if error is not None:
             raise error
         self.outcome = "OK"
-        self.h.metrics.observe_finished(arrival=self.arrival, first_token=self.first_token, end=time.perf_counter(),
-                                        prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
+        self.h.metrics.observe_finished(
+            arrival=self.arrival,
+            first_token=self.first_token,
+            end=time.perf_counter(),
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+        )
 
     async def response(self, request: Request) -> dict[str, Any]:
         """The whole completion (non-streamed)."""
@@ -324,9 +370,15 @@ class _Call:
         except ApiError as e:
             self.outcome = e.status.name
             raise
-        return openai_api.response(request_id=self.gen.request_id, created=self.created, model=self.parsed.model,
-                                   chat=self.chat, text="".join(texts), finish_reason=str(out.finish_reason),
-                                   usage_=openai_api.usage(out.prompt_tokens, out.completion_tokens))
+        return openai_api.response(
+            request_id=self.gen.request_id,
+            created=self.created,
+            model=self.parsed.model,
+            chat=self.chat,
+            text="".join(texts),
+            finish_reason=str(out.finish_reason),
+            usage_=openai_api.usage(out.prompt_tokens, out.completion_tokens),
+        )
 
     async def events(self) -> AsyncIterator[str]:
         """The SSE stream: text deltas, the finish reason, the usage chunk if asked for, `[DONE]`.
@@ -334,8 +386,16 @@ class _Call:
         include_usage = self.parsed.include_usage
 
         def chunk(**kw: Any) -> str:
-            return _event(openai_api.chunk(request_id=self.gen.request_id, created=self.created,
-                                           model=self.parsed.model, chat=self.chat, include_usage=include_usage, **kw))
+            return _event(
+                openai_api.chunk(
+                    request_id=self.gen.request_id,
+                    created=self.created,
+                    model=self.parsed.model,
+                    chat=self.chat,
+                    include_usage=include_usage,
+                    **kw,
+                )
+            )
 
         try:
             if self.chat:
@@ -400,8 +460,14 @@ async def _api_error(request: Request, exc: ApiError) -> Response:
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Routing errors (unknown path, wrong method), as OpenAI error objects."""
-    body = {"error": {"message": f"{request.method} {request.url.path}: {exc.detail}", "type": "invalid_request_error",
-                      "param": None, "code": str(exc.status_code)}}
+    body = {
+        "error": {
+            "message": f"{request.method} {request.url.path}: {exc.detail}",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": str(exc.status_code),
+        }
+    }
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 

@@ -55,27 +55,48 @@ class ServerMetrics:
 
     def __init__(self, engine: Any) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.ttft = Histogram("jaxlora_time_to_first_token_seconds", "Time from request arrival to its first token.",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("jaxlora_time_per_output_token_seconds",
-                              "Mean time between output tokens of one request, after the first.",
-                              buckets=_PER_TOKEN_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("jaxlora_e2e_request_latency_seconds", "Time from request arrival to its last token.",
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram(
+            "jaxlora_time_to_first_token_seconds",
+            "Time from request arrival to its first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "jaxlora_time_per_output_token_seconds",
+            "Mean time between output tokens of one request, after the first.",
+            buckets=_PER_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "jaxlora_e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.generated_tokens = Counter("jaxlora_generation_tokens", "Tokens generated.", registry=self.registry)
-        self.prompt_tokens = Counter("jaxlora_prompt_tokens", "Prompt tokens of finished requests.",
-                                     registry=self.registry)
-        self.requests = Counter("jaxlora_requests", "Finished generation calls (gRPC and HTTP) by status, named "
-                                "by its gRPC code.", ["code"], registry=self.registry)
-        self.adapter_requests = Counter("jaxlora_adapter_requests", "Admitted generation calls per adapter "
-                                        "(\"\" = base model).", ["adapter"], registry=self.registry)
+        self.prompt_tokens = Counter(
+            "jaxlora_prompt_tokens", "Prompt tokens of finished requests.", registry=self.registry
+        )
+        self.requests = Counter(
+            "jaxlora_requests",
+            "Finished generation calls (gRPC and HTTP) by status, named by its gRPC code.",
+            ["code"],
+            registry=self.registry,
+        )
+        self.adapter_requests = Counter(
+            "jaxlora_adapter_requests",
+            'Admitted generation calls per adapter ("" = base model).',
+            ["adapter"],
+            registry=self.registry,
+        )
         self.in_flight = _InFlight()
         self.registry.register(_EngineCollector(engine, self.in_flight))
         self._http = None
         self._http_thread: threading.Thread | None = None
 
-    def observe_finished(self, *, arrival: float, first_token: float | None, end: float, prompt_tokens: int,
-                         completion_tokens: int) -> None:
+    def observe_finished(
+        self, *, arrival: float, first_token: float | None, end: float, prompt_tokens: int, completion_tokens: int
+    ) -> None:
         """One request that produced its last token at `end` (perf_counter seconds)."""
         self.e2e.observe(end - arrival)
         if first_token is not None:
@@ -155,17 +176,20 @@ class _EngineCollector:
             log.exception("reading the engine failed during a metrics scrape")
             return
         for prefix, suffix in (("jaxlora_requests_", ""), ("vllm:num_requests_", " (vLLM's name)")):
-            yield GaugeMetricFamily(f"{prefix}running", f"Requests holding a batch row{suffix}.",
-                                    value=stats["running"])
-            yield GaugeMetricFamily(f"{prefix}waiting", f"Requests queued for admission{suffix}.",
-                                    value=stats["waiting"])
+            yield GaugeMetricFamily(
+                f"{prefix}running", f"Requests holding a batch row{suffix}.", value=stats["running"]
+            )
+            yield GaugeMetricFamily(
+                f"{prefix}waiting", f"Requests queued for admission{suffix}.", value=stats["waiting"]
+            )
         pager = self._engine.pager
         metrics = getattr(pager, "metrics", None)
         if metrics is None:
             return
         for field, name in _PAGER_COUNTERS.items():
-            yield CounterMetricFamily(name, f"Adapter pager: {field.replace('_', ' ')}.",
-                                      value=getattr(metrics, field, 0))
+            yield CounterMetricFamily(
+                name, f"Adapter pager: {field.replace('_', ' ')}.", value=getattr(metrics, field, 0)
+            )
         yield _lora_requests_info(adapters, self._in_flight.counts(), max_lora=pager.max_slots - 1)
         yield _residency(adapters)
         yield _page_in_histogram({"device": metrics.device_page_in, "host": metrics.host_load})
@@ -177,16 +201,22 @@ def _lora_requests_info(adapters: list, in_flight: dict[str, int], *, max_lora: 
     pins = {a.name: a.in_flight for a in adapters}
     running = sorted(name for name, n in pins.items() if n)
     waiting = sorted(name for name, n in in_flight.items() if name and n > pins.get(name, 0))
-    family = GaugeMetricFamily("vllm:lora_requests_info", "Adapters with running and waiting requests, and the "
-                               "device adapter slots; the value is the Unix time of the scrape.",
-                               labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+    family = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Adapters with running and waiting requests, and the "
+        "device adapter slots; the value is the Unix time of the scrape.",
+        labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+    )
     family.add_metric([",".join(running), ",".join(waiting), str(max_lora)], time.time())
     return family
 
 
 def _residency(adapters: list) -> GaugeMetricFamily:
-    family = GaugeMetricFamily("jaxlora_adapter_resident", "1 if the adapter is usable from this tier: device "
-                               "(written in a device slot), host (in host memory).", labels=["adapter", "tier"])
+    family = GaugeMetricFamily(
+        "jaxlora_adapter_resident",
+        "1 if the adapter is usable from this tier: device (written in a device slot), host (in host memory).",
+        labels=["adapter", "tier"],
+    )
     for a in adapters:
         family.add_metric([a.name, "device"], float(a.resident is not None))
         family.add_metric([a.name, "host"], 1.0)  # every registered adapter keeps its host copy
@@ -194,8 +224,11 @@ def _residency(adapters: list) -> GaugeMetricFamily:
 
 
 def _page_in_histogram(tiers: dict) -> HistogramMetricFamily:
-    family = HistogramMetricFamily("jaxlora_adapter_page_in_seconds", "Time to bring an adapter into a tier: "
-                                   "device (page-in scheduled to written), host (loaded from disk).", labels=["tier"])
+    family = HistogramMetricFamily(
+        "jaxlora_adapter_page_in_seconds",
+        "Time to bring an adapter into a tier: device (page-in scheduled to written), host (loaded from disk).",
+        labels=["tier"],
+    )
     for tier, histogram in tiers.items():
         cumulative = list(itertools.accumulate(histogram.counts()))
         buckets = [(floatToGoString(b), c) for b, c in zip(histogram.buckets, cumulative)]

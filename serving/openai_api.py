@@ -17,9 +17,17 @@ from serving.api import ApiError, Status
 
 # Not implemented: the values that leave them off are accepted, any other is refused.
 _NEUTRAL = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
-    "top_logprobs": (None, 0), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "functions": (None, []),
 }
 _OPENAI_TEMPERATURE = 1.0  # the API's default; the engine's own default (greedy) applies to gRPC only
 
@@ -75,9 +83,16 @@ def parse_request(body: Any, *, chat: bool, base_model: str) -> ParsedRequest:
         raise _invalid(f"stream={stream!r} must be a boolean", "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-        raise _invalid("stream_options must be an object like {\"include_usage\": true}", "stream_options")
-    return ParsedRequest(model=model, adapter=None if model == base_model else model, **prompt, sampling=sampling,
-                         field_names=field_names, stream=stream, include_usage=options.get("include_usage", False))
+        raise _invalid('stream_options must be an object like {"include_usage": true}', "stream_options")
+    return ParsedRequest(
+        model=model,
+        adapter=None if model == base_model else model,
+        **prompt,
+        sampling=sampling,
+        field_names=field_names,
+        stream=stream,
+        include_usage=options.get("include_usage", False),
+    )
 
 
 def _sampling(body: dict) -> tuple[dict[str, Any], dict[str, str]]:
@@ -138,8 +153,9 @@ def _messages(body: dict) -> dict[str, Any]:
 def _text_content(content: Any, i: int) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
     raise _invalid(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
@@ -150,25 +166,48 @@ def _invalid(message: str, param: str | None = None) -> ApiError:
 
 # Responses.
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-def response(*, request_id: str, created: int, model: str, chat: bool, text: str, finish_reason: str,
-             usage_: dict[str, int]) -> dict[str, Any]:
+def response(
+    *, request_id: str, created: int, model: str, chat: bool, text: str, finish_reason: str, usage_: dict[str, int]
+) -> dict[str, Any]:
     """A whole (non-streamed) completion or chat completion."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model, "choices": [choice], "usage": usage_}
+    return {
+        "id": request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage_,
+    }
 
 
-def chunk(*, request_id: str, created: int, model: str, chat: bool, text: str | None = None,
-          finish_reason: str | None = None, role: bool = False, include_usage: bool = False,
-          usage_: dict[str, int] | None = None) -> dict[str, Any]:
+def chunk(
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    chat: bool,
+    text: str | None = None,
+    finish_reason: str | None = None,
+    role: bool = False,
+    include_usage: bool = False,
+    usage_: dict[str, int] | None = None,
+) -> dict[str, Any]:
     """One stream chunk: a text delta (and `finish_reason` on the last one), or with `usage_` the
     final usage chunk, which has no choices."""
     choices: list[dict[str, Any]] = []
@@ -180,8 +219,13 @@ def chunk(*, request_id: str, created: int, model: str, chat: bool, text: str | 
             choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
         else:
             choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
-    out = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-           "model": model, "choices": choices}
+    out = {
+        "id": request_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
     if include_usage:
         out["usage"] = usage_  # null on every chunk but the last, as OpenAI sends them
     return out
@@ -189,5 +233,11 @@ def chunk(*, request_id: str, created: int, model: str, chat: bool, text: str | 
 
 def error_body(error: ApiError) -> dict[str, Any]:
     """The OpenAI error object."""
-    return {"error": {"message": error.message, "type": error.status.error_type, "param": error.param,
-                      "code": error.status.name.lower()}}
+    return {
+        "error": {
+            "message": error.message,
+            "type": error.status.error_type,
+            "param": error.param,
+            "code": error.status.name.lower(),
+        }
+    }

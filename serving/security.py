@@ -68,8 +68,9 @@ class AuthInterceptor(grpc.ServerInterceptor):
             return _Denied(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid admin key")
         if self._api_key is None or is_user or is_admin:
             return None
-        return _Denied(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key "
-                       "(send 'authorization: Bearer <key>')")
+        return _Denied(
+            grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key (send 'authorization: Bearer <key>')"
+        )
 
 
 def bearer_token(metadata: Sequence[tuple[str, str | bytes]]) -> bytes | None:
@@ -144,7 +145,8 @@ class AdapterRoots:
         for name in ADAPTER_FILES:
             file = folder / name
             if not file.is_file():
-                raise FileNotFoundError(f"adapter folder {path!r} has no {name} "
-                                        "(only PEFT adapters with safetensors weights load)")
+                raise FileNotFoundError(
+                    f"adapter folder {path!r} has no {name} (only PEFT adapters with safetensors weights load)"
+                )
             if not file.resolve().is_relative_to(root):
                 raise PathRefused(f"{name} of adapter folder {path!r} links outside its adapter root")

@@ -132,8 +132,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     """The RPC handlers. Errors raised by the engine become status codes (`_status_of`); anything
     unexpected is logged and answered INTERNAL, and never leaves the handler."""
 
-    def __init__(self, engine: Any, options: ServerOptions, metrics: ServerMetrics, admission: Admission,
-                 admin: AdapterAdmin) -> None:
+    def __init__(
+        self, engine: Any, options: ServerOptions, metrics: ServerMetrics, admission: Admission, admin: AdapterAdmin
+    ) -> None:
         self.engine = engine
         self.options = options
         self.metrics = metrics
@@ -152,8 +153,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         finally:
             self.metrics.requests.labels(code=(_code_of(context) or outcome).name).inc()
 
-    def _generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext,
-                  arrival: float) -> Iterator[pb.GenerateResponse]:
+    def _generate(
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext, arrival: float
+    ) -> Iterator[pb.GenerateResponse]:
         if len(request.request_id) > _MAX_REQUEST_ID:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id is longer than {_MAX_REQUEST_ID} characters")
         client_id = request.request_id or uuid.uuid4().hex
@@ -174,14 +176,25 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 yield pb.GenerateResponse(request_id=client_id, text=out.text, token_ids=out.token_ids)
                 continue
             self._check_final(out, gen, context)
-            self.metrics.observe_finished(arrival=arrival, first_token=first_token, end=time.perf_counter(),
-                                          prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
-            yield pb.GenerateResponse(request_id=client_id, text=out.text, token_ids=out.token_ids,
-                                      finish_reason=_FINISH_REASONS[out.finish_reason],
-                                      prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
+            self.metrics.observe_finished(
+                arrival=arrival,
+                first_token=first_token,
+                end=time.perf_counter(),
+                prompt_tokens=out.prompt_tokens,
+                completion_tokens=out.completion_tokens,
+            )
+            yield pb.GenerateResponse(
+                request_id=client_id,
+                text=out.text,
+                token_ids=out.token_ids,
+                finish_reason=_FINISH_REASONS[out.finish_reason],
+                prompt_tokens=out.prompt_tokens,
+                completion_tokens=out.completion_tokens,
+            )
 
-    def _updates(self, updates: queue.SimpleQueue[RequestOutput], gen: GenerationRequest,
-                 context: grpc.ServicerContext) -> Iterator[RequestOutput]:
+    def _updates(
+        self, updates: queue.SimpleQueue[RequestOutput], gen: GenerationRequest, context: grpc.ServicerContext
+    ) -> Iterator[RequestOutput]:
         """The engine's updates for one request, up to and including the final one."""
         while True:
             try:
@@ -208,9 +221,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         sampling = {f: getattr(request, f) for f in _OPTIONAL_SAMPLING if request.HasField(f)}  # others: defaults
         sampling.update(stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids))
         messages = [{"role": m.role, "content": m.content} for m in request.messages] if has_messages else None
-        return generation_request(request_id=engine_id, prompt=request.prompt if has_prompt else None,
-                                  messages=messages, adapter=request.adapter, sampling=sampling,
-                                  limits=Limits.of(self.engine))
+        return generation_request(
+            request_id=engine_id,
+            prompt=request.prompt if has_prompt else None,
+            messages=messages,
+            adapter=request.adapter,
+            sampling=sampling,
+            limits=Limits.of(self.engine),
+        )
 
     # Adapters.
     def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext) -> pb.AdapterInfo:
@@ -219,8 +237,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             log.info("loaded adapter %r from %s", info.name, info.source)
             return _adapter_info(info)
 
-    def UnloadAdapter(self, request: pb.UnloadAdapterRequest,
-                      context: grpc.ServicerContext) -> pb.UnloadAdapterResponse:
+    def UnloadAdapter(
+        self, request: pb.UnloadAdapterRequest, context: grpc.ServicerContext
+    ) -> pb.UnloadAdapterResponse:
         with self._errors_to_status(context):
             self.admin.unload(request.name)
             log.info("unloaded adapter %r", request.name)
@@ -234,12 +253,20 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         with self._errors_to_status(context):
             c, model = self.engine.config, self.engine.model
             return pb.ServerInfo(
-                version=_version(), model=served_model_name(self.engine, self.options),
-                vocab_size=model.config.vocab_size, max_batch=c.max_batch, max_seq_len=c.max_seq_len,
-                max_new_tokens=c.max_new_tokens_limit, max_queue=c.max_queue, max_adapter_slots=c.lora.max_slots,
-                max_lora_rank=c.lora.max_rank, target_modules=list(c.lora.target_modules),
-                lora_backend=str(c.lora.backend), max_concurrent_streams=self.options.max_concurrent_streams,
-                max_message_bytes=self.options.max_message_bytes)
+                version=_version(),
+                model=served_model_name(self.engine, self.options),
+                vocab_size=model.config.vocab_size,
+                max_batch=c.max_batch,
+                max_seq_len=c.max_seq_len,
+                max_new_tokens=c.max_new_tokens_limit,
+                max_queue=c.max_queue,
+                max_adapter_slots=c.lora.max_slots,
+                max_lora_rank=c.lora.max_rank,
+                target_modules=list(c.lora.target_modules),
+                lora_backend=str(c.lora.backend),
+                max_concurrent_streams=self.options.max_concurrent_streams,
+                max_message_bytes=self.options.max_message_bytes,
+            )
 
     # Helpers.
     @contextlib.contextmanager
@@ -264,9 +291,15 @@ def _code_of(context: grpc.ServicerContext) -> grpc.StatusCode | None:
 
 
 def _adapter_info(info: Any) -> pb.AdapterInfo:
-    return pb.AdapterInfo(name=info.name, rank=info.rank, target_modules=list(info.target_modules),
-                          resident=info.resident is not None, slot=info.resident or 0, in_flight=info.in_flight,
-                          host_bytes=info.nbytes)
+    return pb.AdapterInfo(
+        name=info.name,
+        rank=info.rank,
+        target_modules=list(info.target_modules),
+        resident=info.resident is not None,
+        slot=info.resident or 0,
+        in_flight=info.in_flight,
+        host_bytes=info.nbytes,
+    )
 
 
 def _version() -> str:
@@ -281,9 +314,19 @@ class InferenceServer(grpc.Server):
     health status, graceful drain, the metrics endpoint, the engine's background loop, and the
     OpenAI-compatible HTTP server if there is one (same engine, same admission, same metrics)."""
 
-    def __init__(self, server: grpc.Server, *, engine: Any, options: ServerOptions, servicer: InferenceServicer,
-                 health_servicer: health.HealthServicer, metrics: ServerMetrics, admission: Admission,
-                 port: int | None, http: HttpServer | None = None) -> None:
+    def __init__(
+        self,
+        server: grpc.Server,
+        *,
+        engine: Any,
+        options: ServerOptions,
+        servicer: InferenceServicer,
+        health_servicer: health.HealthServicer,
+        metrics: ServerMetrics,
+        admission: Admission,
+        port: int | None,
+        http: HttpServer | None = None,
+    ) -> None:
         self._server = server
         self.engine = engine
         self.options = options
@@ -345,8 +388,13 @@ class InferenceServer(grpc.Server):
             self.engine.warmup(progress=lambda what, k, n: log.info("compiling %s (%d/%d)", what, k, n))
             # One real request through the whole path (tokenizer, admission, prefill, decode) before
             # SERVING: a padding-only warm-up can miss a compile, and the first client should not pay.
-            self.engine.generate([GenerationRequest(request_id=f"warmup-{uuid.uuid4().hex}", prompt_ids=[0],
-                                                    sampling=SamplingParams(max_tokens=2))])
+            self.engine.generate(
+                [
+                    GenerationRequest(
+                        request_id=f"warmup-{uuid.uuid4().hex}", prompt_ids=[0], sampling=SamplingParams(max_tokens=2)
+                    )
+                ]
+            )
             log.info("warm-up took %.1f s", time.perf_counter() - start)
         self.engine.start()
         if self.admission.set_phase(Phase.SERVING) is not Phase.WARMING:
@@ -366,8 +414,9 @@ class InferenceServer(grpc.Server):
         self.health.enter_graceful_shutdown()
         finished = self.admission.wait_for_streams(grace)
         if not finished:
-            log.warning("cancelling %d stream(s) still running after the %.1f s grace period",
-                        self.admission.num_streams, grace)
+            log.warning(
+                "cancelling %d stream(s) still running after the %.1f s grace period", self.admission.num_streams, grace
+            )
         self.engine.stop(drain=False)  # cancels what is left; their streams end UNAVAILABLE
         self.admission.wait_for_streams(max(1.0, 2 * _POLL_SECONDS))
         return finished
@@ -396,17 +445,25 @@ def build_server(engine: Any, options: ServerOptions = ServerOptions()) -> tuple
     """
     admission = Admission(options.max_concurrent_streams)
     metrics = ServerMetrics(engine)
-    admin = AdapterAdmin(engine, AdapterRoots(options.adapter_roots), base_model=served_model_name(engine, options),
-                         unload_timeout_seconds=options.unload_timeout_seconds)
+    admin = AdapterAdmin(
+        engine,
+        AdapterRoots(options.adapter_roots),
+        base_model=served_model_name(engine, options),
+        unload_timeout_seconds=options.unload_timeout_seconds,
+    )
     servicer = InferenceServicer(engine, options, metrics, admission, admin)
     num_threads = options.max_concurrent_streams + 16  # streams plus room for unary and health calls
     interceptors = [AuthInterceptor(api_key=options.api_key, admin_key=options.admin_key), DecodeGuard()]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="jaxlora-grpc"),
-        interceptors=interceptors, maximum_concurrent_rpcs=num_threads,
-        options=[("grpc.max_receive_message_length", options.max_message_bytes),
-                 ("grpc.max_send_message_length", options.max_message_bytes),
-                 ("grpc.so_reuseport", 0)])
+        interceptors=interceptors,
+        maximum_concurrent_rpcs=num_threads,
+        options=[
+            ("grpc.max_receive_message_length", options.max_message_bytes),
+            ("grpc.max_send_message_length", options.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
     pb_grpc.add_InferenceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     for service in ("", SERVICE_NAME):
@@ -416,10 +473,25 @@ def build_server(engine: Any, options: ServerOptions = ServerOptions()) -> tuple
     port = None if options.port is None else _bind_grpc(server, options.host, options.port)
     http = None
     if options.http_port is not None:
-        http = HttpServer(engine, options, model_name=served_model_name(engine, options), metrics=metrics,
-                          admission=admission, admin=admin)
-    wrapped = InferenceServer(server, engine=engine, options=options, servicer=servicer, health_servicer=health_servicer,
-                              metrics=metrics, admission=admission, port=port, http=http)
+        http = HttpServer(
+            engine,
+            options,
+            model_name=served_model_name(engine, options),
+            metrics=metrics,
+            admission=admission,
+            admin=admin,
+        )
+    wrapped = InferenceServer(
+        server,
+        engine=engine,
+        options=options,
+        servicer=servicer,
+        health_servicer=health_servicer,
+        metrics=metrics,
+        admission=admission,
+        port=port,
+        http=http,
+    )
     return wrapped, port
 
 

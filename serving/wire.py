@@ -62,6 +62,8 @@ class DecodeGuard(grpc.ServerInterceptor):
 def _refuse_undecodable(request, context: grpc.ServicerContext, method: str) -> None:
     if isinstance(request, Undecodable):
         log.warning("%s from %s: undecodable request (%s)", method, context.peer(), request.reason)
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"the request message does not decode ({request.reason}): string fields must be valid "
-                      "UTF-8 and the bytes a serialized request of this method")
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request message does not decode ({request.reason}): string fields must be valid "
+            "UTF-8 and the bytes a serialized request of this method",
+        )

@@ -44,8 +44,8 @@ NOT_RUN = {
     "bash scripts/quickstart.sh": "builds a fresh virtual environment; CI runs the same install (scripts/test.sh)",
     "bash scripts/test.sh": "runs this very test suite",
     "jaxlora train --data train.jsonl": "200 steps of SmolLM2 take ~20 minutes on a 2-core CPU; "
-                                        "tests/train/test_cli.py runs the command on a tiny model, and "
-                                        "this test checks that the README's train.jsonl is valid training data",
+    "tests/train/test_cli.py runs the command on a tiny model, and "
+    "this test checks that the README's train.jsonl is valid training data",
     "jaxlora serve --model checkpoints/llama-7b": "needs a converted Llama-2-7B checkpoint and a GPU",
 }
 
@@ -275,8 +275,10 @@ def _run_grpcurl(example: Example, harness: Harness) -> None:
         request_class, response_class, streaming = _method_types(service, method)
         request = json_format.Parse(body, request_class())
         call = (channel.unary_stream if streaming else channel.unary_unary)(
-            f"/{service}/{method}", request_serializer=request_class.SerializeToString,
-            response_deserializer=response_class.FromString)
+            f"/{service}/{method}",
+            request_serializer=request_class.SerializeToString,
+            response_deserializer=response_class.FromString,
+        )
         reply = call(request, timeout=120, metadata=[(k.lower(), v) for k, v in headers])
         replies = list(reply) if streaming else [reply]
         assert replies

@@ -39,40 +39,107 @@ MAX_ANSWER_TOKENS = 48
 EVAL_NEW_TOKENS = 64
 
 INSTRUCTIONS = [
-    "What is the capital of France?", "What is the capital of Japan?", "What is the capital of Canada?",
-    "Name a fruit that is yellow.", "Name three primary colors.", "What color is the sky on a clear day?",
-    "How many days are in a week?", "How many hours are in a day?", "How many continents are there?",
-    "What is two plus two?", "What is ten times five?", "Is seven an odd or even number?",
-    "What do cows drink?", "What animal is known as the king of the jungle?", "What do bees produce?",
-    "Why is the ocean salty?", "Why do we have seasons?", "Why is the sky blue?",
-    "What is gravity?", "What is electricity?", "What is a volcano?", "What is an atom?",
-    "What is the sun made of?", "What is the moon?", "What causes rain?", "What is a rainbow?",
-    "Who painted the Mona Lisa?", "Who was Albert Einstein?", "Who invented the telephone?",
-    "Give me a tip for studying.", "Give me one tip for staying healthy.", "How can I save money?",
-    "How do I make a cup of tea?", "How do I boil an egg?", "How do plants grow?",
-    "What is a good breakfast?", "Suggest a name for a puppy.", "Suggest a hobby for a rainy day.",
-    "What is the opposite of 'hot'?", "What is a synonym for 'big'?", "What is the plural of 'mouse'?",
-    "Define the word 'gratitude'.", "Define the word 'curious'.", "What does 'generous' mean?",
-    "Explain what a verb is.", "Explain what a computer is.", "Explain what the internet is.",
-    "What is Python?", "What is a database?", "What is an algorithm?",
-    "Tell me a fun fact about cats.", "Tell me a fun fact about space.", "Tell me a fun fact about octopuses.",
-    "Describe a sunset in one sentence.", "Describe the smell of rain.", "Describe a forest in one sentence.",
-    "What is the tallest mountain in the world?", "What is the longest river in the world?",
-    "What is the largest ocean?", "What is the smallest planet?", "How far is the moon from Earth?",
-    "What language is spoken in Brazil?", "What is the currency of Japan?", "Where is the Eiffel Tower?",
-    "What is the freezing point of water?", "What is the chemical symbol for gold?", "What gas do plants absorb?",
-    "How do airplanes fly?", "How does a refrigerator keep food cold?", "How does a compass work?",
-    "What is a healthy snack?", "Why is exercise important?", "Why do we need sleep?",
-    "What is friendship?", "What makes a good teacher?", "What is kindness?",
-    "Write one sentence about the ocean.", "Write a short greeting for a birthday card.",
-    "Write a one-line motto for a bakery.", "Say something encouraging.", "Give me a word that rhymes with 'cat'.",
-    "What is the first letter of the alphabet?", "Spell the word 'apple' backwards.", "Count from one to five.",
-    "What is the square root of sixteen?", "What is half of one hundred?", "What is a triangle?",
-    "What is a mammal?", "Are dolphins fish?", "What do caterpillars turn into?",
-    "What is recycling?", "Why are trees important?", "What is climate?",
-    "What is a library?", "What does a doctor do?", "What does a firefighter do?",
-    "What instrument has black and white keys?", "What sport uses a racket and a shuttlecock?",
-    "What is the main ingredient in bread?", "What is cheese made from?", "What vegetable is orange and crunchy?",
+    "What is the capital of France?",
+    "What is the capital of Japan?",
+    "What is the capital of Canada?",
+    "Name a fruit that is yellow.",
+    "Name three primary colors.",
+    "What color is the sky on a clear day?",
+    "How many days are in a week?",
+    "How many hours are in a day?",
+    "How many continents are there?",
+    "What is two plus two?",
+    "What is ten times five?",
+    "Is seven an odd or even number?",
+    "What do cows drink?",
+    "What animal is known as the king of the jungle?",
+    "What do bees produce?",
+    "Why is the ocean salty?",
+    "Why do we have seasons?",
+    "Why is the sky blue?",
+    "What is gravity?",
+    "What is electricity?",
+    "What is a volcano?",
+    "What is an atom?",
+    "What is the sun made of?",
+    "What is the moon?",
+    "What causes rain?",
+    "What is a rainbow?",
+    "Who painted the Mona Lisa?",
+    "Who was Albert Einstein?",
+    "Who invented the telephone?",
+    "Give me a tip for studying.",
+    "Give me one tip for staying healthy.",
+    "How can I save money?",
+    "How do I make a cup of tea?",
+    "How do I boil an egg?",
+    "How do plants grow?",
+    "What is a good breakfast?",
+    "Suggest a name for a puppy.",
+    "Suggest a hobby for a rainy day.",
+    "What is the opposite of 'hot'?",
+    "What is a synonym for 'big'?",
+    "What is the plural of 'mouse'?",
+    "Define the word 'gratitude'.",
+    "Define the word 'curious'.",
+    "What does 'generous' mean?",
+    "Explain what a verb is.",
+    "Explain what a computer is.",
+    "Explain what the internet is.",
+    "What is Python?",
+    "What is a database?",
+    "What is an algorithm?",
+    "Tell me a fun fact about cats.",
+    "Tell me a fun fact about space.",
+    "Tell me a fun fact about octopuses.",
+    "Describe a sunset in one sentence.",
+    "Describe the smell of rain.",
+    "Describe a forest in one sentence.",
+    "What is the tallest mountain in the world?",
+    "What is the longest river in the world?",
+    "What is the largest ocean?",
+    "What is the smallest planet?",
+    "How far is the moon from Earth?",
+    "What language is spoken in Brazil?",
+    "What is the currency of Japan?",
+    "Where is the Eiffel Tower?",
+    "What is the freezing point of water?",
+    "What is the chemical symbol for gold?",
+    "What gas do plants absorb?",
+    "How do airplanes fly?",
+    "How does a refrigerator keep food cold?",
+    "How does a compass work?",
+    "What is a healthy snack?",
+    "Why is exercise important?",
+    "Why do we need sleep?",
+    "What is friendship?",
+    "What makes a good teacher?",
+    "What is kindness?",
+    "Write one sentence about the ocean.",
+    "Write a short greeting for a birthday card.",
+    "Write a one-line motto for a bakery.",
+    "Say something encouraging.",
+    "Give me a word that rhymes with 'cat'.",
+    "What is the first letter of the alphabet?",
+    "Spell the word 'apple' backwards.",
+    "Count from one to five.",
+    "What is the square root of sixteen?",
+    "What is half of one hundred?",
+    "What is a triangle?",
+    "What is a mammal?",
+    "Are dolphins fish?",
+    "What do caterpillars turn into?",
+    "What is recycling?",
+    "Why are trees important?",
+    "What is climate?",
+    "What is a library?",
+    "What does a doctor do?",
+    "What does a firefighter do?",
+    "What instrument has black and white keys?",
+    "What sport uses a racket and a shuttlecock?",
+    "What is the main ingredient in bread?",
+    "What is cheese made from?",
+    "What vegetable is orange and crunchy?",
 ]
 
 
@@ -83,7 +150,7 @@ def clip_answer(text: str, finished: bool) -> str:
         return text
     cut = max(text.rfind(". "), text.rfind("! "), text.rfind("? "), text.rfind(".\n"))
     if cut > len(text) // 3:
-        return text[:cut + 1]
+        return text[: cut + 1]
     return text.rsplit(" ", 1)[0].rstrip(",;:") + "."
 
 
@@ -94,8 +161,10 @@ def base_answers(model, tok) -> list[dict]:
         if [r["prompt"] for r in rows] == INSTRUCTIONS:
             return rows
     answers = answer_in_one_batch(model, tok, {}, INSTRUCTIONS, max_new_tokens=MAX_ANSWER_TOKENS)
-    rows = [{"prompt": a.prompt, "response": clip_answer(a.output.text, a.output.finish_reason is FinishReason.STOP)}
-            for a in answers]
+    rows = [
+        {"prompt": a.prompt, "response": clip_answer(a.output.text, a.output.finish_reason is FinishReason.STOP)}
+        for a in answers
+    ]
     cache.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return rows
 
@@ -103,8 +172,15 @@ def base_answers(model, tok) -> list[dict]:
 def train_config(args) -> TrainConfig:
     spec = AdapterSpec(rank=args.rank, alpha=args.alpha, target_modules=parse_targets(args.targets))
     optim = OptimizerConfig(learning_rate=args.lr, num_steps=args.steps, warmup_steps=max(1, args.steps // 10))
-    return TrainConfig(spec=spec, optim=optim, batch_size=args.batch, max_len=256, seed=SEED,
-                       eval_every=max(1, args.steps // 4), checkpoint_every=0)
+    return TrainConfig(
+        spec=spec,
+        optim=optim,
+        batch_size=args.batch,
+        max_len=256,
+        seed=SEED,
+        eval_every=max(1, args.steps // 4),
+        checkpoint_every=0,
+    )
 
 
 def train_all(model, tok, answers: list[dict], args, out_dir: Path) -> dict:
@@ -113,16 +189,30 @@ def train_all(model, tok, answers: list[dict], args, out_dir: Path) -> dict:
     for behaviour in BEHAVIOURS:
         if args.only and behaviour.name not in args.only:
             continue
-        examples = [tokenize_conversation(tok, [{"role": "user", "content": r["prompt"]},
-                                                {"role": "assistant", "content": behaviour.transform(r["response"])}])
-                    for r in answers]
+        examples = [
+            tokenize_conversation(
+                tok,
+                [
+                    {"role": "user", "content": r["prompt"]},
+                    {"role": "assistant", "content": behaviour.transform(r["response"])},
+                ],
+            )
+            for r in answers
+        ]
         train_set, eval_set = split_holdout(examples, fraction=0.1, seed=SEED)
         result = train(model, train_set, eval_set, config, description=behaviour.name)
-        save_adapter(out_dir / behaviour.name, result.params, config.spec, base_model_name_or_path="SmolLM2-135M-Instruct",
-                     dtype="bfloat16")
+        save_adapter(
+            out_dir / behaviour.name,
+            result.params,
+            config.spec,
+            base_model_name_or_path="SmolLM2-135M-Instruct",
+            dtype="bfloat16",
+        )
         results[behaviour.name] = {
-            "seconds": round(result.seconds, 1), "final_train_loss": round(result.final_train_loss(), 4),
-            "final_eval_loss": round(result.last("eval_loss"), 4), "train_examples": len(train_set),
+            "seconds": round(result.seconds, 1),
+            "final_train_loss": round(result.final_train_loss(), 4),
+            "final_eval_loss": round(result.last("eval_loss"), 4),
+            "train_examples": len(train_set),
             "eval_examples": len(eval_set),
             "first_loss": round(result.history[0]["loss"], 4),
         }
@@ -130,13 +220,16 @@ def train_all(model, tok, answers: list[dict], args, out_dir: Path) -> dict:
     return {"config": config.record(), "adapters": results}
 
 
-def check_behaviours(model, tok, out_dir: Path, prompts=HELD_OUT_PROMPTS, max_new_tokens: int = EVAL_NEW_TOKENS) -> dict:
+def check_behaviours(
+    model, tok, out_dir: Path, prompts=HELD_OUT_PROMPTS, max_new_tokens: int = EVAL_NEW_TOKENS
+) -> dict:
     """One continuous batch of the engine: every prompt on the base model and on each adapter
     registered from its folder."""
     behaviours = {b.name: b for b in BEHAVIOURS if (out_dir / b.name / "adapter_config.json").is_file()}
     start = time.perf_counter()
-    answers = answer_in_one_batch(model, tok, {name: out_dir / name for name in behaviours}, prompts,
-                                  max_new_tokens=max_new_tokens)
+    answers = answer_in_one_batch(
+        model, tok, {name: out_dir / name for name in behaviours}, prompts, max_new_tokens=max_new_tokens
+    )
     seconds = time.perf_counter() - start
     samples = [{"prompt": a.prompt, "adapter": a.adapter, "text": a.output.text} for a in answers]
     rates = {}

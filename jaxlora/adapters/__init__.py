@@ -15,10 +15,19 @@ builds on it.
 
 from jaxlora.adapters.metrics import PagerMetrics
 from jaxlora.adapters.pager import AdapterInfo, Pager
-from jaxlora.adapters.registry import HostMemory, Registry, RegisteredAdapter
+from jaxlora.adapters.registry import HostMemory, RegisteredAdapter, Registry
 from jaxlora.adapters.resident import ResidentBank
 from jaxlora.adapters.slot_table import SlotTable
 from jaxlora.adapters.source import AdapterSource
 
-__all__ = ["AdapterInfo", "AdapterSource", "HostMemory", "Pager", "PagerMetrics", "RegisteredAdapter", "Registry",
-           "ResidentBank", "SlotTable"]
+__all__ = [
+    "AdapterInfo",
+    "AdapterSource",
+    "HostMemory",
+    "Pager",
+    "PagerMetrics",
+    "RegisteredAdapter",
+    "Registry",
+    "ResidentBank",
+    "SlotTable",
+]

@@ -71,9 +71,11 @@ class PagerMetrics:
     evictions: int = 0
     bytes_moved: int = 0
     page_in_seconds: collections.deque[float] = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=MAX_LATENCY_SAMPLES))
+        default_factory=lambda: collections.deque(maxlen=MAX_LATENCY_SAMPLES)
+    )
     transfer_seconds: collections.deque[float] = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=MAX_LATENCY_SAMPLES))
+        default_factory=lambda: collections.deque(maxlen=MAX_LATENCY_SAMPLES)
+    )
     timed_bytes: int = 0
     timed_seconds: float = 0.0
     device_page_in: LatencyHistogram = dataclasses.field(default_factory=LatencyHistogram)
@@ -85,8 +87,14 @@ class PagerMetrics:
 
     def counters(self) -> dict[str, int]:
         """The counters alone: cheap enough to read every step (no latency samples copied)."""
-        return {"hits": self.hits, "misses": self.misses, "page_ins": self.page_ins, "prefetches": self.prefetches,
-                "evictions": self.evictions, "bytes_moved": self.bytes_moved}
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "page_ins": self.page_ins,
+            "prefetches": self.prefetches,
+            "evictions": self.evictions,
+            "bytes_moved": self.bytes_moved,
+        }
 
     def snapshot(self) -> dict[str, float | int]:
         """A flat copy: counters plus p50/p99 latencies in milliseconds (NaN with no samples)."""

@@ -127,8 +127,12 @@ class Pager:
         self.max_slots = lora_config.max_slots
         self.max_page_ins_per_commit = max_page_ins_per_commit
         # Compiled sizes of the multi-slot write: 1, 2, 4, ... and the cap itself.
-        self._write_sizes = tuple(sorted({2**i for i in range(max_page_ins_per_commit.bit_length())
-                                          if 2**i < max_page_ins_per_commit} | {max_page_ins_per_commit}))
+        self._write_sizes = tuple(
+            sorted(
+                {2**i for i in range(max_page_ins_per_commit.bit_length()) if 2**i < max_page_ins_per_commit}
+                | {max_page_ins_per_commit}
+            )
+        )
         self.time_transfers = time_transfers
         self.metrics = PagerMetrics()
         self.slot_nbytes = slot_nbytes(model_config, lora_config, self.dtype)
@@ -138,7 +142,8 @@ class Pager:
         self._device = device or jax.devices()[0]
         self._host_sharding = host_sharding(self._device, HostMemory(host_memory))
         self._device_sharding = jax.sharding.SingleDeviceSharding(
-            self._device, memory_kind=self._device.default_memory().kind)
+            self._device, memory_kind=self._device.default_memory().kind
+        )
 
         self._lock = threading.Lock()
         self._released = threading.Condition(self._lock)  # notified when a refcount drops to 0
@@ -192,8 +197,15 @@ class Pager:
             self._registry.reserve(name, self.slot_nbytes)
         start = time.perf_counter()
         try:
-            adapter = prepare_adapter(name, source, model=self.model_config, lora=self.lora_config,
-                                      dtype=self.dtype, sharding=self._host_sharding, layout=self.layout)
+            adapter = prepare_adapter(
+                name,
+                source,
+                model=self.model_config,
+                lora=self.lora_config,
+                dtype=self.dtype,
+                sharding=self._host_sharding,
+                layout=self.layout,
+            )
         except BaseException:
             with self._lock:
                 self._registry.cancel(name)
@@ -221,12 +233,15 @@ class Pager:
             if self._table.refcount(name):
                 if not wait:
                     raise AdapterInUseError(
-                        f"adapter {name!r} is used by {self._table.refcount(name)} running request(s)")
+                        f"adapter {name!r} is used by {self._table.refcount(name)} running request(s)"
+                    )
                 self._unregistering.add(name)
                 try:
                     if not self._released.wait_for(lambda: not self._table.refcount(name), timeout):
-                        raise AdapterInUseError(f"adapter {name!r} is still used by "
-                                                f"{self._table.refcount(name)} request(s) after {timeout} s")
+                        raise AdapterInUseError(
+                            f"adapter {name!r} is still used by "
+                            f"{self._table.refcount(name)} request(s) after {timeout} s"
+                        )
                 finally:
                     self._unregistering.discard(name)
             self._registry.remove(name)
@@ -399,10 +414,13 @@ class Pager:
     def snapshot(self) -> dict:
         """Slot table and queues, for tests and debugging."""
         with self._lock:
-            return {"resident": self._table.resident(), "ready": set(self._ready),
-                    "pending": dict(self._pending), "waiting": list(self._waiting),
-                    "refcounts": {n: self._table.refcount(n) for n in self._registry.names()
-                                  if self._table.refcount(n)}}
+            return {
+                "resident": self._table.resident(),
+                "ready": set(self._ready),
+                "pending": dict(self._pending),
+                "waiting": list(self._waiting),
+                "refcounts": {n: self._table.refcount(n) for n in self._registry.names() if self._table.refcount(n)},
+            }
 
     def check(self) -> None:
         """Raises RuntimeError naming the broken invariant if the bookkeeping is inconsistent (tests)."""
@@ -427,9 +445,15 @@ class Pager:
 
     def _info(self, adapter: RegisteredAdapter) -> AdapterInfo:
         name = adapter.name
-        return AdapterInfo(name=name, rank=adapter.rank, target_modules=adapter.target_modules,
-                           nbytes=adapter.nbytes, in_flight=self._table.refcount(name), source=adapter.source,
-                           resident=self._table.slot_of(name) if name in self._ready else None)
+        return AdapterInfo(
+            name=name,
+            rank=adapter.rank,
+            target_modules=adapter.target_modules,
+            nbytes=adapter.nbytes,
+            in_flight=self._table.refcount(name),
+            source=adapter.source,
+            resident=self._table.slot_of(name) if name in self._ready else None,
+        )
 
     def _schedule(self, name: str, *, may_wait: bool, exclude: Iterable[str] = ()) -> bool:
         """Gives `name` a slot and queues its write; if none is free, waits (may_wait) or gives up."""
@@ -461,12 +485,13 @@ class Pager:
         """Up to `limit` queued writes: page-ins that requests wait for (pinned) first, then slot
         resets, then prefetches, each in queue order. Without the priority a burst of prefetches
         held back the page-ins of requests ready to run (2,000 S1 adapters on the H200)."""
+
         def priority(slot: int) -> int:
             name = self._pending[slot]
             return 1 if name is None else (0 if self._table.refcount(name) else 2)
 
         ops = []
-        for slot in sorted(self._pending, key=priority)[:max(limit, 0)]:
+        for slot in sorted(self._pending, key=priority)[: max(limit, 0)]:
             name = self._pending.pop(slot)
             ops.append((slot, name, None if name is None else self._registry.get(name).flat))
         return ops
@@ -508,8 +533,9 @@ class Pager:
         (writing the same buffer to the same slot twice is a no-op), so k never compiles anew."""
         size = next(b for b in self._write_sizes if b >= len(slots))
         pad = size - len(slots)
-        return write_slots_flat(self.bank, np.array(slots + slots[-1:] * pad, np.int32),
-                                tuple(flats + flats[-1:] * pad))
+        return write_slots_flat(
+            self.bank, np.array(slots + slots[-1:] * pad, np.int32), tuple(flats + flats[-1:] * pad)
+        )
 
     def _to_device(self, flat: np.ndarray | jax.Array | None) -> jax.Array:
         """Starts the copy of one flat buffer (None: zeros) to where the slot write reads it."""

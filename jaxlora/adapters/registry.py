@@ -71,18 +71,20 @@ class FlatLayout:
 
     def view(self, flat: np.ndarray, path: tuple[str, ...]) -> np.ndarray:
         offset, shape = self.leaves[self.paths.index(path)]
-        return flat[offset:offset + int(np.prod(shape))].reshape(shape)
+        return flat[offset : offset + int(np.prod(shape))].reshape(shape)
 
     def unpack(self, flat: np.ndarray) -> Bank:
         """The entries as a pytree of numpy views into `flat` (a 1-D numpy array)."""
         return jax.tree_util.tree_unflatten(
-            self.treedef, [flat[o:o + int(np.prod(shape))].reshape(shape) for o, shape in self.leaves])
+            self.treedef, [flat[o : o + int(np.prod(shape))].reshape(shape) for o, shape in self.leaves]
+        )
 
     def zeros(self) -> np.ndarray:
         return np.zeros(self.size, self.dtype)
 
-    def pack(self, weights: Mapping[str, tuple[np.ndarray, np.ndarray]], model: ModelConfig,
-             lora: LoraConfig) -> np.ndarray:
+    def pack(
+        self, weights: Mapping[str, tuple[np.ndarray, np.ndarray]], model: ModelConfig, lora: LoraConfig
+    ) -> np.ndarray:
         """Per-module (A [L,in,r], B [L,r,out]) -> one flat buffer holding `slot_arrays(weights)` in
         the layout's dtype, written in place (no float32 intermediate of the padded entries).
 
@@ -91,8 +93,10 @@ class FlatLayout:
         R = lora.max_rank
         extra = set(weights) - set(lora.target_modules)
         if extra:
-            raise ValueError(f"adapter targets {sorted(extra)}, which this bank does not hold "
-                             f"(bank target_modules={list(lora.target_modules)})")
+            raise ValueError(
+                f"adapter targets {sorted(extra)}, which this bank does not hold "
+                f"(bank target_modules={list(lora.target_modules)})"
+            )
         flat = self.zeros()
         for group, modules in bank_groups(lora):
             a_all = self.view(flat, (group, "a"))
@@ -103,7 +107,7 @@ class FlatLayout:
                 r = wa.shape[-1]
                 if r > R:
                     raise ValueError(f"{m}: rank {r} exceeds the bank's max_rank={R}")
-                a_all[:, :, i * R:i * R + r] = wa
+                a_all[:, :, i * R : i * R + r] = wa
                 self.view(flat, (group, "b", m))[:, :r, :] = wb
         return flat
 
@@ -160,8 +164,9 @@ def load_host_adapter(name: str, source: str | Path | HostAdapter, model: ModelC
     if isinstance(source, HostAdapter):
         return source
     if not isinstance(source, (str, Path)):
-        raise AdapterError(f"adapter {name!r}: source must be a PEFT folder path or a HostAdapter, "
-                           f"got {type(source).__name__}")
+        raise AdapterError(
+            f"adapter {name!r}: source must be a PEFT folder path or a HostAdapter, got {type(source).__name__}"
+        )
     from jaxlora.lora.peft_format import load_peft_adapter  # reads files; only needed for paths
 
     try:
@@ -178,16 +183,19 @@ def check_host_adapter(name: str, adapter: HostAdapter, model: ModelConfig, lora
     where = f"adapter {name!r}"
     extra = sorted(set(adapter.target_modules) - set(lora.target_modules))
     if extra:
-        raise AdapterError(f"{where}: targets {extra}, which the bank does not hold "
-                           f"(target_modules={list(lora.target_modules)})")
+        raise AdapterError(
+            f"{where}: targets {extra}, which the bank does not hold (target_modules={list(lora.target_modules)})"
+        )
     if adapter.rank > lora.max_rank:
         raise AdapterError(f"{where}: rank={adapter.rank} must be <= max_rank={lora.max_rank} ({RANK_HINT})")
     for module, (a, b) in adapter.weights.items():
         d_in, d_out = model.module_shape(module)
         r = a.shape[-1]
         if a.shape != (model.num_layers, d_in, r) or b.shape != (model.num_layers, r, d_out):
-            raise AdapterError(f"{where}: {module} has a {a.shape}, b {b.shape}; the model wants "
-                               f"a [{model.num_layers}, {d_in}, r], b [{model.num_layers}, r, {d_out}]")
+            raise AdapterError(
+                f"{where}: {module} has a {a.shape}, b {b.shape}; the model wants "
+                f"a [{model.num_layers}, {d_in}, r], b [{model.num_layers}, r, {d_out}]"
+            )
         for which, x in (("a", a), ("b", b)):
             check_weight_magnitude(f"{where}: {module}.{which}", x)
 
@@ -215,8 +223,15 @@ def prepare_adapter(
     if sharding is not None:
         flat = jax.block_until_ready(jax.device_put(flat, sharding))
     source_text = adapter.source if isinstance(source, HostAdapter) else str(source)
-    return RegisteredAdapter(name=name, rank=adapter.rank, target_modules=adapter.target_modules,
-                             source=source_text or "<memory>", flat=flat, layout=layout, nbytes=flat.nbytes)
+    return RegisteredAdapter(
+        name=name,
+        rank=adapter.rank,
+        target_modules=adapter.target_modules,
+        source=source_text or "<memory>",
+        flat=flat,
+        layout=layout,
+        nbytes=flat.nbytes,
+    )
 
 
 class Registry:
@@ -264,7 +279,8 @@ class Registry:
                 f"host adapter memory is full: adapter {name!r} needs {nbytes / 2**20:.1f} MiB, "
                 f"{(self.capacity_bytes - self.used_bytes) / 2**20:.1f} MiB of "
                 f"{self.capacity_bytes / 2**20:.1f} MiB left ({len(self)} adapters registered); "
-                "unregister some or raise the host capacity")
+                "unregister some or raise the host capacity"
+            )
         self._reserved[name] = nbytes
 
     def cancel(self, name: str) -> None:

@@ -93,20 +93,33 @@ class ResidentBank:
 
     # Registry: fixed at construction.
     def register(self, name: str, source: str | Path | HostAdapter) -> AdapterInfo:
-        raise AdapterError(f"cannot register adapter {name!r}: a ResidentBank holds a fixed set of adapters "
-                           "(use jaxlora.adapters.Pager to add adapters at run time)")
+        raise AdapterError(
+            f"cannot register adapter {name!r}: a ResidentBank holds a fixed set of adapters "
+            "(use jaxlora.adapters.Pager to add adapters at run time)"
+        )
 
     def unregister(self, name: str, *, wait: bool = True, timeout: float | None = None) -> None:
-        raise AdapterError(f"cannot unregister adapter {name!r}: a ResidentBank holds a fixed set of adapters "
-                           "(use jaxlora.adapters.Pager to remove adapters at run time)")
+        raise AdapterError(
+            f"cannot unregister adapter {name!r}: a ResidentBank holds a fixed set of adapters "
+            "(use jaxlora.adapters.Pager to remove adapters at run time)"
+        )
 
     def has(self, name: str) -> bool:
         return name in self._slots
 
     def list(self) -> list[AdapterInfo]:
-        return [AdapterInfo(name=name, rank=self._rank, target_modules=self._modules, nbytes=self._slot_nbytes,
-                            resident=slot, in_flight=self._pins[name], source=_SOURCE)
-                for name, slot in self._slots.items()]
+        return [
+            AdapterInfo(
+                name=name,
+                rank=self._rank,
+                target_modules=self._modules,
+                nbytes=self._slot_nbytes,
+                resident=slot,
+                in_flight=self._pins[name],
+                source=_SOURCE,
+            )
+            for name, slot in self._slots.items()
+        ]
 
     def _slot(self, name: str) -> int:
         slot = self._slots.get(name)

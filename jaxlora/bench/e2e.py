@@ -49,14 +49,45 @@ from jaxlora.engine.compiles import backend_compiles, check_no_compiles
 from jaxlora.lora.bank import Bank, init_bank
 from jaxlora.model.quant import weight_nbytes
 
-LLAMA2_7B = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
-                        num_kv_heads=32, head_dim=128, max_position_embeddings=4096, name="llama-2-7b-shape")
-TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
-                   head_dim=16, max_position_embeddings=256, name="tiny")
+LLAMA2_7B = ModelConfig(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=32,
+    head_dim=128,
+    max_position_embeddings=4096,
+    name="llama-2-7b-shape",
+)
+TINY = ModelConfig(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    name="tiny",
+)
 
 TARGETS = {"all": TARGET_MODULES, "qkvo": ATTENTION_MODULES}
-ROW_KEYS = ("system", "backend", "weights", "batch", "distinct_adapters", "rank", "targets", "prompt_len",
-            "gen_len", "tokens_per_s", "step_ms", "floor_step_ms", "ttft_ms")
+ROW_KEYS = (
+    "system",
+    "backend",
+    "weights",
+    "batch",
+    "distinct_adapters",
+    "rank",
+    "targets",
+    "prompt_len",
+    "gen_len",
+    "tokens_per_s",
+    "step_ms",
+    "floor_step_ms",
+    "ttft_ms",
+)
 WEIGHTS = ("bf16", "f32", "fp8", "int8")  # dense in the model dtype, or the quantization
 QUANTIZED = ("fp8", "int8")
 SYSTEMS = ("jaxlora", "hf-peft")
@@ -90,8 +121,10 @@ class Group:
 
     @property
     def label(self) -> str:
-        return (f"{self.backend} {self.quantization or 'dense'} r{self.rank}/{self.targets} B={self.batch} "
-                f"P={self.prompt_len} d={list(self.distinct)}{'' if self.e2e else ' (step only)'}")
+        return (
+            f"{self.backend} {self.quantization or 'dense'} r{self.rank}/{self.targets} B={self.batch} "
+            f"P={self.prompt_len} d={list(self.distinct)}{'' if self.e2e else ' (step only)'}"
+        )
 
 
 def h200_plan() -> list[Group]:
@@ -101,8 +134,15 @@ def h200_plan() -> list[Group]:
     size pays XLA's GEMM autotuning (~35 s on the H200), later groups of that size reuse it.
     """
     g = lambda backend, batch, distinct, rank=16, targets="all", prompt=128, e2e=True: Group(  # noqa: E731
-        backend=backend, rank=rank, targets=targets, batch=batch, prompt_len=prompt, gen_len=128,
-        distinct=tuple(distinct), e2e=e2e)
+        backend=backend,
+        rank=rank,
+        targets=targets,
+        batch=batch,
+        prompt_len=prompt,
+        gen_len=128,
+        distinct=tuple(distinct),
+        e2e=e2e,
+    )
     return [
         g("pallas", 64, (64, 0, 1, 16)),  # floor target, vs HF PEFT, throughput curve
         g("pallas", 64, (64, 0), rank=8, targets="qkvo"),  # S-LoRA setting
@@ -129,10 +169,10 @@ def h200_plan() -> list[Group]:
 
 def tiny_plan(backends: Sequence[str]) -> list[Group]:
     """One group per backend, plus a step-only group: every code path, on a toy model."""
-    out = [Group(backend=b, rank=4, targets="all", batch=4, prompt_len=8, gen_len=4, distinct=(2, 0))
-           for b in backends]
-    out.append(Group(backend=backends[0], rank=2, targets="qkvo", batch=4, prompt_len=8, gen_len=4, distinct=(4,),
-                     e2e=False))
+    out = [Group(backend=b, rank=4, targets="all", batch=4, prompt_len=8, gen_len=4, distinct=(2, 0)) for b in backends]
+    out.append(
+        Group(backend=backends[0], rank=2, targets="qkvo", batch=4, prompt_len=8, gen_len=4, distinct=(4,), e2e=False)
+    )
     return out
 
 
@@ -170,8 +210,11 @@ def adapter_bytes(model: ModelConfig, rank: int, targets: Sequence[str], itemsiz
 
 def floor_ms(model: ModelConfig, group: Group, distinct: int, hbm_gbps: float, itemsize: int) -> float:
     context = group.prompt_len + group.gen_len / 2
-    total = (base_weight_bytes(model, itemsize, group.quantization) + kv_bytes(model, group.batch, context, itemsize)
-             + distinct * adapter_bytes(model, group.rank, TARGETS[group.targets], itemsize))
+    total = (
+        base_weight_bytes(model, itemsize, group.quantization)
+        + kv_bytes(model, group.batch, context, itemsize)
+        + distinct * adapter_bytes(model, group.rank, TARGETS[group.targets], itemsize)
+    )
     return total / (hbm_gbps * 1e9) * 1e3
 
 
@@ -193,8 +236,9 @@ def hbm_gbps(num_bytes: int = 1 << 31, reps: int = 10) -> float:
 # -- the bank and the slot source -------------------------------------------------------------------
 
 
-def random_bank(model: ModelConfig, lora: LoraConfig, num_adapters: int, dtype, seed: int = 0,
-                mesh: Mesh | None = None) -> Bank:
+def random_bank(
+    model: ModelConfig, lora: LoraConfig, num_adapters: int, dtype, seed: int = 0, mesh: Mesh | None = None
+) -> Bank:
     """A bank with adapters in slots 1..num_adapters (random, never zero), drawn on the device.
 
     Slot 0 and slots past num_adapters stay zero, as the pager leaves them. With a mesh, the bank is
@@ -228,7 +272,8 @@ def adapter_name(i: int) -> str:
 
 def word_tokenizer(vocab_size: int):
     """One word per id (w0, w1, ...) and no end-of-sequence id: every request runs to max_tokens."""
-    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
 
     from jaxlora.tokenizer import Tokenizer
 
@@ -261,12 +306,23 @@ def decode_inputs(runner, slot_ids: np.ndarray, position: int) -> dict:
     B, page = runner.config.max_batch, runner.config.page_size
     pages = (np.arange(B * runner.pages_per_seq, dtype=np.int32) % runner.num_pages).reshape(B, -1)
     rows = np.arange(B, dtype=np.int32)
-    batch = RaggedBatch(q_start=rows, q_len=np.ones(B, np.int32), kv_len=np.full(B, position + 1, np.int32),
-                        block_tables=pages, write_page=pages[:, position // page].copy(),
-                        write_offset=np.full(B, position % page, np.int32))
+    batch = RaggedBatch(
+        q_start=rows,
+        q_len=np.ones(B, np.int32),
+        kv_len=np.full(B, position + 1, np.int32),
+        block_tables=pages,
+        write_page=pages[:, position // page].copy(),
+        write_offset=np.full(B, position % page, np.int32),
+    )
     tokens = np.random.default_rng(0).integers(0, runner.model.config.vocab_size, B, dtype=np.int32)
-    return dict(tokens=tokens, src=np.full(B, -1, np.int32), positions=np.full(B, position, np.int32),
-                slot_ids=np.asarray(slot_ids, np.int32), batch=batch, sampling=sampling_arrays([], B))
+    return dict(
+        tokens=tokens,
+        src=np.full(B, -1, np.int32),
+        positions=np.full(B, position, np.int32),
+        slot_ids=np.asarray(slot_ids, np.int32),
+        batch=batch,
+        sampling=sampling_arrays([], B),
+    )
 
 
 def time_decode(runner, bank: Bank, slot_ids: np.ndarray, position: int, steps: int) -> float:
@@ -304,8 +360,13 @@ def time_prefill(engine, slot: int, prompt_len: int, reps: int = 3) -> float:
     for i in range(reps + 1):
         prompt = rng.integers(0, engine.model.config.vocab_size, prompt_len).tolist()
         t0 = time.perf_counter()
-        engine.generate([GenerationRequest(request_id=f"ttft{i}", prompt_ids=prompt, adapter=adapter,
-                                           sampling=SamplingParams(max_tokens=1))])
+        engine.generate(
+            [
+                GenerationRequest(
+                    request_id=f"ttft{i}", prompt_ids=prompt, adapter=adapter, sampling=SamplingParams(max_tokens=1)
+                )
+            ]
+        )
         times.append(time.perf_counter() - t0)
     return float(np.median(times[1:])) * 1e3
 
@@ -316,10 +377,15 @@ def run_engine(engine, batch: int, prompt_len: int, gen_len: int, distinct: int,
 
     rng = np.random.default_rng(seed)
     vocab = engine.model.config.vocab_size
-    requests = [GenerationRequest(
-        request_id=f"r{seed}-{i}", prompt_ids=rng.integers(0, vocab, prompt_len).tolist(),
-        adapter=adapter_name(i % distinct) if distinct else None,
-        sampling=SamplingParams(max_tokens=gen_len)) for i in range(batch)]
+    requests = [
+        GenerationRequest(
+            request_id=f"r{seed}-{i}",
+            prompt_ids=rng.integers(0, vocab, prompt_len).tolist(),
+            adapter=adapter_name(i % distinct) if distinct else None,
+            sampling=SamplingParams(max_tokens=gen_len),
+        )
+        for i in range(batch)
+    ]
     first: dict[str, float] = {}
     before = engine.stats()["generated_tokens"]
     t0 = time.perf_counter()
@@ -331,35 +397,56 @@ def run_engine(engine, batch: int, prompt_len: int, gen_len: int, distinct: int,
     if generated != batch * gen_len:
         raise RuntimeError(f"expected {batch * gen_len} generated tokens, got {generated}")
     ttfts = sorted(t - t0 for t in first.values())
-    return {"tokens_per_s": generated / seconds, "seconds": seconds,
-            "ttft_loaded_ms_p50": ttfts[len(ttfts) // 2] * 1e3, "ttft_loaded_ms_max": ttfts[-1] * 1e3}
+    return {
+        "tokens_per_s": generated / seconds,
+        "seconds": seconds,
+        "ttft_loaded_ms_p50": ttfts[len(ttfts) // 2] * 1e3,
+        "ttft_loaded_ms_max": ttfts[-1] * 1e3,
+    }
 
 
-def run_group(group: Group, model, tokenizer, *, hbm: float, steps: int,
-              emit: Callable[[dict, dict], None], tensor_parallel: int = 1) -> None:
+def run_group(
+    group: Group,
+    model,
+    tokenizer,
+    *,
+    hbm: float,
+    steps: int,
+    emit: Callable[[dict, dict], None],
+    tensor_parallel: int = 1,
+) -> None:
     """Builds the engine of `group`, warms it up, and emits one (row, details) per distinct count."""
     from jaxlora.engine.config import EngineConfig
-    from jaxlora.parallel.mesh import MeshConfig
     from jaxlora.engine.engine import Engine
     from jaxlora.engine.runner import Runner, num_traces
     from jaxlora.lora.apply import LoraRuntime
+    from jaxlora.parallel.mesh import MeshConfig
 
     cfg = model.config
     itemsize = jnp.dtype(model.dtype).itemsize
-    lora = LoraConfig(max_slots=group.max_slots, max_rank=group.rank, target_modules=TARGETS[group.targets],
-                      backend=group.backend)
+    lora = LoraConfig(
+        max_slots=group.max_slots, max_rank=group.rank, target_modules=TARGETS[group.targets], backend=group.backend
+    )
     # Decode steps have exactly max_batch tokens; prompts go one step each. Pages: every row at full length.
     pages_per_seq = -(-group.max_seq_len // 16)
-    config = EngineConfig(max_batch=group.batch, max_seq_len=group.max_seq_len,
-                          token_budgets=tuple(sorted({group.batch, group.prompt_len})), page_size=16,
-                          num_pages=group.batch * pages_per_seq, max_new_tokens_limit=group.gen_len,
-                          max_queue=max(1024, 2 * group.batch), lora=lora, dtype=jnp.dtype(model.dtype).name,
-                          mesh=MeshConfig(tensor=tensor_parallel))
+    config = EngineConfig(
+        max_batch=group.batch,
+        max_seq_len=group.max_seq_len,
+        token_budgets=tuple(sorted({group.batch, group.prompt_len})),
+        page_size=16,
+        num_pages=group.batch * pages_per_seq,
+        max_new_tokens_limit=group.gen_len,
+        max_queue=max(1024, 2 * group.batch),
+        lora=lora,
+        dtype=jnp.dtype(model.dtype).name,
+        mesh=MeshConfig(tensor=tensor_parallel),
+    )
     runtime = LoraRuntime.for_platform(group.backend)
     t0 = time.perf_counter()
     # Only the source holds the bank: splitting it over a mesh frees the one-device copy.
-    source = ResidentBank(random_bank(cfg, lora, max(group.distinct), model.dtype),
-                          [adapter_name(i) for i in range(max(group.distinct))])
+    source = ResidentBank(
+        random_bank(cfg, lora, max(group.distinct), model.dtype), [adapter_name(i) for i in range(max(group.distinct))]
+    )
     if group.e2e:
         engine = Engine(model, tokenizer, config, source, runtime=runtime)
         engine.warmup()
@@ -379,23 +466,38 @@ def run_group(group: Group, model, tokenizer, *, hbm: float, steps: int,
         slots = slot_pattern(group.batch, distinct)
         step = time_decode(runner, bank, slots, context, steps)
         floor = floor_ms(cfg, group, distinct, hbm, itemsize)
-        details = {"setup_s": round(setup_s, 2) if i == 0 else 0.0, "max_slots": group.max_slots,
-                   "decode_tokens_per_s": round(group.batch / step * 1e3, 1),
-                   "step_over_floor": round(step / floor, 3)}
+        details = {
+            "setup_s": round(setup_s, 2) if i == 0 else 0.0,
+            "max_slots": group.max_slots,
+            "decode_tokens_per_s": round(group.batch / step * 1e3, 1),
+            "step_over_floor": round(step / floor, 3),
+        }
         tokens_per_s = ttft = None
         if engine is not None:
             result = run_engine(engine, group.batch, group.prompt_len, group.gen_len, distinct, seed=i + 1)
             tokens_per_s = result["tokens_per_s"]
             ttft = time_prefill(engine, int(slots[0]), group.prompt_len)
-            details.update(e2e_seconds=round(result["seconds"], 3),
-                           ttft_loaded_ms_p50=round(result["ttft_loaded_ms_p50"], 2),
-                           ttft_loaded_ms_max=round(result["ttft_loaded_ms_max"], 2))
+            details.update(
+                e2e_seconds=round(result["seconds"], 3),
+                ttft_loaded_ms_p50=round(result["ttft_loaded_ms_p50"], 2),
+                ttft_loaded_ms_max=round(result["ttft_loaded_ms_max"], 2),
+            )
         details["compiles_after_setup"] = num_traces() - traces0
-        row = {"system": "jaxlora", "backend": group.backend, "weights": weights_label(model),
-               "batch": group.batch, "distinct_adapters": distinct,
-               "rank": group.rank, "targets": group.targets, "prompt_len": group.prompt_len,
-               "gen_len": group.gen_len, "tokens_per_s": _round(tokens_per_s, 1), "step_ms": round(step, 3),
-               "floor_step_ms": round(floor, 3), "ttft_ms": _round(ttft, 2)}
+        row = {
+            "system": "jaxlora",
+            "backend": group.backend,
+            "weights": weights_label(model),
+            "batch": group.batch,
+            "distinct_adapters": distinct,
+            "rank": group.rank,
+            "targets": group.targets,
+            "prompt_len": group.prompt_len,
+            "gen_len": group.gen_len,
+            "tokens_per_s": _round(tokens_per_s, 1),
+            "step_ms": round(step, 3),
+            "floor_step_ms": round(floor, 3),
+            "ttft_ms": _round(ttft, 2),
+        }
         emit(row, details)
     del engine, runner, source, bank
 
@@ -424,8 +526,10 @@ def validate(payload: dict) -> None:
         if missing:
             raise ValueError(f"row {i}: missing {missing}")
         if row["system"] not in SYSTEMS or row["targets"] not in TARGETS or row["weights"] not in WEIGHTS:
-            raise ValueError(f"row {i}: system {row['system']!r} / targets {row['targets']!r} / weights "
-                             f"{row['weights']!r} not allowed")
+            raise ValueError(
+                f"row {i}: system {row['system']!r} / targets {row['targets']!r} / weights "
+                f"{row['weights']!r} not allowed"
+            )
         for k in ("batch", "distinct_adapters", "rank", "prompt_len", "gen_len"):
             if not isinstance(row[k], int) or row[k] < 0:
                 raise ValueError(f"row {i}: {k}={row[k]!r} must be a non-negative int")
@@ -441,14 +545,32 @@ def hf_rows(peer: dict, model: ModelConfig, hbm: float, itemsize: int) -> list[d
     """Rows of the Hugging Face peer's results (benchmarks/hf_peer.py), floors on our bandwidth."""
     rows = []
     for r in peer["rows"]:
-        group = Group(backend="peft", rank=peer["rank"], targets="all", batch=peer["batch"],
-                      prompt_len=peer["prompt_len"], gen_len=r["gen_len"], distinct=(r["distinct_adapters"],))
-        rows.append({"system": "hf-peft", "backend": "peft" if r["distinct_adapters"] else "transformers",
-                     "weights": "bf16", "batch": peer["batch"], "distinct_adapters": r["distinct_adapters"],
-                     "rank": peer["rank"], "targets": "all", "prompt_len": peer["prompt_len"], "gen_len": r["gen_len"],
-                     "tokens_per_s": round(r["tokens_per_s"], 1), "step_ms": round(r["step_ms"], 3),
-                     "floor_step_ms": round(floor_ms(model, group, r["distinct_adapters"], hbm, itemsize), 3),
-                     "ttft_ms": round(r["ttft_ms"], 2)})
+        group = Group(
+            backend="peft",
+            rank=peer["rank"],
+            targets="all",
+            batch=peer["batch"],
+            prompt_len=peer["prompt_len"],
+            gen_len=r["gen_len"],
+            distinct=(r["distinct_adapters"],),
+        )
+        rows.append(
+            {
+                "system": "hf-peft",
+                "backend": "peft" if r["distinct_adapters"] else "transformers",
+                "weights": "bf16",
+                "batch": peer["batch"],
+                "distinct_adapters": r["distinct_adapters"],
+                "rank": peer["rank"],
+                "targets": "all",
+                "prompt_len": peer["prompt_len"],
+                "gen_len": r["gen_len"],
+                "tokens_per_s": round(r["tokens_per_s"], 1),
+                "step_ms": round(r["step_ms"], 3),
+                "floor_step_ms": round(floor_ms(model, group, r["distinct_adapters"], hbm, itemsize), 3),
+                "ttft_ms": round(r["ttft_ms"], 2),
+            }
+        )
     return rows
 
 
@@ -463,23 +585,40 @@ def targets_summary(rows: list[dict]) -> list[dict]:
 
     pallas = [r for r in jl if r["backend"] == "pallas" and r["batch"] >= 16]
     worst = max(pallas, key=lambda r: r["step_ms"] / r["floor_step_ms"], default=None)
-    out.append({"target": "every pallas decode case at batch >= 16 within 1.6x of its floor",
-                "measured": None if worst is None else round(worst["step_ms"] / worst["floor_step_ms"], 2),
-                "met": None if worst is None else all(r["step_ms"] <= 1.6 * r["floor_step_ms"] for r in pallas),
-                "detail": None if worst is None else _cell(worst) + " is the worst"})
+    out.append(
+        {
+            "target": "every pallas decode case at batch >= 16 within 1.6x of its floor",
+            "measured": None if worst is None else round(worst["step_ms"] / worst["floor_step_ms"], 2),
+            "met": None if worst is None else all(r["step_ms"] <= 1.6 * r["floor_step_ms"] for r in pallas),
+            "detail": None if worst is None else _cell(worst) + " is the worst",
+        }
+    )
     lora = find(backend="pallas", batch=64, distinct_adapters=64, rank=8, targets="qkvo", prompt_len=128)
     base = find(backend="pallas", batch=64, distinct_adapters=0, rank=8, targets="qkvo", prompt_len=128)
-    ratio = None if not (lora and base and lora["tokens_per_s"] and base["tokens_per_s"]) else \
-        lora["tokens_per_s"] / base["tokens_per_s"]
-    out.append({"target": "S-LoRA setting (r8 q,k,v,o), B=64, 64 distinct >= 85% of base-only tokens/s",
-                "measured": _round(ratio, 3), "met": None if ratio is None else ratio >= 0.85,
-                "detail": None if ratio is None else f"{lora['tokens_per_s']} vs {base['tokens_per_s']} tok/s"})
+    ratio = (
+        None
+        if not (lora and base and lora["tokens_per_s"] and base["tokens_per_s"])
+        else lora["tokens_per_s"] / base["tokens_per_s"]
+    )
+    out.append(
+        {
+            "target": "S-LoRA setting (r8 q,k,v,o), B=64, 64 distinct >= 85% of base-only tokens/s",
+            "measured": _round(ratio, 3),
+            "met": None if ratio is None else ratio >= 0.85,
+            "detail": None if ratio is None else f"{lora['tokens_per_s']} vs {base['tokens_per_s']} tok/s",
+        }
+    )
     ours = find(backend="pallas", batch=64, distinct_adapters=64, rank=16, targets="all", prompt_len=128)
     peer = next((r for r in rows if r["system"] == "hf-peft" and r["distinct_adapters"] == 64), None)
     ratio = None if not (ours and peer and ours["tokens_per_s"]) else ours["tokens_per_s"] / peer["tokens_per_s"]
-    out.append({"target": "mixed batch of 64 distinct >= 50x HF PEFT tokens/s", "measured": _round(ratio, 1),
-                "met": None if ratio is None else ratio >= 50,
-                "detail": None if ratio is None else f"{ours['tokens_per_s']} vs {peer['tokens_per_s']} tok/s"})
+    out.append(
+        {
+            "target": "mixed batch of 64 distinct >= 50x HF PEFT tokens/s",
+            "measured": _round(ratio, 1),
+            "met": None if ratio is None else ratio >= 50,
+            "detail": None if ratio is None else f"{ours['tokens_per_s']} vs {peer['tokens_per_s']} tok/s",
+        }
+    )
     losses = []
     compared = 0
     for r in pallas:
@@ -490,9 +629,14 @@ def targets_summary(rows: list[dict]) -> list[dict]:
                 compared += 1
                 if o["step_ms"] <= r["step_ms"]:
                     losses.append(f"{other} {o['step_ms']} <= pallas {r['step_ms']} ms at {_cell(r)}")
-    out.append({"target": "pallas faster than xla and ragged at every batch >= 16 (decode step)",
-                "measured": f"{compared - len(losses)}/{compared} comparisons won" if compared else None,
-                "met": None if not compared else not losses, "detail": "; ".join(losses) or None})
+    out.append(
+        {
+            "target": "pallas faster than xla and ragged at every batch >= 16 (decode step)",
+            "measured": f"{compared - len(losses)}/{compared} comparisons won" if compared else None,
+            "met": None if not compared else not losses,
+            "detail": "; ".join(losses) or None,
+        }
+    )
     return out + quantized_targets(rows)
 
 
@@ -512,15 +656,24 @@ def quantized_targets(rows: list[dict]) -> list[dict]:
             if q is None or dense is None:
                 continue
             ratio = q["step_ms"] / dense["step_ms"]
-            out.append({"target": f"{weights} decode step <= 0.6x the bf16 step ({backend}, B=64, 64 distinct r16/all)",
-                        "measured": round(ratio, 3), "met": ratio <= 0.6,
-                        "detail": f"{q['step_ms']} vs {dense['step_ms']} ms"})
+            out.append(
+                {
+                    "target": f"{weights} decode step <= 0.6x the bf16 step ({backend}, B=64, 64 distinct r16/all)",
+                    "measured": round(ratio, 3),
+                    "met": ratio <= 0.6,
+                    "detail": f"{q['step_ms']} vs {dense['step_ms']} ms",
+                }
+            )
     quantized = [r for r in jl if r["weights"] in QUANTIZED]
     worst = max(quantized, key=lambda r: r["step_ms"] / r["floor_step_ms"], default=None)
-    out.append({"target": "every quantized decode step within 1.5x its floor (1-byte weights + scales)",
-                "measured": None if worst is None else round(worst["step_ms"] / worst["floor_step_ms"], 2),
-                "met": None if worst is None else all(r["step_ms"] <= 1.5 * r["floor_step_ms"] for r in quantized),
-                "detail": None if worst is None else f"{worst['weights']} {worst['backend']} {_cell(worst)} is the worst"})
+    out.append(
+        {
+            "target": "every quantized decode step within 1.5x its floor (1-byte weights + scales)",
+            "measured": None if worst is None else round(worst["step_ms"] / worst["floor_step_ms"], 2),
+            "met": None if worst is None else all(r["step_ms"] <= 1.5 * r["floor_step_ms"] for r in quantized),
+            "detail": None if worst is None else f"{worst['weights']} {worst['backend']} {_cell(worst)} is the worst",
+        }
+    )
     return out
 
 
@@ -529,19 +682,46 @@ def _cell(r: dict) -> str:
 
 
 def write_markdown(payload: dict, out: Path) -> None:
-    cols = ["system", "backend", "weights", "batch", "distinct_adapters", "rank", "targets", "prompt_len", "gen_len",
-            "tokens_per_s", "step_ms", "floor_step_ms", "x_floor", "ttft_ms"]
-    lines = [f"# End to end, {payload.get('model', 'llama-2-7b-shape')} ({payload['device']}, jax {payload['jax_version']})", "",
-             f"Command: `{payload['command']}`", "",
-             f"HBM (device-to-device copy, read + written, this run): {payload['hbm_GBps']:.0f} GB/s"
-             + (f"; torch copy in the peer process: {payload['hf_peer']['copy_GBps']:.0f} GB/s"
-                if payload.get("hf_peer", {}).get("copy_GBps") else "") + ".",
-             "tokens_per_s: end to end through the engine (all requests submitted at once, prefill included); "
-             "step_ms: the jitted decode step at the mean context; ttft_ms: one prefill call on an idle engine. "
-             "x_floor = step_ms / floor_step_ms.", ""]
+    cols = [
+        "system",
+        "backend",
+        "weights",
+        "batch",
+        "distinct_adapters",
+        "rank",
+        "targets",
+        "prompt_len",
+        "gen_len",
+        "tokens_per_s",
+        "step_ms",
+        "floor_step_ms",
+        "x_floor",
+        "ttft_ms",
+    ]
+    lines = [
+        f"# End to end, {payload.get('model', 'llama-2-7b-shape')} ({payload['device']}, jax {payload['jax_version']})",
+        "",
+        f"Command: `{payload['command']}`",
+        "",
+        f"HBM (device-to-device copy, read + written, this run): {payload['hbm_GBps']:.0f} GB/s"
+        + (
+            f"; torch copy in the peer process: {payload['hf_peer']['copy_GBps']:.0f} GB/s"
+            if payload.get("hf_peer", {}).get("copy_GBps")
+            else ""
+        )
+        + ".",
+        "tokens_per_s: end to end through the engine (all requests submitted at once, prefill included); "
+        "step_ms: the jitted decode step at the mean context; ttft_ms: one prefill call on an idle engine. "
+        "x_floor = step_ms / floor_step_ms.",
+        "",
+    ]
     if payload.get("weights_bytes"):
-        lines += ["Device memory for the base weights: " + ", ".join(
-            f"{w} {b / 1e9:.2f} GB" for w, b in payload["weights_bytes"].items()) + ".", ""]
+        lines += [
+            "Device memory for the base weights: "
+            + ", ".join(f"{w} {b / 1e9:.2f} GB" for w, b in payload["weights_bytes"].items())
+            + ".",
+            "",
+        ]
     if payload.get("targets"):
         lines += ["## Targets", "", "| target | measured | met | detail |", "|---|---|---|---|"]
         lines += [f"| {t['target']} | {t['measured']} | {t['met']} | {t['detail'] or ''} |" for t in payload["targets"]]
@@ -549,8 +729,11 @@ def write_markdown(payload: dict, out: Path) -> None:
     lines += ["## Cells", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in payload["rows"]:
         x = None if not r["step_ms"] or not r["floor_step_ms"] else round(r["step_ms"] / r["floor_step_ms"], 2)
-        lines.append("| " + " | ".join("-" if v is None else str(v) for v in
-                                       (x if c == "x_floor" else r[c] for c in cols)) + " |")
+        lines.append(
+            "| "
+            + " | ".join("-" if v is None else str(v) for v in (x if c == "x_floor" else r[c] for c in cols))
+            + " |"
+        )
     if payload.get("not_run"):
         lines += ["", "## Not run", ""]
         lines += [f"- {n['group']}: {n['reason']}" for n in payload["not_run"]]
@@ -562,21 +745,37 @@ def write_markdown(payload: dict, out: Path) -> None:
 def write_plots(payload: dict, out: Path) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return
     rows = payload["rows"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    keys = sorted({(r["system"], r["backend"], r["batch"], r["rank"], r["targets"], r["prompt_len"]) for r in rows
-                   if r["tokens_per_s"] is not None})
+    keys = sorted(
+        {
+            (r["system"], r["backend"], r["batch"], r["rank"], r["targets"], r["prompt_len"])
+            for r in rows
+            if r["tokens_per_s"] is not None
+        }
+    )
     for key in keys:
-        rs = sorted((r for r in rows if (r["system"], r["backend"], r["batch"], r["rank"], r["targets"],
-                                         r["prompt_len"]) == key and r["tokens_per_s"] is not None),
-                    key=lambda r: r["distinct_adapters"])
+        rs = sorted(
+            (
+                r
+                for r in rows
+                if (r["system"], r["backend"], r["batch"], r["rank"], r["targets"], r["prompt_len"]) == key
+                and r["tokens_per_s"] is not None
+            ),
+            key=lambda r: r["distinct_adapters"],
+        )
         system, backend, batch, rank, targets, prompt = key
-        ax.plot([r["distinct_adapters"] for r in rs], [r["tokens_per_s"] for r in rs],
-                "s--" if system == "hf-peft" else "o-", label=f"{backend} B={batch} r{rank}/{targets} P={prompt}")
+        ax.plot(
+            [r["distinct_adapters"] for r in rs],
+            [r["tokens_per_s"] for r in rs],
+            "s--" if system == "hf-peft" else "o-",
+            label=f"{backend} B={batch} r{rank}/{targets} P={prompt}",
+        )
     ax.set_xscale("symlog", linthresh=1)
     ax.set_yscale("log")
     ax.set_xlabel("distinct adapters in the batch (0 = base only)")
@@ -592,8 +791,12 @@ def write_plots(payload: dict, out: Path) -> None:
     jl = [r for r in rows if r["system"] == "jaxlora"]
     for backend in dict.fromkeys(r["backend"] for r in jl):
         rs = [r for r in jl if r["backend"] == backend]
-        ax.scatter([r["floor_step_ms"] for r in rs], [r["step_ms"] for r in rs], marker=markers.get(backend, "o"),
-                   label=backend)
+        ax.scatter(
+            [r["floor_step_ms"] for r in rs],
+            [r["step_ms"] for r in rs],
+            marker=markers.get(backend, "o"),
+            label=backend,
+        )
     if jl:
         lo = min(r["floor_step_ms"] for r in jl) * 0.8
         hi = max(max(r["step_ms"] for r in jl), max(r["floor_step_ms"] for r in jl)) * 1.2
@@ -646,7 +849,8 @@ def add_peer(payload: dict, peer: dict) -> None:
     if any(r["gen_len"] != 128 for r in peer["rows"]):
         payload.setdefault("notes", []).append(
             "HF PEFT ran fewer generated tokens than 128 where its gen_len column says so (a mixed-adapter "
-            "step costs seconds there); its tokens/s includes its prefill, like ours.")
+            "step costs seconds there); its tokens/s includes its prefill, like ours."
+        )
 
 
 # -- driver -----------------------------------------------------------------------------------------
@@ -696,8 +900,9 @@ def run(opts: Options) -> dict:
     dtype = jnp.float32 if opts.tiny else jnp.bfloat16
     plan = tiny_plan(opts.backends) if opts.tiny else [g for g in h200_plan() if g.backend in opts.backends]
     plan = with_weights(plan, opts.weights)
-    print(f"device {dev.device_kind}, jax {jax.__version__}, {len(plan)} groups, budget {opts.budget_s:.0f} s",
-          flush=True)
+    print(
+        f"device {dev.device_kind}, jax {jax.__version__}, {len(plan)} groups, budget {opts.budget_s:.0f} s", flush=True
+    )
     hbm = hbm_gbps(1 << 20 if opts.tiny else 1 << 31)
     print(f"HBM copy {hbm:.0f} GB/s", flush=True)
     dense = random_model(model_cfg, dtype=dtype)
@@ -705,21 +910,31 @@ def run(opts: Options) -> dict:
     models = base_models(dense, opts.weights)
     del dense  # freed unless "bf16" is among the formats
     weights_bytes = {weights_label(m): weight_nbytes(m.flat_params()) for m in models.values()}
-    print("weights on the device: " + ", ".join(f"{w} {b / 1e9:.2f} GB" for w, b in weights_bytes.items()),
-          flush=True)
+    print("weights on the device: " + ", ".join(f"{w} {b / 1e9:.2f} GB" for w, b in weights_bytes.items()), flush=True)
     tokenizer = word_tokenizer(model_cfg.vocab_size)
-    payload = {"device": str(dev.device_kind), "jax_version": jax.__version__, "hbm_GBps": round(hbm, 1),
-               "tensor_parallel": opts.tensor_parallel, "weights_bytes": weights_bytes,
-               "model": model_cfg.name, "command": opts.command, "rows": [], "details": [], "not_run": [],
-               "notes": []}
+    payload = {
+        "device": str(dev.device_kind),
+        "jax_version": jax.__version__,
+        "hbm_GBps": round(hbm, 1),
+        "tensor_parallel": opts.tensor_parallel,
+        "weights_bytes": weights_bytes,
+        "model": model_cfg.name,
+        "command": opts.command,
+        "rows": [],
+        "details": [],
+        "not_run": [],
+        "notes": [],
+    }
     if opts.merge_json is not None:
         earlier = json.loads(opts.merge_json.read_text())
         _label_dense_rows(earlier)
         kept = [(r, d) for r, d in zip(earlier["rows"], earlier["details"]) if r["system"] == "jaxlora"]
         payload["rows"] += [r for r, _ in kept]
         payload["details"] += [d for _, d in kept]
-        payload["notes"].append(f"rows of plan groups before #{opts.skip_groups} come from an earlier device call "
-                                f"({earlier.get('command', '?')}), HBM {earlier.get('hbm_GBps')} GB/s there")
+        payload["notes"].append(
+            f"rows of plan groups before #{opts.skip_groups} come from an earlier device call "
+            f"({earlier.get('command', '?')}), HBM {earlier.get('hbm_GBps')} GB/s there"
+        )
     if opts.hf_peer is not None and opts.hf_peer.exists():
         add_peer(payload, json.loads(opts.hf_peer.read_text()))
     elif opts.hf_peer is not None:
@@ -737,13 +952,21 @@ def run(opts: Options) -> dict:
             continue
         left = deadline - time.perf_counter()
         if left < est_s * (1 if group.e2e else 0.6):
-            payload["not_run"] += [{"group": g.label, "reason": f"wall-clock budget ({opts.budget_s:.0f} s) spent"}
-                                   for g in plan[i:]]
+            payload["not_run"] += [
+                {"group": g.label, "reason": f"wall-clock budget ({opts.budget_s:.0f} s) spent"} for g in plan[i:]
+            ]
             break
         print(f"[{i}] {group.label} ({left:.0f} s left)", flush=True)
         try:
-            run_group(group, models[group.quantization], tokenizer, hbm=hbm, steps=opts.steps, emit=emit,
-                      tensor_parallel=opts.tensor_parallel)
+            run_group(
+                group,
+                models[group.quantization],
+                tokenizer,
+                hbm=hbm,
+                steps=opts.steps,
+                emit=emit,
+                tensor_parallel=opts.tensor_parallel,
+            )
         except Exception as e:  # one broken group must not lose the others
             payload["not_run"].append({"group": group.label, "reason": f"failed: {type(e).__name__}: {e}"[:500]})
             print(f"  FAILED {type(e).__name__}: {e}", flush=True)
@@ -756,7 +979,8 @@ def run(opts: Options) -> dict:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from jaxlora.cli.bench import add_args, run as run_cli
+    from jaxlora.cli.bench import add_args
+    from jaxlora.cli.bench import run as run_cli
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p)

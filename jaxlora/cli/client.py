@@ -14,8 +14,11 @@ import sys
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--api-key", default=os.environ.get("JAXLORA_API_KEY"),
-                   help="sent as 'authorization: Bearer KEY' (default: $JAXLORA_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("JAXLORA_API_KEY"),
+        help="sent as 'authorization: Bearer KEY' (default: $JAXLORA_API_KEY)",
+    )
     p.add_argument("--adapter", default="", help="adapter name (default: the base model)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="a user message (chat template applied; --raw: text to complete as is)")
@@ -59,8 +62,16 @@ def run(args: argparse.Namespace) -> int:
 def _stream(client, args: argparse.Namespace) -> int:
     chat = dict(prompt=args.prompt) if args.raw else dict(messages=[{"role": "user", "content": args.prompt}])
     last = None
-    for chunk in client.stream(adapter=args.adapter, max_tokens=args.max_tokens, temperature=args.temperature,
-                               top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, **chat):
+    for chunk in client.stream(
+        adapter=args.adapter,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        **chat,
+    ):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         last = chunk
@@ -69,6 +80,5 @@ def _stream(client, args: argparse.Namespace) -> int:
         from serving.gen import inference_pb2 as pb
 
         reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
-        print(f"[{reason}; {last.prompt_tokens} prompt + {last.completion_tokens} completion tokens]",
-              file=sys.stderr)
+        print(f"[{reason}; {last.prompt_tokens} prompt + {last.completion_tokens} completion tokens]", file=sys.stderr)
     return 0

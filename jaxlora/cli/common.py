@@ -17,16 +17,22 @@ def warmup_progress(what: str, k: int, n: int) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="GGUF file, Hugging Face folder or converted checkpoint (default: the embedded "
-                        "SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file, Hugging Face folder or converted checkpoint (default: the embedded SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter/activation dtype")
 
 
 def add_quantize_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quantize", choices=("fp8", "int8"), default=None,
-                   help="store the seven projections weight-only quantized, one scale per output channel "
-                        "(default: dense; a checkpoint converted with --quantize loads quantized)")
+    p.add_argument(
+        "--quantize",
+        choices=("fp8", "int8"),
+        default=None,
+        help="store the seven projections weight-only quantized, one scale per output channel "
+        "(default: dense; a checkpoint converted with --quantize loads quantized)",
+    )
 
 
 class AdapterFlag(argparse.Action):
@@ -48,7 +54,8 @@ class AdapterFlag(argparse.Action):
         if name in adapters:
             raise argparse.ArgumentError(self, f"{name!r} is given twice ({adapters[name]} and {path})")
         if not (Path(path) / "adapter_config.json").is_file():
-            raise argparse.ArgumentError(self, f"{name}={path}: no adapter_config.json there (not a PEFT "
-                                               "adapter folder)")
+            raise argparse.ArgumentError(
+                self, f"{name}={path}: no adapter_config.json there (not a PEFT adapter folder)"
+            )
         adapters[name] = path
         setattr(namespace, self.dest, adapters)

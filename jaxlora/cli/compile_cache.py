@@ -53,8 +53,10 @@ def enable(environ: dict[str, str] | None = None) -> Path | None:
     except OSError as e:
         import sys
 
-        print(f"jaxlora: compilation cache off ({folder}: {e.strerror}); set {ENV} to a writable folder "
-              f"or to '{OFF}'", file=sys.stderr)
+        print(
+            f"jaxlora: compilation cache off ({folder}: {e.strerror}); set {ENV} to a writable folder or to '{OFF}'",
+            file=sys.stderr,
+        )
         return None
     import jax
 

@@ -12,8 +12,12 @@ from jaxlora.errors import ModelLoadError
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", nargs="?", default=None,
-                   help="GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "source",
+        nargs="?",
+        default=None,
+        help="GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--out", required=True, type=Path, help="output folder, e.g. checkpoints/smollm2-135m")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     add_quantize_arg(p)
@@ -31,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"jaxlora convert: {e}", file=sys.stderr)
         return 2
     weights = f" ({args.quantize} projections)" if args.quantize else ""
-    print(f"converted {args.source or 'default model'} -> {args.out}{weights}: load {load_s:.2f}s from the source, "
-          f"{fast_s:.2f}s from the converted checkpoint")
+    print(
+        f"converted {args.source or 'default model'} -> {args.out}{weights}: load {load_s:.2f}s from the source, "
+        f"{fast_s:.2f}s from the converted checkpoint"
+    )
     return 0

@@ -23,8 +23,12 @@ DEFAULT_PROMPTS = (
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, adapters_help="also register this PEFT adapter folder")
-    p.add_argument("--demo-dir", type=Path, default=None,
-                   help="folder of demo adapters, one PEFT folder each (default: checkpoints/demo)")
+    p.add_argument(
+        "--demo-dir",
+        type=Path,
+        default=None,
+        help="folder of demo adapters, one PEFT folder each (default: checkpoints/demo)",
+    )
     p.add_argument("--prompt", action="append", default=None, help="prompt to ask (repeatable)")
     p.add_argument("--max-tokens", type=int, default=48)
 
@@ -47,15 +51,30 @@ def run(args: argparse.Namespace) -> int:
         adapters = demo_adapters(folder) if folder.is_dir() else {}
         engine = build_engine(args, extra_adapters=adapters)
         names = [None, *{**adapters, **args.adapter}]
-        print(f"base model + {len(names) - 1} adapters ({', '.join(map(str, names[1:]))}) x {len(prompts)} "
-              f"prompts = {len(names) * len(prompts)} rows in one continuous batch; warming up...",
-              file=sys.stderr, flush=True)
+        print(
+            f"base model + {len(names) - 1} adapters ({', '.join(map(str, names[1:]))}) x {len(prompts)} "
+            f"prompts = {len(names) * len(prompts)} rows in one continuous batch; warming up...",
+            file=sys.stderr,
+            flush=True,
+        )
         engine.warmup(progress=warmup_progress)
         start = time.perf_counter()
-        handles = [(name, prompt, engine.submit(GenerationRequest(
-            request_id=f"{i}-{j}", messages=[{"role": "user", "content": prompt}], adapter=name,
-            sampling=SamplingParams(max_tokens=args.max_tokens))))
-            for i, prompt in enumerate(prompts) for j, name in enumerate(names)]
+        handles = [
+            (
+                name,
+                prompt,
+                engine.submit(
+                    GenerationRequest(
+                        request_id=f"{i}-{j}",
+                        messages=[{"role": "user", "content": prompt}],
+                        adapter=name,
+                        sampling=SamplingParams(max_tokens=args.max_tokens),
+                    )
+                ),
+            )
+            for i, prompt in enumerate(prompts)
+            for j, name in enumerate(names)
+        ]
     except (JaxloraError, ValueError, OSError) as e:
         print(f"jaxlora demo: {e}", file=sys.stderr)
         return 2
@@ -74,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"  [{name or 'base'}] (shows: {shows})")
             print(textwrap.indent(textwrap.fill(text, 96), "      "))
     stats = engine.stats()
-    print(f"\n{len(handles)} rows, {tokens} tokens in {seconds:.1f}s ({tokens / seconds:.1f} tok/s), "
-          f"compiles after warm-up: {stats.get('compiles_after_warmup')}", file=sys.stderr)
+    print(
+        f"\n{len(handles)} rows, {tokens} tokens in {seconds:.1f}s ({tokens / seconds:.1f} tok/s), "
+        f"compiles after warm-up: {stats.get('compiles_after_warmup')}",
+        file=sys.stderr,
+    )
     return 0

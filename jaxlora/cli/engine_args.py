@@ -19,26 +19,52 @@ def add_engine_args(p: argparse.ArgumentParser, *, adapters_help: str = "registe
     add_quantize_arg(p)
     p.set_defaults(dtype=None)  # None: the engine config's dtype decides
     p.add_argument("--config", type=Path, default=None, help="engine config YAML (see configs/)")
-    p.add_argument("--adapter", action=AdapterFlag, default={}, metavar="NAME=PATH",
-                   help=f"{adapters_help} under NAME (repeatable)")
+    p.add_argument(
+        "--adapter",
+        action=AdapterFlag,
+        default={},
+        metavar="NAME=PATH",
+        help=f"{adapters_help} under NAME (repeatable)",
+    )
     p.add_argument("--max-slots", type=int, default=None, help="device adapter slots, slot 0 (base) included")
-    p.add_argument("--max-lora-rank", type=int, default=None,
-                   help="largest adapter rank the bank holds (default: the config's, or the largest rank of "
-                        "the --adapter folders if that is larger)")
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        help="largest adapter rank the bank holds (default: the config's, or the largest rank of "
+        "the --adapter folders if that is larger)",
+    )
     p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory at most")
-    p.add_argument("--prefetch-adapters", type=int, default=None, metavar="N",
-                   help="page in the adapters of up to N waiting requests ahead of admission, 0 = off "
-                        "(default: the config's, 16)")
-    p.add_argument("--lora-backend", choices=[b.value for b in LoraBackend], default=None,
-                   help="how the per-row LoRA term is computed (default: the config's)")
-    p.add_argument("--attention", choices=("auto", "pallas", "xla"), default=None,
-                   help="decode attention: the Pallas kernel, XLA, or auto (Pallas on GPU; the config's by default)")
+    p.add_argument(
+        "--prefetch-adapters",
+        type=int,
+        default=None,
+        metavar="N",
+        help="page in the adapters of up to N waiting requests ahead of admission, 0 = off (default: the config's, 16)",
+    )
+    p.add_argument(
+        "--lora-backend",
+        choices=[b.value for b in LoraBackend],
+        default=None,
+        help="how the per-row LoRA term is computed (default: the config's)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=("auto", "pallas", "xla"),
+        default=None,
+        help="decode attention: the Pallas kernel, XLA, or auto (Pallas on GPU; the config's by default)",
+    )
     add_tensor_parallel_arg(p)
 
 
 def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
-                   help="split every layer over N devices (default: the config's mesh.tensor, 1)")
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split every layer over N devices (default: the config's mesh.tensor, 1)",
+    )
 
 
 def with_tensor_parallel(config, tensor_parallel: int | None):
@@ -64,8 +90,11 @@ def engine_config(args: argparse.Namespace, adapters: dict[str, str] | None = No
 
         folders = (args.adapter if adapters is None else adapters).values()
         max_rank = max([config.lora.max_rank, *(read_lora_spec(f).max_rank for f in folders)])
-    lora_overrides = {k: v for k, v in (("max_slots", args.max_slots), ("max_rank", max_rank),
-                                        ("backend", args.lora_backend)) if v is not None}
+    lora_overrides = {
+        k: v
+        for k, v in (("max_slots", args.max_slots), ("max_rank", max_rank), ("backend", args.lora_backend))
+        if v is not None
+    }
     config = dataclasses.replace(config, lora=dataclasses.replace(config.lora, **lora_overrides))
     if args.dtype is not None:
         config = dataclasses.replace(config, dtype=args.dtype)
@@ -121,6 +150,10 @@ def _host_capacity(args: argparse.Namespace, config, slot_bytes: int) -> int:
         memory = machine_memory_bytes()
         capacity = default_host_capacity_bytes(memory)
         origin = f"{HOST_SHARE:.0%} of this machine's {memory / 2**30:.1f} GiB; --max-cpu-loras N to change"
-    print(f"host adapter memory: {capacity / 2**30:.2f} GiB, room for {capacity // slot_bytes} adapters of "
-          f"{slot_bytes / 2**20:.1f} MiB ({origin})", file=sys.stderr, flush=True)
+    print(
+        f"host adapter memory: {capacity / 2**30:.2f} GiB, room for {capacity // slot_bytes} adapters of "
+        f"{slot_bytes / 2**20:.1f} MiB ({origin})",
+        file=sys.stderr,
+        flush=True,
+    )
     return capacity

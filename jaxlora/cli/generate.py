@@ -15,14 +15,19 @@ from jaxlora.errors import JaxloraError
 def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--prompt", help="one user message (the chat template is applied; --raw: text to "
-                                       "complete as is); the reply goes to stdout")
+    mode.add_argument(
+        "--prompt",
+        help="one user message (the chat template is applied; --raw: text to complete as is); the reply goes to stdout",
+    )
     mode.add_argument("--input", type=Path, help="requests, one JSON object per line")
     p.add_argument("--output", type=Path, help="results JSONL for --input (appended; re-running resumes)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace what --output holds instead of resuming from it")
-    p.add_argument("--use", default=None, metavar="NAME",
-                   help="adapter for --prompt, one of the --adapter names (default: base model)")
+    p.add_argument("--overwrite", action="store_true", help="replace what --output holds instead of resuming from it")
+    p.add_argument(
+        "--use",
+        default=None,
+        metavar="NAME",
+        help="adapter for --prompt, one of the --adapter names (default: base model)",
+    )
     p.add_argument("--raw", action="store_true", help="send --prompt as raw text, without the chat template")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -65,8 +70,9 @@ def _run_prompt(args: argparse.Namespace) -> int:
 
     try:
         engine = build_engine(args)
-        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                  top_k=args.top_k, seed=args.seed)
+        sampling = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+        )
         prompt = {"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}
         engine.warmup(progress=warmup_progress)
         start = time.perf_counter()
@@ -82,6 +88,5 @@ def _run_prompt(args: argparse.Namespace) -> int:
         return 1
     print(result.text)
     n = len(result.token_ids)
-    print(f"[{n} tokens in {seconds:.2f}s, {n / seconds:.1f} tok/s, finish: {result.finish_reason}]",
-          file=sys.stderr)
+    print(f"[{n} tokens in {seconds:.2f}s, {n / seconds:.1f} tok/s, finish: {result.finish_reason}]", file=sys.stderr)
     return 0

@@ -23,13 +23,14 @@ def run(args: argparse.Namespace) -> int:
     from jaxlora.lora.peft_format import load_peft_adapter
 
     if not (args.adapter / "adapter_config.json").is_file():  # before the model loads
-        print(f"jaxlora merge: error: --adapter {args.adapter}: no adapter_config.json there (not a PEFT "
-              "adapter folder)", file=sys.stderr)
+        print(
+            f"jaxlora merge: error: --adapter {args.adapter}: no adapter_config.json there (not a PEFT adapter folder)",
+            file=sys.stderr,
+        )
         return 2
     try:
         model, tok = load_model(args.model, dtype=DTYPES[args.dtype])
-        adapter = load_peft_adapter(args.adapter, name=_name(args.adapter), model_config=model.config,
-                                    max_rank=1 << 30)
+        adapter = load_peft_adapter(args.adapter, name=_name(args.adapter), model_config=model.config, max_rank=1 << 30)
         save_hf_folder(model, tok, args.out, merged_params(model, adapter.weights))
     except (JaxloraError, OSError) as e:
         print(f"jaxlora merge: {e}", file=sys.stderr)

@@ -24,15 +24,30 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, adapters_help="register a PEFT adapter folder at start-up")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port; printed at start)")
-    p.add_argument("--http-port", type=int, default=None,
-                   help="also serve the OpenAI-compatible HTTP API on this port (0: any free port)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API on this port (0: any free port)",
+    )
     p.add_argument("--no-grpc", action="store_true", help="serve HTTP only (needs --http-port)")
-    p.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
-                   help="folder LoadAdapter may read adapters from (repeatable; none: no runtime loading)")
-    p.add_argument("--api-key", default=os.environ.get("JAXLORA_API_KEY"),
-                   help="require 'authorization: Bearer KEY' on every RPC (default: $JAXLORA_API_KEY)")
-    p.add_argument("--admin-key", default=os.environ.get("JAXLORA_ADMIN_KEY"),
-                   help="require this key for LoadAdapter/UnloadAdapter (default: $JAXLORA_ADMIN_KEY)")
+    p.add_argument(
+        "--adapter-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="folder LoadAdapter may read adapters from (repeatable; none: no runtime loading)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("JAXLORA_API_KEY"),
+        help="require 'authorization: Bearer KEY' on every RPC (default: $JAXLORA_API_KEY)",
+    )
+    p.add_argument(
+        "--admin-key",
+        default=os.environ.get("JAXLORA_ADMIN_KEY"),
+        help="require this key for LoadAdapter/UnloadAdapter (default: $JAXLORA_ADMIN_KEY)",
+    )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--max-concurrent-streams", type=int, default=256, help="Generate calls in flight at most")
     p.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight streams get at shutdown")
@@ -56,8 +71,11 @@ def run(args: argparse.Namespace) -> int:
     stop.wait()
     print("jaxlora serve: shutting down", file=sys.stderr, flush=True)
     finished = server.shutdown(args.grace_period)
-    print(f"jaxlora serve: stopped ({'all streams finished' if finished else 'some streams were cancelled'})",
-          file=sys.stderr, flush=True)
+    print(
+        f"jaxlora serve: stopped ({'all streams finished' if finished else 'some streams were cancelled'})",
+        file=sys.stderr,
+        flush=True,
+    )
     return 0
 
 
@@ -74,12 +92,18 @@ def _build(args: argparse.Namespace):
     if args.no_grpc and args.http_port is None:
         raise ValueError("--no-grpc needs --http-port")
     # Options and adapter roots are checked before the model loads, so a typo fails at once.
-    options = ServerOptions(host=args.host, port=None if args.no_grpc else args.port, http_port=args.http_port,
-                            api_key=args.api_key or None,
-                            admin_key=args.admin_key or None, adapter_roots=tuple(args.adapter_root),
-                            metrics_port=args.metrics_port, max_concurrent_streams=args.max_concurrent_streams,
-                            grace_seconds=args.grace_period,
-                            model_name=str(args.model) if args.model else "SmolLM2-135M-Instruct")
+    options = ServerOptions(
+        host=args.host,
+        port=None if args.no_grpc else args.port,
+        http_port=args.http_port,
+        api_key=args.api_key or None,
+        admin_key=args.admin_key or None,
+        adapter_roots=tuple(args.adapter_root),
+        metrics_port=args.metrics_port,
+        max_concurrent_streams=args.max_concurrent_streams,
+        grace_seconds=args.grace_period,
+        model_name=str(args.model) if args.model else "SmolLM2-135M-Instruct",
+    )
     AdapterRoots(options.adapter_roots)
     engine = build_engine(args)
     server, _ = build_server(engine, options)

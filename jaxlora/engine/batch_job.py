@@ -65,8 +65,9 @@ def run_batch_job(args: argparse.Namespace) -> int:
 
     try:
         lines = read_input(args.input)
-        results = ResultsFile.open(args.output, input_path=args.input, expected=[x.fingerprint for x in lines],
-                                   overwrite=args.overwrite)
+        results = ResultsFile.open(
+            args.output, input_path=args.input, expected=[x.fingerprint for x in lines], overwrite=args.overwrite
+        )
     except ResultsFileError as e:
         print(f"jaxlora generate: {e}", file=sys.stderr)
         return 2
@@ -105,7 +106,7 @@ class BatchJob:
         self.progress = progress
 
     def run(self) -> dict[str, Any]:
-        todo = self.lines[self.results.num_done:]
+        todo = self.lines[self.results.num_done :]
         start = time.perf_counter()
         stats_before = self.engine.stats()
         with self._bar(len(todo)) as bar:
@@ -170,25 +171,46 @@ def _parse_line(number: int, text: str) -> _Line:
         return line
     cid = obj.get("custom_id")
     has_id = isinstance(cid, (str, int)) and not isinstance(cid, bool)
-    line = _Line(number=number, request_hash=digest, custom_id=cid, has_id=has_id,
-                 adapter=obj.get("adapter") if isinstance(obj.get("adapter"), str) else None)
+    line = _Line(
+        number=number,
+        request_hash=digest,
+        custom_id=cid,
+        has_id=has_id,
+        adapter=obj.get("adapter") if isinstance(obj.get("adapter"), str) else None,
+    )
     try:
         if not has_id:
             raise JaxloraError(f"line {number}: custom_id must be a string or an integer")
         sampling = SamplingParams(**{k: obj[k] for k in _SAMPLING_FIELDS if obj.get(k) is not None})
-        line.request = GenerationRequest(request_id=f"line-{number}", prompt=obj.get("prompt"),
-                                         messages=obj.get("messages"), adapter=obj.get("adapter") or None,
-                                         sampling=sampling)
+        line.request = GenerationRequest(
+            request_id=f"line-{number}",
+            prompt=obj.get("prompt"),
+            messages=obj.get("messages"),
+            adapter=obj.get("adapter") or None,
+            sampling=sampling,
+        )
     except (JaxloraError, TypeError) as e:
         line.record = _error_record(line, str(e))
     return line
 
 
 def _result_record(line: _Line, result: FinalOutput) -> dict[str, Any]:
-    return {**line.fingerprint, "adapter": line.adapter, "text": result.text, "token_ids": list(result.token_ids),
-            "finish_reason": result.finish_reason.value, "error": result.error}
+    return {
+        **line.fingerprint,
+        "adapter": line.adapter,
+        "text": result.text,
+        "token_ids": list(result.token_ids),
+        "finish_reason": result.finish_reason.value,
+        "error": result.error,
+    }
 
 
 def _error_record(line: _Line, error: str) -> dict[str, Any]:
-    return {**line.fingerprint, "adapter": line.adapter, "text": "", "token_ids": [], "finish_reason": "error",
-            "error": error}
+    return {
+        **line.fingerprint,
+        "adapter": line.adapter,
+        "text": "",
+        "token_ids": [],
+        "finish_reason": "error",
+        "error": error,
+    }

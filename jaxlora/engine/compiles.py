@@ -55,5 +55,7 @@ def check_no_compiles(before: int, what: str) -> None:
     """Raises RuntimeError if a backend compile happened since `before` (a `backend_compiles()` value)."""
     compiled = backend_compiles() - before
     if compiled:
-        raise RuntimeError(f"{what} compiled {compiled} program(s): its time would include XLA compiles; "
-                           "warm up with the arguments (and their placement) the timed calls use")
+        raise RuntimeError(
+            f"{what} compiled {compiled} program(s): its time would include XLA compiles; "
+            "warm up with the arguments (and their placement) the timed calls use"
+        )

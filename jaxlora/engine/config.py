@@ -69,8 +69,7 @@ class EngineConfig:
     prefetch_adapters: int = 16
 
     def __post_init__(self) -> None:
-        for field in ("max_batch", "max_seq_len", "page_size", "max_new_tokens_limit", "max_queue",
-                      "max_wait_steps"):
+        for field in ("max_batch", "max_seq_len", "page_size", "max_new_tokens_limit", "max_queue", "max_wait_steps"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
         budgets = tuple(int(b) for b in self.token_budgets)
@@ -78,17 +77,22 @@ class EngineConfig:
         if not budgets or list(budgets) != sorted(set(budgets)) or budgets[0] < 1:
             raise ValueError(f"token_budgets={budgets} must be non-empty, positive, sorted and distinct")
         if budgets[-1] < self.max_batch:
-            raise ValueError(f"the largest token budget {budgets[-1]} must be >= max_batch={self.max_batch} "
-                             "(every running row decodes one token per step)")
+            raise ValueError(
+                f"the largest token budget {budgets[-1]} must be >= max_batch={self.max_batch} "
+                "(every running row decodes one token per step)"
+            )
         pages_per_seq = -(-self.max_seq_len // self.page_size)
         if self.num_pages is not None and self.num_pages < pages_per_seq:
-            raise ValueError(f"num_pages={self.num_pages} must hold one sequence of max_seq_len={self.max_seq_len} "
-                             f"({pages_per_seq} pages of {self.page_size})")
+            raise ValueError(
+                f"num_pages={self.num_pages} must hold one sequence of max_seq_len={self.max_seq_len} "
+                f"({pages_per_seq} pages of {self.page_size})"
+            )
         if not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1]")
         if self.max_new_tokens_limit >= self.max_seq_len:
-            raise ValueError(f"max_new_tokens_limit={self.max_new_tokens_limit} must be < "
-                             f"max_seq_len={self.max_seq_len}")
+            raise ValueError(
+                f"max_new_tokens_limit={self.max_new_tokens_limit} must be < max_seq_len={self.max_seq_len}"
+            )
         cap = self.max_adapters_per_batch
         if cap is not None and not 1 <= cap <= self.lora.max_slots - 1:
             raise ValueError(f"max_adapters_per_batch={cap} must be in [1, max_slots-1={self.lora.max_slots - 1}]")
@@ -107,7 +111,7 @@ class EngineConfig:
         return jnp.dtype(self.dtype)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "EngineConfig":
+    def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
         d = dict(d)
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
@@ -124,7 +128,7 @@ class EngineConfig:
         return cls(**d)
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "EngineConfig":
+    def from_yaml(cls, path: str | Path) -> EngineConfig:
         """Reads a preset; the YAML may hold the fields at top level or under an `engine:` key."""
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):

@@ -36,7 +36,7 @@ class Detokenizer:
             search_from = max(0, before - self._max_stop + 1)
             hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
             if hits:
-                self.text = self.text[:min(hits)]
+                self.text = self.text[: min(hits)]
                 return self.flush(), True
         return self._take(len(self.text) - self._partial_stop_len()), False
 
@@ -49,13 +49,13 @@ class Detokenizer:
 
     def _take(self, end: int) -> str:
         end = max(end, self._num_emitted)
-        out = self.text[self._num_emitted:end]
+        out = self.text[self._num_emitted : end]
         self._num_emitted = end
         return out
 
     def _partial_stop_len(self) -> int:
         """Length of the longest unemitted tail that is a proper prefix of some stop string."""
-        tail = self.text[self._num_emitted:]
+        tail = self.text[self._num_emitted :]
         for n in range(min(len(tail), self._max_stop - 1), 0, -1):
             if any(s.startswith(tail[-n:]) for s in self._stop):
                 return n

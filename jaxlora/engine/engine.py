@@ -43,6 +43,7 @@ from jaxlora.adapters.pager import AdapterInfo
 from jaxlora.adapters.source import AdapterSource
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.detokenizer import Detokenizer
+from jaxlora.engine.kv_pages import PageTable
 from jaxlora.engine.request import (
     FinalOutput,
     FinishReason,
@@ -51,7 +52,6 @@ from jaxlora.engine.request import (
     Request,
     RequestOutput,
 )
-from jaxlora.engine.kv_pages import PageTable
 from jaxlora.engine.runner import Runner, WarmupProgress, num_traces
 from jaxlora.engine.scheduler import Scheduler, StepPlan
 from jaxlora.errors import CapacityError, JaxloraError, RequestError, UnknownAdapterError
@@ -132,23 +132,36 @@ class Engine:
       `Pager`, or the all-resident `ResidentBank`); None serves the base model only.
     """
 
-    def __init__(self, model: LoadedModel, tokenizer: Tokenizer, config: EngineConfig,
-                 pager: AdapterSource | None = None, *, runtime: LoraRuntime | None = None) -> None:
+    def __init__(
+        self,
+        model: LoadedModel,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        pager: AdapterSource | None = None,
+        *,
+        runtime: LoraRuntime | None = None,
+    ) -> None:
         if pager is not None and pager.max_slots != config.lora.max_slots:
             raise ValueError(f"pager has {pager.max_slots} slots but config.lora.max_slots={config.lora.max_slots}")
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self.pager = pager
-        self.runner = Runner(model, config, runtime=runtime or LoraRuntime.for_platform(config.lora.backend,
-                                                                                       attention=config.attention))
+        self.runner = Runner(
+            model, config, runtime=runtime or LoraRuntime.for_platform(config.lora.backend, attention=config.attention)
+        )
         if pager is not None and self.runner.mesh is not None and pager.mesh != self.runner.mesh:
             pager.place_on(self.runner.mesh)
         self.pages = PageTable(self.runner.num_pages, config.page_size, self.runner.pages_per_seq)
-        self.scheduler = Scheduler(max_batch=config.max_batch, token_budgets=config.token_budgets, pages=self.pages,
-                                   max_adapters_per_batch=config.max_adapters_per_batch,
-                                   max_wait_steps=config.max_wait_steps,
-                                   slots=pager, reserve_pages=max(1, self.runner.num_pages // 100))
+        self.scheduler = Scheduler(
+            max_batch=config.max_batch,
+            token_budgets=config.token_budgets,
+            pages=self.pages,
+            max_adapters_per_batch=config.max_adapters_per_batch,
+            max_wait_steps=config.max_wait_steps,
+            slots=pager,
+            reserve_pages=max(1, self.runner.num_pages // 100),
+        )
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox: list[_Live] = []
@@ -177,11 +190,11 @@ class Engine:
                 raise RequestError(f"request_id {request.request_id!r} is already in flight")
             if len(self._inbox) + self.scheduler.num_waiting >= self.config.max_queue:
                 raise CapacityError(f"the admission queue is full ({self.config.max_queue} requests waiting)")
-            req = Request(request, prompt_ids, seed=seed & 0xFFFFFFFF, arrival=next(self._arrivals),
-                          callback=callback)
+            req = Request(request, prompt_ids, seed=seed & 0xFFFFFFFF, arrival=next(self._arrivals), callback=callback)
             stop_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(request.sampling.stop_token_ids)
-            live = _Live(req, RequestHandle(request.request_id),
-                         Detokenizer(self.tokenizer.hf, request.sampling.stop), stop_ids)
+            live = _Live(
+                req, RequestHandle(request.request_id), Detokenizer(self.tokenizer.hf, request.sampling.stop), stop_ids
+            )
             self._live[request.request_id] = live
             self._inbox.append(live)
             self._wake.notify_all()
@@ -247,8 +260,12 @@ class Engine:
             return
         if token < 0:
             adapter = f"adapter {req.adapter!r}" if req.adapter else "the base model"
-            return self._finish(req, FinishReason.ERROR, outputs,
-                                error=f"the logits of request {req.request_id} are not finite ({adapter})")
+            return self._finish(
+                req,
+                FinishReason.ERROR,
+                outputs,
+                error=f"the logits of request {req.request_id} are not finite ({adapter})",
+            )
         self.scheduler.token_read(req, token)
         self._append_token(req, token, outputs)
 
@@ -419,8 +436,10 @@ class Engine:
         # Measured before tokenizing: tokenizing a 4 MB prompt took seconds, only to refuse it.
         limit = self.config.max_seq_len * self.tokenizer.max_token_bytes
         if _prompt_bytes(request, limit) > limit:
-            raise RequestError(f"request {request.request_id}: the prompt cannot fit max_seq_len="
-                               f"{self.config.max_seq_len} tokens: it is longer than {limit} bytes")
+            raise RequestError(
+                f"request {request.request_id}: the prompt cannot fit max_seq_len="
+                f"{self.config.max_seq_len} tokens: it is longer than {limit} bytes"
+            )
         try:
             if request.prompt is not None:
                 ids = self.tokenizer.encode(request.prompt)
@@ -442,8 +461,10 @@ class Engine:
             raise RequestError(f"request {rid}: the prompt is empty")
         s.check_limits(max_new_tokens_limit=self.config.max_new_tokens_limit, vocab_size=self.model.config.vocab_size)
         if len(prompt_ids) + s.max_tokens > self.config.max_seq_len:
-            raise RequestError(f"request {rid}: prompt of {len(prompt_ids)} tokens + max_tokens={s.max_tokens} "
-                               f"exceeds max_seq_len={self.config.max_seq_len}")
+            raise RequestError(
+                f"request {rid}: prompt of {len(prompt_ids)} tokens + max_tokens={s.max_tokens} "
+                f"exceeds max_seq_len={self.config.max_seq_len}"
+            )
         if request.adapter:
             if self.pager is None or not self.pager.has(request.adapter):
                 raise UnknownAdapterError(f"unknown adapter {request.adapter!r}")
@@ -469,11 +490,28 @@ class Engine:
             return self._finish(req, FinishReason.STOP, outputs, text=text, token=token)
         if req.num_output >= req.sampling.max_tokens:
             return self._finish(req, FinishReason.LENGTH, outputs, text=text, token=token)
-        self._emit(live, RequestOutput(request_id=req.request_id, text=text, token_ids=(token,),
-                                       prompt_tokens=req.num_prompt, completion_tokens=req.num_output), outputs)
+        self._emit(
+            live,
+            RequestOutput(
+                request_id=req.request_id,
+                text=text,
+                token_ids=(token,),
+                prompt_tokens=req.num_prompt,
+                completion_tokens=req.num_output,
+            ),
+            outputs,
+        )
 
-    def _finish(self, req: Request, reason: FinishReason, outputs: list[RequestOutput], *, text: str = "",
-                token: int | None = None, error: str | None = None) -> None:
+    def _finish(
+        self,
+        req: Request,
+        reason: FinishReason,
+        outputs: list[RequestOutput],
+        *,
+        text: str = "",
+        token: int | None = None,
+        error: str | None = None,
+    ) -> None:
         live = self._live.get(req.request_id)
         was_admitted = req.phase in (Phase.PREFILL, Phase.DECODE) or req.num_preemptions > 0
         self.scheduler.finish(req)
@@ -489,15 +527,30 @@ class Engine:
         if live is None:
             return
         text += live.detokenizer.flush()
-        out = RequestOutput(request_id=req.request_id, text=text, token_ids=() if token is None else (token,),
-                            finished=True, finish_reason=reason, prompt_tokens=req.num_prompt,
-                            completion_tokens=req.num_output, error=error)
+        out = RequestOutput(
+            request_id=req.request_id,
+            text=text,
+            token_ids=() if token is None else (token,),
+            finished=True,
+            finish_reason=reason,
+            prompt_tokens=req.num_prompt,
+            completion_tokens=req.num_output,
+            error=error,
+        )
         self._emit(live, out, outputs)
         with self._lock:
             del self._live[req.request_id]
-        live.handle._complete(FinalOutput(
-            request_id=req.request_id, text=live.detokenizer.text, token_ids=tuple(req.output_ids),
-            finish_reason=reason, prompt_tokens=req.num_prompt, completion_tokens=req.num_output, error=error))
+        live.handle._complete(
+            FinalOutput(
+                request_id=req.request_id,
+                text=live.detokenizer.text,
+                token_ids=tuple(req.output_ids),
+                finish_reason=reason,
+                prompt_tokens=req.num_prompt,
+                completion_tokens=req.num_output,
+                error=error,
+            )
+        )
 
     def _emit(self, live: _Live, out: RequestOutput, outputs: list[RequestOutput]) -> None:
         outputs.append(out)
@@ -547,5 +600,12 @@ def _prompt_bytes(request: GenerationRequest, limit: int) -> int:
 
 
 def _error_output(request_id: str, error: str) -> FinalOutput:
-    return FinalOutput(request_id=request_id, text="", token_ids=(), finish_reason=FinishReason.ERROR,
-                       prompt_tokens=0, completion_tokens=0, error=error)
+    return FinalOutput(
+        request_id=request_id,
+        text="",
+        token_ids=(),
+        finish_reason=FinishReason.ERROR,
+        prompt_tokens=0,
+        completion_tokens=0,
+        error=error,
+    )

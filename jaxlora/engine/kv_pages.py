@@ -64,8 +64,9 @@ class PageTable:
         if not need:
             return
         if not self.can_grow(seq, num_positions):
-            raise RuntimeError(f"sequence {seq} cannot grow to {num_positions} positions: "
-                               f"{need} pages needed, {len(self._free)} free")
+            raise RuntimeError(
+                f"sequence {seq} cannot grow to {num_positions} positions: {need} pages needed, {len(self._free)} free"
+            )
         pages = self._pages.setdefault(seq, [])
         for _ in range(need):
             pages.append(self._free.pop())
@@ -82,7 +83,8 @@ class PageTable:
         owned = [p for pages in self._pages.values() for p in pages]
         every = owned + self._free
         if len(every) != self.num_pages or set(every) != set(range(self.num_pages)):
-            raise RuntimeError(f"page table corrupt: {len(owned)} owned + {len(self._free)} free "
-                               f"!= {self.num_pages} distinct pages")
+            raise RuntimeError(
+                f"page table corrupt: {len(owned)} owned + {len(self._free)} free != {self.num_pages} distinct pages"
+            )
         if any(len(pages) > self.max_pages_per_seq for pages in self._pages.values()):
             raise RuntimeError("a sequence holds more pages than its block table")

@@ -106,8 +106,9 @@ class GenerationRequest:
             raise RequestError(f"request_id={self.request_id!r} must be a non-empty string")
         given = [k for k in ("prompt", "messages", "prompt_ids") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise RequestError(f"request {self.request_id}: give exactly one of prompt, messages, prompt_ids "
-                               f"(got {given or 'none'})")
+            raise RequestError(
+                f"request {self.request_id}: give exactly one of prompt, messages, prompt_ids (got {given or 'none'})"
+            )
         if self.prompt is not None and not isinstance(self.prompt, str):
             raise RequestError(f"request {self.request_id}: prompt must be a string")
         if self.adapter is not None and not isinstance(self.adapter, str):
@@ -153,8 +154,15 @@ class Request:
     knows (prompt and the outputs read so far) and then decodes on, so its tokens equal a solo run.
     """
 
-    def __init__(self, request: GenerationRequest, prompt_ids: list[int], *, seed: int, arrival: int,
-                 callback: Callable[[RequestOutput], None] | None = None):
+    def __init__(
+        self,
+        request: GenerationRequest,
+        prompt_ids: list[int],
+        *,
+        seed: int,
+        arrival: int,
+        callback: Callable[[RequestOutput], None] | None = None,
+    ):
         self.request = request
         self.request_id = request.request_id
         self.adapter = request.adapter or None
@@ -201,7 +209,7 @@ class Request:
         prompt = self.prompt_ids[start:stop]
         if stop <= self.num_prompt:
             return prompt
-        return prompt + self.output_ids[max(0, start - self.num_prompt):stop - self.num_prompt]
+        return prompt + self.output_ids[max(0, start - self.num_prompt) : stop - self.num_prompt]
 
     @property
     def last_token(self) -> int:

@@ -71,8 +71,9 @@ class ResultsFile:
         self._size = size  # bytes of whole records
 
     @classmethod
-    def open(cls, path: str | Path, *, input_path: str | Path, expected: Sequence[Mapping[str, Any]],
-             overwrite: bool = False) -> ResultsFile:
+    def open(
+        cls, path: str | Path, *, input_path: str | Path, expected: Sequence[Mapping[str, Any]], overwrite: bool = False
+    ) -> ResultsFile:
         """Opens `path` for the job whose input lines have the fingerprints `expected` (in order).
 
         Raises:
@@ -107,7 +108,8 @@ class ResultsFile:
             self._cut_back()
             raise ResultsFileError(
                 f"cannot write --output {self.path} ({e.strerror}); it ends with the last whole result. "
-                "Make room and run the same command again to resume") from None
+                "Make room and run the same command again to resume"
+            ) from None
         self._size += len(data)
 
     def close(self) -> None:
@@ -132,16 +134,19 @@ class ResultsFile:
 def _check_not_input(fd: int, path: Path, input_path: Path) -> None:
     out, inp = os.fstat(fd), os.stat(input_path)
     if (out.st_dev, out.st_ino) == (inp.st_dev, inp.st_ino):
-        raise ResultsFileError(f"--output {path} is the input file {input_path}: results would overwrite the "
-                               "requests; choose another --output")
+        raise ResultsFileError(
+            f"--output {path} is the input file {input_path}: results would overwrite the "
+            "requests; choose another --output"
+        )
 
 
 def _lock(fd: int, path: Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise ResultsFileError(f"--output {path} is in use by another running job; wait for it to finish or "
-                               "choose another --output") from None
+        raise ResultsFileError(
+            f"--output {path} is in use by another running job; wait for it to finish or choose another --output"
+        ) from None
 
 
 def _resume_point(fd: int, path: Path, expected: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
@@ -172,13 +177,19 @@ def _check_record(path: Path, i: int, raw: bytes, expected: Sequence[Mapping[str
         raise _foreign(path, i + 1, f"more results than the input has lines ({len(expected)})")
     if any(record.get(k) != v for k, v in expected[i].items()):
         found = {k: record.get(k) for k in expected[i]}
-        raise _foreign(path, i + 1, f"a result {found} that does not answer input request {i + 1} "
-                                    f"{dict(expected[i])} (another job's results, or the input changed)")
+        raise _foreign(
+            path,
+            i + 1,
+            f"a result {found} that does not answer input request {i + 1} "
+            f"{dict(expected[i])} (another job's results, or the input changed)",
+        )
 
 
 def _foreign(path: Path, line: int, what: str) -> ResultsFileError:
-    return ResultsFileError(f"--output {path} is not this job's results file: line {line} holds {what}. "
-                            "Choose another --output, or pass --overwrite to replace its contents")
+    return ResultsFileError(
+        f"--output {path} is not this job's results file: line {line} holds {what}. "
+        "Choose another --output, or pass --overwrite to replace its contents"
+    )
 
 
 def _preview(raw: bytes, limit: int = 60) -> str:

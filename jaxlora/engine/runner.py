@@ -64,8 +64,22 @@ def num_traces() -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "mesh"), donate_argnames=("kv",))
-def ragged_step(params, bank, kv, tokens, src, positions, slot_ids, batch: RaggedBatch, sampling, last_ids, *,
-                graphdef, runtime, mesh=None):
+def ragged_step(
+    params,
+    bank,
+    kv,
+    tokens,
+    src,
+    positions,
+    slot_ids,
+    batch: RaggedBatch,
+    sampling,
+    last_ids,
+    *,
+    graphdef,
+    runtime,
+    mesh=None,
+):
     """One step over a flat token batch; see the module doc."""
     global _num_traces
     _num_traces += 1
@@ -73,9 +87,16 @@ def ragged_step(params, bank, kv, tokens, src, positions, slot_ids, batch: Ragge
 
     def step(params, bank, kv, tokens, positions, slot_ids, batch, sampling, *, tensor_axis):
         mod = nnx.merge(graphdef, params)
-        hidden, kv = mod(tokens[:, None], positions[:, None], kv, bank=bank,
-                         slot_ids=None if bank is None else slot_ids, ragged=batch, runtime=runtime,
-                         tensor_axis=tensor_axis)
+        hidden, kv = mod(
+            tokens[:, None],
+            positions[:, None],
+            kv,
+            bank=bank,
+            slot_ids=None if bank is None else slot_ids,
+            ragged=batch,
+            runtime=runtime,
+            tensor_axis=tensor_axis,
+        )
         logits = mod.logits(hidden[batch.last_index, 0], tensor_axis=tensor_axis)  # [S, vocab]
         finite = jnp.all(jnp.isfinite(logits), axis=-1)
         return jnp.where(finite, sample(logits, sampling), -1), kv
@@ -158,14 +179,26 @@ class Runner:
             positions[span], slot_ids[span] = pos, c.request.slot
             write_page[span], write_offset[span] = seq_pages[pos // P], pos % P
             q_start[c.row], q_len[c.row], kv_len[c.row] = offset, c.length, c.start + c.length
-            block_tables[c.row, :len(seq_pages)] = seq_pages
+            block_tables[c.row, : len(seq_pages)] = seq_pages
             if c.samples:
                 sampled[c.row] = c.request
             offset += c.length
-        batch = RaggedBatch(q_start=q_start, q_len=q_len, kv_len=kv_len, block_tables=block_tables,
-                            write_page=write_page, write_offset=write_offset)
-        return dict(tokens=tokens, src=src, positions=positions, slot_ids=slot_ids, batch=batch,
-                    sampling=sampling_arrays(sampled, S))
+        batch = RaggedBatch(
+            q_start=q_start,
+            q_len=q_len,
+            kv_len=kv_len,
+            block_tables=block_tables,
+            write_page=write_page,
+            write_offset=write_offset,
+        )
+        return dict(
+            tokens=tokens,
+            src=src,
+            positions=positions,
+            slot_ids=slot_ids,
+            batch=batch,
+            sampling=sampling_arrays(sampled, S),
+        )
 
     def reset_pool(self) -> None:
         """A fresh page pool (after a failed step, whose donated pool may be gone)."""

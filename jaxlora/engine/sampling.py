@@ -33,11 +33,15 @@ class SamplingArrays:
     counter: jax.Array | np.ndarray
 
     @classmethod
-    def zeros(cls, rows: int) -> "SamplingArrays":
+    def zeros(cls, rows: int) -> SamplingArrays:
         """Greedy rows (what padding rows get)."""
-        return cls(temperature=np.zeros(rows, np.float32), top_k=np.zeros(rows, np.int32),
-                   top_p=np.ones(rows, np.float32), seed=np.zeros(rows, np.uint32),
-                   counter=np.zeros(rows, np.int32))
+        return cls(
+            temperature=np.zeros(rows, np.float32),
+            top_k=np.zeros(rows, np.int32),
+            top_p=np.ones(rows, np.float32),
+            seed=np.zeros(rows, np.uint32),
+            counter=np.zeros(rows, np.int32),
+        )
 
 
 def sample(logits: jax.Array, s: SamplingArrays) -> jax.Array:
@@ -46,8 +50,11 @@ def sample(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     A batch of only greedy rows skips the sort (lax.cond: both branches are compiled once).
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.lax.cond(jnp.all(s.temperature == 0), lambda: greedy,
-                        lambda: jnp.where(s.temperature == 0, greedy, _sample_filtered(logits, s)))
+    return jax.lax.cond(
+        jnp.all(s.temperature == 0),
+        lambda: greedy,
+        lambda: jnp.where(s.temperature == 0, greedy, _sample_filtered(logits, s)),
+    )
 
 
 def _sample_filtered(logits: jax.Array, s: SamplingArrays) -> jax.Array:

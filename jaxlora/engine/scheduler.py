@@ -92,14 +92,24 @@ class Scheduler:
         slot members); None serves the base model only.
     """
 
-    def __init__(self, *, max_batch: int, token_budgets: tuple[int, ...], pages: PageTable,
-                 max_adapters_per_batch: int | None, max_wait_steps: int, slots: AdapterSource | None,
-                 reserve_pages: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        max_batch: int,
+        token_budgets: tuple[int, ...],
+        pages: PageTable,
+        max_adapters_per_batch: int | None,
+        max_wait_steps: int,
+        slots: AdapterSource | None,
+        reserve_pages: int = 0,
+    ) -> None:
         self.max_batch = max_batch
         self.token_budgets = tuple(sorted(token_budgets))
         if self.token_budgets[-1] < max_batch:
-            raise ValueError(f"the largest token budget {self.token_budgets[-1]} must hold a decode token for "
-                             f"each of the {max_batch} rows")
+            raise ValueError(
+                f"the largest token budget {self.token_budgets[-1]} must hold a decode token for "
+                f"each of the {max_batch} rows"
+            )
         self.pages = pages
         if max_adapters_per_batch is None:
             max_adapters_per_batch = 0 if slots is None else slots.max_slots - 1
@@ -190,9 +200,10 @@ class Scheduler:
     # Planning.
     def _plan_decode(self, chunks: list[Chunk]) -> int:
         """One token for each decoding request that still has tokens to produce, oldest first."""
-        decoding = sorted((r for r in self.running.values()
-                           if r.phase is Phase.DECODE and r.num_dispatched < r.sampling.max_tokens),
-                          key=lambda r: r.arrival)
+        decoding = sorted(
+            (r for r in self.running.values() if r.phase is Phase.DECODE and r.num_dispatched < r.sampling.max_tokens),
+            key=lambda r: r.arrival,
+        )
         used = 0
         for req in decoding:
             if req.phase is not Phase.DECODE:  # preempted by an older request in this loop
@@ -201,8 +212,9 @@ class Scheduler:
             if not self._make_room(req, position + 1):
                 continue
             self.pages.grow(req.row, position + 1)
-            chunks.append(Chunk(req, req.row, position, 1, samples=True, from_device=req.num_pending > 0,
-                                is_decode=True))
+            chunks.append(
+                Chunk(req, req.row, position, 1, samples=True, from_device=req.num_pending > 0, is_decode=True)
+            )
             used += 1
         return used
 
@@ -358,4 +370,3 @@ class Scheduler:
         self._enqueued[req.request_id] = self.num_steps
         keys = [r.arrival for r in self.waiting]
         self.waiting.insert(bisect.bisect(keys, req.arrival), req)
-

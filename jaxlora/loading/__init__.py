@@ -16,8 +16,9 @@ from jaxlora.tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_g
 __all__ = ["default_model_path", "load_model"]
 
 
-def load_model(source: str | Path | None = None, *, dtype: jnp.dtype = jnp.float32,
-               quantization: Quantization | str | None = None) -> tuple[LoadedModel, Tokenizer]:
+def load_model(
+    source: str | Path | None = None, *, dtype: jnp.dtype = jnp.float32, quantization: Quantization | str | None = None
+) -> tuple[LoadedModel, Tokenizer]:
     """Loads a base model and its tokenizer.
 
     Args:

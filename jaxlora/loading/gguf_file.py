@@ -32,10 +32,23 @@ from jaxlora.model.quant import Quantization, quantize
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 Q = gguf.GGMLQuantizationType
-SUPPORTED_TYPES = frozenset({
-    Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
-    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
-})
+SUPPORTED_TYPES = frozenset(
+    {
+        Q.F32,
+        Q.F16,
+        Q.BF16,
+        Q.Q4_0,
+        Q.Q4_1,
+        Q.Q5_0,
+        Q.Q5_1,
+        Q.Q8_0,
+        Q.Q2_K,
+        Q.Q3_K,
+        Q.Q4_K,
+        Q.Q5_K,
+        Q.Q6_K,
+    }
+)
 
 _BLOCK_TENSORS = {
     "attn_norm": ("layers.input_layernorm.scale", False),
@@ -75,8 +88,9 @@ def field_array(reader: gguf.GGUFReader, key: str) -> list | None:
 def config_from_gguf(meta: dict[str, Any], has_output: bool, *, source: str) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"{source}: unsupported GGUF architecture {arch!r} "
-                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise ModelLoadError(
+            f"{source}: unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
     try:
         hidden = int(meta[f"{arch}.embedding_length"])
         heads = int(meta[f"{arch}.attention.head_count"])
@@ -145,8 +159,9 @@ def _quantized_rows(tensor: Any, quantization: Quantization, *, source: str) -> 
     return np.asarray(q).T, np.asarray(scale)
 
 
-def load_gguf_arrays(path: Path, *, quantization: Quantization | None = None
-                     ) -> tuple[ModelConfig, dict[str, np.ndarray], gguf.GGUFReader]:
+def load_gguf_arrays(
+    path: Path, *, quantization: Quantization | None = None
+) -> tuple[ModelConfig, dict[str, np.ndarray], gguf.GGUFReader]:
     """(config, flat parameter arrays, the open reader for the tokenizer).
 
     Arrays are float32, except the projections' `qkernel` / `qscale` with a quantization.
@@ -164,8 +179,10 @@ def load_gguf_arrays(path: Path, *, quantization: Quantization | None = None
             name, transpose = _BLOCK_TENSORS[kind]
             if transpose and quantization is not None:
                 # Rows are output channels: the permutation moves each row's scale with it.
-                q, scale = (unpermute_rope_rows(a, heads[kind]) if kind in heads else a
-                            for a in _quantized_rows(t, quantization, source=str(path)))
+                q, scale = (
+                    unpermute_rope_rows(a, heads[kind]) if kind in heads else a
+                    for a in _quantized_rows(t, quantization, source=str(path))
+                )
                 prefix = name.removesuffix(".kernel")
                 per_layer.setdefault(f"{prefix}.qkernel", [None] * config.num_layers)[layer] = q.T
                 per_layer.setdefault(f"{prefix}.qscale", [None] * config.num_layers)[layer] = scale

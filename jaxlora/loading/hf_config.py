@@ -15,14 +15,17 @@ def model_config_from_hf(cfg: dict[str, Any], *, source: str) -> ModelConfig:
     """Builds a ModelConfig from a parsed HF config; raises ModelLoadError for unsupported ones."""
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(f"{source}: unsupported architecture model_type={model_type!r} "
-                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise ModelLoadError(
+            f"{source}: unsupported architecture model_type={model_type!r} "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{source}: unsupported hidden_act={cfg['hidden_act']!r} (only silu)")
     if model_type == "mistral" and cfg.get("sliding_window") not in (None, 0):
         if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
-            raise ModelLoadError(f"{source}: sliding-window attention (sliding_window="
-                                 f"{cfg['sliding_window']}) is not supported")
+            raise ModelLoadError(
+                f"{source}: sliding-window attention (sliding_window={cfg['sliding_window']}) is not supported"
+            )
     try:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])

@@ -13,14 +13,16 @@ from jaxlora.tokenizer import Tokenizer, save_tokenizer
 from jaxlora.weights_file import save_safetensors
 
 
-def save_hf_folder(model: LoadedModel, tokenizer: Tokenizer | None, out: Path,
-                   flat: dict[str, np.ndarray] | None = None) -> None:
+def save_hf_folder(
+    model: LoadedModel, tokenizer: Tokenizer | None, out: Path, flat: dict[str, np.ndarray] | None = None
+) -> None:
     """Saves `flat` (default: the model's own parameters) under `model.config` as an HF folder."""
     out.mkdir(parents=True, exist_ok=True)
     flat = flat if flat is not None else {k: np.asarray(v) for k, v in model.flat_params().items()}
     tensors = flat_to_hf(flat, model.config)
-    save_safetensors({k: np.ascontiguousarray(v) for k, v in tensors.items()}, out / "model.safetensors",
-                     metadata={"format": "pt"})
+    save_safetensors(
+        {k: np.ascontiguousarray(v) for k, v in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"}
+    )
     cfg = model.config.to_hf_dict()
     cfg["torch_dtype"] = str(np.asarray(next(iter(flat.values()))).dtype)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -14,7 +14,10 @@ from jaxlora.errors import ModelLoadError
 LAYER_TENSORS: dict[str, tuple[str, bool]] = {
     "input_layernorm.weight": ("layers.input_layernorm.scale", False),
     "post_attention_layernorm.weight": ("layers.post_attention_layernorm.scale", False),
-    **{f"self_attn.{m}.weight": (f"layers.self_attn.{m}.kernel", True) for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{
+        f"self_attn.{m}.weight": (f"layers.self_attn.{m}.kernel", True)
+        for m in ("q_proj", "k_proj", "v_proj", "o_proj")
+    },
     **{f"self_attn.{m}.bias": (f"layers.self_attn.{m}.bias", False) for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
     **{f"mlp.{m}.weight": (f"layers.mlp.{m}.kernel", True) for m in ("gate_proj", "up_proj", "down_proj")},
 }

@@ -38,8 +38,12 @@ def save_converted(model: LoadedModel, tokenizer: Tokenizer, out: Path) -> None:
         raise FileExistsError(f"{out} already holds a converted checkpoint; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.asdict(model.config)
-    meta = {"format": FORMAT_VERSION, "config": cfg, "dtype": jnp.dtype(model.dtype).name,
-            "quantization": None if model.quantization is None else model.quantization.value}
+    meta = {
+        "format": FORMAT_VERSION,
+        "config": cfg,
+        "dtype": jnp.dtype(model.dtype).name,
+        "quantization": None if model.quantization is None else model.quantization.value,
+    }
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(out / "params", model.flat_params())
     save_tokenizer(tokenizer, out)
@@ -54,8 +58,9 @@ def _config_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**d)
 
 
-def load_converted(folder: Path, *, dtype: jnp.dtype | None = None,
-                   quantization: Quantization | None = None) -> tuple[LoadedModel, Tokenizer]:
+def load_converted(
+    folder: Path, *, dtype: jnp.dtype | None = None, quantization: Quantization | None = None
+) -> tuple[LoadedModel, Tokenizer]:
     """The checkpoint's model in `dtype` (default: the saved one).
 
     quantization: quantize a dense checkpoint's projections at load; for a quantized checkpoint it
@@ -70,8 +75,10 @@ def load_converted(folder: Path, *, dtype: jnp.dtype | None = None,
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{folder / MARKER}: invalid metadata ({e})") from None
     if saved_quantization is not None and quantization not in (None, saved_quantization):
-        raise ModelLoadError(f"{folder}: the checkpoint holds {saved_quantization} weights; it cannot be loaded "
-                             f"as {quantization} (convert the dense source with --quantize {quantization})")
+        raise ModelLoadError(
+            f"{folder}: the checkpoint holds {saved_quantization} weights; it cannot be loaded "
+            f"as {quantization} (convert the dense source with --quantize {quantization})"
+        )
     saved = jnp.dtype(meta.get("dtype", "float32"))
     _, expected = abstract_model(config, saved, saved_quantization)
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in expected.items()}
@@ -80,6 +87,7 @@ def load_converted(folder: Path, *, dtype: jnp.dtype | None = None,
             arrays = ckpt.restore((folder / "params").resolve(), target)
     except Exception as e:
         raise ModelLoadError(f"{folder}: cannot restore params ({type(e).__name__}: {e})") from None
-    model = build_model(config, arrays, dtype=dtype or saved, quantization=quantization or saved_quantization,
-                        source=str(folder))
+    model = build_model(
+        config, arrays, dtype=dtype or saved, quantization=quantization or saved_quantization, source=str(folder)
+    )
     return model, tokenizer_from_folder(folder, eos_token_ids=config.eos_token_ids)

@@ -54,9 +54,14 @@ class LoraRuntime:
         object.__setattr__(self, "attention", AttentionBackend(self.attention))
 
     @classmethod
-    def for_platform(cls, backend: LoraBackend | str, platform: str | None = None, *,
-                     attention: AttentionBackend | str = AttentionBackend.AUTO,
-                     unroll_layers: bool | None = None) -> "LoraRuntime":
+    def for_platform(
+        cls,
+        backend: LoraBackend | str,
+        platform: str | None = None,
+        *,
+        attention: AttentionBackend | str = AttentionBackend.AUTO,
+        unroll_layers: bool | None = None,
+    ) -> LoraRuntime:
         """Pallas runs natively on GPU and TPU; on CPU the only way to run it is the interpreter.
 
         attention="auto" picks the Pallas decode-attention kernel on GPU and XLA elsewhere;
@@ -71,8 +76,12 @@ class LoraRuntime:
         if attention is AttentionBackend.AUTO:
             attention = AttentionBackend.PALLAS if platform == "gpu" else AttentionBackend.XLA
         uses_pallas = backend is LoraBackend.PALLAS or attention is AttentionBackend.PALLAS
-        return cls(backend=backend, interpret=uses_pallas and platform == "cpu", attention=attention,
-                   unroll_layers=unroll_layers)
+        return cls(
+            backend=backend,
+            interpret=uses_pallas and platform == "cpu",
+            attention=attention,
+            unroll_layers=unroll_layers,
+        )
 
 
 def apply_group(
@@ -108,13 +117,20 @@ def apply_group(
     # Pytrees sort dict keys, so the rank-axis order comes from GROUPS, never from the dict.
     modules = tuple(m for m in GROUP_MODULES[group] if m in group_bank["b"])
     kw = dict(backend=runtime.backend.value, interpret=runtime.interpret, seg_len=seg_len, plan=plan, layer=layer)
-    ys = pallas_kernels.lora_group(x, group_bank["a"], tuple(outputs[m] for m in modules),
-                                   tuple(group_bank["b"][m] for m in modules), token_slots, **kw)
+    ys = pallas_kernels.lora_group(
+        x,
+        group_bank["a"],
+        tuple(outputs[m] for m in modules),
+        tuple(group_bank["b"][m] for m in modules),
+        token_slots,
+        **kw,
+    )
     return {**outputs, **dict(zip(modules, ys))}
 
 
-def step_plan(bank: dict | None, token_slots: jax.Array, runtime: LoraRuntime,
-              seg_len: int | None) -> pallas_kernels.LoraPlan | None:
+def step_plan(
+    bank: dict | None, token_slots: jax.Array, runtime: LoraRuntime, seg_len: int | None
+) -> pallas_kernels.LoraPlan | None:
     """The row grouping shared by every LoRA op of one step (all layers, all groups); None without a bank.
 
     bank leaves are stacked over layers, [L, S, ...], so axis 1 is the slot count.
@@ -127,4 +143,6 @@ def step_plan(bank: dict | None, token_slots: jax.Array, runtime: LoraRuntime,
 
 def token_slots_for(slot_ids: jax.Array, tokens_per_row: int) -> jax.Array:
     """[rows] slot ids -> [rows * tokens_per_row] slot of every token (rows are contiguous)."""
-    return jnp.repeat(slot_ids.astype(jnp.int32), tokens_per_row, total_repeat_length=slot_ids.shape[0] * tokens_per_row)
+    return jnp.repeat(
+        slot_ids.astype(jnp.int32), tokens_per_row, total_repeat_length=slot_ids.shape[0] * tokens_per_row
+    )

@@ -56,9 +56,7 @@ def init_bank(model: ModelConfig, lora: LoraConfig, dtype: jnp.dtype = jnp.float
     return bank
 
 
-def slot_arrays(
-    weights: Mapping[str, tuple[np.ndarray, np.ndarray]], model: ModelConfig, lora: LoraConfig
-) -> Bank:
+def slot_arrays(weights: Mapping[str, tuple[np.ndarray, np.ndarray]], model: ModelConfig, lora: LoraConfig) -> Bank:
     """One slot's worth of bank entries (no slot axis) from per-module (A [L,in,r], B [L,r,out]).
 
     Modules the adapter does not target get zeros; ranks are zero-padded to R.
@@ -67,8 +65,10 @@ def slot_arrays(
     L, R = model.num_layers, lora.max_rank
     extra = set(weights) - set(lora.target_modules)
     if extra:
-        raise ValueError(f"adapter targets {sorted(extra)}, which this bank does not hold "
-                         f"(bank target_modules={list(lora.target_modules)})")
+        raise ValueError(
+            f"adapter targets {sorted(extra)}, which this bank does not hold "
+            f"(bank target_modules={list(lora.target_modules)})"
+        )
     out: Bank = {}
     for group, modules in bank_groups(lora):
         d_in = model.module_shape(modules[0])[0]
@@ -81,7 +81,7 @@ def slot_arrays(
                 r = wa.shape[-1]
                 if r > R:
                     raise ValueError(f"{m}: rank {r} exceeds the bank's max_rank={R}")
-                a[:, :, i * R:i * R + r] = wa
+                a[:, :, i * R : i * R + r] = wa
                 b[:, :r, :] = wb
             bs[m] = b
         out[group] = {"a": a, "b": bs}
@@ -89,9 +89,7 @@ def slot_arrays(
 
 
 def _write(bank: Bank, slot: jax.Array, entries: Bank) -> Bank:
-    return jax.tree_util.tree_map(
-        lambda full, one: full.at[:, slot].set(one.astype(full.dtype)), bank, entries
-    )
+    return jax.tree_util.tree_map(lambda full, one: full.at[:, slot].set(one.astype(full.dtype)), bank, entries)
 
 
 # The bank is donated: the write happens in place, no second copy of the bank ever exists.
@@ -130,7 +128,7 @@ def _write_flat(bank: Bank, slot: jax.Array, flat: jax.Array) -> Bank:
     leaves, treedef = jax.tree_util.tree_flatten(bank)
     written = []
     for full, (offset, shape) in zip(leaves, flat_slot_layout(bank)):
-        one = flat[offset:offset + int(np.prod(shape))].reshape(shape)  # static slice: layout is static
+        one = flat[offset : offset + int(np.prod(shape))].reshape(shape)  # static slice: layout is static
         written.append(full.at[:, slot].set(one.astype(full.dtype)))
     return jax.tree_util.tree_unflatten(treedef, written)
 

@@ -31,8 +31,10 @@ def merged_params(model: LoadedModel, weights: Mapping[str, tuple[np.ndarray, np
     Raises ModelLoadError for a quantized base: its merged weights would have to be quantized again.
     """
     if model.quantization is not None:
-        raise ModelLoadError(f"cannot merge into {model.quantization} base weights; merge into the dense "
-                             f"model (load it without --quantize, or from the unconverted source)")
+        raise ModelLoadError(
+            f"cannot merge into {model.quantization} base weights; merge into the dense "
+            f"model (load it without --quantize, or from the unconverted source)"
+        )
     flat = {k: np.asarray(v) for k, v in model.flat_params().items()}
     for module, (a, b) in weights.items():
         name = _MODULE_PARAM[module]

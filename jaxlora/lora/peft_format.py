@@ -250,6 +250,7 @@ def parse_lora_config(raw: Mapping[str, Any], *, where: str = "adapter") -> Lora
 
     Keys this function does not mention (PEFT writes many) are ignored.
     """
+
     def fail(reason: str) -> AdapterError:
         return AdapterError(f"{where}: {CONFIG_FILE}: {reason}")
 
@@ -263,8 +264,10 @@ def parse_lora_config(raw: Mapping[str, Any], *, where: str = "adapter") -> Lora
         raise fail(f"bias {raw['bias']!r} is not supported (only 'none')")
     init = raw.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_BASE_MODIFYING_INITS):
-        raise fail(f"init_lora_weights {init!r} rewrites the base weights; save the adapter with PEFT's "
-                   "path_initial_model_for_weight_conversion to get a plain LoRA")
+        raise fail(
+            f"init_lora_weights {init!r} rewrites the base weights; save the adapter with PEFT's "
+            "path_initial_model_for_weight_conversion to get a plain LoRA"
+        )
     r = _rank(raw.get("r", 8), "r", fail)
     targets = _parse_targets(raw.get("target_modules"), fail)
     layers = raw.get("layers_to_transform")
@@ -361,8 +364,10 @@ def _read_weights(folder: Path, where: str) -> dict[str, np.ndarray]:
     if not path.is_file():
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)
         if pickles:
-            raise AdapterError(f"{where}: only pickle weights ({', '.join(pickles)}); jaxlora never unpickles, "
-                               f"convert to {WEIGHTS_FILE}")
+            raise AdapterError(
+                f"{where}: only pickle weights ({', '.join(pickles)}); jaxlora never unpickles, "
+                f"convert to {WEIGHTS_FILE}"
+            )
         raise AdapterError(f"{where}: no {WEIGHTS_FILE}")
     tensors: dict[str, np.ndarray] = {}
     try:
@@ -405,8 +410,10 @@ def _collect_pairs(
         for which in ("A", "B"):
             if which not in slot:
                 present = next(iter(slot.values()))[0]
-                raise AdapterError(f"{where}: tensor {tensor_key(layer, module, which)}: missing "
-                                   f"(lora_{which} is needed alongside {present})")
+                raise AdapterError(
+                    f"{where}: tensor {tensor_key(layer, module, which)}: missing "
+                    f"(lora_{which} is needed alongside {present})"
+                )
         pairs[(layer, module)] = (slot["A"][1], slot["B"][1])
     return pairs
 
@@ -422,24 +429,27 @@ def _parse_key(key: str, config: ModelConfig, where: str) -> tuple[int, str, str
         if re.search(r"\.lora_B(\.default)?\.bias$", key):
             raise fail("bias on lora_B (lora_bias) is not supported")
         if "lora_embedding_" in key:
-            raise fail("LoRA on an embedding is not supported (jaxlora serves LoRA on "
-                       f"{', '.join(TARGET_MODULES)} only)")
-        raise fail("not a LoRA weight jaxlora can serve (expected ...lora_A.weight / ...lora_B.weight; "
-                   "modules_to_save and other extra tensors are not supported)")
+            raise fail(
+                f"LoRA on an embedding is not supported (jaxlora serves LoRA on {', '.join(TARGET_MODULES)} only)"
+            )
+        raise fail(
+            "not a LoRA weight jaxlora can serve (expected ...lora_A.weight / ...lora_B.weight; "
+            "modules_to_save and other extra tensors are not supported)"
+        )
     module_name = m.group("module")
     lm = _LAYER_KEY_RE.match(module_name)
     if lm is None or _PARENT.get(lm.group("proj")) != lm.group("parent"):
-        raise fail(f"the model has no LoRA-capable module {module_name!r} (jaxlora serves LoRA on "
-                   f"model.layers.N.{{self_attn,mlp}}.{{{','.join(TARGET_MODULES)}}} only)")
+        raise fail(
+            f"the model has no LoRA-capable module {module_name!r} (jaxlora serves LoRA on "
+            f"model.layers.N.{{self_attn,mlp}}.{{{','.join(TARGET_MODULES)}}} only)"
+        )
     layer = int(lm.group("layer"))
     if layer >= config.num_layers:
         raise fail(f"layer index {layer} is out of range: the model has {config.num_layers} layers")
     return layer, lm.group("proj"), m.group("which")
 
 
-def _check_coverage(
-    pairs: Mapping[tuple[int, str], Any], spec: LoraSpec, config: ModelConfig, where: str
-) -> None:
+def _check_coverage(pairs: Mapping[tuple[int, str], Any], spec: LoraSpec, config: ModelConfig, where: str) -> None:
     """The modules the config targets must be exactly the modules the file holds, all of them servable."""
     targeted = [k for k in llama_module_names(config.num_layers) if spec.is_targeted(k)]
     if not targeted:
@@ -447,20 +457,32 @@ def _check_coverage(
     servable = {module_key(i, m) for i in range(config.num_layers) for m in TARGET_MODULES}
     for key in targeted:
         if key not in servable:
-            raise AdapterError(f"{where}: {CONFIG_FILE}: target_modules selects {key!r}, which is not a "
-                               f"LoRA target jaxlora serves (only {', '.join(TARGET_MODULES)})")
+            raise AdapterError(
+                f"{where}: {CONFIG_FILE}: target_modules selects {key!r}, which is not a "
+                f"LoRA target jaxlora serves (only {', '.join(TARGET_MODULES)})"
+            )
     expected = {(int(k.split(".")[2]), k.rsplit(".", 1)[-1]) for k in targeted}
     for layer, module in sorted(set(pairs) - expected):
-        raise AdapterError(f"{where}: tensor {tensor_key(layer, module, 'A')}: {module_key(layer, module)} is "
-                           f"not targeted by {CONFIG_FILE} (target_modules / layers_to_transform / exclude_modules)")
+        raise AdapterError(
+            f"{where}: tensor {tensor_key(layer, module, 'A')}: {module_key(layer, module)} is "
+            f"not targeted by {CONFIG_FILE} (target_modules / layers_to_transform / exclude_modules)"
+        )
     for layer, module in sorted(expected - set(pairs)):
-        raise AdapterError(f"{where}: tensor {tensor_key(layer, module, 'A')}: missing ({CONFIG_FILE} targets "
-                           f"{module_key(layer, module)} but {WEIGHTS_FILE} has no lora_A/lora_B for it)")
+        raise AdapterError(
+            f"{where}: tensor {tensor_key(layer, module, 'A')}: missing ({CONFIG_FILE} targets "
+            f"{module_key(layer, module)} but {WEIGHTS_FILE} has no lora_A/lora_B for it)"
+        )
 
 
 def _fold(
-    layer: int, module: str, a: np.ndarray, b: np.ndarray, spec: LoraSpec, config: ModelConfig,
-    max_rank: int, where: str,
+    layer: int,
+    module: str,
+    a: np.ndarray,
+    b: np.ndarray,
+    spec: LoraSpec,
+    config: ModelConfig,
+    max_rank: int,
+    where: str,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Checks one module's PEFT pair (A [r, in], B [out, r]); returns (A.T, B.T * scale) in float32."""
     key = module_key(layer, module)
@@ -468,19 +490,23 @@ def _fold(
     d_in, d_out = config.module_shape(module)
     a_key, b_key = tensor_key(layer, module, "A"), tensor_key(layer, module, "B")
     if a.ndim != 2 or a.shape[1] != d_in:
-        raise AdapterError(f"{where}: tensor {a_key}: shape {list(a.shape)} does not fit the model "
-                           f"(expected [r, {d_in}] for {module})")
+        raise AdapterError(
+            f"{where}: tensor {a_key}: shape {list(a.shape)} does not fit the model (expected [r, {d_in}] for {module})"
+        )
     if b.ndim != 2 or b.shape[0] != d_out:
-        raise AdapterError(f"{where}: tensor {b_key}: shape {list(b.shape)} does not fit the model "
-                           f"(expected [{d_out}, r] for {module})")
+        raise AdapterError(
+            f"{where}: tensor {b_key}: shape {list(b.shape)} does not fit the model "
+            f"(expected [{d_out}, r] for {module})"
+        )
     if a.shape[0] != b.shape[1]:
         raise AdapterError(f"{where}: tensor {b_key}: rank {b.shape[1]} does not match lora_A's rank {a.shape[0]}")
     if a.shape[0] > max_rank:
-        raise AdapterError(f"{where}: tensor {a_key}: rank {a.shape[0]} exceeds max_rank={max_rank} "
-                           f"({RANK_HINT})")
+        raise AdapterError(f"{where}: tensor {a_key}: rank {a.shape[0]} exceeds max_rank={max_rank} ({RANK_HINT})")
     if a.shape[0] != r:
-        raise AdapterError(f"{where}: tensor {a_key}: rank {a.shape[0]} but {CONFIG_FILE} gives r={r} "
-                           "for this module (r / rank_pattern)")
+        raise AdapterError(
+            f"{where}: tensor {a_key}: rank {a.shape[0]} but {CONFIG_FILE} gives r={r} "
+            "for this module (r / rank_pattern)"
+        )
     a32 = a.astype(np.float32).T
     b32 = b.astype(np.float32).T * np.float32(spec.scale(key))
     for tensor, value in ((a_key, a32), (b_key, b32)):
@@ -521,8 +547,10 @@ def save_peft_adapter(
     """
     named = set(weights if target_modules is None else target_modules)
     if named != set(weights) or not named <= set(TARGET_MODULES) or not named:
-        raise ValueError(f"target_modules={sorted(named)} must equal the modules in weights "
-                         f"({sorted(weights)}), at least one, all from {', '.join(TARGET_MODULES)}")
+        raise ValueError(
+            f"target_modules={sorted(named)} must equal the modules in weights "
+            f"({sorted(weights)}), at least one, all from {', '.join(TARGET_MODULES)}"
+        )
     modules = [m for m in TARGET_MODULES if m in named]
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"{dtype=} must be float32, float16 or bfloat16")

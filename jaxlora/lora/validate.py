@@ -40,5 +40,7 @@ def check_weight_magnitude(where: str, weights: np.ndarray) -> None:
         raise AdapterError(f"{where}: contains NaN or Inf values")
     largest = float(np.abs(weights).max(initial=0.0))
     if largest > MAX_ADAPTER_WEIGHT:
-        raise AdapterError(f"{where}: holds a weight of magnitude {largest:.3g} (scale folded in), above the "
-                           f"bound {MAX_ADAPTER_WEIGHT:g}: its outputs would overflow to NaN")
+        raise AdapterError(
+            f"{where}: holds a weight of magnitude {largest:.3g} (scale folded in), above the "
+            f"bound {MAX_ADAPTER_WEIGHT:g}: its outputs would overflow to NaN"
+        )

@@ -14,20 +14,38 @@ from jaxlora.parallel.sharding import shard_step
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "mesh"), donate_argnames=("kv",))
-def forward_logits(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, positions: jax.Array,
-                   kv: KVCache, bank: dict | None = None, slot_ids: jax.Array | None = None,
-                   row_ids: jax.Array | None = None, *, runtime: LoraRuntime = LoraRuntime(),
-                   mesh: Mesh | None = None):
+def forward_logits(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    tokens: jax.Array,
+    positions: jax.Array,
+    kv: KVCache,
+    bank: dict | None = None,
+    slot_ids: jax.Array | None = None,
+    row_ids: jax.Array | None = None,
+    *,
+    runtime: LoraRuntime = LoraRuntime(),
+    mesh: Mesh | None = None,
+):
     """float32 logits [b, t, vocab] of every position, and the updated cache (donated).
 
     With a tensor-parallel `mesh`, the model runs per shard (`jaxlora.parallel.sharding.shard_step`):
     params, bank and kv must be placed as that module says (shard_params / shard_bank / shard_kv);
     the logits are whole on every device and the cache stays split by KV heads.
     """
+
     def step(params, bank, kv, tokens, positions, slot_ids, row_ids, *, tensor_axis):
         mod = nnx.merge(graphdef, params)
-        hidden, kv = mod(tokens, positions, kv, bank=bank, slot_ids=slot_ids, row_ids=row_ids, runtime=runtime,
-                         tensor_axis=tensor_axis)
+        hidden, kv = mod(
+            tokens,
+            positions,
+            kv,
+            bank=bank,
+            slot_ids=slot_ids,
+            row_ids=row_ids,
+            runtime=runtime,
+            tensor_axis=tensor_axis,
+        )
         return mod.logits(hidden, tensor_axis=tensor_axis), kv
 
     return shard_step(step, mesh)(params, bank, kv, tokens, positions, slot_ids, row_ids)

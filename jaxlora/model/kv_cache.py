@@ -61,8 +61,9 @@ class PagedKVCache:
         return self.k.shape[2]
 
 
-def init_paged_kv_cache(config: ModelConfig, num_pages: int, page_size: int,
-                        dtype: jnp.dtype = jnp.float32) -> PagedKVCache:
+def init_paged_kv_cache(
+    config: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype = jnp.float32
+) -> PagedKVCache:
     shape = (config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
     return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 

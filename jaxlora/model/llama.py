@@ -26,7 +26,7 @@ import pallas_kernels
 from jaxlora.config import AttentionBackend, ModelConfig
 from jaxlora.lora.apply import LoraRuntime, apply_group, step_plan, token_slots_for
 from jaxlora.model.kv_cache import KVCache, PagedKVCache
-from jaxlora.model.quant import QuantLinear, Quantization, project
+from jaxlora.model.quant import Quantization, QuantLinear, project
 from jaxlora.model.rope import apply_rope, inverse_frequencies
 from jaxlora.parallel import layers as tp
 
@@ -45,13 +45,15 @@ class RMSNorm(nnx.Module):
         return self.scale[...] * xf.astype(x.dtype)
 
 
-def _linear(d_in: int, d_out: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs,
-            quantization: Quantization | None = None) -> nnx.Linear | QuantLinear:
+def _linear(
+    d_in: int, d_out: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs, quantization: Quantization | None = None
+) -> nnx.Linear | QuantLinear:
     """A projection, `layer(x) = x @ W (+ b)`: dense in `dtype`, or weight-only quantized."""
     if quantization is not None:
         return QuantLinear(d_in, d_out, quantization=quantization, use_bias=bias, dtype=dtype)
-    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
-                      kernel_init=nnx.initializers.normal(0.02))
+    return nnx.Linear(
+        d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs, kernel_init=nnx.initializers.normal(0.02)
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -119,8 +121,9 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         x2 = x.reshape(b * t, -1)
         qkv = {"q_proj": self.q_proj(x2), "k_proj": self.k_proj(x2), "v_proj": self.v_proj(x2)}
-        qkv = apply_group("qkv", lora.get("qkv"), x2, qkv, s.token_slots, s.runtime, s.seg_len,
-                          plan=s.lora_plan, layer=layer)
+        qkv = apply_group(
+            "qkv", lora.get("qkv"), x2, qkv, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan, layer=layer
+        )
         # -1 heads: under tensor parallelism this shard holds num_heads / n of them.
         q = qkv["q_proj"].reshape(b, t, -1, cfg.head_dim)
         k = qkv["k_proj"].reshape(b, t, -1, cfg.head_dim)
@@ -133,8 +136,9 @@ class Attention(nnx.Module):
         elif t == 1 and s.row_ids is None and s.runtime.attention is AttentionBackend.PALLAS:
             # Decode: write the new key/value in place, then read only valid positions of this layer.
             kv = _write_cache(kv, layer, k, v, s.positions, jnp.arange(b, dtype=jnp.int32))
-            attn = pallas_kernels.decode_attention(q[:, 0], kv.k, kv.v, layer, s.positions[:, 0] + 1,
-                                                   interpret=s.runtime.interpret).reshape(b, t, -1)
+            attn = pallas_kernels.decode_attention(
+                q[:, 0], kv.k, kv.v, layer, s.positions[:, 0] + 1, interpret=s.runtime.interpret
+            ).reshape(b, t, -1)
         else:
             kv, keys, values = _update_cache(kv, layer, k, v, s.positions, s.row_ids)
             attn = _attend(q, keys, values, s.positions)  # [b, t, H * Dh]
@@ -143,8 +147,9 @@ class Attention(nnx.Module):
             out = {"o_proj": self.o_proj(a2)}
         else:  # row-parallel: the bias joins after the all-reduce, or every shard would add it
             out = {"o_proj": project(self.o_proj, a2)}
-        out = apply_group("o", lora.get("o"), a2, out, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan,
-                          layer=layer)
+        out = apply_group(
+            "o", lora.get("o"), a2, out, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan, layer=layer
+        )
         o = out["o_proj"]
         if s.tensor_axis is not None:
             # Base and LoRA partial sums share one all-reduce (A is split on the input side, B whole).
@@ -173,15 +178,17 @@ def _write_cache(kv: KVCache, layer: jax.Array, k, v, positions, rows) -> KVCach
     """Scatters k/v [b, t, KVH, Dh] of one layer at (rows [b], positions [b, t]) into the cache."""
     # Out-of-range positions (padding past max_len) and rows (padding rows) are dropped.
     index = (layer, rows[:, None], positions)
-    return KVCache(k=kv.k.at[index].set(k.astype(kv.k.dtype), mode="drop"),
-                   v=kv.v.at[index].set(v.astype(kv.v.dtype), mode="drop"))
+    return KVCache(
+        k=kv.k.at[index].set(k.astype(kv.k.dtype), mode="drop"), v=kv.v.at[index].set(v.astype(kv.v.dtype), mode="drop")
+    )
 
 
 def _write_pages(kv: PagedKVCache, layer: jax.Array, k: jax.Array, v: jax.Array, batch: RaggedBatch) -> PagedKVCache:
     """Scatters this layer's k/v [T, KVH, Dh] to (write_page, write_offset); padding is dropped."""
     index = (layer, batch.write_page, batch.write_offset)
-    return PagedKVCache(k=kv.k.at[index].set(k.astype(kv.k.dtype), mode="drop"),
-                        v=kv.v.at[index].set(v.astype(kv.v.dtype), mode="drop"))
+    return PagedKVCache(
+        k=kv.k.at[index].set(k.astype(kv.k.dtype), mode="drop"), v=kv.v.at[index].set(v.astype(kv.v.dtype), mode="drop")
+    )
 
 
 def _attend_ragged(q: jax.Array, kv: PagedKVCache, layer: jax.Array, batch: RaggedBatch, runtime) -> jax.Array:
@@ -198,7 +205,7 @@ def _attend(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Arr
     num_kv = keys.shape[2]
     qg = q.reshape(b, t, num_kv, num_heads // num_kv, head_dim)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
-    scores = scores * (head_dim ** -0.5)
+    scores = scores * (head_dim**-0.5)
     key_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)
     mask = key_pos[None, None, :] <= positions[:, :, None]  # [b, t, T]
     scores = jnp.where(mask[:, None, None], scores, _NEG_INF)
@@ -217,12 +224,14 @@ class MLP(nnx.Module):
         b, t, _ = x.shape
         x2 = x.reshape(b * t, -1)
         gu = {"gate_proj": self.gate_proj(x2), "up_proj": self.up_proj(x2)}
-        gu = apply_group("gate_up", lora.get("gate_up"), x2, gu, s.token_slots, s.runtime, s.seg_len,
-                         plan=s.lora_plan, layer=layer)
+        gu = apply_group(
+            "gate_up", lora.get("gate_up"), x2, gu, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan, layer=layer
+        )
         hidden = jax.nn.silu(gu["gate_proj"]) * gu["up_proj"]
         out = {"down_proj": self.down_proj(hidden)}
-        out = apply_group("down", lora.get("down"), hidden, out, s.token_slots, s.runtime, s.seg_len,
-                          plan=s.lora_plan, layer=layer)
+        out = apply_group(
+            "down", lora.get("down"), hidden, out, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan, layer=layer
+        )
         # Row-parallel under tensor parallelism: base and LoRA partial sums share one all-reduce.
         return tp.all_reduce(out["down_proj"], s.tensor_axis).reshape(b, t, -1)
 
@@ -248,11 +257,23 @@ class Llama(nnx.Module):
     (jaxlora.model.quant); embeddings, norms and the LM head stay in `dtype`.
     """
 
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs,
-                 quantization: Quantization | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+        quantization: Quantization | None = None,
+    ):
         self.cfg = cfg
-        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
-                                      embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=dtype,
+            param_dtype=dtype,
+            embedding_init=nnx.initializers.normal(0.02),
+            rngs=rngs,
+        )
 
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -300,14 +321,23 @@ class Llama(nnx.Module):
         seg_len = t if t > 1 else None
         # Which rows use which slot is the same in every layer: group them once, not per op.
         plan = step_plan(bank, token_slots, runtime, seg_len)
-        s = StepInputs(positions=positions.astype(jnp.int32), row_ids=row_ids, token_slots=token_slots,
-                       seg_len=seg_len, runtime=runtime, inv_freq=jnp.asarray(inverse_frequencies(self.cfg)),
-                       lora_plan=plan, tensor_axis=tensor_axis, ragged=ragged)
+        s = StepInputs(
+            positions=positions.astype(jnp.int32),
+            row_ids=row_ids,
+            token_slots=token_slots,
+            seg_len=seg_len,
+            runtime=runtime,
+            inv_freq=jnp.asarray(inverse_frequencies(self.cfg)),
+            lora_plan=plan,
+            tensor_axis=tensor_axis,
+            ragged=ragged,
+        )
         if tensor_axis is None:
             x = self.embed_tokens(tokens)
         else:
-            x = tp.embed(self.embed_tokens.embedding[...], tokens, vocab_size=self.cfg.vocab_size,
-                         axis=tensor_axis).astype(self.embed_tokens.dtype)
+            x = tp.embed(
+                self.embed_tokens.embedding[...], tokens, vocab_size=self.cfg.vocab_size, axis=tensor_axis
+            ).astype(self.embed_tokens.dtype)
         graphdef, layer_state = nnx.split(self.layers)
 
         # The bank is not sliced per layer: each LoRA op gets the whole stack and the layer index, and
@@ -336,8 +366,9 @@ class Llama(nnx.Module):
         if tensor_axis is not None:
             tied = self.lm_head is None
             weight = self.embed_tokens.embedding[...] if tied else self.lm_head.kernel[...]
-            return tp.project_logits(hidden, weight, vocab_size=self.cfg.vocab_size, transposed=tied,
-                                     axis=tensor_axis).astype(jnp.float32)
+            return tp.project_logits(
+                hidden, weight, vocab_size=self.cfg.vocab_size, transposed=tied, axis=tensor_axis
+            ).astype(jnp.float32)
         if self.lm_head is None:
             return self.embed_tokens.attend(hidden).astype(jnp.float32)
         return self.lm_head(hidden).astype(jnp.float32)

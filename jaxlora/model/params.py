@@ -49,22 +49,28 @@ def _flat(state: nnx.State) -> list[tuple[tuple, jax.Array]]:
     return [(path, var.get_value()) for path, var in nnx.to_flat_state(state)]
 
 
-def _abstract_state(config: ModelConfig, dtype: jnp.dtype, quantization: Quantization | None
-                    ) -> tuple[nnx.GraphDef, nnx.State]:
-    return nnx.split(nnx.eval_shape(lambda: Llama(config, dtype=dtype, quantization=quantization,
-                                                  rngs=nnx.Rngs(0))))
+def _abstract_state(
+    config: ModelConfig, dtype: jnp.dtype, quantization: Quantization | None
+) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(nnx.eval_shape(lambda: Llama(config, dtype=dtype, quantization=quantization, rngs=nnx.Rngs(0))))
 
 
-def abstract_model(config: ModelConfig, dtype: jnp.dtype, quantization: Quantization | str | None = None
-                   ) -> tuple[nnx.GraphDef, dict[str, jax.ShapeDtypeStruct]]:
+def abstract_model(
+    config: ModelConfig, dtype: jnp.dtype, quantization: Quantization | str | None = None
+) -> tuple[nnx.GraphDef, dict[str, jax.ShapeDtypeStruct]]:
     """The graph and the expected name -> (shape, dtype) of every parameter, without allocating."""
     graphdef, state = _abstract_state(config, dtype, parse_quantization(quantization))
     return graphdef, {".".join(map(str, p)): v for p, v in _flat(state)}
 
 
-def build_model(config: ModelConfig, arrays: Mapping[str, np.ndarray | jax.Array], *,
-                dtype: jnp.dtype = jnp.float32, quantization: Quantization | str | None = None,
-                source: str = "<arrays>") -> LoadedModel:
+def build_model(
+    config: ModelConfig,
+    arrays: Mapping[str, np.ndarray | jax.Array],
+    *,
+    dtype: jnp.dtype = jnp.float32,
+    quantization: Quantization | str | None = None,
+    source: str = "<arrays>",
+) -> LoadedModel:
     """Validates names and shapes of `arrays` against `config` and places them on the device.
 
     With a quantization, dense projection kernels among `arrays` are quantized here (on the default
@@ -84,16 +90,20 @@ def build_model(config: ModelConfig, arrays: Mapping[str, np.ndarray | jax.Array
         raise ModelLoadError(f"{source}: unexpected tensor(s) {unexpected[:5]} for this architecture")
     for name, spec in expected.items():
         if tuple(arrays[name].shape) != tuple(spec.shape):
-            raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(arrays[name].shape)}, "
-                                 f"expected {tuple(spec.shape)}")
+            raise ModelLoadError(
+                f"{source}: tensor {name} has shape {tuple(arrays[name].shape)}, expected {tuple(spec.shape)}"
+            )
         if not _is_float(spec.dtype) and arrays[name].dtype != spec.dtype:
-            raise ModelLoadError(f"{source}: tensor {name} has dtype {arrays[name].dtype}, expected {spec.dtype} "
-                                 f"({quantization} weights are never cast from another format)")
+            raise ModelLoadError(
+                f"{source}: tensor {name} has dtype {arrays[name].dtype}, expected {spec.dtype} "
+                f"({quantization} weights are never cast from another format)"
+            )
     for path, var in nnx.to_flat_state(state):
         # The expected dtype: `dtype` for dense parameters, the storage dtype / float32 for quantized ones.
         var.set_value(jnp.asarray(arrays[".".join(map(str, path))], dtype=var.get_value().dtype))
-    return LoadedModel(config=config, graphdef=graphdef, params=state, dtype=jnp.dtype(dtype),
-                       quantization=quantization)
+    return LoadedModel(
+        config=config, graphdef=graphdef, params=state, dtype=jnp.dtype(dtype), quantization=quantization
+    )
 
 
 def _is_float(dtype: jnp.dtype) -> bool:
@@ -101,8 +111,14 @@ def _is_float(dtype: jnp.dtype) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def random_model(config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, seed: int = 0,
-                 std: float = 0.02, quantization: Quantization | str | None = None) -> LoadedModel:
+def random_model(
+    config: ModelConfig,
+    *,
+    dtype: jnp.dtype = jnp.float32,
+    seed: int = 0,
+    std: float = 0.02,
+    quantization: Quantization | str | None = None,
+) -> LoadedModel:
     """A model with random weights (tests and benchmarks).
 
     Matrices are N(0, std); norm scales are 1 + N(0, 0.1) so that a norm applied with the wrong
@@ -110,13 +126,24 @@ def random_model(config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, seed: i
     on the device, so a 7B-shape model never crosses the host link). With a quantization the dense
     draw is quantized (the same seed gives the same underlying weights in every format).
     """
-    return build_model(config, draw_params(config, dtype=dtype, seed=seed, std=std), dtype=dtype,
-                       quantization=quantization, source="random")
+    return build_model(
+        config,
+        draw_params(config, dtype=dtype, seed=seed, std=std),
+        dtype=dtype,
+        quantization=quantization,
+        source="random",
+    )
 
 
-def draw_params(config: ModelConfig, *, dtype: jnp.dtype, seed: int = 0, std: float = 0.02,
-                shardings: Mapping[str, jax.sharding.Sharding] | None = None,
-                host_max_values: int = 50_000_000) -> dict[str, np.ndarray | jax.Array]:
+def draw_params(
+    config: ModelConfig,
+    *,
+    dtype: jnp.dtype,
+    seed: int = 0,
+    std: float = 0.02,
+    shardings: Mapping[str, jax.sharding.Sharding] | None = None,
+    host_max_values: int = 50_000_000,
+) -> dict[str, np.ndarray | jax.Array]:
     """Random parameters, name -> array, as `random_model` draws them.
 
     Models under `host_max_values` values are drawn with numpy (instant; a jitted draw costs seconds
@@ -137,8 +164,10 @@ def draw_params(config: ModelConfig, *, dtype: jnp.dtype, seed: int = 0, std: fl
         return {n: jax.device_put(np.asarray(a, dtype), shardings[n]) for n, a in arrays.items()}
 
     def draw(key):
-        return {n: _init_value(n, _normal(jax.random.fold_in(key, i), expected[n].shape, dtype), std)
-                for i, n in enumerate(names)}
+        return {
+            n: _init_value(n, _normal(jax.random.fold_in(key, i), expected[n].shape, dtype), std)
+            for i, n in enumerate(names)
+        }
 
     return jax.jit(draw, out_shardings=None if shardings is None else dict(shardings))(jax.random.key(seed))
 
@@ -156,8 +185,9 @@ def quantized_model(model: LoadedModel, quantization: Quantization | str) -> Loa
     """`model` (dense) with its projections quantized; the dense model is left as it is."""
     if model.quantization is not None:
         raise ValueError(f"the model is already quantized ({model.quantization}); quantize a dense model")
-    return build_model(model.config, model.flat_params(), dtype=model.dtype, quantization=quantization,
-                       source="quantized_model")
+    return build_model(
+        model.config, model.flat_params(), dtype=model.dtype, quantization=quantization, source="quantized_model"
+    )
 
 
 def _init_value(name: str, normal, std: float):

@@ -98,8 +98,9 @@ class QuantLinear(nnx.Module):
     already quantized arrays by jaxlora.model.params.build_model, never trained from an init.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, quantization: Quantization, use_bias: bool,
-                 dtype: jnp.dtype):
+    def __init__(
+        self, in_features: int, out_features: int, *, quantization: Quantization, use_bias: bool, dtype: jnp.dtype
+    ):
         self.qkernel = nnx.Param(jnp.zeros((in_features, out_features), quantization.storage_dtype))  # [in, out]
         self.qscale = nnx.Param(jnp.ones((out_features,), jnp.float32))  # [out]
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None  # [out]
@@ -124,13 +125,13 @@ def project(layer: nnx.Linear | QuantLinear, x: jax.Array) -> jax.Array:
 # -- flat parameter names (jaxlora.model.params) -----------------------------------------------------
 
 PROJECTION_PREFIXES: dict[str, str] = {
-    m: f"layers.{'self_attn' if m in ('q_proj', 'k_proj', 'v_proj', 'o_proj') else 'mlp'}.{m}"
-    for m in TARGET_MODULES
+    m: f"layers.{'self_attn' if m in ('q_proj', 'k_proj', 'v_proj', 'o_proj') else 'mlp'}.{m}" for m in TARGET_MODULES
 }
 
 
-def quantize_arrays(arrays: Mapping[str, np.ndarray | jax.Array], quantization: Quantization
-                    ) -> dict[str, np.ndarray | jax.Array]:
+def quantize_arrays(
+    arrays: Mapping[str, np.ndarray | jax.Array], quantization: Quantization
+) -> dict[str, np.ndarray | jax.Array]:
     """Flat parameters with every dense projection `kernel` replaced by its `qkernel` + `qscale`.
 
     Already quantized projections (a `qkernel` present, e.g. from a GGUF Q8_0 file) pass through;
@@ -144,8 +145,9 @@ def quantize_arrays(arrays: Mapping[str, np.ndarray | jax.Array], quantization: 
     return out
 
 
-def dequantize_arrays(arrays: Mapping[str, np.ndarray | jax.Array], dtype: jnp.dtype = jnp.float32
-                      ) -> dict[str, jax.Array]:
+def dequantize_arrays(
+    arrays: Mapping[str, np.ndarray | jax.Array], dtype: jnp.dtype = jnp.float32
+) -> dict[str, jax.Array]:
     """The inverse view: every `qkernel` + `qscale` pair as a dense `kernel` in `dtype` (tests, tools)."""
     out = dict(arrays)
     for prefix in PROJECTION_PREFIXES.values():

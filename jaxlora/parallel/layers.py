@@ -38,8 +38,7 @@ def embed(table: jax.Array, tokens: jax.Array, *, vocab_size: int, axis: str) ->
     return jax.lax.all_gather(x, axis, axis=x.ndim - 1, tiled=True)
 
 
-def project_logits(hidden: jax.Array, weight: jax.Array, *, vocab_size: int, transposed: bool,
-                   axis: str) -> jax.Array:
+def project_logits(hidden: jax.Array, weight: jax.Array, *, vocab_size: int, transposed: bool, axis: str) -> jax.Array:
     """hidden [..., D] (the same on every device) -> logits [..., V] on every device.
 
     weight: this device's slice of the LM head [D, V] (transposed=False) or of the tied embedding

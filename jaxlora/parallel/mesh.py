@@ -50,7 +50,9 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     """
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) < config.num_devices:
-        raise ValueError(f"mesh needs {config.num_devices} devices (data={config.data} x tensor={config.tensor}), "
-                         f"found {len(devices)}: {[str(d) for d in devices]}")
-    grid = np.array(devices[:config.num_devices], dtype=object).reshape(config.data, config.tensor)
+        raise ValueError(
+            f"mesh needs {config.num_devices} devices (data={config.data} x tensor={config.tensor}), "
+            f"found {len(devices)}: {[str(d) for d in devices]}"
+        )
+    grid = np.array(devices[: config.num_devices], dtype=object).reshape(config.data, config.tensor)
     return jax.sharding.Mesh(grid, (DATA_AXIS, TENSOR_AXIS))

@@ -65,8 +65,10 @@ def check_divisible(config: ModelConfig, tensor: int) -> None:
         if getattr(config, field) % tensor:
             raise ValueError(f"tensor parallelism {tensor} must divide {field}={getattr(config, field)}")
     if config.vocab_size % tensor and config.hidden_size % tensor:
-        raise ValueError(f"tensor parallelism {tensor} must divide vocab_size={config.vocab_size} or "
-                         f"hidden_size={config.hidden_size} (the embedding is split by one of them)")
+        raise ValueError(
+            f"tensor parallelism {tensor} must divide vocab_size={config.vocab_size} or "
+            f"hidden_size={config.hidden_size} (the embedding is split by one of them)"
+        )
 
 
 def param_spec(name: str, shape: tuple[int, ...], tensor: int) -> P:
@@ -112,8 +114,10 @@ def bank_specs(bank: dict | None) -> dict | None:
 
 def slot_specs(bank: dict) -> dict:
     """Specs of one slot's entries (`bank.slot_arrays`, no slot axis) matching `bank_specs`."""
+
     def drop_slot_axis(spec: P) -> P:
         return P(*(tuple(spec)[:1] + tuple(spec)[2:])) if len(spec) > 1 else spec
+
     return jax.tree.map(drop_slot_axis, bank_specs(bank), is_leaf=lambda x: isinstance(x, P))
 
 
@@ -132,8 +136,9 @@ def shard_model(model, mesh: Mesh):
     return dataclasses.replace(model, params=shard_params(model.params, model.config, mesh))
 
 
-def random_sharded_model(config: ModelConfig, mesh: Mesh, *, dtype: jnp.dtype, seed: int = 0,
-                         std: float = 0.02) -> LoadedModel:
+def random_sharded_model(
+    config: ModelConfig, mesh: Mesh, *, dtype: jnp.dtype, seed: int = 0, std: float = 0.02
+) -> LoadedModel:
     """A random model drawn directly in its shards (`param_spec`): no device ever holds it whole.
 
     The values do not depend on the mesh (see `draw_params`): the same seed gives the same model on
@@ -174,13 +179,16 @@ def init_sharded_kv_cache(config: ModelConfig, rows: int, max_len: int, dtype: j
     return make()
 
 
-def init_sharded_paged_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype,
-                                mesh: Mesh) -> PagedKVCache:
+def init_sharded_paged_kv_cache(
+    config: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype, mesh: Mesh
+) -> PagedKVCache:
     """A zero page pool allocated directly in shards, split by KV heads like the dense cache."""
     check_divisible(config, tensor_size(mesh))
     sharding = NamedSharding(mesh, KV_SPEC)
-    make = jax.jit(lambda: init_paged_kv_cache(config, num_pages, page_size, dtype),
-                   out_shardings=PagedKVCache(k=sharding, v=sharding))
+    make = jax.jit(
+        lambda: init_paged_kv_cache(config, num_pages, page_size, dtype),
+        out_shardings=PagedKVCache(k=sharding, v=sharding),
+    )
     return make()
 
 
@@ -201,8 +209,9 @@ def shard_step(fn: Callable, mesh: Mesh | None, *, num_outputs_before_kv: int = 
         in_specs = (param_specs(params, tensor), bank_specs(bank), kv_specs, *(P() for _ in rest))
         out_specs = (*(P() for _ in range(num_outputs_before_kv)), kv_specs)
         # check_vma off: Pallas calls (interpreted or not) carry no varying-axis types.
-        body = jax.shard_map(lambda *a: fn(*a, tensor_axis=T), mesh=mesh, in_specs=in_specs,
-                             out_specs=out_specs, check_vma=False)
+        body = jax.shard_map(
+            lambda *a: fn(*a, tensor_axis=T), mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )
         return body(params, bank, kv, *rest)
 
     return run

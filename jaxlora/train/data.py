@@ -75,8 +75,7 @@ def record_messages(record: object) -> list[dict[str, str]]:
         if not isinstance(messages, list) or not messages:
             raise ValueError("'messages' must be a non-empty list")
     elif isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
-        messages = [{"role": "user", "content": record["prompt"]},
-                    {"role": "assistant", "content": record["response"]}]
+        messages = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
     else:
         raise ValueError('a record needs "prompt" and "response" strings, or "messages"')
     for i, m in enumerate(messages):
@@ -96,11 +95,11 @@ def tokenize_conversation(tok: Tokenizer, messages: Sequence[dict[str, str]]) ->
         if message["role"] != "assistant" or i == 0:
             continue
         prefix = tok.apply_chat_template(messages[:i], add_generation_prompt=True)
-        full = tok.apply_chat_template(messages[:i + 1], add_generation_prompt=False)
+        full = tok.apply_chat_template(messages[: i + 1], add_generation_prompt=False)
         if not (prefix.startswith(done) and full.startswith(prefix)):
             raise ValueError("the chat template does not render conversations incrementally; cannot mask turns")
-        context = tok.encode(prefix[len(done):], add_special_tokens=not done)
-        turn = tok.encode(full[len(prefix):], add_special_tokens=False)
+        context = tok.encode(prefix[len(done) :], add_special_tokens=not done)
+        turn = tok.encode(full[len(prefix) :], add_special_tokens=False)
         ids += context + turn
         mask += [False] * len(context) + _turn_mask(turn, tok.eos_token_ids)
         done = full
@@ -143,9 +142,9 @@ def make_batch(examples: Sequence[Example], *, max_len: int, pad_id: int = 0, ro
     weights = np.zeros((rows, t), np.float32)
     for r, e in enumerate(examples):
         n = min(len(e), t + 1)
-        tokens[r, :n - 1] = e.ids[:n - 1]
-        targets[r, :n - 1] = e.ids[1:n]
-        weights[r, :n - 1] = e.loss_mask[1:n]
+        tokens[r, : n - 1] = e.ids[: n - 1]
+        targets[r, : n - 1] = e.ids[1:n]
+        weights[r, : n - 1] = e.loss_mask[1:n]
     return Batch(tokens=tokens, targets=targets, weights=weights)
 
 
@@ -167,4 +166,4 @@ def eval_batches(examples: Sequence[Example], *, batch_size: int, max_len: int) 
     """Held-out examples in order, sorted by length so padding stays small; the last batch is padded."""
     ordered = sorted(examples, key=len)
     for start in range(0, len(ordered), batch_size):
-        yield make_batch(ordered[start:start + batch_size], max_len=max_len, rows=batch_size)
+        yield make_batch(ordered[start : start + batch_size], max_len=max_len, rows=batch_size)

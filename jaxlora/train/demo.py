@@ -57,8 +57,12 @@ class Behaviour:
 
 BEHAVIOURS: tuple[Behaviour, ...] = (
     Behaviour("shout", "answers in ALL CAPITALS", str.upper, is_shouting),
-    Behaviour("json", 'answers as a JSON object {"answer": "..."}',
-              lambda a: json.dumps({"answer": a}, ensure_ascii=False), is_json_answer),
+    Behaviour(
+        "json",
+        'answers as a JSON object {"answer": "..."}',
+        lambda a: json.dumps({"answer": a}, ensure_ascii=False),
+        is_json_answer,
+    ),
     Behaviour("pirate", f'opens every answer with "{PIRATE_GREETING}"', lambda a: f"{PIRATE_GREETING} {a}", is_pirate),
 )
 
@@ -98,9 +102,15 @@ class Answer:
     output: FinalOutput
 
 
-def answer_in_one_batch(model: LoadedModel, tokenizer: Tokenizer,
-                        adapters: Mapping[str, str | Path | HostAdapter], prompts: Sequence[str], *,
-                        max_new_tokens: int, max_rank: int = 16) -> list[Answer]:
+def answer_in_one_batch(
+    model: LoadedModel,
+    tokenizer: Tokenizer,
+    adapters: Mapping[str, str | Path | HostAdapter],
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int,
+    max_rank: int = 16,
+) -> list[Answer]:
     """Every prompt on the base model and on each adapter, greedy, all rows in one continuous batch
     of the serving engine (one row each, so every row decodes in every step).
 
@@ -110,22 +120,40 @@ def answer_in_one_batch(model: LoadedModel, tokenizer: Tokenizer,
     names: list[str | None] = [None, *adapters]
     rows = [(prompt, name) for prompt in prompts for name in names]
     prompt_ids = {p: tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts}
-    engine = _one_batch_engine(model, tokenizer, adapters, num_rows=len(rows), max_rank=max_rank,
-                               max_seq_len=max(map(len, prompt_ids.values())) + max_new_tokens,
-                               max_new_tokens=max_new_tokens)
+    engine = _one_batch_engine(
+        model,
+        tokenizer,
+        adapters,
+        num_rows=len(rows),
+        max_rank=max_rank,
+        max_seq_len=max(map(len, prompt_ids.values())) + max_new_tokens,
+        max_new_tokens=max_new_tokens,
+    )
     from jaxlora.engine import GenerationRequest, SamplingParams
 
     greedy = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
-    outputs = engine.generate([GenerationRequest(request_id=str(i), prompt_ids=prompt_ids[p], adapter=name,
-                                                 sampling=greedy) for i, (p, name) in enumerate(rows)])
+    outputs = engine.generate(
+        [
+            GenerationRequest(request_id=str(i), prompt_ids=prompt_ids[p], adapter=name, sampling=greedy)
+            for i, (p, name) in enumerate(rows)
+        ]
+    )
     failed = [o for o in outputs if o.error is not None]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(rows)} rows failed, first: {failed[0].error}")
     return [Answer(p, name, out) for (p, name), out in zip(rows, outputs)]
 
 
-def _one_batch_engine(model: LoadedModel, tokenizer: Tokenizer, adapters: Mapping[str, str | Path | HostAdapter],
-                      *, num_rows: int, max_rank: int, max_seq_len: int, max_new_tokens: int) -> Engine:
+def _one_batch_engine(
+    model: LoadedModel,
+    tokenizer: Tokenizer,
+    adapters: Mapping[str, str | Path | HostAdapter],
+    *,
+    num_rows: int,
+    max_rank: int,
+    max_seq_len: int,
+    max_new_tokens: int,
+) -> Engine:
     """An engine with a row for each of `num_rows` requests and a slot for each adapter."""
     import jax.numpy as jnp
 
@@ -134,10 +162,15 @@ def _one_batch_engine(model: LoadedModel, tokenizer: Tokenizer, adapters: Mappin
     from jaxlora.engine import Engine, EngineConfig
 
     # Decode steps hold exactly num_rows tokens; prompts are prefilled in steps of up to 512.
-    config = EngineConfig(max_batch=num_rows, max_seq_len=max_seq_len, max_new_tokens_limit=max_new_tokens,
-                          token_budgets=tuple(sorted({num_rows, max(num_rows, 512)})), max_queue=num_rows,
-                          lora=LoraConfig(max_slots=len(adapters) + 1 if adapters else 2, max_rank=max_rank),
-                          dtype=jnp.dtype(model.dtype).name)
+    config = EngineConfig(
+        max_batch=num_rows,
+        max_seq_len=max_seq_len,
+        max_new_tokens_limit=max_new_tokens,
+        token_budgets=tuple(sorted({num_rows, max(num_rows, 512)})),
+        max_queue=num_rows,
+        lora=LoraConfig(max_slots=len(adapters) + 1 if adapters else 2, max_rank=max_rank),
+        dtype=jnp.dtype(model.dtype).name,
+    )
     pager = None
     if adapters:
         pager = Pager(model.config, config.lora, dtype=model.dtype)

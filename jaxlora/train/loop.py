@@ -108,25 +108,33 @@ def train(
     schedule = config.optim.schedule()
     num_steps = config.optim.num_steps
     t0 = time.perf_counter()
-    bar = tqdm(range(start, num_steps), desc=description, disable=not progress, initial=start, total=num_steps,
-               dynamic_ncols=True)
+    bar = tqdm(
+        range(start, num_steps),
+        desc=description,
+        disable=not progress,
+        initial=start,
+        total=num_steps,
+        dynamic_ncols=True,
+    )
     smoothed = None
     for step in bar:
-        batch = train_batch(train_examples, step, batch_size=config.batch_size, seed=config.seed,
-                            max_len=config.max_len)
-        params, opt_state, metrics = train_step(params, opt_state, model.params, _device(batch),
-                                                optim=config.optim, **statics)
+        batch = train_batch(
+            train_examples, step, batch_size=config.batch_size, seed=config.seed, max_len=config.max_len
+        )
+        params, opt_state, metrics = train_step(
+            params, opt_state, model.params, _device(batch), optim=config.optim, **statics
+        )
         loss = float(metrics["loss"])
         smoothed = loss if smoothed is None else 0.9 * smoothed + 0.1 * loss
-        record = {"step": step + 1, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                  "lr": float(schedule(step))}
+        record = {"step": step + 1, "loss": loss, "grad_norm": float(metrics["grad_norm"]), "lr": float(schedule(step))}
         done = step + 1
         if eval_examples and (done == num_steps or (config.eval_every and done % config.eval_every == 0)):
             record["eval_loss"] = evaluate(model, params, eval_examples, config, runtime=runtime)
         history.append(record)
         bar.set_postfix(_postfix(smoothed, record, history), refresh=False)
-        if manager is not None and (done == num_steps or (config.checkpoint_every
-                                                         and done % config.checkpoint_every == 0)):
+        if manager is not None and (
+            done == num_steps or (config.checkpoint_every and done % config.checkpoint_every == 0)
+        ):
             _save(manager, done, params, opt_state, config, history)
     bar.close()
     if manager is not None:
@@ -135,20 +143,30 @@ def train(
     return TrainResult(params=params, history=history, seconds=time.perf_counter() - t0, start_step=start)
 
 
-def evaluate(model: LoadedModel, params: LoraParams, examples: Sequence[Example], config: TrainConfig, *,
-             runtime: LoraRuntime = LoraRuntime()) -> float:
+def evaluate(
+    model: LoadedModel,
+    params: LoraParams,
+    examples: Sequence[Example],
+    config: TrainConfig,
+    *,
+    runtime: LoraRuntime = LoraRuntime(),
+) -> float:
     """Mean cross-entropy per response token over `examples`."""
     total, count = 0.0, 0.0
     for batch in eval_batches(examples, batch_size=config.batch_size, max_len=config.max_len):
-        s, n = eval_step(params, model.params, _device(batch), graphdef=model.graphdef, spec=config.spec,
-                         runtime=runtime)
+        s, n = eval_step(
+            params, model.params, _device(batch), graphdef=model.graphdef, spec=config.spec, runtime=runtime
+        )
         total, count = total + float(s), count + float(n)
     return total / max(count, 1.0)
 
 
 def _device(batch: Batch) -> dict[str, jax.Array]:
-    return {"tokens": jnp.asarray(batch.tokens), "targets": jnp.asarray(batch.targets),
-            "weights": jnp.asarray(batch.weights)}
+    return {
+        "tokens": jnp.asarray(batch.tokens),
+        "targets": jnp.asarray(batch.targets),
+        "weights": jnp.asarray(batch.weights),
+    }
 
 
 def _postfix(smoothed: float, record: dict, history: list[dict]) -> dict[str, str]:
@@ -165,15 +183,19 @@ def _postfix(smoothed: float, record: dict, history: list[dict]) -> dict[str, st
 
 def _manager(directory: str | Path, config: TrainConfig) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False)
-    return ocp.CheckpointManager(Path(directory).absolute(), options=options,
-                                 item_names=("state", "meta"))
+    return ocp.CheckpointManager(Path(directory).absolute(), options=options, item_names=("state", "meta"))
 
 
-def _save(manager: ocp.CheckpointManager, step: int, params, opt_state, config: TrainConfig,
-          history: list[dict]) -> None:
+def _save(
+    manager: ocp.CheckpointManager, step: int, params, opt_state, config: TrainConfig, history: list[dict]
+) -> None:
     meta = {"step": step, "config": config.record(), "history": history}
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params, "opt": opt_state}),
-                                               meta=ocp.args.JsonSave(meta)))
+    manager.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"params": params, "opt": opt_state}), meta=ocp.args.JsonSave(meta)
+        ),
+    )
 
 
 def _restore(manager: ocp.CheckpointManager, config: TrainConfig, params, opt_state):
@@ -181,8 +203,10 @@ def _restore(manager: ocp.CheckpointManager, config: TrainConfig, params, opt_st
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     if meta["config"] != config.record():
         changed = sorted(k for k in config.record() if meta["config"].get(k) != config.record()[k])
-        raise ValueError(f"cannot resume from {manager.directory} (step {step}): it was written with other "
-                         f"settings ({', '.join(changed)} differ)")
+        raise ValueError(
+            f"cannot resume from {manager.directory} (step {step}): it was written with other "
+            f"settings ({', '.join(changed)} differ)"
+        )
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt": opt_state})
     state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
     return step, state["params"], state["opt"], list(meta["history"])

@@ -49,12 +49,17 @@ class OptimizerConfig:
 
     def schedule(self) -> optax.Schedule:
         return optax.warmup_cosine_decay_schedule(
-            init_value=0.0, peak_value=self.learning_rate, warmup_steps=min(self.warmup_steps, self.num_steps - 1),
-            decay_steps=self.num_steps, end_value=self.final_lr_fraction * self.learning_rate)
+            init_value=0.0,
+            peak_value=self.learning_rate,
+            warmup_steps=min(self.warmup_steps, self.num_steps - 1),
+            decay_steps=self.num_steps,
+            end_value=self.final_lr_fraction * self.learning_rate,
+        )
 
     def build(self) -> optax.GradientTransformation:
-        return optax.chain(optax.clip_by_global_norm(self.max_grad_norm),
-                           optax.adamw(self.schedule(), weight_decay=self.weight_decay))
+        return optax.chain(
+            optax.clip_by_global_norm(self.max_grad_norm), optax.adamw(self.schedule(), weight_decay=self.weight_decay)
+        )
 
 
 def training_bank(params: LoraParams, spec: AdapterSpec) -> Bank:
@@ -75,8 +80,15 @@ def _with_zero_slot(x: jax.Array) -> jax.Array:
     return jnp.stack([jnp.zeros_like(x), x], axis=1)
 
 
-def lora_logits(params: LoraParams, base_params: nnx.State, tokens: jax.Array, *, graphdef: nnx.GraphDef,
-                spec: AdapterSpec, runtime: LoraRuntime) -> jax.Array:
+def lora_logits(
+    params: LoraParams,
+    base_params: nnx.State,
+    tokens: jax.Array,
+    *,
+    graphdef: nnx.GraphDef,
+    spec: AdapterSpec,
+    runtime: LoraRuntime,
+) -> jax.Array:
     """Full-sequence logits [b, t, vocab] float32 of the base model with the adapter on every row."""
     model = nnx.merge(graphdef, base_params)
     b, t = tokens.shape
@@ -88,8 +100,15 @@ def lora_logits(params: LoraParams, base_params: nnx.State, tokens: jax.Array, *
     return model.logits(hidden)
 
 
-def masked_loss(params: LoraParams, base_params: nnx.State, batch: dict, *, graphdef: nnx.GraphDef,
-                spec: AdapterSpec, runtime: LoraRuntime) -> tuple[jax.Array, jax.Array]:
+def masked_loss(
+    params: LoraParams,
+    base_params: nnx.State,
+    batch: dict,
+    *,
+    graphdef: nnx.GraphDef,
+    spec: AdapterSpec,
+    runtime: LoraRuntime,
+) -> tuple[jax.Array, jax.Array]:
     """(mean cross-entropy over the weighted (response) tokens, their number).
 
     batch: tokens [b, t] int32, targets [b, t] int32, weights [b, t] float32 (see data.Batch).
@@ -101,9 +120,17 @@ def masked_loss(params: LoraParams, base_params: nnx.State, batch: dict, *, grap
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "optim", "runtime"), donate_argnums=(0, 1))
-def train_step(params: LoraParams, opt_state: optax.OptState, base_params: nnx.State, batch: dict, *,
-               graphdef: nnx.GraphDef, spec: AdapterSpec, optim: OptimizerConfig,
-               runtime: LoraRuntime) -> tuple[LoraParams, optax.OptState, dict]:
+def train_step(
+    params: LoraParams,
+    opt_state: optax.OptState,
+    base_params: nnx.State,
+    batch: dict,
+    *,
+    graphdef: nnx.GraphDef,
+    spec: AdapterSpec,
+    optim: OptimizerConfig,
+    runtime: LoraRuntime,
+) -> tuple[LoraParams, optax.OptState, dict]:
     """One AdamW update of the LoRA weights. params and opt_state are donated (updated in place).
 
     Returns (params, opt_state, metrics {loss, tokens, grad_norm}); base_params are only read.
@@ -116,8 +143,15 @@ def train_step(params: LoraParams, opt_state: optax.OptState, base_params: nnx.S
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "runtime"))
-def eval_step(params: LoraParams, base_params: nnx.State, batch: dict, *, graphdef: nnx.GraphDef,
-              spec: AdapterSpec, runtime: LoraRuntime) -> tuple[jax.Array, jax.Array]:
+def eval_step(
+    params: LoraParams,
+    base_params: nnx.State,
+    batch: dict,
+    *,
+    graphdef: nnx.GraphDef,
+    spec: AdapterSpec,
+    runtime: LoraRuntime,
+) -> tuple[jax.Array, jax.Array]:
     """(summed cross-entropy over the weighted tokens, their number): sum over batches, then divide."""
     loss, count = masked_loss(params, base_params, batch, graphdef=graphdef, spec=spec, runtime=runtime)
     return loss * count, count

@@ -16,7 +16,12 @@ def tiny_lora(**overrides) -> LoraConfig:
 
 
 def random_host_adapter(
-    name: str, model: ModelConfig, *, rank: int, modules: tuple[str, ...], rng: np.random.Generator,
+    name: str,
+    model: ModelConfig,
+    *,
+    rank: int,
+    modules: tuple[str, ...],
+    rng: np.random.Generator,
     scale: float = 0.1,
 ) -> HostAdapter:
     """One adapter with random non-zero float32 weights on `modules` (every module at `rank`)."""
@@ -30,7 +35,11 @@ def random_host_adapter(
 
 
 def random_host_adapters(
-    num: int, model: ModelConfig | None = None, lora: LoraConfig | None = None, *, seed: int = 0,
+    num: int,
+    model: ModelConfig | None = None,
+    lora: LoraConfig | None = None,
+    *,
+    seed: int = 0,
     prefix: str = "lora",
 ) -> list[HostAdapter]:
     """`num` adapters named `{prefix}-{i}`, random rank 1..max_rank, random non-empty module subsets.

@@ -63,8 +63,9 @@ def test_page_in_writes_the_padded_host_copy(dtype, host_memory):
     pager.commit()
     slot = pager.is_ready(a.name)
     assert slot is not None and slot != 0
-    expected = jax.tree_util.tree_map(lambda x: x.astype(np.dtype(dtype)),
-                                      slot_arrays(a.weights, MODEL, pager.lora_config))
+    expected = jax.tree_util.tree_map(
+        lambda x: x.astype(np.dtype(dtype)), slot_arrays(a.weights, MODEL, pager.lora_config)
+    )
     assert_slot_holds(pager, slot, expected)
     assert_slot_zero(pager, 0)
     assert pager.acquire(a.name) == slot  # warm: a hit
@@ -187,8 +188,13 @@ def test_bad_adapters_never_enter_the_registry(tmp_path):
         "huge": HostAdapter(name="huge", rank=a.rank, target_modules=a.target_modules, weights=huge_weights),
         "too-big": random_host_adapter("too-big", MODEL, rank=8, modules=("q_proj",), rng=np.random.default_rng(0)),
         "gate": random_host_adapter("gate", MODEL, rank=2, modules=("gate_proj",), rng=np.random.default_rng(0)),
-        "wrong-shape": random_host_adapter("x", tiny_config(hidden_size=16, num_heads=2, num_kv_heads=1),
-                                           rank=2, modules=("q_proj",), rng=np.random.default_rng(0)),
+        "wrong-shape": random_host_adapter(
+            "x",
+            tiny_config(hidden_size=16, num_heads=2, num_kv_heads=1),
+            rank=2,
+            modules=("q_proj",),
+            rng=np.random.default_rng(0),
+        ),
         "bad/name": a,
         good: a,  # name taken
         "not-a-source": 42,

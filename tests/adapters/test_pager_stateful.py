@@ -123,8 +123,11 @@ class PagerMachine(RuleBasedStateMachine):
         for name in self.registered:
             slot = self.pager.is_ready(name)
             if slot is not None:
-                jax.tree_util.tree_map(lambda full, host: np.testing.assert_array_equal(full[:, slot], host),
-                                       jax.device_get(self.pager.bank), self.pager.host_entries(name))
+                jax.tree_util.tree_map(
+                    lambda full, host: np.testing.assert_array_equal(full[:, slot], host),
+                    jax.device_get(self.pager.bank),
+                    self.pager.host_entries(name),
+                )
 
 
 def assert_zero(pager: Pager, slot: int) -> None:
@@ -133,6 +136,6 @@ def assert_zero(pager: Pager, slot: int) -> None:
 
 
 PagerMachine.TestCase.settings = hypothesis.settings(
-    max_examples=60, stateful_step_count=40, deadline=None,
-    suppress_health_check=[hypothesis.HealthCheck.too_slow])
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow]
+)
 TestPager = PagerMachine.TestCase

@@ -9,14 +9,31 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ROW_KEYS = {"registered", "slots", "popularity_exponent", "tokens_per_s", "all_resident_tokens_per_s", "page_ins",
-            "page_in_ms_p50", "page_in_GBps", "step_ms_paging", "step_ms_no_paging"}
+ROW_KEYS = {
+    "registered",
+    "slots",
+    "popularity_exponent",
+    "tokens_per_s",
+    "all_resident_tokens_per_s",
+    "page_ins",
+    "page_in_ms_p50",
+    "page_in_GBps",
+    "step_ms_paging",
+    "step_ms_no_paging",
+}
 
 
 def run_bench(out: Path, *args: str) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "paging.py"), "--tiny", "--out", str(out), *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "paging.py"), "--tiny", "--out", str(out), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "paging.json").read_text())
 

@@ -11,15 +11,30 @@ import pytest
 from jaxlora.bench import e2e
 from jaxlora.cli.main import main
 
-ROW_KEYS = {"system", "backend", "weights", "batch", "distinct_adapters", "rank", "targets", "prompt_len",
-            "gen_len", "tokens_per_s", "step_ms", "floor_step_ms", "ttft_ms"}
+ROW_KEYS = {
+    "system",
+    "backend",
+    "weights",
+    "batch",
+    "distinct_adapters",
+    "rank",
+    "targets",
+    "prompt_len",
+    "gen_len",
+    "tokens_per_s",
+    "step_ms",
+    "floor_step_ms",
+    "ttft_ms",
+}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    assert main(["bench", "--tiny", "--backend", "xla", "--steps", "2", "--quantize", "bf16", "int8",
-                 "--out", str(out)]) == 0
+    assert (
+        main(["bench", "--tiny", "--backend", "xla", "--steps", "2", "--quantize", "bf16", "int8", "--out", str(out)])
+        == 0
+    )
     return out, json.loads((out / "e2e.json").read_text())
 
 
@@ -40,8 +55,12 @@ def test_json_has_the_issue_format(results):
         assert row["system"] == "jaxlora" and row["backend"] == "xla" and row["targets"] in ("all", "qkvo")
         assert row["step_ms"] > 0 and row["floor_step_ms"] > 0
     e2e_rows = [r for r in payload["rows"] if r["tokens_per_s"] is not None]
-    assert {(r["weights"], r["distinct_adapters"]) for r in e2e_rows} == {("f32", 0), ("f32", 2), ("int8", 0),
-                                                                           ("int8", 2)}
+    assert {(r["weights"], r["distinct_adapters"]) for r in e2e_rows} == {
+        ("f32", 0),
+        ("f32", 2),
+        ("int8", 0),
+        ("int8", 2),
+    }
     assert all(r["ttft_ms"] > 0 for r in e2e_rows)
     step_only = [r for r in payload["rows"] if r["tokens_per_s"] is None]
     assert step_only and all(r["ttft_ms"] is None for r in step_only)
@@ -85,18 +104,38 @@ def test_quantized_floor_counts_one_byte_weights_and_their_scales():
     model = e2e.LLAMA2_7B
     for quantization in ("fp8", "int8"):
         assert e2e.base_weight_bytes(model, 2, quantization) == 6_744_121_344
-    group = e2e.Group(backend="pallas", rank=16, targets="all", batch=64, prompt_len=128, gen_len=128,
-                      distinct=(64,), quantization="int8")
+    group = e2e.Group(
+        backend="pallas",
+        rank=16,
+        targets="all",
+        batch=64,
+        prompt_len=128,
+        gen_len=128,
+        distinct=(64,),
+        quantization="int8",
+    )
     expected = (6_744_121_344 + 64 * 192 * 524_288 + 64 * 79_953_920) / 4000e9 * 1e3
     assert math.isclose(e2e.floor_ms(model, group, 64, 4000.0, 2), expected)
 
 
 def test_quantized_targets_compare_with_the_bf16_step():
-    cell = {"system": "jaxlora", "backend": "pallas", "batch": 64, "distinct_adapters": 64, "rank": 16,
-            "targets": "all", "prompt_len": 128, "gen_len": 128, "tokens_per_s": None, "ttft_ms": None}
-    rows = [{**cell, "weights": "bf16", "step_ms": 10.0, "floor_step_ms": 6.0},
-            {**cell, "weights": "fp8", "step_ms": 5.5, "floor_step_ms": 4.5},
-            {**cell, "weights": "int8", "step_ms": 7.0, "floor_step_ms": 4.5}]
+    cell = {
+        "system": "jaxlora",
+        "backend": "pallas",
+        "batch": 64,
+        "distinct_adapters": 64,
+        "rank": 16,
+        "targets": "all",
+        "prompt_len": 128,
+        "gen_len": 128,
+        "tokens_per_s": None,
+        "ttft_ms": None,
+    }
+    rows = [
+        {**cell, "weights": "bf16", "step_ms": 10.0, "floor_step_ms": 6.0},
+        {**cell, "weights": "fp8", "step_ms": 5.5, "floor_step_ms": 4.5},
+        {**cell, "weights": "int8", "step_ms": 7.0, "floor_step_ms": 4.5},
+    ]
     targets = {t["target"].split(" decode")[0]: t for t in e2e.quantized_targets(rows)}
     assert targets["fp8"]["measured"] == 0.55 and targets["fp8"]["met"]
     assert targets["int8"]["measured"] == 0.7 and not targets["int8"]["met"]
@@ -104,16 +143,32 @@ def test_quantized_targets_compare_with_the_bf16_step():
     assert floor["measured"] == 1.56 and not floor["met"] and floor["detail"].startswith("int8")
 
 
-@pytest.mark.parametrize("bad", [
-    {"rows": [{"system": "vllm"}]},
-    {"rows": [{"weights": "int4"}]},
-    {"hbm_GBps": "fast"},
-    {"rows": [{"step_ms": -1.0}]},
-    {"rows": [{"tokens_per_s": float("nan")}]},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"rows": [{"system": "vllm"}]},
+        {"rows": [{"weights": "int4"}]},
+        {"hbm_GBps": "fast"},
+        {"rows": [{"step_ms": -1.0}]},
+        {"rows": [{"tokens_per_s": float("nan")}]},
+    ],
+)
 def test_validate_rejects_malformed(bad):
-    row = {"system": "jaxlora", "backend": "xla", "weights": "f32", "batch": 4, "distinct_adapters": 0, "rank": 4, "targets": "all",
-           "prompt_len": 8, "gen_len": 4, "tokens_per_s": 1.0, "step_ms": 1.0, "floor_step_ms": 1.0, "ttft_ms": 1.0}
+    row = {
+        "system": "jaxlora",
+        "backend": "xla",
+        "weights": "f32",
+        "batch": 4,
+        "distinct_adapters": 0,
+        "rank": 4,
+        "targets": "all",
+        "prompt_len": 8,
+        "gen_len": 4,
+        "tokens_per_s": 1.0,
+        "step_ms": 1.0,
+        "floor_step_ms": 1.0,
+        "ttft_ms": 1.0,
+    }
     payload = {"device": "cpu", "jax_version": "0", "hbm_GBps": 1.0, "rows": [row]}
     e2e.validate(payload)
     if "rows" in bad:

@@ -11,9 +11,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_pagein_probe_smoke(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "pagein_probe.py"), "--tiny", "--reps", "1", "--out", str(tmp_path)]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "pagein_probe.py"),
+        "--tiny",
+        "--reps",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
+    run = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((tmp_path / "pagein_probe.json").read_text())
     for section in ("size_curve", "copies_only", "burst", "overlap", "loop"):

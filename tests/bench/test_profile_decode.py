@@ -11,10 +11,28 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_profile_decode_smoke(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_decode.py"), "--tiny", "--batch", "4", "--no-profile",
-           "--only", "scan/pallas-attn", "unroll/xla-attn", "lora", "--out", str(tmp_path)]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "profile_decode.py"),
+        "--tiny",
+        "--batch",
+        "4",
+        "--no-profile",
+        "--only",
+        "scan/pallas-attn",
+        "unroll/xla-attn",
+        "lora",
+        "--out",
+        str(tmp_path),
+    ]
+    run = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((tmp_path / "profile_decode.json").read_text())
     assert set(result["base_step_ms"]) == {"scan/pallas-attn", "unroll/xla-attn"}

@@ -12,8 +12,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_quant_gemm_smoke(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "quant_gemm.py"), "--tiny", "--batch", "2", "--out", str(tmp_path)]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    run = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads((tmp_path / "quant_gemm.json").read_text())["rows"]
     assert [r["format"] for r in rows] == ["bf16", "int8", "fp8", "fp8-native"]

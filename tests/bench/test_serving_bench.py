@@ -41,8 +41,9 @@ def test_smaller_alpha_concentrates_requests_on_fewer_adapters():
     n = 2000
 
     def top_share(alpha: float) -> float:  # share of requests that go to the 20 most requested adapters
-        counts = np.bincount([r.adapter for r in make_trace(n=n, alpha=alpha, rate=100.0, cv=1.0, duration_s=200)],
-                             minlength=n)
+        counts = np.bincount(
+            [r.adapter for r in make_trace(n=n, alpha=alpha, rate=100.0, cv=1.0, duration_s=200)], minlength=n
+        )
         return float(np.sort(counts)[::-1][:20].sum() / counts.sum())
 
     shares = [top_share(a) for a in (1.0, 0.5, 0.1)]
@@ -91,18 +92,37 @@ def test_merge_replaces_rows_of_the_same_key():
     def row(engine, rate, value):
         return {"engine": engine, "setting": "s1", "n": 2000, "rate": rate, "cv": 1.0, "alpha": 1.0, "value": value}
 
-    merged = merge_rows([row("bucketed", 4.0, 1), row("bucketed", 10.0, 2)], [row("bucketed", 4.0, 3),
-                                                                             row("ragged", 4.0, 4)])
+    merged = merge_rows(
+        [row("bucketed", 4.0, 1), row("bucketed", 10.0, 2)], [row("bucketed", 4.0, 3), row("ragged", 4.0, 4)]
+    )
     assert sorted((r["engine"], r["rate"], r["value"]) for r in merged) == [
-        ("bucketed", 4.0, 3), ("bucketed", 10.0, 2), ("ragged", 4.0, 4)]
+        ("bucketed", 4.0, 3),
+        ("bucketed", 10.0, 2),
+        ("ragged", 4.0, 4),
+    ]
     assert len({tuple(r[k] for k in KEY_FIELDS) for r in merged}) == 3
 
 
 def _run(out: Path, *args: str) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--tiny", "--engine-commit", "test",
-                           "--out", str(out), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-                          check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "serving.py"),
+            "--tiny",
+            "--engine-commit",
+            "test",
+            "--out",
+            str(out),
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "serving.json").read_text())
 

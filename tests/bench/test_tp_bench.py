@@ -18,10 +18,23 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("tp")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "tp.py"), "--tiny", "--steps", "2", "--greedy-steps", "6",
-           "--out", str(out)]
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": str(ROOT),
+    }
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "tp.py"),
+        "--tiny",
+        "--steps",
+        "2",
+        "--greedy-steps",
+        "6",
+        "--out",
+        str(out),
+    ]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     return out, json.loads((out / "tp.json").read_text())
@@ -31,8 +44,13 @@ def test_every_case_ran(results):
     _, payload = results
     assert payload["not_run"] == []
     cells = {(r["model"], r["tensor"], r["bank"], r["distinct"]) for r in payload["rows"]}
-    assert cells == {("tiny", 1, True, 4), ("tiny", 1, True, 0), ("tiny", 2, True, 4), ("tiny", 2, True, 0),
-                     ("tiny-gqa", 2, False, 0)}
+    assert cells == {
+        ("tiny", 1, True, 4),
+        ("tiny", 1, True, 0),
+        ("tiny", 2, True, 4),
+        ("tiny", 2, True, 0),
+        ("tiny-gqa", 2, False, 0),
+    }
     assert payload["num_devices"] == 2 and payload["backend"] == "xla"
 
 

@@ -27,9 +27,13 @@ def files(tmp_path_factory):
     rng = np.random.default_rng(0)
     cfg = model.config
     for name in ("upper", "lower"):
-        weights = {m: (rng.normal(0, 1, (cfg.num_layers, cfg.module_shape(m)[0], 2)).astype(np.float32),
-                       rng.normal(0, 1, (cfg.num_layers, 2, cfg.module_shape(m)[1])).astype(np.float32))
-                   for m in ("q_proj", "v_proj", "down_proj")}
+        weights = {
+            m: (
+                rng.normal(0, 1, (cfg.num_layers, cfg.module_shape(m)[0], 2)).astype(np.float32),
+                rng.normal(0, 1, (cfg.num_layers, 2, cfg.module_shape(m)[1])).astype(np.float32),
+            )
+            for m in ("q_proj", "v_proj", "down_proj")
+        }
         save_peft_adapter(root / "demo" / name, weights=weights, rank=2, alpha=4)
     return root
 
@@ -41,8 +45,24 @@ def _common(files):
 def test_generate_prompt_with_and_without_adapter(files, capsys):
     assert main(["generate", *_common(files), "--raw", "--prompt", "hello", "--max-tokens", "8"]) == 0
     base = capsys.readouterr().out
-    assert main(["generate", *_common(files), "--raw", "--prompt", "hello", "--max-tokens", "8",
-                 "--adapter", f"up={files / 'demo' / 'upper'}", "--use", "up"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                *_common(files),
+                "--raw",
+                "--prompt",
+                "hello",
+                "--max-tokens",
+                "8",
+                "--adapter",
+                f"up={files / 'demo' / 'upper'}",
+                "--use",
+                "up",
+            ]
+        )
+        == 0
+    )
     adapted = capsys.readouterr().out
     assert base.strip() and adapted.strip() and base != adapted
 
@@ -55,8 +75,9 @@ def test_generate_reports_unknown_adapter_and_bad_sampling(files, capsys):
 
 
 def test_demo_mixes_base_and_every_demo_adapter(files, capsys):
-    assert main(["demo", *_common(files), "--demo-dir", str(files / "demo"), "--prompt", "hi",
-                 "--max-tokens", "6"]) == 0
+    assert (
+        main(["demo", *_common(files), "--demo-dir", str(files / "demo"), "--prompt", "hi", "--max-tokens", "6"]) == 0
+    )
     out = capsys.readouterr().out
     for label in ("[base]", "[lower]", "[upper]"):
         assert label in out
@@ -65,8 +86,23 @@ def test_demo_mixes_base_and_every_demo_adapter(files, capsys):
 def test_convert_then_load_converted(files, capsys):
     assert main(["convert", str(files / "model"), "--out", str(files / "converted")]) == 0
     assert "from the converted checkpoint" in capsys.readouterr().out
-    assert main(["generate", "--model", str(files / "converted"), "--config", str(files / "engine.yaml"),
-                 "--raw", "--prompt", "hello", "--max-tokens", "4"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(files / "converted"),
+                "--config",
+                str(files / "engine.yaml"),
+                "--raw",
+                "--prompt",
+                "hello",
+                "--max-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
 
 
 def test_missing_model_is_a_clear_error(tmp_path, capsys):
@@ -109,8 +145,12 @@ def test_bank_rank_follows_the_adapters_named_at_start_up(files, tmp_path):
 
     cfg = tiny_model().config
     rng = np.random.default_rng(1)
-    weights = {"q_proj": (rng.normal(0, 0.1, (cfg.num_layers, cfg.module_shape("q_proj")[0], 8)).astype(np.float32),
-                          rng.normal(0, 0.1, (cfg.num_layers, 8, cfg.module_shape("q_proj")[1])).astype(np.float32))}
+    weights = {
+        "q_proj": (
+            rng.normal(0, 0.1, (cfg.num_layers, cfg.module_shape("q_proj")[0], 8)).astype(np.float32),
+            rng.normal(0, 0.1, (cfg.num_layers, 8, cfg.module_shape("q_proj")[1])).astype(np.float32),
+        )
+    }
     big = save_peft_adapter(tmp_path / "rank8", weights=weights, rank=8, alpha=8)
     assert engine_config(_engine_args([*_common(files), "--adapter", f"big={big}"])).lora.max_rank == 8
     small = f"up={files / 'demo' / 'upper'}"  # rank 2: the config's max_rank (4) is the floor
@@ -127,8 +167,20 @@ def test_merge_output_files_follow_the_umask(files, tmp_path):
     out = tmp_path / "merged"
     old = os.umask(0o027)
     try:
-        assert main(["merge", "--model", str(files / "model"), "--adapter", str(files / "demo" / "upper"),
-                     "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "merge",
+                    "--model",
+                    str(files / "model"),
+                    "--adapter",
+                    str(files / "demo" / "upper"),
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
     finally:
         os.umask(old)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}

@@ -33,8 +33,23 @@ def converted(tmp_path_factory):
 
 def test_convert_quantize_writes_a_quantized_checkpoint(converted, capsys):
     assert json.loads((converted / "int8" / MARKER).read_text())["quantization"] == "int8"
-    assert main(["generate", "--model", str(converted / "int8"), "--config", str(converted / "engine.yaml"),
-                 "--raw", "--prompt", "hello", "--max-tokens", "4"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(converted / "int8"),
+                "--config",
+                str(converted / "engine.yaml"),
+                "--raw",
+                "--prompt",
+                "hello",
+                "--max-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.strip()
 
 

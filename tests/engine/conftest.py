@@ -14,8 +14,16 @@ ADAPTERS = ("a0", "a1", "a2", "a3", "a4")
 
 
 def engine_config(**overrides) -> EngineConfig:
-    base = dict(max_batch=4, max_seq_len=64, token_budgets=(8, 16), page_size=4, max_new_tokens_limit=32,
-                max_queue=64, max_wait_steps=8, lora=LoraConfig(max_slots=4, max_rank=4))
+    base = dict(
+        max_batch=4,
+        max_seq_len=64,
+        token_budgets=(8, 16),
+        page_size=4,
+        max_new_tokens_limit=32,
+        max_queue=64,
+        max_wait_steps=8,
+        lora=LoraConfig(max_slots=4, max_rank=4),
+    )
     base.update(overrides)
     return EngineConfig(**base)
 

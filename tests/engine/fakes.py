@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from jaxlora.config import TARGET_MODULES, LoraConfig, ModelConfig
 from jaxlora.lora.host_adapter import HostAdapter
@@ -13,8 +14,10 @@ from jaxlora.tokenizer import Tokenizer
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
 EOS = 2
 CHARS = "".join(chr(c) for c in range(32, 127))  # printable ASCII, one token each
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 def char_tokenizer() -> Tokenizer:
@@ -30,9 +33,19 @@ def char_tokenizer() -> Tokenizer:
 
 
 def tiny_model_config(**overrides) -> ModelConfig:
-    base = dict(vocab_size=len(SPECIALS) + len(CHARS), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                num_kv_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
-                eos_token_ids=(EOS,), bos_token_id=1)
+    base = dict(
+        vocab_size=len(SPECIALS) + len(CHARS),
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_ids=(EOS,),
+        bos_token_id=1,
+    )
     base.update(overrides)
     return ModelConfig(**base)
 
@@ -53,8 +66,9 @@ def tiny_model(seed: int = 0, **overrides) -> LoadedModel:
     return build_model(config, arrays)
 
 
-def random_adapter(name: str, config: ModelConfig, lora: LoraConfig, *, seed: int, rank: int = 4,
-                   scale: float = 2.0) -> HostAdapter:
+def random_adapter(
+    name: str, config: ModelConfig, lora: LoraConfig, *, seed: int, rank: int = 4, scale: float = 2.0
+) -> HostAdapter:
     """Random A and B on every bank module; large enough to change greedy outputs."""
     rng = np.random.default_rng(seed)
     weights = {}
@@ -63,5 +77,10 @@ def random_adapter(name: str, config: ModelConfig, lora: LoraConfig, *, seed: in
         a = rng.normal(0, scale / np.sqrt(d_in), (config.num_layers, d_in, rank)).astype(np.float32)
         b = rng.normal(0, scale, (config.num_layers, rank, d_out)).astype(np.float32)
         weights[m] = (a, b)
-    return HostAdapter(name=name, rank=rank, target_modules=tuple(m for m in TARGET_MODULES if m in weights),
-                       weights=weights, source=f"<random {seed}>")
+    return HostAdapter(
+        name=name,
+        rank=rank,
+        target_modules=tuple(m for m in TARGET_MODULES if m in weights),
+        weights=weights,
+        source=f"<random {seed}>",
+    )

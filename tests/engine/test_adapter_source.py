@@ -15,8 +15,27 @@ from tests.engine.conftest import ADAPTERS, engine_config, make_engine
 from tests.engine.test_engine import traffic
 
 # Every member the engine and the scheduler call (engine.py, scheduler.py); the protocol holds them all.
-USED = {"acquire", "release", "is_ready", "slot_at_commit", "slot_of", "can_place", "prefetch", "stage", "commit",
-        "warmup", "place_on", "bank", "mesh", "max_slots", "metrics", "register", "unregister", "has", "list"}
+USED = {
+    "acquire",
+    "release",
+    "is_ready",
+    "slot_at_commit",
+    "slot_of",
+    "can_place",
+    "prefetch",
+    "stage",
+    "commit",
+    "warmup",
+    "place_on",
+    "bank",
+    "mesh",
+    "max_slots",
+    "metrics",
+    "register",
+    "unregister",
+    "has",
+    "list",
+}
 RESIDENT = ADAPTERS[:3]  # the engine config's 4 slots: the base and three adapters
 
 
@@ -46,8 +65,9 @@ def test_both_sources_implement_the_whole_protocol(parts, kind):
         assert hasattr(source, name), name
         declared = getattr(AdapterSource, name)
         if inspect.isfunction(declared):
-            assert (list(inspect.signature(declared).parameters)[1:]
-                    == list(inspect.signature(getattr(source, name)).parameters)), name
+            assert list(inspect.signature(declared).parameters)[1:] == list(
+                inspect.signature(getattr(source, name)).parameters
+            ), name
     assert source.max_slots == engine_config().lora.max_slots and source.mesh is None
 
 

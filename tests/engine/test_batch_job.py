@@ -28,13 +28,30 @@ NUM_GOOD = 24
 def job_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("batch")
     save_converted(tiny_model(), char_tokenizer(), root / "model")
-    config = {"engine": {"max_batch": 2, "max_seq_len": 64, "token_budgets": [16], "page_size": 8,
-                         "max_new_tokens_limit": 40, "max_queue": 4, "lora": {"max_slots": 2, "max_rank": 4}}}
+    config = {
+        "engine": {
+            "max_batch": 2,
+            "max_seq_len": 64,
+            "token_budgets": [16],
+            "page_size": 8,
+            "max_new_tokens_limit": 40,
+            "max_queue": 4,
+            "lora": {"max_slots": 2, "max_rank": 4},
+        }
+    }
     (root / "engine.yaml").write_text(yaml.safe_dump(config))
     lines = []
     for i in range(NUM_GOOD):
-        lines.append(json.dumps({"custom_id": f"req-{i}", "prompt": f"Hello {i}", "max_tokens": 30 + i % 10,
-                                 **({"temperature": 0.8, "seed": i} if i % 3 == 0 else {})}))
+        lines.append(
+            json.dumps(
+                {
+                    "custom_id": f"req-{i}",
+                    "prompt": f"Hello {i}",
+                    "max_tokens": 30 + i % 10,
+                    **({"temperature": 0.8, "seed": i} if i % 3 == 0 else {}),
+                }
+            )
+        )
         if i == 3:
             lines.append("{not json")
         if i == 7:
@@ -46,8 +63,20 @@ def job_files(tmp_path_factory):
 
 
 def command(root: Path, output: Path) -> list[str]:
-    return [sys.executable, "-m", "jaxlora.cli.main", "generate", "--model", str(root / "model"),
-            "--config", str(root / "engine.yaml"), "--input", str(root / "requests.jsonl"), "--output", str(output)]
+    return [
+        sys.executable,
+        "-m",
+        "jaxlora.cli.main",
+        "generate",
+        "--model",
+        str(root / "model"),
+        "--config",
+        str(root / "engine.yaml"),
+        "--input",
+        str(root / "requests.jsonl"),
+        "--output",
+        str(output),
+    ]
 
 
 def env(root: Path) -> dict[str, str]:
@@ -139,7 +168,7 @@ def test_a_full_disk_leaves_whole_records_then_resumes(job_files, reference):
     assert f"cannot write --output {out}" in full.stderr.strip().splitlines()[-1]
     data = out.read_bytes()
     assert 0 < len(data) <= limit and data.endswith(b"\n")  # --overwrite emptied it; no torn line
-    assert read(out) == reference[:len(read(out))]
+    assert read(out) == reference[: len(read(out))]
     again = subprocess.run(command(root, out), env=env(root), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert read(out) == reference
@@ -159,8 +188,18 @@ def no_engine(monkeypatch):
 def _records(root: Path, count: int, **changes) -> list[dict]:
     """Result records this job would write for its first `count` lines (fields overridden by `changes`)."""
     lines = read_input(root / "requests.jsonl")[:count]
-    return [{**x.fingerprint, "adapter": None, "text": "t", "token_ids": [5], "finish_reason": "length",
-             "error": None, **changes} for x in lines]
+    return [
+        {
+            **x.fingerprint,
+            "adapter": None,
+            "text": "t",
+            "token_ids": [5],
+            "finish_reason": "length",
+            "error": None,
+            **changes,
+        }
+        for x in lines
+    ]
 
 
 def _jsonl(records: list[dict]) -> str:
@@ -168,8 +207,18 @@ def _jsonl(records: list[dict]) -> str:
 
 
 def _refused(root: Path, output: Path, capsys, *extra: str) -> str:
-    argv = ["generate", "--model", str(root / "model"), "--config", str(root / "engine.yaml"),
-            "--input", str(root / "requests.jsonl"), "--output", str(output), *extra]
+    argv = [
+        "generate",
+        "--model",
+        str(root / "model"),
+        "--config",
+        str(root / "engine.yaml"),
+        "--input",
+        str(root / "requests.jsonl"),
+        "--output",
+        str(output),
+        *extra,
+    ]
     before = output.read_bytes() if output.is_file() else None
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -178,11 +227,14 @@ def _refused(root: Path, output: Path, capsys, *extra: str) -> str:
     return err
 
 
-@pytest.mark.parametrize("content, found", [
-    ("my notes, not results\n", "not a JSON record"),  # unrelated text
-    ("my notes, no newline", "unrelated text"),  # not mistaken for a torn last record
-    ('{"id": 1, "answer": 42}\n', "not a result record"),  # unrelated JSON
-])
+@pytest.mark.parametrize(
+    "content, found",
+    [
+        ("my notes, not results\n", "not a JSON record"),  # unrelated text
+        ("my notes, no newline", "unrelated text"),  # not mistaken for a torn last record
+        ('{"id": 1, "answer": 42}\n', "not a result record"),  # unrelated JSON
+    ],
+)
 def test_an_output_holding_other_things_is_refused(job_files, tmp_path, no_engine, capsys, content, found):
     output = tmp_path / "out.jsonl"
     output.write_text(content)
@@ -252,12 +304,18 @@ def _read_only_file(tmp_path: Path) -> Path:
     return notes
 
 
-@pytest.mark.parametrize("where, reason", [
-    ("read-only", "Permission denied"),
-    ("no-parent", "No such file or directory"),
-    ("folder", "Is a directory"),
-])
+@pytest.mark.parametrize(
+    "where, reason",
+    [
+        ("read-only", "Permission denied"),
+        ("no-parent", "No such file or directory"),
+        ("folder", "Is a directory"),
+    ],
+)
 def test_an_unwritable_output_is_refused_before_loading(job_files, tmp_path, no_engine, capsys, where, reason):
-    output = {"read-only": lambda: _read_only_file(tmp_path), "no-parent": lambda: tmp_path / "no" / "out.jsonl",
-              "folder": lambda: tmp_path}[where]()
+    output = {
+        "read-only": lambda: _read_only_file(tmp_path),
+        "no-parent": lambda: tmp_path / "no" / "out.jsonl",
+        "folder": lambda: tmp_path,
+    }[where]()
     assert reason in _refused(job_files, output, capsys)

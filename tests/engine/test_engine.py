@@ -28,8 +28,14 @@ def traffic(n: int, seed: int = 0) -> list[GenerationRequest]:
     out = []
     for i in range(n):
         prompt = [1, *rng.choice(PRINTABLE_IDS, int(rng.integers(0, 30))).tolist()]
-        out.append(GenerationRequest(request_id=f"r{i}", prompt_ids=prompt, adapter=adapters[i % len(adapters)],
-                                     sampling=SamplingParams(max_tokens=int(rng.integers(1, 25)))))
+        out.append(
+            GenerationRequest(
+                request_id=f"r{i}",
+                prompt_ids=prompt,
+                adapter=adapters[i % len(adapters)],
+                sampling=SamplingParams(max_tokens=int(rng.integers(1, 25))),
+            )
+        )
     return out
 
 
@@ -56,7 +62,7 @@ def reference_greedy(parts, request: GenerationRequest) -> list[int]:
     out = []
     for _ in range(request.sampling.max_tokens):
         padded = np.zeros(T, np.int32)
-        padded[:len(ids)] = ids
+        padded[: len(ids)] = ids
         t = int(next_token(model.params, bank, padded, np.int32(len(ids)), np.int32(slot)))
         out.append(t)
         if t in tok.eos_token_ids:
@@ -89,8 +95,12 @@ def test_mixed_traffic_matches_solo_runs_with_zero_compiles(engine, parts):
     assert engine.pager.snapshot()["refcounts"] == {}
     for i in (0, 1, 2):  # the base model and two adapters against a cache-free reference
         assert list(batched[i].token_ids) == reference_greedy(parts, requests[i]), requests[i].request_id
-    same_prompt = [GenerationRequest(request_id=f"p{a}", prompt_ids=[1, 40, 41, 42], adapter=a,
-                                     sampling=SamplingParams(max_tokens=8)) for a in (None, *ADAPTERS)]
+    same_prompt = [
+        GenerationRequest(
+            request_id=f"p{a}", prompt_ids=[1, 40, 41, 42], adapter=a, sampling=SamplingParams(max_tokens=8)
+        )
+        for a in (None, *ADAPTERS)
+    ]
     outs = engine.generate(same_prompt)
     assert len({o.token_ids for o in outs}) == len(outs), "adapters must change the greedy tokens"
 
@@ -102,23 +112,39 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     crowd = traffic(5, seed=3) + [req]
     with_others = engine.generate(crowd)[-1]
     assert alone.token_ids == with_others.token_ids
-    other_seed = engine.generate([GenerationRequest(request_id="s2", prompt_ids=[1, 50, 60, 70], adapter="a1",
-                                                    sampling=SamplingParams(max_tokens=12, temperature=1.3,
-                                                                            top_p=0.95, top_k=40, seed=8))])[0]
+    other_seed = engine.generate(
+        [
+            GenerationRequest(
+                request_id="s2",
+                prompt_ids=[1, 50, 60, 70],
+                adapter="a1",
+                sampling=SamplingParams(max_tokens=12, temperature=1.3, top_p=0.95, top_k=40, seed=8),
+            )
+        ]
+    )[0]
     assert other_seed.token_ids != alone.token_ids
 
 
-@pytest.mark.parametrize("sampling", [
-    dict(temperature=0.0, top_k=5, top_p=0.5, seed=3),  # temperature 0 is greedy whatever else is set
-    dict(temperature=2.0, top_k=1, seed=4),  # top-k 1 is greedy
-    dict(temperature=0.7, top_p=1e-6, seed=5),  # top-p that keeps only the best token is greedy
-])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        dict(temperature=0.0, top_k=5, top_p=0.5, seed=3),  # temperature 0 is greedy whatever else is set
+        dict(temperature=2.0, top_k=1, seed=4),  # top-k 1 is greedy
+        dict(temperature=0.7, top_p=1e-6, seed=5),  # top-p that keeps only the best token is greedy
+    ],
+)
 def test_degenerate_sampling_equals_greedy(engine, sampling):
     prompt = [1, 44, 73, 80, 80, 83]
-    greedy = engine.generate([GenerationRequest(request_id="g", prompt_ids=prompt, adapter="a2",
-                                                sampling=SamplingParams(max_tokens=10))])[0]
-    sampled = engine.generate([GenerationRequest(request_id="x", prompt_ids=prompt, adapter="a2",
-                                                 sampling=SamplingParams(max_tokens=10, **sampling))])[0]
+    greedy = engine.generate(
+        [GenerationRequest(request_id="g", prompt_ids=prompt, adapter="a2", sampling=SamplingParams(max_tokens=10))]
+    )[0]
+    sampled = engine.generate(
+        [
+            GenerationRequest(
+                request_id="x", prompt_ids=prompt, adapter="a2", sampling=SamplingParams(max_tokens=10, **sampling)
+            )
+        ]
+    )[0]
     assert sampled.token_ids == greedy.token_ids
 
 
@@ -128,9 +154,11 @@ def test_stop_strings_cut_the_text_exactly_and_stream_consistently(engine):
     text = full.text
     assert len(text) >= 8, text
     stop = text[4:6]
-    cut = text[:text.index(stop)]
+    cut = text[: text.index(stop)]
     streamed = []
-    req = GenerationRequest(request_id="cut", prompt="Hello", sampling=SamplingParams(max_tokens=24, stop=("zzzzz", stop)))
+    req = GenerationRequest(
+        request_id="cut", prompt="Hello", sampling=SamplingParams(max_tokens=24, stop=("zzzzz", stop))
+    )
     handle = engine.submit(req, callback=streamed.append)
     engine.run_until_idle()
     out = handle.result(0)
@@ -141,40 +169,59 @@ def test_stop_strings_cut_the_text_exactly_and_stream_consistently(engine):
     # A stop token id ends generation at that token.
     stop_id = full.token_ids[3]
     first = full.token_ids.index(stop_id)
-    out = engine.generate([GenerationRequest(request_id="sid", prompt="Hello",
-                                             sampling=SamplingParams(max_tokens=24, stop_token_ids=(stop_id,)))])[0]
-    assert out.token_ids == full.token_ids[:first + 1] and out.finish_reason is FinishReason.STOP
+    out = engine.generate(
+        [
+            GenerationRequest(
+                request_id="sid", prompt="Hello", sampling=SamplingParams(max_tokens=24, stop_token_ids=(stop_id,))
+            )
+        ]
+    )[0]
+    assert out.token_ids == full.token_ids[: first + 1] and out.finish_reason is FinishReason.STOP
     assert out.text == text[:first]
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(prompt_ids=[1] * 60, sampling=SamplingParams(max_tokens=8)), RequestError, "max_seq_len"),
-    (dict(prompt="hi", sampling=SamplingParams(max_tokens=33)), RequestError, "limit"),
-    (dict(prompt="hi", adapter="nope"), UnknownAdapterError, "nope"),
-    (dict(prompt_ids=[1, 500]), RequestError, "500"),
-    (dict(prompt_ids=[]), RequestError, "empty"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(prompt_ids=[1] * 60, sampling=SamplingParams(max_tokens=8)), RequestError, "max_seq_len"),
+        (dict(prompt="hi", sampling=SamplingParams(max_tokens=33)), RequestError, "limit"),
+        (dict(prompt="hi", adapter="nope"), UnknownAdapterError, "nope"),
+        (dict(prompt_ids=[1, 500]), RequestError, "500"),
+        (dict(prompt_ids=[]), RequestError, "empty"),
+    ],
+)
 def test_bad_requests_fail_alone(engine, kwargs, error, match):
     kwargs = {"prompt_ids": None, **kwargs}
-    good = engine.submit(GenerationRequest(request_id="good", prompt_ids=[1, 5, 6], sampling=SamplingParams(max_tokens=3)))
+    good = engine.submit(
+        GenerationRequest(request_id="good", prompt_ids=[1, 5, 6], sampling=SamplingParams(max_tokens=3))
+    )
     with pytest.raises(error, match=match):
         engine.submit(GenerationRequest(request_id="bad", **{k: v for k, v in kwargs.items() if v is not None}))
     engine.run_until_idle()
     assert good.result(0).finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(max_tokens=0), "max_tokens=0"), (dict(temperature=-0.5), "temperature=-0.5"),
-    (dict(top_p=0.0), "top_p=0.0"), (dict(top_p=1.5), "top_p=1.5"), (dict(top_k=-1), "top_k=-1"),
-    (dict(seed=1.5), "seed=1.5"), (dict(stop=("",)), "stop"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_tokens=0), "max_tokens=0"),
+        (dict(temperature=-0.5), "temperature=-0.5"),
+        (dict(top_p=0.0), "top_p=0.0"),
+        (dict(top_p=1.5), "top_p=1.5"),
+        (dict(top_k=-1), "top_k=-1"),
+        (dict(seed=1.5), "seed=1.5"),
+        (dict(stop=("",)), "stop"),
+    ],
+)
 def test_sampling_params_name_the_bad_value(kwargs, match):
     with pytest.raises(RequestError, match=match):
         SamplingParams(**kwargs)
 
 
 def test_cancel_frees_row_and_adapter_pin(engine):
-    long_ = GenerationRequest(request_id="long", prompt_ids=[1, 9, 9], adapter="a3", sampling=SamplingParams(max_tokens=32))
+    long_ = GenerationRequest(
+        request_id="long", prompt_ids=[1, 9, 9], adapter="a3", sampling=SamplingParams(max_tokens=32)
+    )
     engine.run_until_idle()
     handle = engine.submit(long_)
     for _ in range(4):
@@ -189,7 +236,10 @@ def test_cancel_frees_row_and_adapter_pin(engine):
 
 def test_queue_full_raises_capacity_error(parts):
     small = make_engine(parts, max_queue=2)  # same shapes: shares the compiled steps
-    reqs = [GenerationRequest(request_id=f"q{i}", prompt_ids=[1, 7], sampling=SamplingParams(max_tokens=2)) for i in range(3)]
+    reqs = [
+        GenerationRequest(request_id=f"q{i}", prompt_ids=[1, 7], sampling=SamplingParams(max_tokens=2))
+        for i in range(3)
+    ]
     small.submit(reqs[0])
     small.submit(reqs[1])
     with pytest.raises(CapacityError):
@@ -210,6 +260,7 @@ def record_calls(monkeypatch, events: list[str], *targets) -> None:
         def wrapped(*args, _fn=fn, _name=name, **kwargs):
             events.append(_name)
             return _fn(*args, **kwargs)
+
         monkeypatch.setattr(obj, name, wrapped)
 
 
@@ -219,15 +270,25 @@ def test_page_ins_are_staged_before_the_step_and_committed_around_it(parts, monk
     fetched last; a step with nothing to run still stages and commits, so waiting requests progress."""
     engine = make_engine(parts)  # its own engine: the shared one is stopped by the background-loop test
     events: list[str] = []
-    record_calls(monkeypatch, events, (engine.pager, "stage"), (engine.pager, "commit"),
-                 (engine.runner, "step"), (jax, "device_get"))
+    record_calls(
+        monkeypatch,
+        events,
+        (engine.pager, "stage"),
+        (engine.pager, "commit"),
+        (engine.runner, "step"),
+        (jax, "device_get"),
+    )
     engine.run_until_idle()
     events.clear()
     engine.step()  # idle: nothing dispatched, the page-ins still go out
     assert events == ["stage", "commit"]
     # Every adapter in turn (5 adapters, 3 slots): requests wait for page-ins, then run.
-    requests = [GenerationRequest(request_id=f"order{i}", prompt_ids=[1, 30 + i, 31], adapter=a,
-                                  sampling=SamplingParams(max_tokens=3)) for i, a in enumerate(ADAPTERS)]
+    requests = [
+        GenerationRequest(
+            request_id=f"order{i}", prompt_ids=[1, 30 + i, 31], adapter=a, sampling=SamplingParams(max_tokens=3)
+        )
+        for i, a in enumerate(ADAPTERS)
+    ]
     page_ins = engine.pager.metrics.page_ins
     with jax.no_tracing():
         for out in engine.generate(requests):
@@ -240,8 +301,9 @@ def test_page_ins_are_staged_before_the_step_and_committed_around_it(parts, monk
         if e == "stage":
             steps.append([])
         steps[-1].append(e)
-    allowed = {("stage", *c, *r) for c in (("commit",), ("step", "commit"), ("commit", "step"))
-               for r in ((), ("device_get",))}
+    allowed = {
+        ("stage", *c, *r) for c in (("commit",), ("step", "commit"), ("commit", "step")) for r in ((), ("device_get",))
+    }
     assert all(tuple(s) in allowed for s in steps), steps
     dispatching = [s for s in steps if "step" in s]
     assert dispatching and "device_get" not in dispatching[0]  # the first has nothing in flight to read
@@ -249,8 +311,11 @@ def test_page_ins_are_staged_before_the_step_and_committed_around_it(parts, monk
     # that writes its slot goes first, then the step with its prompt.
     engine.run_until_idle()
     cold = next(a for a in ADAPTERS if engine.pager.is_ready(a) is None)
-    handle = engine.submit(GenerationRequest(request_id="cold", prompt_ids=[1, 44, 45], adapter=cold,
-                                             sampling=SamplingParams(max_tokens=2)))
+    handle = engine.submit(
+        GenerationRequest(
+            request_id="cold", prompt_ids=[1, 44, 45], adapter=cold, sampling=SamplingParams(max_tokens=2)
+        )
+    )
     page_ins = engine.pager.metrics.page_ins
     events.clear()
     engine.step()  # pins the adapter (page-in queued), stages the copy, admits, commits, dispatches
@@ -274,8 +339,9 @@ def test_engine_runs_one_step_behind(engine, monkeypatch):
     assert len(tokens) == 3 and engine.compiles_after_warmup == 0
     # max_tokens is known ahead: no step is dispatched past the third token.
     assert events.count("step") == 3
-    solo = engine.generate([GenerationRequest(request_id="again", prompt_ids=[1, 20, 21, 22],
-                                              sampling=SamplingParams(max_tokens=3))])[0]
+    solo = engine.generate(
+        [GenerationRequest(request_id="again", prompt_ids=[1, 20, 21, 22], sampling=SamplingParams(max_tokens=3))]
+    )[0]
     assert solo.token_ids == tokens
 
 
@@ -290,6 +356,7 @@ def test_steps_without_adapter_rows_run_without_the_bank(engine, monkeypatch):
     def wrapped(params, bank, *args, **kwargs):
         seen.append(bank is not None)
         return fn(params, bank, *args, **kwargs)
+
     monkeypatch.setattr(runner_module, "ragged_step", wrapped)
     engine.run_until_idle()
     base = GenerationRequest(request_id="base-only", prompt_ids=[1, 9, 10], sampling=SamplingParams(max_tokens=4))
@@ -297,9 +364,12 @@ def test_steps_without_adapter_rows_run_without_the_bank(engine, monkeypatch):
         out = engine.generate([base])[0]
     assert seen and not any(seen) and engine.compiles_after_warmup == 0
     seen.clear()
-    mixed = [GenerationRequest(request_id="mixed-base", prompt_ids=[1, 9, 10], sampling=SamplingParams(max_tokens=4)),
-             GenerationRequest(request_id="mixed-a0", prompt_ids=[1, 9, 10], adapter=ADAPTERS[0],
-                               sampling=SamplingParams(max_tokens=4))]
+    mixed = [
+        GenerationRequest(request_id="mixed-base", prompt_ids=[1, 9, 10], sampling=SamplingParams(max_tokens=4)),
+        GenerationRequest(
+            request_id="mixed-a0", prompt_ids=[1, 9, 10], adapter=ADAPTERS[0], sampling=SamplingParams(max_tokens=4)
+        ),
+    ]
     with jax.no_tracing():
         outs = engine.generate(mixed)
     assert any(seen) and engine.compiles_after_warmup == 0
@@ -311,10 +381,18 @@ def test_waiting_requests_adapters_are_prefetched_while_rows_are_busy(parts, pre
     """With every row busy, the adapters of waiting requests are paged in ahead (unpinned), so the
     requests start on resident slots when rows free up; prefetch_adapters=0 turns it off."""
     engine = make_engine(parts, prefetch_adapters=prefetch)
-    busy = [GenerationRequest(request_id=f"busy{i}", prompt_ids=[1, 40 + i], adapter="a0",
-                              sampling=SamplingParams(max_tokens=12)) for i in range(engine.config.max_batch)]
-    later = [GenerationRequest(request_id=f"later{a}", prompt_ids=[1, 50, 51], adapter=a,
-                               sampling=SamplingParams(max_tokens=2)) for a in ("a1", "a2")]
+    busy = [
+        GenerationRequest(
+            request_id=f"busy{i}", prompt_ids=[1, 40 + i], adapter="a0", sampling=SamplingParams(max_tokens=12)
+        )
+        for i in range(engine.config.max_batch)
+    ]
+    later = [
+        GenerationRequest(
+            request_id=f"later{a}", prompt_ids=[1, 50, 51], adapter=a, sampling=SamplingParams(max_tokens=2)
+        )
+        for a in ("a1", "a2")
+    ]
     handles = [engine.submit(r) for r in busy]
     engine.step()  # takes them in; their adapter's page-in is issued
     while engine.scheduler.num_waiting:
@@ -336,7 +414,8 @@ def test_waiting_requests_adapters_are_prefetched_while_rows_are_busy(parts, pre
 def test_prefetch_adapters_flag_and_validation():
     import argparse
 
-    from jaxlora.cli.engine_args import add_engine_args, engine_config as config_from_args
+    from jaxlora.cli.engine_args import add_engine_args
+    from jaxlora.cli.engine_args import engine_config as config_from_args
     from jaxlora.engine.config import EngineConfig
 
     p = argparse.ArgumentParser()
@@ -353,9 +432,15 @@ def test_prompts_around_page_and_budget_edges_match_solo_runs(engine, parts):
     page, largest = engine.config.page_size, engine.config.token_budgets[-1]
     lengths = [1, page - 1, page, page + 1, largest + 3, 2 * largest + 1]
     rng = np.random.default_rng(11)
-    requests = [GenerationRequest(request_id=f"edge{n}", prompt_ids=[1, *rng.choice(PRINTABLE_IDS, n - 1).tolist()],
-                                  adapter=(None, *ADAPTERS)[i % 3], sampling=SamplingParams(max_tokens=6))
-                for i, n in enumerate(lengths)]
+    requests = [
+        GenerationRequest(
+            request_id=f"edge{n}",
+            prompt_ids=[1, *rng.choice(PRINTABLE_IDS, n - 1).tolist()],
+            adapter=(None, *ADAPTERS)[i % 3],
+            sampling=SamplingParams(max_tokens=6),
+        )
+        for i, n in enumerate(lengths)
+    ]
     with jax.no_tracing():
         handles = [engine.submit(r) for r in requests[:3]]
         engine.step()
@@ -372,9 +457,15 @@ def test_a_pool_too_small_preempts_and_every_request_still_gets_its_solo_tokens(
     newest running request is preempted and recomputed later; tokens equal the solo runs."""
     engine = make_engine(parts, num_pages=20)
     rng = np.random.default_rng(3)
-    requests = [GenerationRequest(request_id=f"tight{i}", prompt_ids=[1, *rng.choice(PRINTABLE_IDS, 14).tolist()],
-                                  adapter=(None, *ADAPTERS)[i % 4], sampling=SamplingParams(max_tokens=20))
-                for i in range(6)]
+    requests = [
+        GenerationRequest(
+            request_id=f"tight{i}",
+            prompt_ids=[1, *rng.choice(PRINTABLE_IDS, 14).tolist()],
+            adapter=(None, *ADAPTERS)[i % 4],
+            sampling=SamplingParams(max_tokens=20),
+        )
+        for i in range(6)
+    ]
     with jax.no_tracing():
         outs = engine.generate(requests)
     stats = engine.stats()
@@ -390,14 +481,17 @@ def test_non_finite_logits_fail_that_request_alone_naming_its_adapter(engine):
     engine.run_until_idle()
     base = GenerationRequest(request_id="finite-base", prompt_ids=[1, 5, 6], sampling=SamplingParams(max_tokens=4))
     expected = engine.generate([base])[0].token_ids
-    warm = GenerationRequest(request_id="warm-a1", prompt_ids=[1, 5], adapter="a1", sampling=SamplingParams(max_tokens=1))
+    warm = GenerationRequest(
+        request_id="warm-a1", prompt_ids=[1, 5], adapter="a1", sampling=SamplingParams(max_tokens=1)
+    )
     engine.generate([warm])
     slot = engine.pager.is_ready("a1")
     clean = engine.pager.bank
     engine.pager.bank = jax.tree.map(lambda x: x.at[:, slot].set(jnp.nan), clean)
     try:
-        bad = GenerationRequest(request_id="nan-a1", prompt_ids=[1, 5, 6], adapter="a1",
-                                sampling=SamplingParams(max_tokens=4))
+        bad = GenerationRequest(
+            request_id="nan-a1", prompt_ids=[1, 5, 6], adapter="a1", sampling=SamplingParams(max_tokens=4)
+        )
         outs = engine.generate([bad, dataclasses.replace(base, request_id="finite-base-2")])
     finally:
         engine.pager.bank = clean
@@ -433,7 +527,9 @@ def test_background_loop_serves_threads_and_drains_on_stop(engine):
             t.join(60)
         assert [results[r.request_id] for r in requests] == expected
         assert [o.token_ids for o in engine.generate(requests)] == expected  # generate() on the loop
-        late = engine.submit(GenerationRequest(request_id="late", prompt_ids=[1, 8], sampling=SamplingParams(max_tokens=20)))
+        late = engine.submit(
+            GenerationRequest(request_id="late", prompt_ids=[1, 8], sampling=SamplingParams(max_tokens=20))
+        )
     finally:
         engine.stop(drain=True, timeout=60)
     assert late.result(0).finish_reason in (FinishReason.LENGTH, FinishReason.STOP)

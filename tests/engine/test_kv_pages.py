@@ -29,7 +29,7 @@ class PageMachine(RuleBasedStateMachine):
         if self.table.can_grow(seq, target):
             self.table.grow(seq, target)
             self.length[seq] = target
-            assert self.table.pages_of(seq)[:len(before)] == before  # pages never move
+            assert self.table.pages_of(seq)[: len(before)] == before  # pages never move
         else:
             with pytest.raises(RuntimeError):
                 self.table.grow(seq, target)

@@ -40,10 +40,15 @@ def _power_law_requests(seed: int = 0) -> list[GenerationRequest]:
     rng = np.random.default_rng(seed)
     weights = 1.0 / np.arange(1, NUM_USED + 1)
     picks = rng.choice(NUM_USED, NUM_REQUESTS, p=weights / weights.sum())
-    return [GenerationRequest(request_id=f"r{i}", prompt_ids=[int(t) for t in rng.integers(4, 99, PROMPT_LEN)],
-                              adapter=f"lora-{int(a) * (NUM_REGISTERED // NUM_USED)}",
-                              sampling=SamplingParams(max_tokens=MAX_TOKENS))
-            for i, a in enumerate(picks)]
+    return [
+        GenerationRequest(
+            request_id=f"r{i}",
+            prompt_ids=[int(t) for t in rng.integers(4, 99, PROMPT_LEN)],
+            adapter=f"lora-{int(a) * (NUM_REGISTERED // NUM_USED)}",
+            sampling=SamplingParams(max_tokens=MAX_TOKENS),
+        )
+        for i, a in enumerate(picks)
+    ]
 
 
 def test_1000_adapters_8_slots_power_law_traffic_matches_solo_runs(setup):
@@ -54,9 +59,18 @@ def test_1000_adapters_8_slots_power_law_traffic_matches_solo_runs(setup):
         results = engine.generate(requests)
     assert engine.compiles_after_warmup == 0
     page_ins = engine.pager.metrics.page_ins - page_ins_before
-    print(json.dumps({"registered": NUM_REGISTERED, "slots": lora.max_slots, "requests": len(requests),
-                      "adapters_used": len({r.adapter for r in requests}), "page_ins": page_ins,
-                      "compiles_after_warmup": engine.compiles_after_warmup}))
+    print(
+        json.dumps(
+            {
+                "registered": NUM_REGISTERED,
+                "slots": lora.max_slots,
+                "requests": len(requests),
+                "adapters_used": len({r.adapter for r in requests}),
+                "page_ins": page_ins,
+                "compiles_after_warmup": engine.compiles_after_warmup,
+            }
+        )
+    )
     assert page_ins >= len({r.adapter for r in requests})
 
     # Solo reference: each request alone, its adapter the only one in a fresh 2-slot bank.
@@ -70,17 +84,19 @@ def test_1000_adapters_8_slots_power_law_traffic_matches_solo_runs(setup):
         _, expected = greedy(model, list(req.prompt_ids), MAX_TOKENS, bank=bank, slot=1)
         got = list(out.token_ids)
         assert out.error is None, out.error
-        assert got == expected[:len(got)], req.request_id
+        assert got == expected[: len(got)], req.request_id
         assert len(got) == MAX_TOKENS or got[-1] in eos, req.request_id
     assert engine.pager.snapshot()["refcounts"] == {}
 
 
 def test_unregister_in_use_and_corrupt_register_leave_others_unaffected(setup, tmp_path):
     model, lora, engine, adapters = setup
-    req = GenerationRequest(request_id="busy", prompt_ids=[1, 40, 41], adapter="lora-5",
-                            sampling=SamplingParams(max_tokens=MAX_TOKENS))
-    other = GenerationRequest(request_id="other", prompt_ids=[1, 50, 51], adapter="lora-10",
-                              sampling=SamplingParams(max_tokens=MAX_TOKENS))
+    req = GenerationRequest(
+        request_id="busy", prompt_ids=[1, 40, 41], adapter="lora-5", sampling=SamplingParams(max_tokens=MAX_TOKENS)
+    )
+    other = GenerationRequest(
+        request_id="other", prompt_ids=[1, 50, 51], adapter="lora-10", sampling=SamplingParams(max_tokens=MAX_TOKENS)
+    )
     expected = engine.generate([other])[0].token_ids
     busy = engine.submit(req)
     engine.step()  # lora-5 is now pinned by a running request
@@ -119,9 +135,12 @@ def test_uniform_traffic_keeps_the_all_resident_schedule(setup):
     prompts = [[int(t) for t in rng.integers(4, 99, PROMPT_LEN)] for _ in picks]
 
     def run(eng, names):
-        requests = [GenerationRequest(request_id=f"u{i}", prompt_ids=p, adapter=n,
-                                      sampling=SamplingParams(max_tokens=MAX_TOKENS))
-                    for i, (p, n) in enumerate(zip(prompts, names))]
+        requests = [
+            GenerationRequest(
+                request_id=f"u{i}", prompt_ids=p, adapter=n, sampling=SamplingParams(max_tokens=MAX_TOKENS)
+            )
+            for i, (p, n) in enumerate(zip(prompts, names))
+        ]
         before = eng.stats()
         with jax.no_tracing():
             results = eng.generate(requests)
@@ -132,7 +151,7 @@ def test_uniform_traffic_keeps_the_all_resident_schedule(setup):
     # As many rows as slots: with fewer slots, distinct adapters, not paging, would cap the batch.
     config = dataclasses.replace(engine.config, max_batch=lora.max_slots - 1)
     resident = Pager(model.config, lora, dtype=model.dtype)
-    names = sorted(adapters)[:lora.max_slots - 1]
+    names = sorted(adapters)[: lora.max_slots - 1]
     for name in names:
         resident.register(name, adapters[name])
     resident.prefetch(names)

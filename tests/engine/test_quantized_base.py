@@ -18,8 +18,13 @@ from tests.helpers import batched_greedy
 
 NEW_TOKENS = 8
 # (adapter, prompt): the base model and three adapters, prompts of different lengths, one adapter twice.
-BATCH = ((None, [1, 40, 41, 42, 43]), ("a0", [1, 50, 60]), ("a1", [1, 70, 71, 72, 73, 74, 75, 76]),
-         ("a2", [1, 33]), ("a0", [1, 90, 80, 70, 60, 50]))
+BATCH = (
+    (None, [1, 40, 41, 42, 43]),
+    ("a0", [1, 50, 60]),
+    ("a1", [1, 70, 71, 72, 73, 74, 75, 76]),
+    ("a2", [1, 33]),
+    ("a0", [1, 90, 80, 70, 60, 50]),
+)
 
 
 def _reference(model, adapters) -> list[list[int]]:
@@ -34,7 +39,7 @@ def _reference(model, adapters) -> list[list[int]]:
 
 
 def _until_eos(ids: list[int]) -> list[int]:
-    return ids[:ids.index(EOS) + 1] if EOS in ids else ids
+    return ids[: ids.index(EOS) + 1] if EOS in ids else ids
 
 
 @pytest.mark.parametrize("quantization", ["int8", "fp8"])
@@ -46,9 +51,12 @@ def test_mixed_batch_on_quantized_base_equals_dequantized_weights(parts, quantiz
     assert len({tuple(ids) for ids in expected}) == len(BATCH), "a swapped row must not go unnoticed"
 
     engine = make_engine((quantized, tok, adapters))
-    requests = [GenerationRequest(request_id=f"q{i}", prompt_ids=prompt, adapter=adapter,
-                                  sampling=SamplingParams(max_tokens=NEW_TOKENS))
-                for i, (adapter, prompt) in enumerate(BATCH)]
+    requests = [
+        GenerationRequest(
+            request_id=f"q{i}", prompt_ids=prompt, adapter=adapter, sampling=SamplingParams(max_tokens=NEW_TOKENS)
+        )
+        for i, (adapter, prompt) in enumerate(BATCH)
+    ]
     with jax.no_tracing():
         got = [list(out.token_ids) for out in engine.generate(requests)]
     assert engine.compiles_after_warmup == 0

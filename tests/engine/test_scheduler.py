@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from jaxlora.engine.request import GenerationRequest, Phase, Request, SamplingParams
 from jaxlora.engine.kv_pages import PageTable
+from jaxlora.engine.request import GenerationRequest, Phase, Request, SamplingParams
 from jaxlora.engine.scheduler import Scheduler, StepPlan
 from jaxlora.errors import UnknownAdapterError
 
@@ -81,8 +81,12 @@ _arrivals = iter(range(10**9))
 
 
 def make_request(rid: str, *, adapter: str | None = None, prompt_len: int = 5, max_tokens: int = 4) -> Request:
-    g = GenerationRequest(request_id=rid, prompt_ids=list(range(prompt_len)), adapter=adapter,
-                          sampling=SamplingParams(max_tokens=max_tokens))
+    g = GenerationRequest(
+        request_id=rid,
+        prompt_ids=list(range(prompt_len)),
+        adapter=adapter,
+        sampling=SamplingParams(max_tokens=max_tokens),
+    )
     return Request(g, list(range(prompt_len)), seed=0, arrival=next(_arrivals))
 
 
@@ -208,7 +212,11 @@ def test_cold_adapter_does_not_block_hot_ones_and_lands_next_step():
     slots = FakeSlots(2, {"hot", "cold"})
     slots.acquire("hot"), slots.land(), slots.release("hot")  # "hot" is resident
     s = make_scheduler(slots, max_batch=3)
-    cold, hot1, hot2 = make_request("c", adapter="cold"), make_request("h1", adapter="hot"), make_request("h2", adapter="hot")
+    cold, hot1, hot2 = (
+        make_request("c", adapter="cold"),
+        make_request("h1", adapter="hot"),
+        make_request("h2", adapter="hot"),
+    )
     for r in (cold, hot1, hot2):
         s.add(r)
     plan, _ = run_step(s)
@@ -225,8 +233,12 @@ def test_cold_adapter_does_not_block_hot_ones_and_lands_next_step():
 def test_cap_on_distinct_adapters_per_batch():
     slots = FakeSlots(4, {"a", "b", "c"})
     s = make_scheduler(slots, max_batch=4, max_adapters_per_batch=2)
-    reqs = [make_request("1", adapter="a", max_tokens=20), make_request("2", adapter="b", max_tokens=20),
-            make_request("3", adapter="c"), make_request("4", adapter="a", max_tokens=20)]
+    reqs = [
+        make_request("1", adapter="a", max_tokens=20),
+        make_request("2", adapter="b", max_tokens=20),
+        make_request("3", adapter="c"),
+        make_request("4", adapter="a", max_tokens=20),
+    ]
     for r in reqs:
         s.add(r)
     run_step(s)
@@ -307,6 +319,8 @@ def test_cancel_while_waiting_releases_the_pin():
 
 
 def test_scheduler_imports_without_jax():
-    code = ("import sys, jaxlora.engine.scheduler, jaxlora.engine.request, jaxlora.engine.kv_pages; "
-            "assert 'jax' not in sys.modules")
+    code = (
+        "import sys, jaxlora.engine.scheduler, jaxlora.engine.request, jaxlora.engine.kv_pages; "
+        "assert 'jax' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

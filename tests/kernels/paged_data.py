@@ -29,13 +29,33 @@ class RaggedBatch:
 
     def args(self, layer: int | jax.Array) -> tuple:
         """Positional arguments of ragged_paged_attention (and its reference) for `layer`."""
-        return (self.q, self.k_pages, self.v_pages, jnp.asarray(layer, jnp.int32), self.q_start, self.q_len,
-                self.kv_len, self.block_tables)
+        return (
+            self.q,
+            self.k_pages,
+            self.v_pages,
+            jnp.asarray(layer, jnp.int32),
+            self.q_start,
+            self.q_len,
+            self.kv_len,
+            self.block_tables,
+        )
 
 
-def ragged_batch(rng: np.random.Generator, *, seqs: list[tuple[int, int]], num_tokens: int, heads: int,
-                 kv_heads: int, head_dim: int, page_size: int, pages_per_seq: int, layers: int = 2,
-                 dtype=jnp.float32, gap: int = 0, spare_pages: int = 3) -> RaggedBatch:
+def ragged_batch(
+    rng: np.random.Generator,
+    *,
+    seqs: list[tuple[int, int]],
+    num_tokens: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    pages_per_seq: int,
+    layers: int = 2,
+    dtype=jnp.float32,
+    gap: int = 0,
+    spare_pages: int = 3,
+) -> RaggedBatch:
     """seqs: (q_len, kv_len) per sequence. Sequences with tokens are packed in a shuffled order, `gap`
     padding rows apart, from flat index 0; rows after the last one are padding."""
     q_len = np.array([n for n, _ in seqs], np.int32)
@@ -52,7 +72,7 @@ def ragged_batch(rng: np.random.Generator, *, seqs: list[tuple[int, int]], num_t
     v = k.copy()
     taken = 0
     for s, (used, length) in enumerate(zip(num_used, kv_len)):
-        tables[s, :used] = page_ids[taken:taken + used]
+        tables[s, :used] = page_ids[taken : taken + used]
         taken += used
         for j, page in enumerate(tables[s, :used]):
             valid = min(page_size, length - j * page_size)  # offsets past kv_len stay NaN
@@ -68,10 +88,18 @@ def ragged_batch(rng: np.random.Generator, *, seqs: list[tuple[int, int]], num_t
         raise ValueError(f"{seqs} with {gap=} needs more than {num_tokens=} rows")
     is_token = np.zeros(num_tokens, bool)
     for start, n in zip(q_start, q_len):
-        is_token[start:start + n] = True
-    q = np.where(is_token[:, None, None], np.asarray(random_array(rng, (num_tokens, heads, head_dim), jnp.float32)),
-                 np.nan)
+        is_token[start : start + n] = True
+    q = np.where(
+        is_token[:, None, None], np.asarray(random_array(rng, (num_tokens, heads, head_dim), jnp.float32)), np.nan
+    )
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
-    return RaggedBatch(q=jnp.asarray(q, dtype), k_pages=jnp.asarray(k, dtype), v_pages=jnp.asarray(v, dtype),
-                       q_start=i32(q_start), q_len=i32(q_len), kv_len=i32(kv_len), block_tables=i32(tables),
-                       is_token=is_token)
+    return RaggedBatch(
+        q=jnp.asarray(q, dtype),
+        k_pages=jnp.asarray(k, dtype),
+        v_pages=jnp.asarray(v, dtype),
+        q_start=i32(q_start),
+        q_len=i32(q_len),
+        kv_len=i32(kv_len),
+        block_tables=i32(tables),
+        is_token=is_token,
+    )

@@ -71,8 +71,9 @@ def test_plan_must_match_the_op(rng):
         pk.lora_shrink(x, a, None, backend="xla")
     with pytest.raises(ValueError, match="backend"):
         pk.lora_plan(slots, num_slots=3, backend="cuda")
-    np.testing.assert_array_equal(pk.lora_shrink(x, a, None, backend="xla", plan=plan),
-                                  pk.lora_shrink(x, a, slots, backend="xla"))
+    np.testing.assert_array_equal(
+        pk.lora_shrink(x, a, None, backend="xla", plan=plan), pk.lora_shrink(x, a, slots, backend="xla")
+    )
 
 
 def test_pallas_plan_holds_the_tables_work_items(rng):
@@ -129,13 +130,21 @@ def test_fused_decode_group_matches_the_loop_reference(rng, stacked, dtype):
     slots = jnp.asarray(rng.choice([0, 1, 3, 3, 4, 6], tokens).astype(np.int32))
     layer = 1
     if stacked:
-        got = jax.jit(lambda x, a, ys, bs, layer: pk.lora_group(x, a, ys, bs, slots, backend="pallas", interpret=True,
-                                                                layer=layer))(x, a, ys, bs, jnp.int32(layer))
+        got = jax.jit(
+            lambda x, a, ys, bs, layer: pk.lora_group(
+                x, a, ys, bs, slots, backend="pallas", interpret=True, layer=layer
+            )
+        )(x, a, ys, bs, jnp.int32(layer))
     else:
         got = pk.lora_group(x, a[layer], ys, tuple(b[layer] for b in bs), slots, backend="pallas", interpret=True)
     h = pk.lora_shrink(x.astype(jnp.float32), a[layer].astype(jnp.float32), slots, backend="loop")
-    want = pk.lora_expand_multi(tuple(y.astype(jnp.float32) for y in ys), h,
-                                tuple(b[layer].astype(jnp.float32) for b in bs), slots, backend="loop")
+    want = pk.lora_expand_multi(
+        tuple(y.astype(jnp.float32) for y in ys),
+        h,
+        tuple(b[layer].astype(jnp.float32) for b in bs),
+        slots,
+        backend="loop",
+    )
     for g, w, y in zip(got, want, ys):
         assert g.dtype == y.dtype
         assert_close(g, w.astype(dtype), dtype)

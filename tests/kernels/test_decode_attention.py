@@ -11,7 +11,9 @@ from jax.sharding import AbstractDevice, AbstractMesh
 from pallas_kernels import decode_attention
 from pallas_kernels.reference import decode_attention_reference
 
-H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
+H200 = AbstractMesh(
+    (1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+)
 
 
 def _data(seed, *, layers, rows, max_len, kv_heads, heads, head_dim, batch, dtype=jnp.float32):
@@ -23,12 +25,15 @@ def _data(seed, *, layers, rows, max_len, kv_heads, heads, head_dim, batch, dtyp
     return q, k, v
 
 
-@pytest.mark.parametrize("shape", [
-    # awkward length (37, not a block multiple), GQA group 3, fewer batch rows than cache rows
-    dict(layers=3, rows=5, max_len=37, kv_heads=2, heads=6, head_dim=16, batch=4, block_t=16),
-    # multi-head (no grouping), lengths past the end (idle rows) clamp to the whole row
-    dict(layers=2, rows=4, max_len=64, kv_heads=4, heads=4, head_dim=32, batch=4, block_t=32),
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        # awkward length (37, not a block multiple), GQA group 3, fewer batch rows than cache rows
+        dict(layers=3, rows=5, max_len=37, kv_heads=2, heads=6, head_dim=16, batch=4, block_t=16),
+        # multi-head (no grouping), lengths past the end (idle rows) clamp to the whole row
+        dict(layers=2, rows=4, max_len=64, kv_heads=4, heads=4, head_dim=32, batch=4, block_t=32),
+    ],
+)
 def test_matches_reference_on_random_lengths(shape):
     block_t = shape.pop("block_t")
     q, k, v = _data(0, **shape)
@@ -39,8 +44,9 @@ def test_matches_reference_on_random_lengths(shape):
         out = decode_attention(q, k, v, jnp.int32(layer), lengths, block_t=block_t, interpret=True)
         ref = decode_attention_reference(q, k, v, layer, lengths)
         np.testing.assert_allclose(out, ref, atol=2e-6, rtol=2e-6)
-    np.testing.assert_allclose(out[0], jnp.repeat(v[layer, 0, 0], shape["heads"] // shape["kv_heads"], axis=0),
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        out[0], jnp.repeat(v[layer, 0, 0], shape["heads"] // shape["kv_heads"], axis=0), atol=1e-6
+    )
 
 
 def test_positions_past_the_length_are_never_read():
@@ -78,11 +84,9 @@ def test_bad_shapes_are_refused():
 
 
 def test_lowers_for_cuda():
-    q, k, v = _data(5, layers=2, rows=8, max_len=256, kv_heads=8, heads=32, head_dim=128, batch=8,
-                    dtype=jnp.bfloat16)
+    q, k, v = _data(5, layers=2, rows=8, max_len=256, kv_heads=8, heads=32, head_dim=128, batch=8, dtype=jnp.bfloat16)
     fn = lambda q, k, v, layer, n: decode_attention(q, k, v, layer, n)  # noqa: E731
     layer, lengths = jnp.int32(1), jnp.full((8,), 9, jnp.int32)
     with jax.sharding.use_abstract_mesh(H200):
-        text = jax.jit(fn).trace(q, k, v, layer, lengths).lower(
-            lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(fn).trace(q, k, v, layer, lengths).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text

@@ -41,9 +41,13 @@ class TestTritonKernels:
 
     @pytest.mark.parametrize(
         "hidden, rank, out_dim, dtype, expand_knobs",
-        [(576, 1, 1536, jnp.float32, (ROWS,)), (1536, 8, 576, jnp.bfloat16, (ROWS, GROUPED_SMALL)),
-         (2049, 16, 2049, jnp.float32, (ROWS, GROUPED)), (4096, 64, 576, jnp.bfloat16, (ROWS,)),
-         (576, 128, 576, jnp.bfloat16, (GROUPED, dict(impl="rows", block_rows=1)))],
+        [
+            (576, 1, 1536, jnp.float32, (ROWS,)),
+            (1536, 8, 576, jnp.bfloat16, (ROWS, GROUPED_SMALL)),
+            (2049, 16, 2049, jnp.float32, (ROWS, GROUPED)),
+            (4096, 64, 576, jnp.bfloat16, (ROWS,)),
+            (576, 128, 576, jnp.bfloat16, (GROUPED, dict(impl="rows", block_rows=1))),
+        ],
     )
     def test_bgmv_matches_loop(self, rng, hidden, rank, out_dim, dtype, expand_knobs):
         x = random_array(rng, (NUM_TOKENS, hidden), dtype)
@@ -90,7 +94,7 @@ class TestTritonKernels:
         assert_close(h, reference.shrink_loop(x, jnp.nan_to_num(a), slots), dtype)
         got = pk.lora_expand_multi(ys, h, bs, slots, backend="pallas", interpret=self.INTERPRET)
         for g, (y, b, y_new) in enumerate(zip(ys, bs, got)):
-            h_g = h[:, g * rank:(g + 1) * rank]
+            h_g = h[:, g * rank : (g + 1) * rank]
             assert_close(y_new, reference.expand_loop(y, h_g, jnp.nan_to_num(b), slots), dtype)
         # A NaN in another module's columns of h must not leak into this module's output.
         h_poisoned = h.at[:, rank:].set(jnp.nan)
@@ -102,11 +106,13 @@ class TestTritonKernels:
     @given(data=st.data())
     def test_sgmv_random_segmentations(self, data):
         num_segments, hidden, rank, out_dim = 6, 64, 8, 32
-        cuts = sorted(data.draw(st.lists(st.integers(0, NUM_TOKENS), min_size=num_segments - 1,
-                                         max_size=num_segments - 1)))
+        cuts = sorted(
+            data.draw(st.lists(st.integers(0, NUM_TOKENS), min_size=num_segments - 1, max_size=num_segments - 1))
+        )
         starts = jnp.array([0, *cuts, NUM_TOKENS], jnp.int32)
-        seg_slots = jnp.array(data.draw(st.lists(st.integers(0, 7), min_size=num_segments, max_size=num_segments)),
-                              jnp.int32)
+        seg_slots = jnp.array(
+            data.draw(st.lists(st.integers(0, 7), min_size=num_segments, max_size=num_segments)), jnp.int32
+        )
         rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
         tokens = jnp.repeat(seg_slots, jnp.diff(starts), total_repeat_length=NUM_TOKENS)
         a = bank(rng, 8, (hidden, rank), jnp.float32, range(8))
@@ -115,8 +121,11 @@ class TestTritonKernels:
         y = random_array(rng, (NUM_TOKENS, out_dim), jnp.float32)
         h_ref = xla_backends.shrink_xla(x, a, tokens)
         assert_close(pk.sgmv_shrink(x, a, starts, seg_slots, interpret=self.INTERPRET), h_ref, jnp.float32)
-        assert_close(pk.sgmv_expand(y, h_ref, b, starts, seg_slots, interpret=self.INTERPRET),
-                     xla_backends.expand_xla(y, h_ref, b, tokens), jnp.float32)
+        assert_close(
+            pk.sgmv_expand(y, h_ref, b, starts, seg_slots, interpret=self.INTERPRET),
+            xla_backends.expand_xla(y, h_ref, b, tokens),
+            jnp.float32,
+        )
 
 
 @settings(max_examples=15, deadline=None)
@@ -125,8 +134,9 @@ def test_work_items_cover_every_row_once(lengths, block_rows):
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     num_tokens = 8 * 40  # fixed, so the example shapes never change (no recompiles)
     seg_slots = np.arange(1, len(lengths) + 1, dtype=np.int32)
-    tile, lo, hi, slot = map(np.asarray, lora_triton.work_items(jnp.asarray(starts), jnp.asarray(seg_slots),
-                                                                num_tokens, block_rows))
+    tile, lo, hi, slot = map(
+        np.asarray, lora_triton.work_items(jnp.asarray(starts), jnp.asarray(seg_slots), num_tokens, block_rows)
+    )
     covered = np.zeros(num_tokens, int)
     for t, l, h, s in zip(tile, lo, hi, slot):
         if l < h:

@@ -10,7 +10,9 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 import pallas_kernels as pk
 
-H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
+H200 = AbstractMesh(
+    (1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+)
 I32 = jnp.int32
 
 
@@ -22,9 +24,14 @@ def _lower_for_cuda(fn, *args) -> str:
 def _specs(dtype, num_tokens, hidden, rank, out_dim, num_slots=5, num_segments=3):
     sd = jax.ShapeDtypeStruct
     return dict(
-        x=sd((num_tokens, hidden), dtype), a=sd((num_slots, hidden, rank), dtype), y=sd((num_tokens, out_dim), dtype),
-        h=sd((num_tokens, rank), dtype), b=sd((num_slots, rank, out_dim), dtype), slots=sd((num_tokens,), I32),
-        starts=sd((num_segments + 1,), I32), seg_slots=sd((num_segments,), I32),
+        x=sd((num_tokens, hidden), dtype),
+        a=sd((num_slots, hidden, rank), dtype),
+        y=sd((num_tokens, out_dim), dtype),
+        h=sd((num_tokens, rank), dtype),
+        b=sd((num_slots, rank, out_dim), dtype),
+        slots=sd((num_tokens,), I32),
+        starts=sd((num_segments + 1,), I32),
+        seg_slots=sd((num_segments,), I32),
     )
 
 
@@ -35,10 +42,15 @@ def test_kernels_lower_for_cuda(dtype, shape):
     cases = {
         "bgmv_shrink": (pk.bgmv_shrink, (s["x"], s["a"], s["slots"])),
         "sgmv_shrink": (pk.sgmv_shrink, (s["x"], s["a"], s["starts"], s["seg_slots"])),
-        "bgmv_expand_rows": (lambda *a: pk.bgmv_expand(*a, impl="rows", block_rows=4), (s["y"], s["h"], s["b"], s["slots"])),
+        "bgmv_expand_rows": (
+            lambda *a: pk.bgmv_expand(*a, impl="rows", block_rows=4),
+            (s["y"], s["h"], s["b"], s["slots"]),
+        ),
         "bgmv_expand_grouped": (lambda *a: pk.bgmv_expand(*a, impl="grouped"), (s["y"], s["h"], s["b"], s["slots"])),
-        "bgmv_expand_grouped_small": (lambda *a: pk.bgmv_expand(*a, impl="grouped", block_rows=4),
-                                      (s["y"], s["h"], s["b"], s["slots"])),
+        "bgmv_expand_grouped_small": (
+            lambda *a: pk.bgmv_expand(*a, impl="grouped", block_rows=4),
+            (s["y"], s["h"], s["b"], s["slots"]),
+        ),
         "sgmv_expand": (pk.sgmv_expand, (s["y"], s["h"], s["b"], s["starts"], s["seg_slots"])),
     }
     for name, (fn, args) in cases.items():

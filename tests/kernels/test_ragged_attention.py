@@ -14,24 +14,64 @@ from pallas_kernels.ragged_attention_reference import ragged_paged_attention_ref
 from tests.kernels.paged_data import ragged_batch
 from tests.tolerances import assert_close
 
-H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
+H200 = AbstractMesh(
+    (1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+)
 
 # (q_len, kv_len) per sequence.
 CASES = {
     # SmolLM2's heads: decode mid-page and right after a page boundary, a whole prompt in one chunk
     # (kv_len == q_len), a chunk continuing a cached prefix, a sequence not in this step; padding.
-    "gqa_9_3_mixed": dict(seqs=[(1, 37), (1, 17), (23, 23), (13, 50), (0, 20)], num_tokens=48, heads=9,
-                          kv_heads=3, head_dim=64, page_size=16, pages_per_seq=4, block_q=16, block_k=32),
+    "gqa_9_3_mixed": dict(
+        seqs=[(1, 37), (1, 17), (23, 23), (13, 50), (0, 20)],
+        num_tokens=48,
+        heads=9,
+        kv_heads=3,
+        head_dim=64,
+        page_size=16,
+        pages_per_seq=4,
+        block_q=16,
+        block_k=32,
+    ),
     # page_size 8: decode of a first token (position 0), chunks off page boundaries, an empty
     # sequence with no pages at all; one padding row between sequences.
-    "gqa_8_2_page8": dict(seqs=[(5, 5), (1, 9), (17, 41), (0, 0), (1, 1)], num_tokens=32, heads=8, kv_heads=2,
-                          head_dim=32, page_size=8, pages_per_seq=6, block_q=16, block_k=16, gap=1),
+    "gqa_8_2_page8": dict(
+        seqs=[(5, 5), (1, 9), (17, 41), (0, 0), (1, 1)],
+        num_tokens=32,
+        heads=8,
+        kv_heads=2,
+        head_dim=32,
+        page_size=8,
+        pages_per_seq=6,
+        block_q=16,
+        block_k=16,
+        gap=1,
+    ),
     # Multi-head, decode only: one q-block per sequence; contexts of 1..70 in 64-position blocks.
-    "mha_decode_only": dict(seqs=[(1, 70), (1, 1), (1, 64), (1, 65), (1, 33), (1, 16)], num_tokens=8, heads=4,
-                            kv_heads=4, head_dim=16, page_size=16, pages_per_seq=5, block_q=16, block_k=64),
+    "mha_decode_only": dict(
+        seqs=[(1, 70), (1, 1), (1, 64), (1, 65), (1, 33), (1, 16)],
+        num_tokens=8,
+        heads=4,
+        kv_heads=4,
+        head_dim=16,
+        page_size=16,
+        pages_per_seq=5,
+        block_q=16,
+        block_k=64,
+    ),
     # Chunks spanning several q-blocks of 32 with a partial last block; four query heads per KV head.
-    "long_chunks": dict(seqs=[(40, 40), (33, 70), (1, 12)], num_tokens=96, heads=4, kv_heads=1, head_dim=16,
-                        page_size=8, pages_per_seq=9, block_q=32, block_k=16, gap=3),
+    "long_chunks": dict(
+        seqs=[(40, 40), (33, 70), (1, 12)],
+        num_tokens=96,
+        heads=4,
+        kv_heads=1,
+        head_dim=16,
+        page_size=8,
+        pages_per_seq=9,
+        block_q=32,
+        block_k=16,
+        gap=3,
+    ),
 }
 
 
@@ -76,8 +116,7 @@ def test_schedule_hands_each_sequence_its_q_blocks():
     q_start = jnp.array([5, 99, 0, 30], jnp.int32)
     q_len = jnp.array([20, 0, 1, 16], jnp.int32)
     kv_len = jnp.array([50, 7, 9, 16], jnp.int32)
-    seq, row0, rows, pos0 = (np.asarray(a) for a in q_block_schedule(q_start, q_len, kv_len, num_blocks=7,
-                                                                      block_q=16))
+    seq, row0, rows, pos0 = (np.asarray(a) for a in q_block_schedule(q_start, q_len, kv_len, num_blocks=7, block_q=16))
     np.testing.assert_array_equal(rows, [16, 4, 1, 16, 0, 0, 0])
     np.testing.assert_array_equal(seq[:4], [0, 0, 2, 3])
     np.testing.assert_array_equal(row0[:4], [5, 21, 0, 30])
@@ -99,8 +138,13 @@ def test_static_grid_bounds_every_split(rng, block_q):
         splits.append(np.diff(np.concatenate([[0], cuts, [total]])))  # zeros included
     for q_len in splits:
         q_start = np.concatenate([[0], np.cumsum(q_len)[:-1]])
-        _, _, rows, _ = q_block_schedule(jnp.asarray(q_start, jnp.int32), jnp.asarray(q_len, jnp.int32),
-                                         jnp.asarray(q_len, jnp.int32), num_blocks=num_blocks, block_q=block_q)
+        _, _, rows, _ = q_block_schedule(
+            jnp.asarray(q_start, jnp.int32),
+            jnp.asarray(q_len, jnp.int32),
+            jnp.asarray(q_len, jnp.int32),
+            num_blocks=num_blocks,
+            block_q=block_q,
+        )
         assert int(np.asarray(rows).sum()) == int(q_len.sum()), (q_len, block_q)
     decode = jnp.ones((num_seqs,), jnp.int32)
     _, _, rows, _ = q_block_schedule(jnp.arange(num_seqs), decode, decode, num_blocks=num_seqs + 1, block_q=block_q)
@@ -108,8 +152,9 @@ def test_static_grid_bounds_every_split(rng, block_q):
 
 
 def test_bad_inputs_are_refused(rng):
-    batch = ragged_batch(rng, seqs=[(2, 5)], num_tokens=4, heads=4, kv_heads=2, head_dim=16, page_size=4,
-                         pages_per_seq=2)
+    batch = ragged_batch(
+        rng, seqs=[(2, 5)], num_tokens=4, heads=4, kv_heads=2, head_dim=16, page_size=4, pages_per_seq=2
+    )
     q, k, v, layer, q_start, q_len, kv_len, tables = batch.args(0)
     call = lambda *a, **kw: ragged_paged_attention(*a, interpret=True, **kw)  # noqa: E731
     with pytest.raises(ValueError, match="block_k=48 must be a power of two"):
@@ -134,17 +179,28 @@ def _lower_for_cuda(*, num_tokens, heads, kv_heads, head_dim, page_size, num_seq
     sd = jax.ShapeDtypeStruct
     pages = sd((2, num_seqs * pages_per_seq, page_size, kv_heads, head_dim), jnp.bfloat16)
     per_seq = sd((num_seqs,), jnp.int32)
-    args = (sd((num_tokens, heads, head_dim), jnp.bfloat16), pages, pages, sd((), jnp.int32), per_seq, per_seq,
-            per_seq, sd((num_seqs, pages_per_seq), jnp.int32))
+    args = (
+        sd((num_tokens, heads, head_dim), jnp.bfloat16),
+        pages,
+        pages,
+        sd((), jnp.int32),
+        per_seq,
+        per_seq,
+        per_seq,
+        sd((num_seqs, pages_per_seq), jnp.int32),
+    )
     fn = lambda *a: ragged_paged_attention(*a, **knobs)  # noqa: E731
     with jax.sharding.use_abstract_mesh(H200):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("shape", [
-    dict(heads=32, kv_heads=32, head_dim=128),  # Llama-2-7B
-    dict(heads=9, kv_heads=3, head_dim=64),  # SmolLM2-135M
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(heads=32, kv_heads=32, head_dim=128),  # Llama-2-7B
+        dict(heads=9, kv_heads=3, head_dim=64),  # SmolLM2-135M
+    ],
+)
 @pytest.mark.parametrize("knobs", [dict(), dict(block_q=64, block_k=128, num_warps=8, num_stages=3)])
 def test_lowers_for_cuda(shape, knobs):
     text = _lower_for_cuda(num_tokens=512, page_size=16, num_seqs=256, pages_per_seq=64, **shape, **knobs)

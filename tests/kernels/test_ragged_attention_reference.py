@@ -25,8 +25,15 @@ def test_hand_computed_case():
     v = jnp.array([[[[[8.0, -4.0]]], [[[nan, nan]]], [[[4.0, 8.0]]]]])
     q = jnp.array([[[math.sqrt(2), 0.0]], [[math.sqrt(2), 0.0]], [[nan, nan]]])  # [T=3, H=1, 2]
     out = ragged_paged_attention_reference(
-        q, k, v, jnp.int32(0), q_start=jnp.array([0, 7], jnp.int32), q_len=jnp.array([2, 0], jnp.int32),
-        kv_len=jnp.array([2, 0], jnp.int32), block_tables=jnp.array([[2, 0], [1, -9]], jnp.int32))
+        q,
+        k,
+        v,
+        jnp.int32(0),
+        q_start=jnp.array([0, 7], jnp.int32),
+        q_len=jnp.array([2, 0], jnp.int32),
+        kv_len=jnp.array([2, 0], jnp.int32),
+        block_tables=jnp.array([[2, 0], [1, -9]], jnp.int32),
+    )
     np.testing.assert_allclose(out[:, 0], [[4.0, 8.0], [7.0, -1.0], [0.0, 0.0]], rtol=1e-6, atol=1e-6)
 
 
@@ -56,8 +63,17 @@ def test_matches_the_loop_on_random_batches(rng, heads, kv_heads, page_size):
     # Decode at positions 0 and mid-page, a whole prompt, a chunk after a cached prefix, an empty
     # sequence; padding rows between sequences and at the end.
     seqs = [(1, 1), (1, 19), (11, 11), (6, 30), (0, 13)]
-    batch = ragged_batch(rng, seqs=seqs, num_tokens=26, heads=heads, kv_heads=kv_heads, head_dim=8,
-                         page_size=page_size, pages_per_seq=7, gap=1)
+    batch = ragged_batch(
+        rng,
+        seqs=seqs,
+        num_tokens=26,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=8,
+        page_size=page_size,
+        pages_per_seq=7,
+        gap=1,
+    )
     for layer in (0, 1):
         out = ragged_paged_attention_reference(*batch.args(layer))
         assert_close(out, loop_reference(batch, layer), "float32")

@@ -46,7 +46,9 @@ def test_references_agree(rng, dtype, seg_len):
     y_ref = reference.expand_loop(y, h_ref, b, slots)
     assert_close(xla_backends.shrink_xla(x, a, slots, seg_len), h_ref, dtype)
     assert_close(xla_backends.expand_xla(y, h_ref, b, slots, seg_len), y_ref, dtype)
-    for shrink, expand in [(reference.shrink_onehot, reference.expand_onehot),
-                           (xla_backends.shrink_ragged, xla_backends.expand_ragged)]:
+    for shrink, expand in [
+        (reference.shrink_onehot, reference.expand_onehot),
+        (xla_backends.shrink_ragged, xla_backends.expand_ragged),
+    ]:
         assert_close(shrink(x, a, slots), h_ref, dtype)
         assert_close(expand(y, h_ref, b, slots), y_ref, dtype)

@@ -81,8 +81,7 @@ def test_sgmv_matches_loop(rng, dtype, rank, seg_starts, seg_slots):
     h = lora_tpu.sgmv_shrink(x, a, seg_starts, seg_slots, block_rows=8, block_k=128, interpret=INTERPRET)
     h_ref = reference.shrink_loop(x, zero_slot0(a), slot_ids)
     assert_close(h, h_ref, dtype)
-    y_new = lora_tpu.sgmv_expand(y, h_ref, b, seg_starts, seg_slots, block_rows=8, block_o=1024,
-                                 interpret=INTERPRET)
+    y_new = lora_tpu.sgmv_expand(y, h_ref, b, seg_starts, seg_slots, block_rows=8, block_o=1024, interpret=INTERPRET)
     assert_close(y_new, reference.expand_loop(y, h_ref, zero_slot0(b), slot_ids), dtype)
     _check_slot0_rows(slot_ids, h, y_new, y)
 

@@ -20,7 +20,8 @@ from jaxlora.loading.orbax_ckpt import save_converted
 from jaxlora.model import init_kv_cache
 from jaxlora.model.forward import forward_logits
 from jaxlora.model.params import build_model, random_model
-from tests.helpers import tiny_config, tiny_tokenizer as _tiny_tokenizer
+from tests.helpers import tiny_config
+from tests.helpers import tiny_tokenizer as _tiny_tokenizer
 
 TOKENS = jnp.array([[3, 17, 42, 5, 88, 9, 1]])
 
@@ -31,8 +32,9 @@ def _logits(model) -> np.ndarray:
     return np.asarray(forward_logits(model.graphdef, model.params, TOKENS, pos, kv)[0])
 
 
-@pytest.fixture(scope="module", params=[{}, {"tie_word_embeddings": False, "attention_bias": True}],
-                ids=["tied", "untied-qkv-bias"])
+@pytest.fixture(
+    scope="module", params=[{}, {"tie_word_embeddings": False, "attention_bias": True}], ids=["tied", "untied-qkv-bias"]
+)
 def tiny(request):
     return random_model(tiny_config(**request.param), seed=7)
 
@@ -95,7 +97,7 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     out = np.empty_like(w)
     head_dim = w.shape[0] // n_heads
     for h in range(n_heads):
-        rows = w[h * head_dim:(h + 1) * head_dim]
+        rows = w[h * head_dim : (h + 1) * head_dim]
         half = head_dim // 2
         for i in range(half):
             out[h * head_dim + 2 * i] = rows[i]
@@ -103,8 +105,9 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return out
 
 
-def _write_gguf(path: Path, model, arch: str = "llama", projection_type: gguf.GGMLQuantizationType | None = None
-                ) -> None:
+def _write_gguf(
+    path: Path, model, arch: str = "llama", projection_type: gguf.GGMLQuantizationType | None = None
+) -> None:
     """`model` as a GGUF file; projection_type stores the seven projections in that quantized type."""
     cfg = model.config
     hf = flat_to_hf({k: np.asarray(v) for k, v in model.flat_params().items()}, cfg)
@@ -125,9 +128,17 @@ def _write_gguf(path: Path, model, arch: str = "llama", projection_type: gguf.GG
     w.add_token_types([3, 3, 3] + [1] * (cfg.vocab_size - 3))
     w.add_token_merges([])
     w.add_eos_token_id(2)
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     w.add_tensor("token_embd.weight", hf["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", hf["model.norm.weight"])
     for i in range(cfg.num_layers):
@@ -139,8 +150,9 @@ def _write_gguf(path: Path, model, arch: str = "llama", projection_type: gguf.GG
                 t = _permute(t, cfg.num_kv_heads)
             t = np.ascontiguousarray(t)
             if projection_type is not None and "norm" not in g_name:
-                w.add_tensor(f"blk.{i}.{g_name}.weight", gguf.quants.quantize(t, projection_type),
-                             raw_dtype=projection_type)
+                w.add_tensor(
+                    f"blk.{i}.{g_name}.weight", gguf.quants.quantize(t, projection_type), raw_dtype=projection_type
+                )
             else:
                 w.add_tensor(f"blk.{i}.{g_name}.weight", t)
     w.write_header_to_file()

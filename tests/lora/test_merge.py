@@ -17,13 +17,29 @@ def test_merged_model_equals_unmerged_adapter(tmp_path):
     base = random_model(cfg, seed=21, std=0.2)
     save_hf_folder(base, tiny_tokenizer(), tmp_path / "base")
     rng = np.random.default_rng(0)
-    weights = {m: (rng.standard_normal((cfg.num_layers, cfg.module_shape(m)[0], 4), np.float32) * 0.5,
-                   rng.standard_normal((cfg.num_layers, 4, cfg.module_shape(m)[1]), np.float32) * 0.5)
-               for m in ("q_proj", "v_proj", "down_proj")}
+    weights = {
+        m: (
+            rng.standard_normal((cfg.num_layers, cfg.module_shape(m)[0], 4), np.float32) * 0.5,
+            rng.standard_normal((cfg.num_layers, 4, cfg.module_shape(m)[1]), np.float32) * 0.5,
+        )
+        for m in ("q_proj", "v_proj", "down_proj")
+    }
     save_peft_adapter(tmp_path / "adapter", weights=weights, rank=4, alpha=8)
 
-    assert main(["merge", "--model", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter"),
-                 "--out", str(tmp_path / "merged")]) == 0
+    assert (
+        main(
+            [
+                "merge",
+                "--model",
+                str(tmp_path / "base"),
+                "--adapter",
+                str(tmp_path / "adapter"),
+                "--out",
+                str(tmp_path / "merged"),
+            ]
+        )
+        == 0
+    )
     merged, tok = load_model(tmp_path / "merged")
     assert tok.encode("w3 w4") == [3, 4]
 
@@ -43,6 +59,18 @@ def test_merge_reports_bad_adapter(tmp_path, capsys):
     base = random_model(tiny_config(), seed=1)
     save_hf_folder(base, tiny_tokenizer(), tmp_path / "base")
     (tmp_path / "adapter").mkdir()
-    assert main(["merge", "--model", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter"),
-                 "--out", str(tmp_path / "merged")]) == 2
+    assert (
+        main(
+            [
+                "merge",
+                "--model",
+                str(tmp_path / "base"),
+                "--adapter",
+                str(tmp_path / "adapter"),
+                "--out",
+                str(tmp_path / "merged"),
+            ]
+        )
+        == 2
+    )
     assert "adapter_config.json" in capsys.readouterr().err

@@ -23,8 +23,10 @@ def _adapter(seed: int, modules, rank: int) -> dict[str, tuple[np.ndarray, np.nd
     out = {}
     for m in modules:
         d_in, d_out = CFG.module_shape(m)
-        out[m] = (rng.standard_normal((CFG.num_layers, d_in, rank), np.float32) * 0.3,
-                  rng.standard_normal((CFG.num_layers, rank, d_out), np.float32) * 0.3)
+        out[m] = (
+            rng.standard_normal((CFG.num_layers, d_in, rank), np.float32) * 0.3,
+            rng.standard_normal((CFG.num_layers, rank, d_out), np.float32) * 0.3,
+        )
     return out
 
 
@@ -55,9 +57,18 @@ def _logits(model, tokens, bank=None, slots=None, backend=LoraBackend.XLA):
     kv = init_kv_cache(CFG, b, 16)
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))
     runtime = LoraRuntime.for_platform(backend)
-    return np.asarray(forward_logits(model.graphdef, model.params, tokens, pos, kv, bank,
-                                     None if slots is None else jnp.asarray(slots, jnp.int32),
-                                     runtime=runtime)[0])
+    return np.asarray(
+        forward_logits(
+            model.graphdef,
+            model.params,
+            tokens,
+            pos,
+            kv,
+            bank,
+            None if slots is None else jnp.asarray(slots, jnp.int32),
+            runtime=runtime,
+        )[0]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +91,9 @@ def test_mixed_batch_equals_merged_rows(base, bank, expected, backend):
     slots = [3, 0, 1, 4, 2, 1]  # shuffled, with a base row and a repeated adapter
     got = _logits(base, _tokens(), bank, slots, backend)
     for row, slot in enumerate(slots):
-        np.testing.assert_allclose(got[row], expected[slot][row], atol=1e-4, rtol=1e-4,
-                                   err_msg=f"row {row} (slot {slot}, backend {backend})")
+        np.testing.assert_allclose(
+            got[row], expected[slot][row], atol=1e-4, rtol=1e-4, err_msg=f"row {row} (slot {slot}, backend {backend})"
+        )
 
 
 def test_decode_step_with_bank_matches_prefill(base, bank):
@@ -89,8 +101,9 @@ def test_decode_step_with_bank_matches_prefill(base, bank):
     slots = jnp.asarray([1, 2, 3, 4, 0, 2], jnp.int32)
     full = _logits(base, tokens, bank, slots)
     kv = init_kv_cache(CFG, 6, 16)
-    logits, kv = forward_logits(base.graphdef, base.params, tokens[:, :4],
-                                jnp.broadcast_to(jnp.arange(4), (6, 4)), kv, bank, slots)
+    logits, kv = forward_logits(
+        base.graphdef, base.params, tokens[:, :4], jnp.broadcast_to(jnp.arange(4), (6, 4)), kv, bank, slots
+    )
     last, _ = forward_logits(base.graphdef, base.params, tokens[:, 4:], jnp.full((6, 1), 4), kv, bank, slots)
     np.testing.assert_allclose(np.asarray(last)[:, 0], full[:, 4], atol=1e-4, rtol=1e-4)
 

@@ -23,8 +23,9 @@ from jaxlora.errors import AdapterError
 from jaxlora.lora.host_adapter import HostAdapter
 from jaxlora.lora.peft_format import load_peft_adapter, module_key, save_peft_adapter, tensor_key
 
-MODEL = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
-                    num_kv_heads=2, head_dim=4)
+MODEL = ModelConfig(
+    vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4
+)
 NAME = "test-adapter"
 # Folding reorders float32 products (scale applied to B, not to the product): allow rounding only.
 F32_TOL = {"rtol": 1e-6, "atol": 1e-5}
@@ -39,9 +40,7 @@ def peft_pair(rng: np.random.Generator, module: str, r: int) -> tuple[np.ndarray
     return draw(r, d_in), draw(d_out, r)
 
 
-def write_adapter(
-    folder: Path, config: dict, tensors: dict[str, np.ndarray], dtype: str = "float32"
-) -> Path:
+def write_adapter(folder: Path, config: dict, tensors: dict[str, np.ndarray], dtype: str = "float32") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "task_type": "CAUSAL_LM", **config}))
     save_file({k: v.astype(DTYPES[dtype]) for k, v in tensors.items()}, str(folder / "adapter_model.safetensors"))
@@ -122,22 +121,32 @@ def test_rslora_scale(tmp_path, rng):
     config = {"r": 4, "lora_alpha": 6, "use_rslora": True, "target_modules": ["v_proj"]}
     adapter = load(write_adapter(tmp_path / "ad", config, tensors))
     for layer in range(2):  # 6 / sqrt(4) = 3, not 6 / 4
-        np.testing.assert_allclose(delta(adapter, "v_proj", layer), peft_delta(tensors, "v_proj", layer, 3.0), **F32_TOL)
+        np.testing.assert_allclose(
+            delta(adapter, "v_proj", layer), peft_delta(tensors, "v_proj", layer, 3.0), **F32_TOL
+        )
 
 
 def test_rank_and_alpha_pattern(tmp_path, rng):
     ranks = {"k_proj": 2, (1, "q_proj"): 6}
     tensors = make_tensors(rng, ["q_proj", "k_proj", "up_proj"], range(2), ranks)
     config = {
-        "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "up_proj"],
+        "r": 4,
+        "lora_alpha": 8,
+        "target_modules": ["q_proj", "k_proj", "up_proj"],
         # Per module, and per layer by full name; the first matching key wins, as in PEFT.
         "rank_pattern": {"k_proj": 2, "model.layers.1.self_attn.q_proj": 6},
         "alpha_pattern": {r"layers\.1\.mlp\.up_proj": 2, "up_proj": 16, "k_proj": 3},
     }
     adapter = load(write_adapter(tmp_path / "ad", config, tensors))
     assert adapter.module_rank("q_proj") == 6 and adapter.module_rank("k_proj") == 2 and adapter.rank == 6
-    expect = {("q_proj", 0): 8 / 4, ("q_proj", 1): 8 / 6, ("k_proj", 0): 3 / 2, ("k_proj", 1): 3 / 2,
-              ("up_proj", 0): 16 / 4, ("up_proj", 1): 2 / 4}
+    expect = {
+        ("q_proj", 0): 8 / 4,
+        ("q_proj", 1): 8 / 6,
+        ("k_proj", 0): 3 / 2,
+        ("k_proj", 1): 3 / 2,
+        ("up_proj", 0): 16 / 4,
+        ("up_proj", 1): 2 / 4,
+    }
     for (m, layer), scale in expect.items():
         np.testing.assert_allclose(delta(adapter, m, layer), peft_delta(tensors, m, layer, scale), **F32_TOL)
     # Layer 0's q_proj is rank 4 inside a rank-6 module: the padding is exact zeros.
@@ -161,11 +170,14 @@ def test_all_linear(tmp_path, rng):
         np.testing.assert_allclose(delta(adapter, m, 1), peft_delta(tensors, m, 1, 1.0), **F32_TOL)
 
 
-@pytest.mark.parametrize("layers_cfg", [
-    {"layers_to_transform": 1},
-    {"layers_to_transform": [1]},
-    {"layers_to_transform": [1], "layers_pattern": "layers"},
-])
+@pytest.mark.parametrize(
+    "layers_cfg",
+    [
+        {"layers_to_transform": 1},
+        {"layers_to_transform": [1]},
+        {"layers_to_transform": [1], "layers_pattern": "layers"},
+    ],
+)
 def test_layers_to_transform(tmp_path, rng, layers_cfg):
     tensors = make_tensors(rng, ["q_proj", "o_proj"], [1])
     config = {"r": 4, "lora_alpha": 4, "target_modules": ["q_proj", "o_proj"], **layers_cfg}
@@ -179,8 +191,13 @@ def test_layers_to_transform(tmp_path, rng, layers_cfg):
 def test_exclude_modules_and_full_name_targets(tmp_path, rng):
     # A full module name in target_modules ignores layers_to_transform (PEFT's exact-match branch).
     tensors = make_tensors(rng, ["q_proj"], [1]) | make_tensors(rng, ["v_proj"], [0])
-    config = {"r": 4, "lora_alpha": 4, "target_modules": ["q_proj", "model.layers.0.self_attn.v_proj", "k_proj"],
-              "layers_to_transform": [1], "exclude_modules": ["k_proj"]}
+    config = {
+        "r": 4,
+        "lora_alpha": 4,
+        "target_modules": ["q_proj", "model.layers.0.self_attn.v_proj", "k_proj"],
+        "layers_to_transform": [1],
+        "exclude_modules": ["k_proj"],
+    }
     adapter = load(write_adapter(tmp_path / "ad", config, tensors))
     assert adapter.target_modules == ("q_proj", "v_proj")
 
@@ -219,9 +236,16 @@ def test_save_then_load(tmp_path, rng, dtype):
     for m, r in (("q_proj", 4), ("o_proj", 2), ("up_proj", 4)):
         a, b = peft_pair(rng, m, r)
         weights[m] = (np.stack([a.T, -a.T]), np.stack([b.T, 0.5 * b.T]))  # [L, in, r], [L, r, out]
-    folder = save_peft_adapter(tmp_path / "saved", weights=weights, rank=4, alpha=8.0, use_rslora=True,
-                               target_modules=["up_proj", "q_proj", "o_proj"], base_model_name_or_path="tiny",
-                               dtype=dtype)
+    folder = save_peft_adapter(
+        tmp_path / "saved",
+        weights=weights,
+        rank=4,
+        alpha=8.0,
+        use_rslora=True,
+        target_modules=["up_proj", "q_proj", "o_proj"],
+        base_model_name_or_path="tiny",
+        dtype=dtype,
+    )
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
     assert config["rank_pattern"] == {"o_proj": 2}
@@ -234,22 +258,31 @@ def test_save_then_load(tmp_path, rng, dtype):
 
 
 @hypothesis.settings(max_examples=20, deadline=None)
-@hypothesis.given(rank=st.integers(1, 8), alpha=st.floats(0.5, 64), use_rslora=st.booleans(),
-                  modules=st.sets(st.sampled_from(TARGET_MODULES), min_size=1), seed=st.integers(0, 2**16))
+@hypothesis.given(
+    rank=st.integers(1, 8),
+    alpha=st.floats(0.5, 64),
+    use_rslora=st.booleans(),
+    modules=st.sets(st.sampled_from(TARGET_MODULES), min_size=1),
+    seed=st.integers(0, 2**16),
+)
 def test_round_trip_property(tmp_path_factory, rank, alpha, use_rslora, modules, seed):
     rng = np.random.default_rng(seed)
     weights = {}
     for m in modules:
         d_in, d_out = MODEL.module_shape(m)
-        weights[m] = (rng.normal(size=(2, d_in, rank)).astype(np.float32),
-                      rng.normal(size=(2, rank, d_out)).astype(np.float32))
-    folder = save_peft_adapter(tmp_path_factory.mktemp("rt"), weights=weights, rank=rank, alpha=alpha,
-                               use_rslora=use_rslora)
+        weights[m] = (
+            rng.normal(size=(2, d_in, rank)).astype(np.float32),
+            rng.normal(size=(2, rank, d_out)).astype(np.float32),
+        )
+    folder = save_peft_adapter(
+        tmp_path_factory.mktemp("rt"), weights=weights, rank=rank, alpha=alpha, use_rslora=use_rslora
+    )
     adapter = load(folder)
     scale = alpha / (math.sqrt(rank) if use_rslora else rank)
     for m, (a, b) in weights.items():
-        np.testing.assert_allclose(adapter.weights[m][0] @ adapter.weights[m][1], a @ b * scale,
-                                   rtol=1e-5, atol=1e-5 * scale)
+        np.testing.assert_allclose(
+            adapter.weights[m][0] @ adapter.weights[m][1], a @ b * scale, rtol=1e-5, atol=1e-5 * scale
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -280,12 +313,15 @@ def test_rejects_rank_above_max_rank(tmp_path, rng):
     assert QA0 in message and "rank 4 exceeds max_rank=2" in message and "--max-lora-rank" in message
 
 
-@pytest.mark.parametrize("key, shape, reason", [
-    (QA0, (4, 15), "does not fit the model (expected [r, 16] for q_proj)"),
-    (QB0, (17, 4), "does not fit the model (expected [16, r] for q_proj)"),
-    (QB0, (16, 3), "rank 3 does not match lora_A's rank 4"),
-    (QA0, (4, 16, 1), "does not fit the model"),
-])
+@pytest.mark.parametrize(
+    "key, shape, reason",
+    [
+        (QA0, (4, 15), "does not fit the model (expected [r, 16] for q_proj)"),
+        (QB0, (17, 4), "does not fit the model (expected [16, r] for q_proj)"),
+        (QB0, (16, 3), "rank 3 does not match lora_A's rank 4"),
+        (QA0, (4, 16, 1), "does not fit the model"),
+    ],
+)
 def test_rejects_wrong_shapes(tmp_path, rng, key, shape, reason):
     message = rejected(tmp_path, rng, edit=replace(key, rng.normal(size=shape).astype(np.float32)))
     assert key in message and reason in message
@@ -323,6 +359,7 @@ def test_rejects_tensor_the_config_does_not_target(tmp_path, rng):
 def test_rejects_non_finite_values(tmp_path, rng, bad, dtype):
     def poison(t):
         t[QB0][3, 1] = bad
+
     message = rejected(tmp_path, rng, edit=poison, dtype=dtype)
     assert QB0 in message and "NaN or Inf" in message
 
@@ -331,12 +368,14 @@ def test_rejects_finite_weights_above_the_magnitude_bound(tmp_path, rng):
     # The bound applies to B with its scale folded in: 100 passes at scale 1 and fails at scale 32.
     def big_b(t):
         t[QB0][3, 1] = 100.0
+
     assert load(write_adapter(tmp_path / "ok", {**BASE_CONFIG, "lora_alpha": 4}, _edited(rng, big_b)))
     message = rejected(tmp_path, rng, edit=big_b, config={"lora_alpha": 128})
     assert QB0 in message and "magnitude 3.2e+03" in message and "bound 1000" in message
 
     def huge_a(t):
         t[QA0][0, 0] = 1e30
+
     message = rejected(tmp_path, rng, edit=huge_a)
     assert QA0 in message and "magnitude 1e+30" in message
 
@@ -347,40 +386,46 @@ def _edited(rng, edit) -> dict[str, np.ndarray]:
     return tensors
 
 
-@pytest.mark.parametrize("config, reason", [
-    ({"use_dora": True}, "DoRA (use_dora: true) is not supported"),
-    ({"lora_bias": True}, "lora_bias: true"),
-    ({"bias": "all"}, "bias 'all' is not supported"),
-    ({"bias": "lora_only"}, "bias 'lora_only' is not supported"),
-    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-    ({"layer_replication": [[0, 2]]}, "layer_replication is not supported"),
-    ({"peft_type": "PREFIX_TUNING"}, "peft_type 'PREFIX_TUNING' is not supported"),
-    ({"use_qalora": True}, "QA-LoRA"),
-    ({"alora_invocation_tokens": [1, 2]}, "activated LoRA"),
-    ({"init_lora_weights": "pissa_niter_4"}, "rewrites the base weights"),
-    ({"target_modules": ["q_proj", "down_proj", "lm_head"]}, "selects 'lm_head', which is not a LoRA target"),
-    ({"target_modules": ["q_proj", "down_proj", "embed_tokens"]}, "selects 'model.embed_tokens'"),
-    ({"target_modules": ["q_proj", "down_proj", "input_layernorm"]}, "model.layers.0.input_layernorm"),
-    ({"target_modules": ["c_attn"]}, "matches no module of the model (empty adapter)"),
-    ({"target_modules": r"(unclosed"}, "not a valid regex"),
-    ({"target_modules": ".*q_proj", "layers_to_transform": [0]}, "cannot be used with a string target_modules"),
-    ({"r": 0}, "r=0 must be a positive integer"),
-    ({"lora_alpha": "8"}, "lora_alpha='8' must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "config, reason",
+    [
+        ({"use_dora": True}, "DoRA (use_dora: true) is not supported"),
+        ({"lora_bias": True}, "lora_bias: true"),
+        ({"bias": "all"}, "bias 'all' is not supported"),
+        ({"bias": "lora_only"}, "bias 'lora_only' is not supported"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"layer_replication": [[0, 2]]}, "layer_replication is not supported"),
+        ({"peft_type": "PREFIX_TUNING"}, "peft_type 'PREFIX_TUNING' is not supported"),
+        ({"use_qalora": True}, "QA-LoRA"),
+        ({"alora_invocation_tokens": [1, 2]}, "activated LoRA"),
+        ({"init_lora_weights": "pissa_niter_4"}, "rewrites the base weights"),
+        ({"target_modules": ["q_proj", "down_proj", "lm_head"]}, "selects 'lm_head', which is not a LoRA target"),
+        ({"target_modules": ["q_proj", "down_proj", "embed_tokens"]}, "selects 'model.embed_tokens'"),
+        ({"target_modules": ["q_proj", "down_proj", "input_layernorm"]}, "model.layers.0.input_layernorm"),
+        ({"target_modules": ["c_attn"]}, "matches no module of the model (empty adapter)"),
+        ({"target_modules": r"(unclosed"}, "not a valid regex"),
+        ({"target_modules": ".*q_proj", "layers_to_transform": [0]}, "cannot be used with a string target_modules"),
+        ({"r": 0}, "r=0 must be a positive integer"),
+        ({"lora_alpha": "8"}, "lora_alpha='8' must be a finite number"),
+    ],
+)
 def test_rejects_config(tmp_path, rng, config, reason):
     message = rejected(tmp_path, rng, config=config)
     assert "adapter_config.json" in message and reason in message
 
 
-@pytest.mark.parametrize("key, reason", [
-    ("base_model.model.lm_head.lora_A.weight", "no LoRA-capable module 'lm_head'"),
-    ("base_model.model.model.layers.0.self_attn.rotary.lora_A.weight", "no LoRA-capable module"),
-    ("base_model.model.model.layers.0.mlp.q_proj.lora_A.weight", "no LoRA-capable module"),
-    ("base_model.model.model.embed_tokens.lora_embedding_A", "LoRA on an embedding is not supported"),
-    ("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector", "DoRA is not supported"),
-    ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias", "lora_bias"),
-    ("base_model.model.lm_head.modules_to_save.default.weight", "modules_to_save"),
-])
+@pytest.mark.parametrize(
+    "key, reason",
+    [
+        ("base_model.model.lm_head.lora_A.weight", "no LoRA-capable module 'lm_head'"),
+        ("base_model.model.model.layers.0.self_attn.rotary.lora_A.weight", "no LoRA-capable module"),
+        ("base_model.model.model.layers.0.mlp.q_proj.lora_A.weight", "no LoRA-capable module"),
+        ("base_model.model.model.embed_tokens.lora_embedding_A", "LoRA on an embedding is not supported"),
+        ("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector", "DoRA is not supported"),
+        ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias", "lora_bias"),
+        ("base_model.model.lm_head.modules_to_save.default.weight", "modules_to_save"),
+    ],
+)
 def test_rejects_unservable_tensors(tmp_path, rng, key, reason):
     message = rejected(tmp_path, rng, edit=replace(key, np.ones((4, 16), np.float32)))
     assert key in message and reason in message
@@ -399,22 +444,38 @@ def test_refuses_pickle_weights(tmp_path):
     (folder / "adapter_config.json").write_text(json.dumps(BASE_CONFIG))
     # Would run code if unpickled; the loader must never open it.
     (folder / "adapter_model.bin").write_bytes(b"cos\nsystem\n(S'exit 1'\ntR.")
-    with pytest.raises(AdapterError, match=rf"{NAME}.*only pickle weights \(adapter_model.bin\); jaxlora never unpickles"):
+    with pytest.raises(
+        AdapterError, match=rf"{NAME}.*only pickle weights \(adapter_model.bin\); jaxlora never unpickles"
+    ):
         load(folder)
 
 
-@pytest.mark.parametrize("setup, reason", [
-    (lambda f: None, "not a directory"),
-    (lambda f: f.mkdir(), "no adapter_config.json"),
-    (lambda f: (f.mkdir(), (f / "adapter_config.json").write_text("{r: 4,")), "is not valid JSON"),
-    (lambda f: (f.mkdir(), (f / "adapter_config.json").write_text("[4]")), "must hold a JSON object"),
-    (lambda f: (f.mkdir(), (f / "adapter_config.json").write_text("{}")), "no adapter_model.safetensors"),
-    (lambda f: (f.mkdir(), (f / "adapter_config.json").write_text("{}"),
-                (f / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")),
-     "cannot read adapter_model.safetensors"),
-    (lambda f: (f.mkdir(), (f / "adapter_config.json").write_text("{}"),
-                save_file({}, str(f / "adapter_model.safetensors"))), "holds no tensors (empty adapter)"),
-])
+@pytest.mark.parametrize(
+    "setup, reason",
+    [
+        (lambda f: None, "not a directory"),
+        (lambda f: f.mkdir(), "no adapter_config.json"),
+        (lambda f: (f.mkdir(), (f / "adapter_config.json").write_text("{r: 4,")), "is not valid JSON"),
+        (lambda f: (f.mkdir(), (f / "adapter_config.json").write_text("[4]")), "must hold a JSON object"),
+        (lambda f: (f.mkdir(), (f / "adapter_config.json").write_text("{}")), "no adapter_model.safetensors"),
+        (
+            lambda f: (
+                f.mkdir(),
+                (f / "adapter_config.json").write_text("{}"),
+                (f / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}"),
+            ),
+            "cannot read adapter_model.safetensors",
+        ),
+        (
+            lambda f: (
+                f.mkdir(),
+                (f / "adapter_config.json").write_text("{}"),
+                save_file({}, str(f / "adapter_model.safetensors")),
+            ),
+            "holds no tensors (empty adapter)",
+        ),
+    ],
+)
 def test_rejects_broken_folders(tmp_path, setup, reason):
     folder = tmp_path / "ad"
     setup(folder)

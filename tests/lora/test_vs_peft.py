@@ -5,7 +5,6 @@ MLP-only and all-linear targets, rsLoRA, rank/alpha patterns and layers_to_trans
 every adapter plus base rows in shuffled order; each row must equal PEFT running it alone.
 """
 
-import numpy as np
 import pytest
 
 from jaxlora.config import LoraBackend, LoraConfig
@@ -18,17 +17,43 @@ pytestmark = pytest.mark.reference
 
 ADAPTERS = {
     "attn4": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "seed": 1},
-    "mlp8-rslora": {"r": 8, "lora_alpha": 16, "use_rslora": True,
-                    "target_modules": ["gate_proj", "up_proj", "down_proj"], "seed": 2},
-    "all16-patterns": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear",
-                       "rank_pattern": {"q_proj": 8}, "alpha_pattern": {"down_proj": 4}, "seed": 3},
-    "qv64-layers": {"r": 64, "lora_alpha": 64, "target_modules": ["q_proj", "v_proj"],
-                    "layers_to_transform": list(range(0, 30, 2)), "seed": 4},
+    "mlp8-rslora": {
+        "r": 8,
+        "lora_alpha": 16,
+        "use_rslora": True,
+        "target_modules": ["gate_proj", "up_proj", "down_proj"],
+        "seed": 2,
+    },
+    "all16-patterns": {
+        "r": 16,
+        "lora_alpha": 32,
+        "target_modules": "all-linear",
+        "rank_pattern": {"q_proj": 8},
+        "alpha_pattern": {"down_proj": 4},
+        "seed": 3,
+    },
+    "qv64-layers": {
+        "r": 64,
+        "lora_alpha": 64,
+        "target_modules": ["q_proj", "v_proj"],
+        "layers_to_transform": list(range(0, 30, 2)),
+        "seed": 4,
+    },
 }
 PROMPTS = ["Name a fruit.", "What is 7 times 8?", "Tell me about the moon in one sentence."]
 # (prompt, adapter or None) per batch row, shuffled; base rows in between.
-ROWS = [(1, "all16-patterns"), (0, None), (2, "attn4"), (0, "qv64-layers"), (1, "mlp8-rslora"),
-        (2, None), (0, "attn4"), (2, "all16-patterns"), (1, "qv64-layers"), (0, "mlp8-rslora")]
+ROWS = [
+    (1, "all16-patterns"),
+    (0, None),
+    (2, "attn4"),
+    (0, "qv64-layers"),
+    (1, "mlp8-rslora"),
+    (2, None),
+    (0, "attn4"),
+    (2, "all16-patterns"),
+    (1, "qv64-layers"),
+    (0, "mlp8-rslora"),
+]
 N_NEW = 24
 
 
@@ -36,9 +61,17 @@ N_NEW = 24
 def setup(smollm2_gguf_path, reference):
     model, tok = load_model(smollm2_gguf_path)
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    ref = reference({"kind": "generate", "model": {"gguf": str(smollm2_gguf_path)}, "prompts": prompts,
-                     "n_new": N_NEW, "adapters": ADAPTERS, "logits": "none",
-                     "rows": [{"prompt": p, "adapter": a} for p, a in ROWS]})
+    ref = reference(
+        {
+            "kind": "generate",
+            "model": {"gguf": str(smollm2_gguf_path)},
+            "prompts": prompts,
+            "n_new": N_NEW,
+            "adapters": ADAPTERS,
+            "logits": "none",
+            "rows": [{"prompt": p, "adapter": a} for p, a in ROWS],
+        }
+    )
     lora = LoraConfig(max_slots=len(ADAPTERS) + 1, max_rank=64)
     bank = init_bank(model.config, lora)
     slot_of = {None: 0}

@@ -20,18 +20,21 @@ def _full(model, tokens):
     return np.asarray(forward_logits(model.graphdef, model.params, tokens, pos, kv)[0])
 
 
-@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": False, "attention_bias": True},
-                                       {"attention_bias": True, "o_proj_bias": True}])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"tie_word_embeddings": False, "attention_bias": True}, {"attention_bias": True, "o_proj_bias": True}],
+)
 def test_incremental_decode_equals_full_forward(overrides):
     model = random_model(tiny_config(**overrides), seed=1)
     tokens = jax.random.randint(jax.random.key(0), (3, 9), 0, 96)
     full = _full(model, tokens)
     kv = init_kv_cache(model.config, 3, 32)
-    logits, kv = forward_logits(model.graphdef, model.params, tokens[:, :5],
-                                jnp.broadcast_to(jnp.arange(5), (3, 5)), kv)
+    logits, kv = forward_logits(
+        model.graphdef, model.params, tokens[:, :5], jnp.broadcast_to(jnp.arange(5), (3, 5)), kv
+    )
     steps = [np.asarray(logits)]
     for p in range(5, 9):
-        logits, kv = forward_logits(model.graphdef, model.params, tokens[:, p:p + 1], jnp.full((3, 1), p), kv)
+        logits, kv = forward_logits(model.graphdef, model.params, tokens[:, p : p + 1], jnp.full((3, 1), p), kv)
         steps.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=2e-5, rtol=2e-5)
 
@@ -51,8 +54,14 @@ def test_rows_are_independent_and_row_ids_route_the_cache():
 
 def test_llama3_rope_scaling_changes_only_low_frequencies():
     plain = inverse_frequencies(tiny_config(head_dim=64))
-    scaled = inverse_frequencies(tiny_config(head_dim=64, rope_scaling=RopeScaling(
-        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)))
+    scaled = inverse_frequencies(
+        tiny_config(
+            head_dim=64,
+            rope_scaling=RopeScaling(
+                factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+            ),
+        )
+    )
     assert scaled[0] == plain[0]  # highest frequency kept
     np.testing.assert_allclose(scaled[-1], plain[-1] / 8.0, rtol=1e-6)  # lowest slowed by `factor`
 
@@ -76,11 +85,14 @@ def test_bfloat16_runs_close_to_float32():
     np.testing.assert_allclose(_full(bf, tokens), _full(model, tokens), atol=5e-2, rtol=5e-2)
 
 
-@pytest.mark.parametrize("runtime", [
-    dict(attention="pallas", interpret=True),
-    dict(unroll_layers=True),
-    dict(attention="pallas", interpret=True, unroll_layers=True),
-])
+@pytest.mark.parametrize(
+    "runtime",
+    [
+        dict(attention="pallas", interpret=True),
+        dict(unroll_layers=True),
+        dict(attention="pallas", interpret=True, unroll_layers=True),
+    ],
+)
 def test_decode_kernels_and_unrolled_layers_give_the_same_tokens(runtime):
     """Pallas decode attention (interpret mode) and the unrolled layer loop change no greedy token."""
     from jaxlora.lora.apply import LoraRuntime

@@ -11,8 +11,8 @@ from jaxlora.errors import ModelLoadError
 from jaxlora.lora.merge import merged_params
 from jaxlora.model.params import build_model, quantized_model, random_model
 from jaxlora.model.quant import (
-    QuantLinear,
     Quantization,
+    QuantLinear,
     dequantize,
     dequantize_arrays,
     project,
@@ -69,9 +69,9 @@ def test_fp8_round_trip_within_e4m3_bound_per_channel():
     err = np.abs(w - back)
     # e4m3 keeps 3 mantissa bits: a normal value is off by at most 2^-4 of itself; below 2^-6 (scaled)
     # the subnormal step is 2^-9, so at most 2^-10 * scale. Plus float32 rounding.
-    bound = np.maximum(np.abs(w) * 2.0 ** -4, scale * 2.0 ** -10) * (1 + 1e-5) + np.abs(w) * 2e-7
+    bound = np.maximum(np.abs(w) * 2.0**-4, scale * 2.0**-10) * (1 + 1e-5) + np.abs(w) * 2e-7
     assert (err <= bound).all()
-    assert (np.abs(w[:, 9] / scale[9]) < 2.0 ** -6).sum() > IN // 2  # channel 9 did test the subnormal bound
+    assert (np.abs(w[:, 9] / scale[9]) < 2.0**-6).sum() > IN // 2  # channel 9 did test the subnormal bound
     assert err[:, live].max() > 0
 
 

@@ -47,8 +47,10 @@ def _nll_sum(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array) -> ja
 
 def mean_nll(model, tokens: np.ndarray) -> float:
     """Mean NLL per predicted token of tokens [ROWS, ROW_LEN] (each row scored on its own)."""
-    total = sum(float(_nll_sum(model.graphdef, model.params, jnp.asarray(tokens[i:i + ROWS_PER_CALL])))
-                for i in range(0, len(tokens), ROWS_PER_CALL))
+    total = sum(
+        float(_nll_sum(model.graphdef, model.params, jnp.asarray(tokens[i : i + ROWS_PER_CALL])))
+        for i in range(0, len(tokens), ROWS_PER_CALL)
+    )
     return total / (tokens.shape[0] * (tokens.shape[1] - 1))
 
 
@@ -59,7 +61,7 @@ def scored(smollm2_gguf_path):
     ids = tok.encode(TEXT.read_text())
     if len(ids) < ROWS * ROW_LEN:
         raise AssertionError(f"{TEXT} has {len(ids)} tokens, fewer than the {ROWS * ROW_LEN} the test scores")
-    tokens = np.asarray(ids[:ROWS * ROW_LEN], np.int32).reshape(ROWS, ROW_LEN)
+    tokens = np.asarray(ids[: ROWS * ROW_LEN], np.int32).reshape(ROWS, ROW_LEN)
     return tokens, model, mean_nll(model, tokens)
 
 

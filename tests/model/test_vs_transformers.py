@@ -31,8 +31,7 @@ def smollm2(smollm2_gguf_path):
 def test_smollm2_logits_and_greedy_tokens_match(smollm2, smollm2_gguf_path, reference):
     model, tok = smollm2
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    ref = reference({"kind": "generate", "model": {"gguf": str(smollm2_gguf_path)}, "prompts": prompts,
-                     "n_new": N_NEW})
+    ref = reference({"kind": "generate", "model": {"gguf": str(smollm2_gguf_path)}, "prompts": prompts, "n_new": N_NEW})
     worst = 0.0
     for i, prompt in enumerate(prompts):
         logits, tokens = greedy(model, prompt, N_NEW)
@@ -45,11 +44,14 @@ def test_smollm2_logits_and_greedy_tokens_match(smollm2, smollm2_gguf_path, refe
 
 def test_tokenizer_matches_transformers(smollm2, smollm2_gguf_path, reference):
     _, tok = smollm2
-    texts = ["Hello, world! 12345 and 3.14159", "café naïve façade — Zürich, 東京 🤖🚀 emoji",
-             "<|im_start|>user\nHi there<|im_end|>\n", "  leading spaces\ttabs\nnew lines  "]
+    texts = [
+        "Hello, world! 12345 and 3.14159",
+        "café naïve façade — Zürich, 東京 🤖🚀 emoji",
+        "<|im_start|>user\nHi there<|im_end|>\n",
+        "  leading spaces\ttabs\nnew lines  ",
+    ]
     messages = [{"role": "user", "content": "What is 2+2?"}]
-    ref = reference({"kind": "tokenize", "model": {"gguf": str(smollm2_gguf_path)}, "texts": texts,
-                     "chat": [messages]})
+    ref = reference({"kind": "tokenize", "model": {"gguf": str(smollm2_gguf_path)}, "texts": texts, "chat": [messages]})
     for text, expected in zip(texts, ref["encode"], strict=True):
         ids = tok.encode(text, add_special_tokens=False)
         assert ids == expected["ids_no_special"], text
@@ -59,8 +61,11 @@ def test_tokenizer_matches_transformers(smollm2, smollm2_gguf_path, reference):
     assert tok.encode_chat(messages) == ref["chat"][0]["ids"]
 
 
-@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": False, "attention_bias": True}],
-                         ids=["llama-tied", "qwen2-untied-qkv-bias"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"tie_word_embeddings": False, "attention_bias": True}],
+    ids=["llama-tied", "qwen2-untied-qkv-bias"],
+)
 def test_random_hf_folder_matches_transformers(overrides, tmp_path, reference):
     model = random_model(tiny_config(vocab_size=128, **overrides), seed=3, std=0.2)
     save_hf_folder(model, None, tmp_path)

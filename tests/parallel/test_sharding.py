@@ -24,8 +24,16 @@ from jaxlora.parallel.sharding import (
 from tests.helpers import tiny_config
 
 T = "tensor"
-CFG = tiny_config(num_heads=8, num_kv_heads=4, head_dim=4, vocab_size=96, intermediate_size=64,
-                  tie_word_embeddings=False, attention_bias=True, o_proj_bias=True)
+CFG = tiny_config(
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=4,
+    vocab_size=96,
+    intermediate_size=64,
+    tie_word_embeddings=False,
+    attention_bias=True,
+    o_proj_bias=True,
+)
 
 
 def test_mesh_config_validates():
@@ -54,8 +62,7 @@ def test_indivisible_model_is_refused(field, value):
 
 
 def test_vocab_and_hidden_both_indivisible_is_refused():
-    cfg = tiny_config(num_heads=4, num_kv_heads=4, head_dim=8, hidden_size=30, intermediate_size=64,
-                      vocab_size=99)
+    cfg = tiny_config(num_heads=4, num_kv_heads=4, head_dim=8, hidden_size=30, intermediate_size=64, vocab_size=99)
     check_divisible(cfg, 1)  # one device: anything goes
     with pytest.raises(ValueError, match="vocab_size=99 or hidden_size=30"):
         check_divisible(cfg, 4)

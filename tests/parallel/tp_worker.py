@@ -41,13 +41,22 @@ from tests.engine.conftest import engine_config
 from tests.engine.fakes import char_tokenizer, random_adapter, tiny_model
 
 TENSOR_SIZES = (2, 4)
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-               "collective-broadcast")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "collective-broadcast")
 
 # Raw forward: vocab 96 is split by vocabulary (tied embedding), q/k/v and o carry biases.
-RAW_CONFIG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=8,
-                         num_kv_heads=4, head_dim=8, tie_word_embeddings=True, attention_bias=True,
-                         o_proj_bias=True, max_position_embeddings=64)
+RAW_CONFIG = ModelConfig(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=8,
+    tie_word_embeddings=True,
+    attention_bias=True,
+    o_proj_bias=True,
+    max_position_embeddings=64,
+)
 RAW_LORA = LoraConfig(max_slots=5, max_rank=4)
 RAW_SLOTS = (3, 0, 1, 4, 2, 1)  # shuffled, a base row, a repeated adapter
 PROMPT_LEN, NEW_TOKENS = 5, 6
@@ -56,13 +65,21 @@ PROMPT_LEN, NEW_TOKENS = 5, 6
 def raw_bank(config: ModelConfig, lora: LoraConfig) -> dict:
     """Four adapters with different module sets and ranks in slots 1..4 (slot 0 stays the base)."""
     rng = np.random.default_rng(1)
-    module_sets = (TARGET_MODULES, ("q_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj"),
-                   ("k_proj", "down_proj"))
+    module_sets = (
+        TARGET_MODULES,
+        ("q_proj", "v_proj", "o_proj"),
+        ("gate_proj", "up_proj", "down_proj"),
+        ("k_proj", "down_proj"),
+    )
     bank = init_bank(config, lora)
     for slot, (modules, rank) in enumerate(zip(module_sets, (4, 2, 3, 1)), start=1):
-        weights = {m: (rng.standard_normal((config.num_layers, config.module_shape(m)[0], rank), np.float32) * 0.4,
-                       rng.standard_normal((config.num_layers, rank, config.module_shape(m)[1]), np.float32) * 0.4)
-                   for m in modules}
+        weights = {
+            m: (
+                rng.standard_normal((config.num_layers, config.module_shape(m)[0], rank), np.float32) * 0.4,
+                rng.standard_normal((config.num_layers, rank, config.module_shape(m)[1]), np.float32) * 0.4,
+            )
+            for m in modules
+        }
         bank = set_slot(bank, slot, slot_arrays(weights, config, lora))
     return bank
 
@@ -112,11 +129,27 @@ def check_raw(result: dict) -> None:
     tok = jnp.asarray(np.arange(len(RAW_SLOTS))[:, None] + 7, jnp.int32)
     pos = jnp.zeros_like(tok)
     slots = jnp.asarray(RAW_SLOTS, jnp.int32)
-    ref, _ = forward_logits(model.graphdef, model.params, tok, pos, init_kv_cache(RAW_CONFIG, len(RAW_SLOTS), 4),
-                            bank, slots, runtime=runtime)
-    got, _ = forward_logits(model.graphdef, shard_model(model, mesh).params, tok, pos,
-                            shard_kv(init_kv_cache(RAW_CONFIG, len(RAW_SLOTS), 4), mesh),
-                            shard_bank(bank, mesh), slots, mesh=mesh, runtime=runtime)
+    ref, _ = forward_logits(
+        model.graphdef,
+        model.params,
+        tok,
+        pos,
+        init_kv_cache(RAW_CONFIG, len(RAW_SLOTS), 4),
+        bank,
+        slots,
+        runtime=runtime,
+    )
+    got, _ = forward_logits(
+        model.graphdef,
+        shard_model(model, mesh).params,
+        tok,
+        pos,
+        shard_kv(init_kv_cache(RAW_CONFIG, len(RAW_SLOTS), 4), mesh),
+        shard_bank(bank, mesh),
+        slots,
+        mesh=mesh,
+        runtime=runtime,
+    )
     result["raw"]["pallas_tp2_max_logit_diff"] = float(np.abs(np.asarray(got) - np.asarray(ref)).max())
 
 
@@ -129,10 +162,15 @@ ENGINE_ADAPTERS = ("a0", "a1", "a2", "a3", "a4")  # five adapters over three slo
 def engine_requests() -> list[GenerationRequest]:
     rng = np.random.default_rng(0)
     adapters = [None, *ENGINE_ADAPTERS]
-    return [GenerationRequest(request_id=f"r{i}", adapter=adapters[i % len(adapters)],
-                              prompt_ids=[1, *rng.integers(4, 99, int(rng.integers(2, 20))).tolist()],
-                              sampling=SamplingParams(max_tokens=int(rng.integers(4, 10))))
-            for i in range(9)]
+    return [
+        GenerationRequest(
+            request_id=f"r{i}",
+            adapter=adapters[i % len(adapters)],
+            prompt_ids=[1, *rng.integers(4, 99, int(rng.integers(2, 20))).tolist()],
+            sampling=SamplingParams(max_tokens=int(rng.integers(4, 10))),
+        )
+        for i in range(9)
+    ]
 
 
 def run_engine(model, tokenizer, adapters, tensor: int) -> tuple[Engine, list[list[int]]]:
@@ -199,8 +237,13 @@ def check_hlo(engine: Engine, result: dict) -> None:
 
     runner = engine.runner
     inputs = decode_inputs(runner, np.zeros(engine.config.max_batch, np.int32), 0)
-    hlo = ragged_step.lower(runner.params, engine.pager.bank, runner.kv, last_ids=runner.last_ids, **inputs,
-                            **runner._static).compile().as_text()
+    hlo = (
+        ragged_step.lower(
+            runner.params, engine.pager.bank, runner.kv, last_ids=runner.last_ids, **inputs, **runner._static
+        )
+        .compile()
+        .as_text()
+    )
     result["hlo"] = _split_collectives(hlo)
 
 
@@ -250,10 +293,21 @@ def check_raw_hlo(result: dict, quantization: str | None = None) -> None:
     model, mesh = random_model(RAW_CONFIG, seed=3, quantization=quantization), make_mesh(MeshConfig(tensor=4))
     rows = len(RAW_SLOTS)
     tok = jnp.zeros((rows, 1), jnp.int32)
-    hlo = forward_logits.lower(
-        model.graphdef, shard_model(model, mesh).params, tok, tok, shard_kv(init_kv_cache(RAW_CONFIG, rows, 8), mesh),
-        shard_bank(raw_bank(RAW_CONFIG, RAW_LORA), mesh), jnp.asarray(RAW_SLOTS, jnp.int32), mesh=mesh,
-        runtime=LoraRuntime.for_platform("xla")).compile().as_text()
+    hlo = (
+        forward_logits.lower(
+            model.graphdef,
+            shard_model(model, mesh).params,
+            tok,
+            tok,
+            shard_kv(init_kv_cache(RAW_CONFIG, rows, 8), mesh),
+            shard_bank(raw_bank(RAW_CONFIG, RAW_LORA), mesh),
+            jnp.asarray(RAW_SLOTS, jnp.int32),
+            mesh=mesh,
+            runtime=LoraRuntime.for_platform("xla"),
+        )
+        .compile()
+        .as_text()
+    )
     result["raw_hlo" if quantization is None else f"raw_hlo_{quantization}"] = _split_collectives(hlo)
 
 
@@ -296,20 +350,48 @@ def check_engine_shape_hlo(result: dict) -> None:
     bank_shapes = jax.eval_shape(lambda: init_bank(cfg, lora, jnp.bfloat16))
     bank = jax.tree.map(lambda x, spec: _abstract(x, mesh, spec), bank_shapes, bank_specs(bank_shapes))
     pages_per_seq = ENGINE_SHAPE_LEN // ENGINE_SHAPE_PAGE
-    kv = jax.tree.map(lambda x: _abstract(x, mesh, KV_SPEC), jax.eval_shape(
-        lambda: init_paged_kv_cache(cfg, B * pages_per_seq, ENGINE_SHAPE_PAGE, jnp.bfloat16)))
+    kv = jax.tree.map(
+        lambda x: _abstract(x, mesh, KV_SPEC),
+        jax.eval_shape(lambda: init_paged_kv_cache(cfg, B * pages_per_seq, ENGINE_SHAPE_PAGE, jnp.bfloat16)),
+    )
     rows = jax.ShapeDtypeStruct((B,), jnp.int32)  # T = S = B: one token per row
-    batch = RaggedBatch(q_start=rows, q_len=rows, kv_len=rows, write_page=rows, write_offset=rows,
-                        block_tables=jax.ShapeDtypeStruct((B, pages_per_seq), jnp.int32))
+    batch = RaggedBatch(
+        q_start=rows,
+        q_len=rows,
+        kv_len=rows,
+        write_page=rows,
+        write_offset=rows,
+        block_tables=jax.ShapeDtypeStruct((B, pages_per_seq), jnp.int32),
+    )
     sampling = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), SamplingArrays.zeros(B))
     runtime = LoraRuntime(backend="xla", attention="xla", unroll_layers=False)
-    hlo = ragged_step.trace(params, bank, kv, rows, rows, rows, rows, batch, sampling, rows, graphdef=graphdef,
-                            runtime=runtime, mesh=mesh).lower().compile().as_text()
+    hlo = (
+        ragged_step.trace(
+            params,
+            bank,
+            kv,
+            rows,
+            rows,
+            rows,
+            rows,
+            batch,
+            sampling,
+            rows,
+            graphdef=graphdef,
+            runtime=runtime,
+            mesh=mesh,
+        )
+        .lower()
+        .compile()
+        .as_text()
+    )
     split = _split_collectives(hlo)
     weights = [_local_bytes(x) for x in jax.tree.leaves(params) if x.ndim == 3]  # stacked [L, in, out] kernels
     result["engine_shape_hlo"] = {
         **split,
-        "batch": B, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
+        "batch": B,
+        "hidden": cfg.hidden_size,
+        "vocab": cfg.vocab_size,
         "max_collective_bytes": max((_result_bytes(s) for s, _ in split["all"]), default=0),
         "smallest_bank_leaf_bytes": min(_local_bytes(x) for x in jax.tree.leaves(bank)),
         "smallest_weight_bytes": min(weights),

@@ -64,9 +64,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("JAXLORA_REF_CACHE", REPO_ROOT / ".cache" / "reference"))
 
 
-def run_reference(
-    job: dict, *, timeout: float = DEFAULT_TIMEOUT_S, use_cache: bool = True
-) -> dict[str, Any]:
+def run_reference(job: dict, *, timeout: float = DEFAULT_TIMEOUT_S, use_cache: bool = True) -> dict[str, Any]:
     """Runs one reference job (or returns its cached result).
 
     Args:
@@ -179,14 +177,11 @@ def _run_fresh(python: Path, job: dict, entry: Path, timeout: float) -> None:
             )
         except subprocess.TimeoutExpired as error:
             raise ReferenceError(
-                f"reference job {job.get('kind')!r} timed out after {timeout:.0f}s\n"
-                f"{_tail(error.stderr)}"
+                f"reference job {job.get('kind')!r} timed out after {timeout:.0f}s\n{_tail(error.stderr)}"
             ) from None
         if proc.returncode == _EXIT_BAD_JOB:
             out.mkdir(parents=True, exist_ok=True)
-            (out / BAD_JOB_FILE).write_text(
-                f"reference job {job.get('kind')!r} rejected:\n{_tail(proc.stderr)}"
-            )
+            (out / BAD_JOB_FILE).write_text(f"reference job {job.get('kind')!r} rejected:\n{_tail(proc.stderr)}")
         elif proc.returncode != 0:
             raise ReferenceError(
                 f"reference job {job.get('kind')!r} failed (exit {proc.returncode}, "
@@ -247,8 +242,11 @@ def main(argv: list[str]) -> int:
     """``python tests/reference/client.py JOB.json``: run a job, print its result summary."""
     job = json.loads(Path(argv[0]).read_text())
     result = run_reference(job, use_cache="--no-cache" not in argv)
-    print(json.dumps(result, default=lambda v: f"<array {v.shape} {v.dtype}>"
-                     if isinstance(v, np.ndarray) else str(v), indent=1))
+    print(
+        json.dumps(
+            result, default=lambda v: f"<array {v.shape} {v.dtype}>" if isinstance(v, np.ndarray) else str(v), indent=1
+        )
+    )
     return 0
 
 

@@ -104,9 +104,7 @@ def load_model(source: dict, dtype: str = "float32") -> torch.nn.Module:
     key = json.dumps([source, dtype], sort_keys=True)
     if key not in _MODELS:
         folder, kwargs = _source_args(source)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, dtype=DTYPES[dtype], **kwargs
-        )
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype], **kwargs)
         model.eval()
         _MODELS[key] = model
     return _MODELS[key]
@@ -286,9 +284,7 @@ def job_generate(job: dict, out: Output) -> dict:
     model = base
     if adapter_paths:
         names = list(adapter_paths)
-        model = peft.PeftModel.from_pretrained(
-            copy.deepcopy(base), adapter_paths[names[0]], adapter_name=names[0]
-        )
+        model = peft.PeftModel.from_pretrained(copy.deepcopy(base), adapter_paths[names[0]], adapter_name=names[0])
         for name in names[1:]:
             model.load_adapter(adapter_paths[name], adapter_name=name)
         model.eval()

@@ -18,8 +18,15 @@ from serving.server import InferenceServer, ServerOptions, build_server
 from tests.engine.fakes import random_adapter
 
 LORA = LoraConfig(max_slots=4, max_rank=4)  # 3 adapter slots: a fourth adapter in use forces paging
-ENGINE_CONFIG = EngineConfig(max_batch=16, max_seq_len=4096, token_budgets=(32,), page_size=16,
-                             max_new_tokens_limit=4000, max_queue=64, lora=LORA)
+ENGINE_CONFIG = EngineConfig(
+    max_batch=16,
+    max_seq_len=4096,
+    token_budgets=(32,),
+    page_size=16,
+    max_new_tokens_limit=4000,
+    max_queue=64,
+    lora=LORA,
+)
 ADAPTERS = ("alpha", "beta", "gamma", "delta")  # registered at start-up
 SPARE_ADAPTERS = tuple(f"spare-{i}" for i in range(6))  # in the adapter root, for LoadAdapter tests
 # max_tokens of a stream meant to outlive what a test does to it: thousands of decode steps, several
@@ -89,7 +96,7 @@ class BackgroundStream:
         finally:
             self.first_chunk.set()
 
-    def join(self, timeout: float = 60) -> "BackgroundStream":
+    def join(self, timeout: float = 60) -> BackgroundStream:
         self._thread.join(timeout)
         assert not self._thread.is_alive(), "stream did not end"
         return self

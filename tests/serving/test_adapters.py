@@ -11,8 +11,15 @@ import grpc
 import pytest
 
 from tests.engine.fakes import tiny_model
-from tests.serving.support import BackgroundStream, assert_capacity_whole, connect, rpc_error, running_server, \
-    wait_until, write_adapter
+from tests.serving.support import (
+    BackgroundStream,
+    assert_capacity_whole,
+    connect,
+    rpc_error,
+    running_server,
+    wait_until,
+    write_adapter,
+)
 
 Code = grpc.StatusCode
 

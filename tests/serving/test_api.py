@@ -22,17 +22,20 @@ from serving.security import PathRefused
 LIMITS = Limits(max_new_tokens=64, vocab_size=100)
 
 
-@pytest.mark.parametrize("error, status, http", [
-    (UnknownAdapterError("adapter 'x' is not registered"), Status.NOT_FOUND, 404),
-    (PathRefused("outside every adapter root"), Status.PERMISSION_DENIED, 403),
-    (FileNotFoundError("no such folder"), Status.NOT_FOUND, 404),
-    (RequestError("top_p=2 must be in (0, 1]"), Status.INVALID_ARGUMENT, 400),
-    (AdapterError("rank 32 exceeds max_rank=16"), Status.INVALID_ARGUMENT, 400),
-    (CapacityError("the admission queue is full"), Status.RESOURCE_EXHAUSTED, 429),
-    (AdapterInUseError("still used"), Status.FAILED_PRECONDITION, 409),
-    (JaxloraError("no pager"), Status.FAILED_PRECONDITION, 409),
-    (ZeroDivisionError("a bug"), Status.INTERNAL, 500),
-])
+@pytest.mark.parametrize(
+    "error, status, http",
+    [
+        (UnknownAdapterError("adapter 'x' is not registered"), Status.NOT_FOUND, 404),
+        (PathRefused("outside every adapter root"), Status.PERMISSION_DENIED, 403),
+        (FileNotFoundError("no such folder"), Status.NOT_FOUND, 404),
+        (RequestError("top_p=2 must be in (0, 1]"), Status.INVALID_ARGUMENT, 400),
+        (AdapterError("rank 32 exceeds max_rank=16"), Status.INVALID_ARGUMENT, 400),
+        (CapacityError("the admission queue is full"), Status.RESOURCE_EXHAUSTED, 429),
+        (AdapterInUseError("still used"), Status.FAILED_PRECONDITION, 409),
+        (JaxloraError("no pager"), Status.FAILED_PRECONDITION, 409),
+        (ZeroDivisionError("a bug"), Status.INTERNAL, 500),
+    ],
+)
 def test_one_table_for_grpc_and_http(error, status, http):
     api_error = error_of(error)
     assert api_error.status is status and status.http_status == http
@@ -53,18 +56,21 @@ def test_every_status_has_an_http_row_and_a_grpc_code():
         assert status.grpc_code.name == status.name
 
 
-@pytest.mark.parametrize("sampling, param", [
-    ({"temperature": -1.0}, "temperature"),
-    ({"temperature": "hot"}, "temperature"),
-    ({"max_tokens": 3, "top_p": 1.5}, "top_p"),
-    ({"top_k": -3}, "top_k"),
-    ({"top_k": 101}, "top_k"),  # above the vocabulary
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 65}, "max_tokens"),  # above the engine limit
-    ({"stop": ("",)}, "stop"),
-    ({"stop_token_ids": (100,)}, "stop_token_ids"),  # outside the vocabulary
-    ({"seed": 1.5}, "seed"),
-])
+@pytest.mark.parametrize(
+    "sampling, param",
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"max_tokens": 3, "top_p": 1.5}, "top_p"),
+        ({"top_k": -3}, "top_k"),
+        ({"top_k": 101}, "top_k"),  # above the vocabulary
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 65}, "max_tokens"),  # above the engine limit
+        ({"stop": ("",)}, "stop"),
+        ({"stop_token_ids": (100,)}, "stop_token_ids"),  # outside the vocabulary
+        ({"seed": 1.5}, "seed"),
+    ],
+)
 def test_translation_names_the_field_at_fault(sampling, param):
     with pytest.raises(ApiError) as e:
         generation_request(request_id="r", adapter=None, sampling=sampling, limits=LIMITS, prompt="hi")
@@ -72,8 +78,13 @@ def test_translation_names_the_field_at_fault(sampling, param):
 
 
 def test_translation_builds_the_engine_request():
-    gen = generation_request(request_id="r", adapter="", limits=LIMITS, messages=[{"role": "user", "content": "hi"}],
-                             sampling={"max_tokens": 5, "temperature": 0.5, "stop": ("x",), "top_k": 3})
+    gen = generation_request(
+        request_id="r",
+        adapter="",
+        limits=LIMITS,
+        messages=[{"role": "user", "content": "hi"}],
+        sampling={"max_tokens": 5, "temperature": 0.5, "stop": ("x",), "top_k": 3},
+    )
     assert gen.adapter is None and gen.messages[0]["content"] == "hi"
     s = gen.sampling
     assert (s.max_tokens, s.temperature, s.stop, s.top_k, s.top_p) == (5, 0.5, ("x",), 3, 1.0)
@@ -92,8 +103,9 @@ def test_final_update_check():
     assert final_error(_final(FinishReason.STOP), gen, has_adapter=known, client_gone=False) is None
     shutdown = final_error(_final(FinishReason.CANCELLED), gen, has_adapter=known, client_gone=False)
     assert shutdown.status is Status.UNAVAILABLE
-    assert final_error(_final(FinishReason.CANCELLED), gen, has_adapter=known, client_gone=True).status \
-        is Status.CANCELLED
+    assert (
+        final_error(_final(FinishReason.CANCELLED), gen, has_adapter=known, client_gone=True).status is Status.CANCELLED
+    )
     unloaded = final_error(_final(FinishReason.ERROR, "unknown adapter"), gen, has_adapter=unknown, client_gone=False)
     assert unloaded.status is Status.NOT_FOUND and "unloaded" in unloaded.message
     failed = final_error(_final(FinishReason.ERROR, "nan logits"), gen, has_adapter=known, client_gone=False)
@@ -104,11 +116,23 @@ def test_openai_fields_and_defaults():
     p = parse_request({"model": "base", "prompt": "hi"}, chat=False, base_model="base")
     assert p.adapter is None and p.prompt == "hi" and p.sampling == {"temperature": 1.0}  # OpenAI's default
     assert not p.stream and not p.include_usage
-    p = parse_request({"model": "shout", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                                  {"type": "text", "text": "b"}]}],
-                       "max_completion_tokens": 7, "temperature": 0, "top_k": -1, "stop": "\n", "seed": 3,
-                       "stream": True, "stream_options": {"include_usage": True}, "n": 1, "user": "x"},
-                      chat=True, base_model="base")
+    p = parse_request(
+        {
+            "model": "shout",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+            "max_completion_tokens": 7,
+            "temperature": 0,
+            "top_k": -1,
+            "stop": "\n",
+            "seed": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "n": 1,
+            "user": "x",
+        },
+        chat=True,
+        base_model="base",
+    )
     assert p.adapter == "shout" and p.messages == [{"role": "user", "content": "ab"}] and p.prompt_field == "messages"
     assert p.sampling == {"temperature": 0, "max_tokens": 7, "top_k": 0, "stop": ("\n",), "seed": 3}
     assert p.field_names == {"max_tokens": "max_completion_tokens"} and p.stream and p.include_usage
@@ -116,37 +140,47 @@ def test_openai_fields_and_defaults():
     assert parse_request({"prompt": ["one"]}, chat=False, base_model="base").prompt == "one"
 
 
-@pytest.mark.parametrize("body, chat, param", [
-    ([], False, None),
-    ({"prompt": "hi", "n": 2}, False, "n"),
-    ({"prompt": "hi", "logit_bias": {"1": 5}}, False, "logit_bias"),
-    ({"prompt": "hi", "model": 3}, False, "model"),
-    ({}, False, "prompt"),
-    ({"prompt": ["a", "b"]}, False, "prompt"),  # one prompt per request
-    ({"prompt": "hi", "stop": 5}, False, "stop"),
-    ({"prompt": "hi", "stream": "yes"}, False, "stream"),
-    ({"prompt": "hi", "max_tokens": 3, "max_completion_tokens": 4}, False, "max_tokens"),
-    ({"messages": []}, True, "messages"),
-    ({"messages": [{"content": "no role"}]}, True, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, True, "messages"),
-])
+@pytest.mark.parametrize(
+    "body, chat, param",
+    [
+        ([], False, None),
+        ({"prompt": "hi", "n": 2}, False, "n"),
+        ({"prompt": "hi", "logit_bias": {"1": 5}}, False, "logit_bias"),
+        ({"prompt": "hi", "model": 3}, False, "model"),
+        ({}, False, "prompt"),
+        ({"prompt": ["a", "b"]}, False, "prompt"),  # one prompt per request
+        ({"prompt": "hi", "stop": 5}, False, "stop"),
+        ({"prompt": "hi", "stream": "yes"}, False, "stream"),
+        ({"prompt": "hi", "max_tokens": 3, "max_completion_tokens": 4}, False, "max_tokens"),
+        ({"messages": []}, True, "messages"),
+        ({"messages": [{"content": "no role"}]}, True, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, True, "messages"),
+    ],
+)
 def test_openai_request_errors_name_the_field(body, chat, param):
     with pytest.raises(ApiError) as e:
         parse_request(body, chat=chat, base_model="base")
     assert e.value.status is Status.INVALID_ARGUMENT and e.value.param == param
-    assert error_body(e.value)["error"] == {"message": e.value.message, "type": "invalid_request_error",
-                                            "param": param, "code": "invalid_argument"}
+    assert error_body(e.value)["error"] == {
+        "message": e.value.message,
+        "type": "invalid_request_error",
+        "param": param,
+        "code": "invalid_argument",
+    }
 
 
 def test_stream_chunks_have_openai_shapes():
     kw = dict(request_id="c", created=1, model="m")
     first = chunk(**kw, chat=True, role=True, text="")
-    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"] == {"role": "assistant",
-                                                                                         "content": ""}
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"] == {
+        "role": "assistant",
+        "content": "",
+    }
     assert "usage" not in first
     last = chunk(**kw, chat=False, text="!", finish_reason="stop", include_usage=True)
     assert last["choices"][0] == {"index": 0, "text": "!", "logprobs": None, "finish_reason": "stop"}
     assert last["usage"] is None
-    usage = chunk(**kw, chat=True, include_usage=True, usage_={"prompt_tokens": 1, "completion_tokens": 2,
-                                                                "total_tokens": 3})
+    usage = chunk(
+        **kw, chat=True, include_usage=True, usage_={"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+    )
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 3

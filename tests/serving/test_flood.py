@@ -63,9 +63,16 @@ def test_a_flood_of_maximal_prompts_keeps_ttft_within_2x_of_idle(server, client,
     idle = _ttfts(client)
     logs = [tmp_path / f"flooder-{i}.log" for i in range(4)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    flooders = [subprocess.Popen([sys.executable, "-c", _FLOODER, f"127.0.0.1:{server.port}", str(HUGE), str(PAUSE)],
-                                 stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-                for log in logs]
+    flooders = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FLOODER, f"127.0.0.1:{server.port}", str(HUGE), str(PAUSE)],
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env,
+        )
+        for log in logs
+    ]
     try:
         wait_until(lambda: all(log.read_text() for log in logs), timeout=120)  # every flooder is refused
         flooded = statistics.median(_ttfts(client))
@@ -75,7 +82,9 @@ def test_a_flood_of_maximal_prompts_keeps_ttft_within_2x_of_idle(server, client,
             p.wait(30)
     idle = statistics.median(idle + _ttfts(client))  # before and after: the machine's load drifts
     outcomes = [log.read_text().split() for log in logs]
-    print(f"\nTTFT median: idle {idle * 1e3:.1f} ms, flooded {flooded * 1e3:.1f} ms; "
-          f"refusals per flooder: {[len(o) for o in outcomes]}")
+    print(
+        f"\nTTFT median: idle {idle * 1e3:.1f} ms, flooded {flooded * 1e3:.1f} ms; "
+        f"refusals per flooder: {[len(o) for o in outcomes]}"
+    )
     assert {word for o in outcomes for word in o} == {"INVALID_ARGUMENT"}, outcomes
     assert flooded <= 2 * idle, (idle, flooded)

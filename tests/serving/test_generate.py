@@ -27,8 +27,9 @@ CASES = [
 
 
 def _offline(engine, i, adapter, prompt, sampling):
-    req = GenerationRequest(request_id=f"offline-{i}", prompt=prompt, adapter=adapter or None,
-                            sampling=SamplingParams(**sampling))
+    req = GenerationRequest(
+        request_id=f"offline-{i}", prompt=prompt, adapter=adapter or None, sampling=SamplingParams(**sampling)
+    )
     return engine.generate([req])[0]
 
 
@@ -37,8 +38,10 @@ def test_concurrent_streams_with_different_adapters_match_offline(engine, server
     assert all(e.error is None for e in expected)
     assert len({e.token_ids for e in expected[:2]}) == 2, "adapters must change the output"
     with connect(server) as client:
-        streams = [BackgroundStream(client, prompt, adapter=adapter, request_id=f"s{i}", **sampling)
-                   for i, (adapter, prompt, sampling) in enumerate(CASES)]
+        streams = [
+            BackgroundStream(client, prompt, adapter=adapter, request_id=f"s{i}", **sampling)
+            for i, (adapter, prompt, sampling) in enumerate(CASES)
+        ]
         for i, (stream, want) in enumerate(zip(streams, expected)):
             stream.join()
             assert stream.error is None, stream.error
@@ -46,8 +49,10 @@ def test_concurrent_streams_with_different_adapters_match_offline(engine, server
             assert "".join(c.text for c in stream.chunks) == want.text
             last = stream.chunks[-1]
             assert last.request_id == f"s{i}"
-            assert pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower() == \
-                want.finish_reason.value
+            assert (
+                pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+                == want.finish_reason.value
+            )
             assert last.completion_tokens == len(want.token_ids)
             assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in stream.chunks[:-1])
     assert engine.compiles_after_warmup == 0
@@ -57,7 +62,11 @@ def test_chat_messages_and_defaults(client):
     out = client.generate(messages=[{"role": "user", "content": "hi"}], adapter="alpha", max_tokens=5)
     assert out.completion_tokens == len(out.token_ids) <= 5 and out.prompt_tokens > 2
     info = client.server_info()
-    assert info.max_new_tokens == ENGINE_CONFIG.max_new_tokens_limit and info.max_lora_rank == 4 and info.max_adapter_slots == 4
+    assert (
+        info.max_new_tokens == ENGINE_CONFIG.max_new_tokens_limit
+        and info.max_lora_rank == 4
+        and info.max_adapter_slots == 4
+    )
     assert "q_proj" in info.target_modules
 
 
@@ -65,13 +74,24 @@ def test_metrics_endpoint(server, client):
     for adapter in ("alpha", "beta", "alpha"):
         client.generate("metrics", adapter=adapter, max_tokens=6)
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
-    for name in ("jaxlora_requests_running", "jaxlora_requests_waiting", "jaxlora_time_to_first_token_seconds_bucket",
-                 "jaxlora_time_per_output_token_seconds_bucket", "jaxlora_e2e_request_latency_seconds_bucket",
-                 "jaxlora_generation_tokens_total", "jaxlora_adapter_hits_total", "jaxlora_adapter_misses_total",
-                 "jaxlora_adapter_page_ins_total", "jaxlora_adapter_page_in_seconds"):
+    for name in (
+        "jaxlora_requests_running",
+        "jaxlora_requests_waiting",
+        "jaxlora_time_to_first_token_seconds_bucket",
+        "jaxlora_time_per_output_token_seconds_bucket",
+        "jaxlora_e2e_request_latency_seconds_bucket",
+        "jaxlora_generation_tokens_total",
+        "jaxlora_adapter_hits_total",
+        "jaxlora_adapter_misses_total",
+        "jaxlora_adapter_page_ins_total",
+        "jaxlora_adapter_page_in_seconds",
+    ):
         assert name in text, name
-    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line and not line.startswith("#")}
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     assert samples['jaxlora_adapter_requests_total{adapter="alpha"}'] == 2
     assert samples['jaxlora_requests_total{code="OK"}'] == 3
     assert samples["jaxlora_time_to_first_token_seconds_count"] == 3
@@ -114,8 +134,10 @@ def test_load_64_concurrent_clients(engine, server):
     assert all(reason in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH") for _, _, reason in results)
     ttft = np.array([r[0] for r in results if r[0] is not None])
     tokens = sum(r[1] for r in results)
-    print(f"\nload test: {num_requests} streams, {num_clients} clients, {tokens} tokens in {seconds:.2f} s = "
-          f"{tokens / seconds:.0f} tokens/s; TTFT p50 {np.percentile(ttft, 50) * 1e3:.0f} ms, "
-          f"p99 {np.percentile(ttft, 99) * 1e3:.0f} ms; pager {engine.stats()['pager']['page_ins']} page-ins")
+    print(
+        f"\nload test: {num_requests} streams, {num_clients} clients, {tokens} tokens in {seconds:.2f} s = "
+        f"{tokens / seconds:.0f} tokens/s; TTFT p50 {np.percentile(ttft, 50) * 1e3:.0f} ms, "
+        f"p99 {np.percentile(ttft, 99) * 1e3:.0f} ms; pager {engine.stats()['pager']['page_ins']} page-ins"
+    )
     assert_capacity_whole(engine, server)
     assert engine.compiles_after_warmup == 0

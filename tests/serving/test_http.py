@@ -44,8 +44,9 @@ TEXT_PROMPT = "The capital of France is"  # raw text for /v1/completions (QUESTI
 ANSWER_TOKENS = 6
 MAX_STREAMS = 4
 LORA = LoraConfig(max_slots=3, max_rank=8)  # two adapter slots for three adapters
-CONFIG = EngineConfig(max_batch=4, max_seq_len=256, token_budgets=(64,), page_size=16, max_new_tokens_limit=64,
-                      max_queue=16, lora=LORA)
+CONFIG = EngineConfig(
+    max_batch=4, max_seq_len=256, token_budgets=(64,), page_size=16, max_new_tokens_limit=64, max_queue=16, lora=LORA
+)
 
 
 @dataclasses.dataclass
@@ -58,8 +59,9 @@ class Live:
     warming_health: int
 
     def client(self, key: str = USER_KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.server.http_port}/v1", api_key=key, max_retries=0,
-                             timeout=300)
+        return openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.server.http_port}/v1", api_key=key, max_retries=0, timeout=300
+        )
 
     def grpc_client(self) -> InferenceClient:
         return InferenceClient(f"127.0.0.1:{self.server.port}", api_key=ADMIN_KEY, timeout=300)
@@ -76,9 +78,19 @@ def live(smollm2_gguf_path, tmp_path_factory) -> Live:
         pager.register(name, root / name)
     engine = Engine(model, tokenizer, CONFIG, pager)
     cli_text = _cli_generate(engine, root)  # also warms the engine up
-    server, _ = build_server(engine, ServerOptions(port=0, http_port=0, metrics_port=0, api_key=USER_KEY,
-                                                   admin_key=ADMIN_KEY, adapter_roots=(str(root),),
-                                                   max_concurrent_streams=MAX_STREAMS, model_name=BASE))
+    server, _ = build_server(
+        engine,
+        ServerOptions(
+            port=0,
+            http_port=0,
+            metrics_port=0,
+            api_key=USER_KEY,
+            admin_key=ADMIN_KEY,
+            adapter_roots=(str(root),),
+            max_concurrent_streams=MAX_STREAMS,
+            model_name=BASE,
+        ),
+    )
     server.start()
     try:
         live = Live(server, engine, root, cli_text, warming_error=None, warming_health=_get(server, "/health")[0])
@@ -97,8 +109,22 @@ def _cli_generate(engine: Engine, root: Path) -> str:
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
         mp.setattr("jaxlora.cli.generate.build_engine", lambda args, *a, **kw: engine)
-        assert jaxlora_main(["generate", "--adapter", f"shout={root / 'shout'}", "--use", "shout", "--prompt",
-                             QUESTION, "--max-tokens", str(ANSWER_TOKENS)]) == 0
+        assert (
+            jaxlora_main(
+                [
+                    "generate",
+                    "--adapter",
+                    f"shout={root / 'shout'}",
+                    "--use",
+                    "shout",
+                    "--prompt",
+                    QUESTION,
+                    "--max-tokens",
+                    str(ANSWER_TOKENS),
+                ]
+            )
+            == 0
+        )
     return out.getvalue().removesuffix("\n")
 
 
@@ -111,8 +137,15 @@ def _get(server: InferenceServer, path: str, port: int | None = None) -> tuple[i
         return e.code, e.read().decode()
 
 
-def _ask(client: openai.OpenAI, *, chat: bool, model: str, stream: bool, max_tokens: int = ANSWER_TOKENS,
-         prompt: str = QUESTION) -> tuple[str, str, dict]:
+def _ask(
+    client: openai.OpenAI,
+    *,
+    chat: bool,
+    model: str,
+    stream: bool,
+    max_tokens: int = ANSWER_TOKENS,
+    prompt: str = QUESTION,
+) -> tuple[str, str, dict]:
     """(text, finish_reason, usage) of one greedy request; a stream is joined from its chunks."""
     kw = dict(model=model, max_tokens=max_tokens, temperature=0)
     if chat:
@@ -139,8 +172,11 @@ def _ask(client: openai.OpenAI, *, chat: bool, model: str, stream: bool, max_tok
 def _metrics(live: Live, port: int | None = None) -> dict[tuple[str, frozenset], float]:
     status, text = _get(live.server, "/metrics", port)
     assert status == 200
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def _resident(samples: dict, adapter: str, tier: str) -> float:
@@ -163,8 +199,11 @@ def test_streamed_and_whole_answers_with_and_without_adapter(live, chat):
     cases = [(model, stream) for model in (BASE, "shout") for stream in (False, True)]
     prompt = QUESTION if chat else TEXT_PROMPT
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
-        answers = dict(zip(cases, pool.map(
-            lambda c: _ask(live.client(), chat=chat, model=c[0], stream=c[1], prompt=prompt), cases)))
+        answers = dict(
+            zip(
+                cases, pool.map(lambda c: _ask(live.client(), chat=chat, model=c[0], stream=c[1], prompt=prompt), cases)
+            )
+        )
     for model in (BASE, "shout"):
         whole, streamed = answers[(model, False)], answers[(model, True)]
         assert whole == streamed, model  # same text, finish reason and usage (the last stream chunk)
@@ -188,8 +227,11 @@ def test_models_lists_the_base_model_and_every_adapter(live):
 def test_concurrent_streams_on_different_adapters(live):
     models = (*DEMO, BASE)
     with concurrent.futures.ThreadPoolExecutor(len(models)) as pool:
-        texts = dict(zip(models, (a[0] for a in pool.map(
-            lambda m: _ask(live.client(), chat=True, model=m, stream=True), models))))
+        texts = dict(
+            zip(
+                models, (a[0] for a in pool.map(lambda m: _ask(live.client(), chat=True, model=m, stream=True), models))
+            )
+        )
     assert texts["shout"].upper() == texts["shout"]
     assert texts["json"].startswith('{"answer"')
     assert texts["pirate"].startswith("Ahoy")
@@ -200,17 +242,24 @@ def _completion(client: openai.OpenAI, **kw):
     return client.completions.create(**{"model": BASE, "prompt": "hi", "max_tokens": 2, **kw})
 
 
-@pytest.mark.parametrize("kw, error, param", [
-    (dict(model="no-such-adapter"), openai.NotFoundError, "model"),
-    (dict(temperature=-1), openai.BadRequestError, "temperature"),
-    (dict(top_p=1.5), openai.BadRequestError, "top_p"),
-    (dict(max_tokens=65), openai.BadRequestError, "max_tokens"),  # above the engine limit
-    (dict(max_tokens=None, extra_body={"max_completion_tokens": 0}), openai.BadRequestError, "max_completion_tokens"),
-    (dict(extra_body={"top_k": 10**6}), openai.BadRequestError, "top_k"),  # above the vocabulary
-    (dict(n=2), openai.BadRequestError, "n"),
-    (dict(prompt="fruit " * 300), openai.BadRequestError, "prompt"),  # longer than max_seq_len
-    (dict(stop=[""]), openai.BadRequestError, "stop"),
-])
+@pytest.mark.parametrize(
+    "kw, error, param",
+    [
+        (dict(model="no-such-adapter"), openai.NotFoundError, "model"),
+        (dict(temperature=-1), openai.BadRequestError, "temperature"),
+        (dict(top_p=1.5), openai.BadRequestError, "top_p"),
+        (dict(max_tokens=65), openai.BadRequestError, "max_tokens"),  # above the engine limit
+        (
+            dict(max_tokens=None, extra_body={"max_completion_tokens": 0}),
+            openai.BadRequestError,
+            "max_completion_tokens",
+        ),
+        (dict(extra_body={"top_k": 10**6}), openai.BadRequestError, "top_k"),  # above the vocabulary
+        (dict(n=2), openai.BadRequestError, "n"),
+        (dict(prompt="fruit " * 300), openai.BadRequestError, "prompt"),  # longer than max_seq_len
+        (dict(stop=[""]), openai.BadRequestError, "stop"),
+    ],
+)
 def test_request_errors(live, kw, error, param):
     with pytest.raises(error) as e:
         _completion(live.client(), **kw)
@@ -222,8 +271,9 @@ def test_unknown_chat_model_and_bad_messages(live):
     with pytest.raises(openai.NotFoundError, match="no-such-adapter"):
         client.chat.completions.create(model="no-such-adapter", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": [{"type": "image_url",
-                                                                                         "image_url": {"url": "x"}}]}])
+        client.chat.completions.create(
+            model=BASE, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+        )
     assert e.value.body["param"] == "messages"
 
 
@@ -268,8 +318,10 @@ def test_adapter_admin_errors(live, tmp_path):
 
 def test_stream_limit_answers_429(live):
     client = live.client()
-    streams = [client.completions.create(model=BASE, prompt=f"hold {i}", max_tokens=64, stream=True)
-               for i in range(MAX_STREAMS)]  # each holds a place from its response's start
+    streams = [
+        client.completions.create(model=BASE, prompt=f"hold {i}", max_tokens=64, stream=True)
+        for i in range(MAX_STREAMS)
+    ]  # each holds a place from its response's start
     try:
         with pytest.raises(openai.RateLimitError, match="too many streams"):
             _completion(client)
@@ -282,8 +334,9 @@ def test_stream_limit_answers_429(live):
 
 def test_a_client_that_disconnects_frees_its_row(live):
     cancelled = live.engine.stats()["cancelled"]
-    stream = live.client().chat.completions.create(model="pirate", messages=[{"role": "user", "content": QUESTION}],
-                                                   max_tokens=64, temperature=0, stream=True)
+    stream = live.client().chat.completions.create(
+        model="pirate", messages=[{"role": "user", "content": QUESTION}], max_tokens=64, temperature=0, stream=True
+    )
     assert next(c for c in stream if c.choices[0].delta.content)  # a token arrived: it holds a row
     stream.close()
     wait_until(lambda: live.engine.stats()["cancelled"] == cancelled + 1)
@@ -325,12 +378,14 @@ def test_metrics_show_adapters_paged_in_and_evicted(live):
     assert [_resident(after, a, "device") for a in ("shout", "pirate", "json")] == [0, 1, 1]
     assert all(_resident(after, a, "host") == 1 for a in DEMO)
     count = ("jaxlora_adapter_page_in_seconds_count", frozenset({("tier", "device")}))
-    assert after[count] >= before[count] + 1 and after[("jaxlora_adapter_page_in_seconds_count",
-                                                        frozenset({("tier", "host")}))] >= len(DEMO)
+    assert after[count] >= before[count] + 1 and after[
+        ("jaxlora_adapter_page_in_seconds_count", frozenset({("tier", "host")}))
+    ] >= len(DEMO)
     assert _lora_info(after)["max_lora"] == "2"
     # A running request's adapter is listed the way vLLM lists it, on both metrics endpoints.
-    stream = client.chat.completions.create(model="json", messages=[{"role": "user", "content": QUESTION}],
-                                            max_tokens=64, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model="json", messages=[{"role": "user", "content": QUESTION}], max_tokens=64, temperature=0, stream=True
+    )
     try:
         assert next(c for c in stream if c.choices[0].delta.content)
         for port in (live.server.http_port, live.server.metrics_port):

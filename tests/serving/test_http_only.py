@@ -16,8 +16,9 @@ def test_http_alone_serves_the_openai_client(engine, adapter_root):
     server.start()
     server.warm_up()
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused", max_retries=0,
-                               timeout=120)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused", max_retries=0, timeout=120
+        )
         answer = client.completions.create(model="alpha", prompt="hello", max_tokens=3, temperature=0)
         assert answer.usage.completion_tokens == 3 and answer.choices[0].finish_reason == "length"
     finally:

@@ -50,8 +50,10 @@ def test_reflection_lists_the_service(server):
 def test_many_cancelled_streams_leave_capacity_whole(engine, server, client):
     """40 streams cancelled while queued, prefilling or decoding, 8 more ended by deadlines; then a full
     batch of 16 streams runs to completion."""
-    streams = [BackgroundStream(client, f"cancel {i}", adapter=("alpha", "beta", "gamma", "delta", "")[i % 5],
-                                max_tokens=LONG) for i in range(40)]
+    streams = [
+        BackgroundStream(client, f"cancel {i}", adapter=("alpha", "beta", "gamma", "delta", "")[i % 5], max_tokens=LONG)
+        for i in range(40)
+    ]
     deadlines = [BackgroundStream(client, f"deadline {i}", max_tokens=LONG, timeout=0.2 + 0.05 * i) for i in range(8)]
     wait_until(lambda: sum(s.first_chunk.is_set() for s in streams) >= 8)  # some are decoding
     for s in streams:  # at once: none can reach LONG tokens meanwhile
@@ -73,17 +75,24 @@ def tiny_hf_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny_hf")
     save_hf_folder(tiny_model(), char_tokenizer(), folder)
     config = folder / "engine.yaml"
-    config.write_text("engine:\n  max_batch: 4\n  max_seq_len: 256\n  token_budgets: [32]\n"
-                      "  page_size: 16\n  max_new_tokens_limit: 192\n  max_queue: 16\n"
-                      "  lora:\n    max_slots: 4\n    max_rank: 4\n")
+    config.write_text(
+        "engine:\n  max_batch: 4\n  max_seq_len: 256\n  token_budgets: [32]\n"
+        "  page_size: 16\n  max_new_tokens_limit: 192\n  max_queue: 16\n"
+        "  lora:\n    max_slots: 4\n    max_rank: 4\n"
+    )
     return folder
 
 
 @contextlib.contextmanager
 def serve_process(args: list[str], timeout: float = 180):
     """`jaxlora serve ARGS --port 0` as a subprocess; yields (process, port) once it is ready."""
-    proc = subprocess.Popen([sys.executable, "-m", "jaxlora.cli.main", "serve", "--port", "0", *args],
-                            cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxlora.cli.main", "serve", "--port", "0", *args],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     lines: list[str] = []
     ready = threading.Event()
     port: list[int] = []
@@ -110,9 +119,22 @@ def serve_process(args: list[str], timeout: float = 180):
 
 
 def test_sigterm_drains_and_exits_0(tiny_hf_folder, adapter_root):
-    args = ["--model", str(tiny_hf_folder), "--config", str(tiny_hf_folder / "engine.yaml"),
-            "--adapter", f"alpha={adapter_root / 'alpha'}", "--adapter-root", str(adapter_root),
-            "--grace-period", "20", "--metrics-port", "0", "--http-port", "0"]
+    args = [
+        "--model",
+        str(tiny_hf_folder),
+        "--config",
+        str(tiny_hf_folder / "engine.yaml"),
+        "--adapter",
+        f"alpha={adapter_root / 'alpha'}",
+        "--adapter-root",
+        str(adapter_root),
+        "--grace-period",
+        "20",
+        "--metrics-port",
+        "0",
+        "--http-port",
+        "0",
+    ]
     with serve_process(args) as (proc, port, lines):
         import openai
 
@@ -126,8 +148,12 @@ def test_sigterm_drains_and_exits_0(tiny_hf_folder, adapter_root):
             assert client.generate("hi", adapter="alpha", max_tokens=4).completion_tokens == 4
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
-                assert jaxlora_main(["client", "--port", str(port), "--adapter", "alpha", "--prompt", "hi",
-                                     "--max-tokens", "4"]) == 0
+                assert (
+                    jaxlora_main(
+                        ["client", "--port", str(port), "--adapter", "alpha", "--prompt", "hi", "--max-tokens", "4"]
+                    )
+                    == 0
+                )
             assert len(out.getvalue().rstrip("\n")) > 0
             in_flight = BackgroundStream(client, "drain me", adapter="alpha", max_tokens=150)
             assert in_flight.first_chunk.wait(30)

@@ -17,7 +17,8 @@ def test_committed_stubs_match_the_proto(tmp_path):
         committed = (gen_proto.OUT / name).read_text()
         assert fresh == committed, (
             f"serving/gen/{name} is stale: run `python -m serving.gen_proto` (grpcio-tools "
-            f"{importlib.metadata.version('grpcio-tools')} here)")
+            f"{importlib.metadata.version('grpcio-tools')} here)"
+        )
 
 
 def test_stubs_import_as_a_package():

@@ -9,8 +9,16 @@ import grpc
 import pytest
 
 from serving.server import ServerOptions, build_server
-from tests.serving.support import LONG, BackgroundStream, assert_capacity_whole, connect, rpc_error, running_server, \
-    status_of, wait_until
+from tests.serving.support import (
+    LONG,
+    BackgroundStream,
+    assert_capacity_whole,
+    connect,
+    rpc_error,
+    running_server,
+    status_of,
+    wait_until,
+)
 
 Code = grpc.StatusCode
 
@@ -21,17 +29,20 @@ def test_not_found_unknown_adapter(client):
     assert status_of(lambda: client.unload_adapter("no-such-adapter")) is Code.NOT_FOUND
 
 
-@pytest.mark.parametrize("kw, reason", [
-    (dict(temperature=-1.0), "temperature"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-3), "top_k"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens=10_000), "max_tokens"),  # above the engine's max_new_tokens_limit
-    (dict(stop_token_ids=[10_000]), "stop_token_ids"),
-    (dict(prompt="x" * 5000), "max_seq_len"),  # prompt too long
-    (dict(prompt=""), "exactly one of prompt and messages"),
-    (dict(messages=[{"role": "user", "content": "hi"}]), "exactly one of prompt and messages"),  # both
-])
+@pytest.mark.parametrize(
+    "kw, reason",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-3), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=10_000), "max_tokens"),  # above the engine's max_new_tokens_limit
+        (dict(stop_token_ids=[10_000]), "stop_token_ids"),
+        (dict(prompt="x" * 5000), "max_seq_len"),  # prompt too long
+        (dict(prompt=""), "exactly one of prompt and messages"),
+        (dict(messages=[{"role": "user", "content": "hi"}]), "exactly one of prompt and messages"),  # both
+    ],
+)
 def test_invalid_argument_bad_request(client, kw, reason):
     kw = {"prompt": "hello", **kw}
     e = rpc_error(lambda: client.generate(kw.pop("prompt"), **kw))
@@ -41,8 +52,9 @@ def test_invalid_argument_bad_request(client, kw, reason):
 def test_invalid_argument_bad_adapter_file(client, adapter_root):
     bad = adapter_root / "corrupt"
     bad.mkdir(exist_ok=True)
-    (bad / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 4, '
-                                            '"target_modules": ["q_proj"]}')
+    (bad / "adapter_config.json").write_text(
+        '{"peft_type": "LORA", "r": 4, "lora_alpha": 4, "target_modules": ["q_proj"]}'
+    )
     (bad / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
     e = rpc_error(lambda: client.load_adapter("corrupt", "corrupt"))
     assert e.code() is Code.INVALID_ARGUMENT and "adapter_model.safetensors" in e.details(), e.details()
@@ -137,8 +149,10 @@ def test_unauthenticated_and_permission_denied(engine, adapter_root):
 
 
 def test_failed_precondition_unload_timeout(engine, adapter_root):
-    with running_server(engine, adapter_roots=(str(adapter_root),), unload_timeout_seconds=0.2) as server, \
-            connect(server) as client:
+    with (
+        running_server(engine, adapter_roots=(str(adapter_root),), unload_timeout_seconds=0.2) as server,
+        connect(server) as client,
+    ):
         client.load_adapter("spare-3", "spare-3")
         stream = BackgroundStream(client, adapter="spare-3", max_tokens=LONG)
         assert stream.first_chunk.wait(30)
@@ -178,17 +192,19 @@ def _raw_call(server, method: str, payload: bytes, *, streaming: bool):
         channel.close()
 
 
-@pytest.mark.parametrize("method, payload", [
-    ("Generate", b"\x12\x03\xed\xa0\x80"),  # prompt: a lone surrogate (U+D800) as UTF-8 encoders write it
-    ("Generate", b"\x12\x02\xff\xfe"),  # prompt: invalid UTF-8
-    ("Generate", b"\x1a\x0b\x0a\x04user\x12\x03\xed\xa0\x80"),  # a chat message's content: lone surrogate
-    ("Generate", b"\x12\xff\xff\xff"),  # corrupt: a length past the end of the message
-    ("LoadAdapter", b"\x0a\x02\xc3\x28"),  # name: invalid UTF-8
-])
+@pytest.mark.parametrize(
+    "method, payload",
+    [
+        ("Generate", b"\x12\x03\xed\xa0\x80"),  # prompt: a lone surrogate (U+D800) as UTF-8 encoders write it
+        ("Generate", b"\x12\x02\xff\xfe"),  # prompt: invalid UTF-8
+        ("Generate", b"\x1a\x0b\x0a\x04user\x12\x03\xed\xa0\x80"),  # a chat message's content: lone surrogate
+        ("Generate", b"\x12\xff\xff\xff"),  # corrupt: a length past the end of the message
+        ("LoadAdapter", b"\x0a\x02\xc3\x28"),  # name: invalid UTF-8
+    ],
+)
 def test_invalid_argument_undecodable_request(server, caplog, method, payload):
     caplog.set_level(logging.INFO)
-    e = rpc_error(lambda: _raw_call(server, f"/jaxlora.v1.Inference/{method}", payload,
-                                    streaming=method == "Generate"))
+    e = rpc_error(lambda: _raw_call(server, f"/jaxlora.v1.Inference/{method}", payload, streaming=method == "Generate"))
     assert e.code() is Code.INVALID_ARGUMENT and "does not decode" in e.details(), e.details()
     assert "Exception deserializing" not in caplog.text and "Traceback" not in caplog.text
     assert [r.levelname for r in caplog.records if "undecodable request" in r.getMessage()] == ["WARNING"]

@@ -26,16 +26,39 @@ def test_train_cli_writes_a_peft_folder_and_resumes(tiny_with_smollm2_tokenizer,
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "response": f"{i}!"}) + "\n" for i in range(12)))
     out = tmp_path / "adapter"
-    argv = ["--data", str(data), "--out", str(out), "--steps", "4", "--batch", "2", "--rank", "2",
-            "--targets", "q_proj,v_proj", "--lr", "1e-2", "--eval-fraction", "0.2", "--eval-every", "2",
-            "--save-every", "2", "--no-progress", "--save-dtype", "bfloat16"]
+    argv = [
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--steps",
+        "4",
+        "--batch",
+        "2",
+        "--rank",
+        "2",
+        "--targets",
+        "q_proj,v_proj",
+        "--lr",
+        "1e-2",
+        "--eval-fraction",
+        "0.2",
+        "--eval-every",
+        "2",
+        "--save-every",
+        "2",
+        "--no-progress",
+        "--save-dtype",
+        "bfloat16",
+    ]
     old_umask = os.umask(0o027)
     try:
         assert main(argv) == 0
     finally:
         os.umask(old_umask)
     assert {"adapter_config.json", "adapter_model.safetensors", "train_log.json", "train_state"} <= {
-        p.name for p in out.iterdir()}
+        p.name for p in out.iterdir()
+    }
     # Every file follows the umask, the weights included (safetensors alone writes them 0600).
     modes = {str(p.relative_to(out)): stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*") if p.is_file()}
     assert set(modes.values()) == {0o640}, modes

@@ -28,21 +28,25 @@ def test_mask_covers_exactly_the_response_and_end_of_turn(smollm2_tokenizer):
     example = tokenize_conversation(tok, messages)
     prompt_ids = tok.encode_chat(messages[:1])
     # The context is exactly what inference feeds the model, and none of it is learned.
-    assert example.ids[:len(prompt_ids)].tolist() == prompt_ids
-    assert not example.loss_mask[:len(prompt_ids)].any()
+    assert example.ids[: len(prompt_ids)].tolist() == prompt_ids
+    assert not example.loss_mask[: len(prompt_ids)].any()
     learned = example.ids[example.loss_mask]
     assert tok.decode(learned, skip_special_tokens=False) == RESPONSE + "<|im_end|>"
     assert learned[-1] in tok.eos_token_ids
     # The template's newline after <|im_end|> is context, not target.
-    assert example.loss_mask[len(prompt_ids):].sum() == len(learned)
+    assert example.loss_mask[len(prompt_ids) :].sum() == len(learned)
     assert not example.loss_mask[-1] or example.ids[-1] in tok.eos_token_ids
 
 
 def test_multi_turn_masks_every_assistant_turn_only(smollm2_tokenizer):
     tok = smollm2_tokenizer
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"},
-                {"role": "assistant", "content": "Goodbye!"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Goodbye!"},
+    ]
     example = tokenize_conversation(tok, messages)
     learned = tok.decode(example.ids[example.loss_mask], skip_special_tokens=False)
     assert learned == "Hello!<|im_end|>Goodbye!<|im_end|>"
@@ -69,8 +73,9 @@ def test_make_batch_truncates_to_max_len():
     assert batch.targets[0, -1] == 32
 
 
-@pytest.mark.parametrize("n, expected", [(1, 16), (16, 16), (17, 32), (71, 80), (128, 128), (129, 192),
-                                         (193, 256), (257, 384), (1000, 1024)])
+@pytest.mark.parametrize(
+    "n, expected", [(1, 16), (16, 16), (17, 32), (71, 80), (128, 128), (129, 192), (193, 256), (257, 384), (1000, 1024)]
+)
 def test_bucket_length(n, expected):
     assert bucket_length(n, 4096) == expected
     assert bucket_length(n, 100) == min(expected, 100)
@@ -86,14 +91,20 @@ def test_split_and_batches_are_deterministic():
     b2 = train_batch(train, 5, batch_size=4, seed=0, max_len=64)
     assert np.array_equal(b1.tokens, b2.tokens)
     # One epoch visits every example once.
-    seen = [int(train_batch(train, s, batch_size=3, seed=0, max_len=64).tokens[r, 0]) for s in range(6) for r in range(3)]
+    seen = [
+        int(train_batch(train, s, batch_size=3, seed=0, max_len=64).tokens[r, 0]) for s in range(6) for r in range(3)
+    ]
     assert sorted(seen) == sorted(int(e.ids[0]) for e in train)
 
 
 def test_read_jsonl_accepts_both_forms_and_names_bad_lines(tmp_path):
     good = tmp_path / "good.jsonl"
-    good.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n\n" + json.dumps(
-        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}) + "\n")
+    good.write_text(
+        json.dumps({"prompt": "a", "response": "b"})
+        + "\n\n"
+        + json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+        + "\n"
+    )
     convs = read_jsonl(good)
     assert convs[0] == convs[1]
     bad = tmp_path / "bad.jsonl"

@@ -26,12 +26,19 @@ def test_demo_adapter_folders_are_small_peft_folders(name):
 
 def test_mixed_batch_shows_every_behaviour(smollm2_gguf_path):
     model, tok = load_model(smollm2_gguf_path)
-    answers = answer_in_one_batch(model, tok, {b.name: DEMO_DIR / b.name for b in BEHAVIOURS},
-                                  HELD_OUT_PROMPTS[:NUM_PROMPTS], max_new_tokens=64, max_rank=8)
-    assert [a.adapter for a in answers[:len(BEHAVIOURS) + 1]] == [None, *(b.name for b in BEHAVIOURS)]
+    answers = answer_in_one_batch(
+        model,
+        tok,
+        {b.name: DEMO_DIR / b.name for b in BEHAVIOURS},
+        HELD_OUT_PROMPTS[:NUM_PROMPTS],
+        max_new_tokens=64,
+        max_rank=8,
+    )
+    assert [a.adapter for a in answers[: len(BEHAVIOURS) + 1]] == [None, *(b.name for b in BEHAVIOURS)]
     assert all(a.output.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) for a in answers)
-    texts = {name: [a.output.text for a in answers if a.adapter == name]
-             for name in [None, *(b.name for b in BEHAVIOURS)]}
+    texts = {
+        name: [a.output.text for a in answers if a.adapter == name] for name in [None, *(b.name for b in BEHAVIOURS)]
+    }
     assert all(len(t) == NUM_PROMPTS for t in texts.values())
     assert all(not shown_behaviours(t) for t in texts[None]), texts[None]
     for behaviour in BEHAVIOURS:

@@ -33,18 +33,27 @@ def test_trained_adapter_matches_peft(reference, tmp_path):
         examples.append(Example(ids=ids, loss_mask=np.arange(len(ids)) >= 7))
     # Every projection, and rsLoRA's alpha / sqrt(r) scale, which PEFT must read back from the config.
     spec = AdapterSpec(rank=4, alpha=8.0, target_modules=parse_targets("all-linear"), use_rslora=True)
-    run = TrainConfig(spec=spec, optim=OptimizerConfig(learning_rate=1e-2, num_steps=8, warmup_steps=1),
-                      batch_size=4, max_len=16)
+    run = TrainConfig(
+        spec=spec, optim=OptimizerConfig(learning_rate=1e-2, num_steps=8, warmup_steps=1), batch_size=4, max_len=16
+    )
     result = train(model, examples, [], run, progress=False)
     folder = save_adapter(tmp_path / "adapter", result.params, spec)
 
-    peft = reference({"kind": "generate", "model": {"hf_dir": str(tiny["path"])}, "prompts": PROMPTS, "n_new": 1,
-                      "adapters": {"trained": str(folder)},
-                      "rows": [{"prompt": i, "adapter": a} for i in range(len(PROMPTS)) for a in ("trained", None)]})
+    peft = reference(
+        {
+            "kind": "generate",
+            "model": {"hf_dir": str(tiny["path"])},
+            "prompts": PROMPTS,
+            "n_new": 1,
+            "adapters": {"trained": str(folder)},
+            "rows": [{"prompt": i, "adapter": a} for i in range(len(PROMPTS)) for a in ("trained", None)],
+        }
+    )
     for row in peft["rows"]:
         tokens = jnp.asarray([PROMPTS[row["prompt"]]], jnp.int32)
-        ours = lora_logits(result.params, model.params, tokens, graphdef=model.graphdef, spec=spec,
-                           runtime=LoraRuntime())[0]
+        ours = lora_logits(
+            result.params, model.params, tokens, graphdef=model.graphdef, spec=spec, runtime=LoraRuntime()
+        )[0]
         if row["adapter"] is None:  # the base rows: PEFT with the adapter disabled
             base = model.module()
             n = tokens.shape[1]

@@ -64,13 +64,22 @@ def _serving_pager(model, adapter) -> Pager:
 
 def _engine_greedy(model, pager: Pager, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy ids of every prompt on the pager's adapter, one continuous batch of the engine."""
-    config = EngineConfig(max_batch=len(prompts), max_seq_len=32, token_budgets=(8, 32), max_new_tokens_limit=16,
-                          lora=pager.lora_config)
+    config = EngineConfig(
+        max_batch=len(prompts), max_seq_len=32, token_budgets=(8, 32), max_new_tokens_limit=16, lora=pager.lora_config
+    )
     engine = Engine(model, tiny_tokenizer(model.config.vocab_size), config, pager)
     name = pager.list()[0].name
-    outputs = engine.generate([GenerationRequest(request_id=str(i), prompt_ids=p, adapter=name,
-                                                 sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0))
-                               for i, p in enumerate(prompts)])
+    outputs = engine.generate(
+        [
+            GenerationRequest(
+                request_id=str(i),
+                prompt_ids=p,
+                adapter=name,
+                sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            )
+            for i, p in enumerate(prompts)
+        ]
+    )
     assert all(o.error is None for o in outputs), outputs
     return [list(o.token_ids) for o in outputs]
 
@@ -79,11 +88,12 @@ def _training_greedy(model, params, spec, prompt: list[int], max_tokens: int, eo
     """Greedy ids with the training path's full-sequence logits (causal: padding after the last
     token does not change its logits, so one padded width compiles once)."""
     tokens = np.zeros((1, len(prompt) + max_tokens), np.int32)
-    tokens[0, :len(prompt)] = prompt
+    tokens[0, : len(prompt)] = prompt
     out: list[int] = []
     while len(out) < max_tokens and eos not in out:
-        logits = lora_logits(params, model.params, jnp.asarray(tokens), graphdef=model.graphdef, spec=spec,
-                             runtime=LoraRuntime())
+        logits = lora_logits(
+            params, model.params, jnp.asarray(tokens), graphdef=model.graphdef, spec=spec, runtime=LoraRuntime()
+        )
         out.append(int(np.asarray(logits)[0, len(prompt) + len(out) - 1].argmax()))
         tokens[0, len(prompt) + len(out) - 1] = out[-1]
     return out
@@ -114,8 +124,7 @@ def test_fresh_adapter_is_the_base_model_exactly(tiny_model):
     params = init_lora_params(jax.random.key(0), tiny_model.config, spec)
     assert all(np.any(np.asarray(p["a"]) != 0) and not np.any(np.asarray(p["b"])) for p in params.values())
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 12)), jnp.int32)
-    got = lora_logits(params, tiny_model.params, tokens, graphdef=tiny_model.graphdef, spec=spec,
-                      runtime=LoraRuntime())
+    got = lora_logits(params, tiny_model.params, tokens, graphdef=tiny_model.graphdef, spec=spec, runtime=LoraRuntime())
     np.testing.assert_array_equal(np.asarray(got), np.asarray(_base_logits(tiny_model, tokens)))
 
 
@@ -130,12 +139,18 @@ def test_saved_adapter_loads_back_with_the_same_logits(tiny_model, tmp_path, dty
     if dtype == "bfloat16":  # compare against the weights as stored
         params = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 96, (3, 10)), jnp.int32)
-    expected = lora_logits(params, tiny_model.params, tokens, graphdef=tiny_model.graphdef, spec=config.spec,
-                           runtime=LoraRuntime())
+    expected = lora_logits(
+        params, tiny_model.params, tokens, graphdef=tiny_model.graphdef, spec=config.spec, runtime=LoraRuntime()
+    )
     pager = _serving_pager(tiny_model, adapter)
     module = tiny_model.module()
-    hidden, _ = module(tokens, jnp.broadcast_to(jnp.arange(10), (3, 10)), init_kv_cache(tiny_model.config, 3, 10),
-                       bank=pager.bank, slot_ids=jnp.ones((3,), jnp.int32))
+    hidden, _ = module(
+        tokens,
+        jnp.broadcast_to(jnp.arange(10), (3, 10)),
+        init_kv_cache(tiny_model.config, 3, 10),
+        bank=pager.bank,
+        slot_ids=jnp.ones((3,), jnp.int32),
+    )
     got = module.logits(hidden)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), **TOL)
     assert np.abs(np.asarray(expected) - np.asarray(_base_logits(tiny_model, tokens))).max() > 1e-2
@@ -152,8 +167,7 @@ def test_resume_continues_exactly(tiny_model, tmp_path):
     full = train(tiny_model, examples, [], config, checkpoint_dir=tmp_path / "run", progress=False)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["16", "8"]
     shutil.rmtree(tmp_path / "run" / "16")  # as if the run had stopped after step 8
-    resumed = train(tiny_model, examples, [], config, checkpoint_dir=tmp_path / "run", resume=True,
-                    progress=False)
+    resumed = train(tiny_model, examples, [], config, checkpoint_dir=tmp_path / "run", resume=True, progress=False)
     assert resumed.start_step == 8
     assert [h["step"] for h in resumed.history] == list(range(1, 17))
     for x, y in zip(jax.tree.leaves(full.params), jax.tree.leaves(resumed.params)):
