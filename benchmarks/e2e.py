@@ -1,4 +1,4 @@
-"""End-to-end benchmark (issue 8): the same as `jaxlora bench`, runnable from a checkout.
+"""End-to-end benchmark: the same as `jaxlora bench`, runnable from a checkout.
 
     python benchmarks/e2e.py --tiny --out /tmp/bench     # CPU smoke run
     python benchmarks/e2e.py --out benchmarks/results --hf-peer hf_peer.json --budget-s 240   # H200

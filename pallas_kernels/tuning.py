@@ -22,13 +22,12 @@ batch uses is data, not shape.
 from __future__ import annotations
 
 # Decode (BGMV). Measured on the H200, JAX 0.11.2, `benchmarks/kernels.py tune` (summed over 16 and T
-# distinct adapters, rank 16, D = O = 4096). The 256 buckets were tuned in session 1; the 16 and 64
-# buckets on 2026-11-29 in session 2 (T=64: shrink 7.2 / 10.7 us, expand 7.1 / 9.4 us at 16 / 64
-# distinct); the 512 bucket's expand too (17.1 / 31.2 us).
+# distinct adapters, rank 16, D = O = 4096). At T=64: shrink 7.2 / 10.7 us, expand 7.1 / 9.4 us at
+# 16 / 64 distinct; the 512 bucket's expand 17.1 / 31.2 us.
 SHRINK_DECODE: dict[int, dict[str, int | str]] = {
     16: dict(block_rows=16, block_k=256, split_k=8, num_warps=4, num_stages=3),
     64: dict(block_rows=16, block_k=256, split_k=8, num_warps=4, num_stages=3),
-    256: dict(block_rows=16, block_k=256, split_k=8, num_warps=4, num_stages=3),  # tuned 2026-11-29
+    256: dict(block_rows=16, block_k=256, split_k=8, num_warps=4, num_stages=3),
     512: dict(block_rows=16, block_k=256, split_k=1, num_warps=4, num_stages=3),
 }
 EXPAND_DECODE: dict[int, dict[str, int | str]] = {

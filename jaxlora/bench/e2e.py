@@ -1,4 +1,4 @@
-"""End-to-end decode speed of the engine against the memory-bandwidth floor (issue 8).
+"""End-to-end decode speed of the engine against the memory-bandwidth floor.
 
 A Llama-2-7B-shape model with random bf16 weights drawn on the device, an adapter bank drawn on the
 device (every adapter resident: this measures decoding, not paging), and the real `Engine`.
@@ -517,7 +517,7 @@ def _round(x: float | None, n: int) -> float | None:
 
 
 def validate(payload: dict) -> None:
-    """Raises ValueError unless `payload` has the results format of issue 8."""
+    """Raises ValueError unless `payload` has the results format e2e.json uses."""
     for key, kind in (("device", str), ("jax_version", str), ("hbm_GBps", (int, float)), ("rows", list)):
         if not isinstance(payload.get(key), kind):
             raise ValueError(f"results: {key!r} missing or not {kind}")

@@ -1,4 +1,4 @@
-"""`jaxlora bench --tiny` runs end to end on the CPU and writes results in the format of issue 8, with
+"""`jaxlora bench --tiny` runs end to end on the CPU and writes results in the e2e.json format, with
 a dense and an int8 base in one run (issue 20's "weights" column)."""
 
 from __future__ import annotations

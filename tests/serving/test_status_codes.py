@@ -1,4 +1,4 @@
-"""One test per row of the status-code table (issue 7), each on a real server."""
+"""One test per row of the README's status-code table, each on a real server."""
 
 from __future__ import annotations
 
