@@ -682,22 +682,7 @@ def _cell(r: dict) -> str:
 
 
 def write_markdown(payload: dict, out: Path) -> None:
-    cols = [
-        "system",
-        "backend",
-        "weights",
-        "batch",
-        "distinct_adapters",
-        "rank",
-        "targets",
-        "prompt_len",
-        "gen_len",
-        "tokens_per_s",
-        "step_ms",
-        "floor_step_ms",
-        "x_floor",
-        "ttft_ms",
-    ]
+    cols = [*ROW_KEYS[: ROW_KEYS.index("floor_step_ms") + 1], "x_floor", *ROW_KEYS[ROW_KEYS.index("ttft_ms") :]]
     lines = [
         f"# End to end, {payload.get('model', 'llama-2-7b-shape')} ({payload['device']}, jax {payload['jax_version']})",
         "",

@@ -77,10 +77,6 @@ class StepPlan:
     def num_decode_tokens(self) -> int:
         return sum(c.is_decode for c in self.chunks)
 
-    @property
-    def has_adapter(self) -> bool:
-        return any(c.request.slot for c in self.chunks)
-
 
 class Scheduler:
     """The policy in the module docstring, over `pages` and the adapter source `slots`.
