@@ -19,7 +19,8 @@ step N's ids (one step behind, so the host's work overlaps the device's). `src[t
 from `last_ids[s]`, row s's output of the previous step; `src[t] = -1` takes the host's `tokens[t]`.
 
 A step none of whose tokens has an adapter (every slot 0) runs without the bank: the same math (slot
-0 is all zero) without the LoRA launches. Both variants are compiled at warm-up.
+0 is all zero) without the LoRA launches. Both variants are compiled at warm-up, unless
+`config.bank_free_steps` is off (then every step runs with the bank).
 
 (* donated: the page pool is updated in place.) Padding tokens are harmless by construction: their
 key/value writes go to a page past the pool (dropped), no row's range covers them, and their slot is
@@ -151,6 +152,8 @@ class Runner:
         lora: run with the bank (True) or without (False); None: only if a token has an adapter.
         """
         arrays = self._inputs(plan, pages)
+        if lora is None and not self.config.bank_free_steps:
+            lora = True
         bank = _bank_for(bank, arrays["slot_ids"], lora)
         compiles = thread_backend_compiles()  # jit compiles on the calling thread
         next_ids, self.kv = ragged_step(self.params, bank, self.kv, last_ids=self.last_ids, **arrays, **self._static)
@@ -207,7 +210,7 @@ class Runner:
 
     def warmup(self, bank: Bank | None, pages: PageTable, progress: WarmupProgress | None = None) -> None:
         """Compiles the step at every token budget, with the bank and without, all tokens padding."""
-        variants = (False,) if bank is None else (True, False)
+        variants = (False,) if bank is None else (True, False) if self.config.bank_free_steps else (True,)
         shapes = [(budget, lora) for budget in self.config.token_budgets for lora in variants]
         # Twice: the first call of a shape may see arguments the step never returns (a fresh pool),
         # and jit's fast dispatch path keys on that too; after round two every call hits it.
