@@ -31,7 +31,9 @@ request alone. With `config.mesh.tensor > 1` the same step runs per shard under 
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 from collections.abc import Callable, Sequence
 
 import jax
@@ -151,15 +153,21 @@ class Runner:
 
         lora: run with the bank (True) or without (False); None: only if a token has an adapter.
         """
-        arrays = self._inputs(plan, pages)
-        if lora is None and not self.config.bank_free_steps:
-            lora = True
-        bank = _bank_for(bank, arrays["slot_ids"], lora)
+        bank, arrays = self._step_args(bank, plan, pages, lora)
         compiles = thread_backend_compiles()  # jit compiles on the calling thread
         next_ids, self.kv = ragged_step(self.params, bank, self.kv, last_ids=self.last_ids, **arrays, **self._static)
         self.step_compiles += thread_backend_compiles() - compiles
         self.last_ids = next_ids
         return next_ids
+
+    def _step_args(
+        self, bank: Bank | None, plan: StepPlan, pages: PageTable, lora: bool | None
+    ) -> tuple[Bank | None, dict]:
+        """(the bank the step runs with, the plan's host arrays); see `step`."""
+        arrays = self._inputs(plan, pages)
+        if lora is None and not self.config.bank_free_steps:
+            lora = True
+        return _bank_for(bank, arrays["slot_ids"], lora), arrays
 
     def _inputs(self, plan: StepPlan, pages: PageTable) -> dict:
         """The step's host arrays: per token [T] and per row [S] (see RaggedBatch)."""
@@ -209,16 +217,36 @@ class Runner:
         self.last_ids = np.zeros(self.config.max_batch, np.int32)
 
     def warmup(self, bank: Bank | None, pages: PageTable, progress: WarmupProgress | None = None) -> None:
-        """Compiles the step at every token budget, with the bank and without, all tokens padding."""
+        """Compiles the step at every token budget, with the bank and without, all tokens padding.
+
+        The shapes compile at once, one thread each: XLA compiles release the GIL and each is mostly
+        single-threaded, so n compiles take about the longest one on a machine with n cores. The
+        compiled programs land in jit's compile cache; the calls below then only execute them.
+        `progress(what, k, n)` is called as each of the n compiles finishes.
+        """
         variants = (False,) if bank is None else (True, False) if self.config.bank_free_steps else (True,)
         shapes = [(budget, lora) for budget in self.config.token_budgets for lora in variants]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(shapes), os.cpu_count() or 1)) as pool:
+            jobs = {pool.submit(self._compile, bank, pages, budget, lora): (budget, lora) for budget, lora in shapes}
+            for k, done in enumerate(concurrent.futures.as_completed(jobs)):
+                done.result()
+                budget, lora = jobs[done]
+                if progress is not None:
+                    progress(f"step of {budget} tokens{' with adapters' if lora else ''}", k + 1, len(shapes))
         # Twice: the first call of a shape may see arguments the step never returns (a fresh pool),
         # and jit's fast dispatch path keys on that too; after round two every call hits it.
-        for k, (budget, lora) in enumerate(shapes * 2):
-            if progress is not None and k < len(shapes):
-                progress(f"step of {budget} tokens{' with adapters' if lora else ''}", k + 1, len(shapes))
-            empty = StepPlan(chunks=(), budget=budget, needs_commit=False)
-            self.step(bank, empty, pages, lora=lora).block_until_ready()
+        for budget, lora in shapes * 2:
+            self.step(bank, _empty_plan(budget), pages, lora=lora).block_until_ready()
+
+    def _compile(self, bank: Bank | None, pages: PageTable, budget: int, lora: bool) -> None:
+        """Compiles (without running) the step of `budget` tokens, with the bank or without."""
+        bank, arrays = self._step_args(bank, _empty_plan(budget), pages, lora)
+        # Called exactly as `step` calls it (positional vs keyword is part of jit's cache key).
+        ragged_step.lower(self.params, bank, self.kv, last_ids=self.last_ids, **arrays, **self._static).compile()
+
+
+def _empty_plan(budget: int) -> StepPlan:
+    return StepPlan(chunks=(), budget=budget, needs_commit=False)
 
 
 def _bank_for(bank: Bank | None, slot_ids: np.ndarray, lora: bool | None) -> Bank | None:

@@ -38,6 +38,7 @@ import bisect
 import collections
 import dataclasses
 import heapq
+import typing
 from typing import TYPE_CHECKING
 
 from jaxlora.engine.kv_pages import PageTable
@@ -53,9 +54,10 @@ BASE_SLOT = 0
 MAX_PADDING = 0.1
 
 
-@dataclasses.dataclass(frozen=True)
-class Chunk:
+class Chunk(typing.NamedTuple):
     """Positions [start, start + length) of one request, computed in one step on batch row `row`.
+    (A NamedTuple: the host makes one per running row every step, and a frozen dataclass costs
+    several times more to build.)
 
     samples: the chunk ends the tokens the request knows, so the token sampled after its last
       position is the request's next output (a decode token, or the end of a prompt).
@@ -242,9 +244,10 @@ class Scheduler:
             if req.phase is not Phase.DECODE:  # preempted by an older request in this loop
                 continue
             position = req.next_position
-            if not self._make_room(req, position + 1):
-                continue
-            self.pages.grow(req.row, position + 1)
+            if position >= self.pages.capacity(req.row):  # its next position needs another page
+                if not self._make_room(req, position + 1):
+                    continue
+                self.pages.grow(req.row, position + 1)
             chunks.append(
                 Chunk(req, req.row, position, 1, samples=True, from_device=req.num_pending > 0, is_decode=True)
             )
