@@ -54,10 +54,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxlora.adapters import ResidentBank  # noqa: E402
 from jaxlora.bench.e2e import LLAMA2_7B, TINY, adapter_name, random_bank, word_tokenizer  # noqa: E402
 from jaxlora.config import LoraConfig  # noqa: E402
+from jaxlora.engine.compiles import backend_compiles, check_no_compiles  # noqa: E402
 from jaxlora.engine.config import EngineConfig  # noqa: E402
 from jaxlora.engine.engine import Engine  # noqa: E402
 from jaxlora.engine.host_timing import per_step  # noqa: E402
 from jaxlora.engine.request import GenerationRequest, SamplingParams  # noqa: E402
+from jaxlora.engine.runner import ragged_step  # noqa: E402
+from jaxlora.engine.step_inputs import HostInputs  # noqa: E402
 from jaxlora.lora.apply import LoraRuntime  # noqa: E402
 from jaxlora.model.params import random_model  # noqa: E402
 
@@ -96,6 +99,7 @@ class Options:
     replay_steps: int
     profile_steps: int
     probe_reps: int
+    one_budget: bool = False
     seed: int = 0
 
 
@@ -181,7 +185,7 @@ def device_intervals(trace_dir: str) -> dict | None:
             for line in lines:
                 for ev in line.events:
                     span = (ev.start_ns, ev.start_ns + ev.duration_ns)
-                    if line.name == "XLA Modules" and "_step" in ev.name:
+                    if line.name == "XLA Modules" and "packed_step" in ev.name:
                         steps.append(span)
                     elif "Stream" in line.name and ("MemcpyH2D" in ev.name or "MemcpyH2D" in line.name):
                         h2d.append(span)
@@ -224,7 +228,87 @@ def profile_loop(loop: ClosedLoop, steps: int) -> dict:
     return {"available": True, **gaps_summary(found["steps"], found["h2d"]), "gpu_lines": found["lines"][:12]}
 
 
+# -- the device step alone, and the dispatch probe --------------------------------------------------
+
+
+class DecodeCapture:
+    """Wraps the engine runner's `pack` to keep a host copy of the last step that decodes every row
+    (and nothing else): the inputs the replay and the probe send."""
+
+    def __init__(self, runner, batch: int) -> None:
+        self.inputs: HostInputs | None = None
+        pack = runner.pack
+
+        def capturing(plan, pages):
+            inputs = pack(plan, pages)
+            if plan.num_decode_tokens == batch == len(plan.chunks):
+                self.inputs = dataclasses.replace(inputs, buffer=inputs.buffer.copy())
+            return inputs
+
+        runner.pack = capturing
+
+
+def time_replay(runner, bank, inputs: HostInputs, steps: int) -> float:
+    """Milliseconds per step of the engine's step on the same packed inputs, already on the device,
+    `steps` calls back to back (ids and page pool fed through; the writes land where they did)."""
+    packed = jax.device_put(inputs.buffer, runner.input_sharding, may_alias=False)
+    bank = bank if inputs.has_adapter else None
+    for _ in range(2):
+        runner.dispatch_packed(bank, packed, inputs.layout)
+    jax.block_until_ready(runner.last_ids)
+    compiles = backend_compiles()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        ids = runner.dispatch_packed(bank, packed, inputs.layout)
+    ids.block_until_ready()
+    seconds = time.perf_counter() - t0
+    check_no_compiles(compiles, "the replayed steps")
+    return seconds / steps * 1e3
+
+
+def dispatch_probe(runner, bank, inputs: HostInputs, reps: int) -> dict:
+    """Host ms of one dispatch with two steps queued on the device, for the packed inputs (one
+    device_put, then `packed_step`: what the engine does) and for the same fields as separate host
+    arrays (`ragged_step`, each array a jit argument and a copy of its own). Medians and maxima."""
+    fields = jax.tree.map(np.asarray, inputs.layout.unpack(jnp.asarray(inputs.buffer)))
+    step_bank = bank if inputs.has_adapter else None
+    static = dict(runner._static)
+
+    def fields_dispatch():
+        ids, runner.kv = ragged_step(runner.params, step_bank, runner.kv, last_ids=runner.last_ids, **fields, **static)
+        runner.last_ids = ids
+
+    def packed_dispatch():
+        runner.dispatch(bank, inputs)
+
+    for fn in (fields_dispatch, fields_dispatch, packed_dispatch):  # compiles the unpacked step once
+        fn()
+    jax.block_until_ready(runner.last_ids)
+    compiles = backend_compiles()
+    times: dict[str, list[float]] = {"packed": [], "fields": []}
+    for _ in range(reps):
+        for name, fn in (("fields", fields_dispatch), ("packed", packed_dispatch)):
+            packed_dispatch()
+            packed_dispatch()  # two steps queued ahead of the timed dispatch
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+            jax.block_until_ready(runner.last_ids)
+    check_no_compiles(compiles, "the probed dispatches")
+    return {
+        f"{name}_ms_{stat}": round(float(f(v)), 4)
+        for name, v in times.items()
+        for stat, f in (("median", np.median), ("max", np.max))
+    }
+
+
 # -- one case -------------------------------------------------------------------------------------
+
+
+def budgets(case: Case, opts: Options) -> tuple[int, ...]:
+    """Decode only, and decode with one prompt (or the latter alone: one compile fewer)."""
+    both = case.batch + opts.prompt_len
+    return (both,) if opts.one_budget else (case.batch, both)
 
 
 def build_engine(model, tokenizer, case: Case, opts: Options) -> Engine:
@@ -236,7 +320,7 @@ def build_engine(model, tokenizer, case: Case, opts: Options) -> Engine:
     config = EngineConfig(
         max_batch=case.batch,
         max_seq_len=max_seq_len,
-        token_budgets=(case.batch, case.batch + opts.prompt_len),  # decode only; decode + one prompt
+        token_budgets=budgets(case, opts),
         page_size=PAGE_SIZE,
         num_pages=case.batch * pages_per_seq * 21 // 20 + 1,  # every row at full length, + the reserve
         max_new_tokens_limit=opts.gen_len + opts.gen_len // 2,
@@ -254,6 +338,7 @@ def run_case(model, tokenizer, case: Case, opts: Options) -> dict:
     engine = build_engine(model, tokenizer, case, opts)
     engine.warmup()
     setup_s = time.perf_counter() - t0
+    capture = DecodeCapture(engine.runner, case.batch)
     loop = ClosedLoop(engine, case, opts)
     loop.fill()
     loop.run(opts.warmup_steps)
@@ -264,6 +349,13 @@ def run_case(model, tokenizer, case: Case, opts: Options) -> dict:
     result["compiles_after_warmup"] = engine.compiles_after_warmup
     if engine.compiles_after_warmup:
         raise RuntimeError(f"{case.label}: the loop compiled {engine.compiles_after_warmup} program(s) after warm-up")
+    if capture.inputs is None:
+        raise RuntimeError(f"{case.label}: no step decoded every row; raise --steps or --gen-len")
+    # From here the page pool gets replayed writes: the requests still in flight are abandoned.
+    bank = engine.pager.bank
+    result["device_step_ms"] = round(time_replay(engine.runner, bank, capture.inputs, opts.replay_steps), 4)
+    if opts.probe_reps:
+        result["dispatch_probe"] = dispatch_probe(engine.runner, bank, capture.inputs, opts.probe_reps)
     return result
 
 
@@ -326,6 +418,9 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path]:
     p.add_argument("--replay-steps", type=int, default=None, help="default 30 (tiny: 5)")
     p.add_argument("--profile-steps", type=int, default=None, help="traced loop steps, 0: no trace (default 30; 4)")
     p.add_argument("--probe-reps", type=int, default=None, help="dispatch probe pairs, 0: skip (default 20; 3)")
+    p.add_argument(
+        "--one-budget", action="store_true", help="compile one token budget, batch + prompt_len (CPU smoke runs)"
+    )
     a = p.parse_args(argv)
 
     def pick(value, gpu, tiny):
@@ -344,6 +439,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path]:
         replay_steps=pick(a.replay_steps, 30, 5),
         profile_steps=pick(a.profile_steps, 30, 4),
         probe_reps=pick(a.probe_reps, 20, 3),
+        one_budget=a.one_budget,
     )
     if min(opts.steps, opts.replay_steps) < 1 or min(opts.warmup_steps, opts.profile_steps, opts.probe_reps) < 0:
         p.error("--steps and --replay-steps must be >= 1; --warmup-steps, --profile-steps, --probe-reps >= 0")

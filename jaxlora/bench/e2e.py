@@ -22,6 +22,8 @@ while the engine run behind tokens_per_s dispatches its bank-free step. Per cell
                  tokens each, gen_len greedy tokens each; generated tokens over wall time
                  (prefill, scheduling, detokenizing and the per-step readback included);
   ttft_ms        one request on an idle engine, from submit to its first token on the host.
+The details of a cell with an engine run add host_ms_per_step: the engine loop's host time per step
+of that run, by phase (`Engine.stats()["host"]`, jaxlora.engine.host_timing).
 
 Groups run in priority order until the wall-clock budget is spent; what did not run is listed in
 the results with the reason. Results are rewritten after every cell, so a killed run keeps its data.
@@ -386,14 +388,17 @@ def run_engine(engine, batch: int, prompt_len: int, gen_len: int, distinct: int,
         )
         for i in range(batch)
     ]
+    from jaxlora.engine.host_timing import per_step
+
     first: dict[str, float] = {}
-    before = engine.stats()["generated_tokens"]
+    stats0 = engine.stats()
     t0 = time.perf_counter()
     for r in requests:
         engine.submit(r, callback=lambda out: first.setdefault(out.request_id, time.perf_counter()))
     engine.run_until_idle()
     seconds = time.perf_counter() - t0
-    generated = engine.stats()["generated_tokens"] - before
+    stats1 = engine.stats()
+    generated = stats1["generated_tokens"] - stats0["generated_tokens"]
     if generated != batch * gen_len:
         raise RuntimeError(f"expected {batch * gen_len} generated tokens, got {generated}")
     ttfts = sorted(t - t0 for t in first.values())
@@ -402,6 +407,7 @@ def run_engine(engine, batch: int, prompt_len: int, gen_len: int, distinct: int,
         "seconds": seconds,
         "ttft_loaded_ms_p50": ttfts[len(ttfts) // 2] * 1e3,
         "ttft_loaded_ms_max": ttfts[-1] * 1e3,
+        "host_ms_per_step": per_step(stats0["host"], stats1["host"]),
     }
 
 
@@ -481,6 +487,7 @@ def run_group(
                 e2e_seconds=round(result["seconds"], 3),
                 ttft_loaded_ms_p50=round(result["ttft_loaded_ms_p50"], 2),
                 ttft_loaded_ms_max=round(result["ttft_loaded_ms_max"], 2),
+                host_ms_per_step=result["host_ms_per_step"],
             )
         details["compiles_after_setup"] = num_traces() - traces0
         row = {

@@ -403,6 +403,8 @@ class Engine:
         return None if self._compiles_at_warmup is None else self.runner.step_compiles - self._compiles_at_warmup
 
     def stats(self) -> dict[str, Any]:
+        """Counters since the engine started. "host": the loop's cumulative host time by phase, and the
+        steps it covers (`jaxlora.engine.host_timing`; `per_step` turns two snapshots into ms/step)."""
         c = self._counters
         out = {
             "running": self.scheduler.num_running,

@@ -156,7 +156,7 @@ class Runner:
         if self.mesh is not None:  # one device: the same jit cache key as callers that never pass a mesh
             self._static["mesh"] = self.mesh
         # The step's small inputs go whole to every device of the mesh (None: the default device).
-        self._input_sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        self.input_sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
         self.packer = InputPacker(
             rows=config.max_batch,
             pages_per_seq=self.pages_per_seq,
@@ -210,7 +210,7 @@ class Runner:
         """Sends the packed inputs (one host->device copy, issued here so that the call finds them
         placed) and dispatches the step; returns next ids [S] on the device, without waiting."""
         # may_alias=False: on CPU a device_put may alias the numpy buffer, which the next pack rewrites.
-        packed = jax.device_put(inputs.buffer, self._input_sharding, may_alias=False)
+        packed = jax.device_put(inputs.buffer, self.input_sharding, may_alias=False)
         self._sent[inputs.index] = packed
         return self.dispatch_packed(_bank_for(bank, inputs.has_adapter, lora), packed, inputs.layout)
 
@@ -232,7 +232,7 @@ class Runner:
 
     def _initial_ids(self) -> jax.Array:
         """Every row's "previous output" before any step: zeros, placed as the step's inputs are."""
-        return jax.device_put(np.zeros(self.config.max_batch, np.int32), self._input_sharding)
+        return jax.device_put(np.zeros(self.config.max_batch, np.int32), self.input_sharding)
 
     def warmup(self, bank: Bank | None, pages: PageTable, progress: WarmupProgress | None = None) -> None:
         """Compiles the step at every token budget, with the bank and without, all tokens padding."""

@@ -302,7 +302,9 @@ def test_page_ins_are_staged_before_the_step_and_committed_around_it(parts, monk
             steps.append([])
         steps[-1].append(e)
     allowed = {
-        ("stage", *c, *r) for c in (("commit",), ("dispatch", "commit"), ("commit", "dispatch")) for r in ((), ("device_get",))
+        ("stage", *c, *r)
+        for c in (("commit",), ("dispatch", "commit"), ("commit", "dispatch"))
+        for r in ((), ("device_get",))
     }
     assert all(tuple(s) in allowed for s in steps), steps
     dispatching = [s for s in steps if "dispatch" in s]
@@ -343,6 +345,27 @@ def test_engine_runs_one_step_behind(engine, monkeypatch):
         [GenerationRequest(request_id="again", prompt_ids=[1, 20, 21, 22], sampling=SamplingParams(max_tokens=3))]
     )[0]
     assert solo.token_ids == tokens
+
+
+def test_stats_split_the_loops_host_time_by_phase(engine):
+    """Every dispatched step is counted; host time is the sum of its four phases, the wait apart."""
+    from jaxlora.engine.host_timing import HOST_PHASES, per_step
+
+    engine.run_until_idle()
+    s0 = engine.stats()
+    requests = [
+        GenerationRequest(request_id=f"timed{i}", prompt_ids=[1, 40 + i], sampling=SamplingParams(max_tokens=5))
+        for i in range(3)
+    ]
+    engine.generate(requests)
+    s1 = engine.stats()
+    host = s1["host"]
+    assert host["steps"] - s0["host"]["steps"] == s1["steps"] - s0["steps"] >= 5
+    assert host["calls"] - s0["host"]["calls"] >= host["steps"] - s0["host"]["steps"]
+    assert host["host_ms"] == pytest.approx(sum(host[f"{p}_ms"] for p in HOST_PHASES), abs=0.01)
+    ms = per_step(s0["host"], s1["host"])
+    assert all(ms[f"{p}_ms"] > 0 for p in HOST_PHASES) and ms["wait_ms"] >= 0
+    assert per_step(s1["host"], s1["host"])["host_ms"] is None  # no step in between
 
 
 def test_steps_without_adapter_rows_run_without_the_bank(engine, monkeypatch):
