@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlora.engine.kv_pages import PageTable
+from jaxlora.engine.request import Request
 from jaxlora.engine.sampling import SamplingArrays
 from jaxlora.engine.scheduler import Chunk, StepPlan
 from jaxlora.model import RaggedBatch
@@ -125,12 +126,13 @@ class InputPacker:
     that copy (`Runner.pack`). In the engine's loop it has long finished: the step that read it has
     run, and its ids were read, before the buffer comes round again.
 
-    Block tables: one host table [S, pages_per_seq] kept across steps. A row's table is rewritten
-    when a chunk of the row starts at position 0 (a request admitted on the row, new or recomputed
-    after preemption: the scheduler gives every admitted request its pages from scratch); otherwise
-    only the pages the row took since the packer last saw it are appended (a running request's pages
-    only ever grow). A step's buffer gets the tables of the rows in the step; the step reads no
-    table of a row with q_len = 0.
+    Rows: what stays fixed while a request holds a row (its block table's pages so far, adapter slot,
+    sampling parameters, prompt length) is kept on the host across steps, per row. It is written
+    when a chunk of the row starts at position 0, which is how every request starts on a row (new,
+    or recomputed after preemption: the scheduler gives every admitted request its pages from
+    scratch); otherwise only the pages the row took since the packer last saw it are appended (a
+    running request's pages only ever grow). A step's buffer gets the rows in the step; the step
+    reads nothing of a row with q_len = 0.
 
     Not thread-safe: the engine loop owns it.
     """
@@ -146,8 +148,17 @@ class InputPacker:
         # [buffer][budget]: field name -> view of that buffer.
         self._fields = [{T: _views(buf, lay) for T, lay in self.layouts.items()} for buf in self.buffers]
         self.next_buffer = 0  # the buffer the next pack writes
-        self._tables = np.zeros((rows, pages_per_seq), np.int32)  # every row's block table
-        self._pages_seen = [0] * rows  # entries of _tables written per row
+        # Per row, for the request on it (class doc).
+        self._tables = np.zeros((rows, pages_per_seq), np.int32)  # block table
+        self._pages_seen = [0] * rows  # entries of _tables written
+        self._slot = np.zeros(rows, np.int32)
+        self._num_prompt = np.zeros(rows, np.int32)
+        self._sampling = {  # the sampling fields but the counter
+            "temperature": np.zeros(rows, np.float32),
+            "top_k": np.zeros(rows, np.int32),
+            "top_p": np.ones(rows, np.float32),
+            "seed": np.zeros(rows, np.uint32),
+        }
 
     def reset(self) -> None:
         """Forgets every row's block table (the page pool was replaced)."""
@@ -164,26 +175,32 @@ class InputPacker:
         chunks = plan.chunks
         if not chunks:
             return HostInputs(layout=layout, buffer=buffer, index=k, has_adapter=False)
-        self._sync_tables(chunks, pages)
-        # [C, 5] per chunk: row, start, length, slot, from_device.
-        meta = np.array([(c.row, c.start, c.length, c.request.slot, c.from_device) for c in chunks], np.int32)
-        row, start, length, slot, from_device = meta.T
-        f["block_tables"][row] = self._tables[row]
+        self._sync_rows(chunks, pages)
+        # [C, 5] per chunk: row, start, length, from_device, samples.
+        meta = np.array([(c.row, c.start, c.length, c.from_device, c.samples) for c in chunks], np.int32)
+        row, start, length = meta[:, 0], meta[:, 1], meta[:, 2]
+        on_device, samples = meta[:, 3].astype(bool), meta[:, 4].astype(bool)
         offset = np.cumsum(length) - length  # first flat index of each chunk's tokens
         n = int(offset[-1] + length[-1])
         of_token = np.repeat(np.arange(len(chunks)), length)  # [n] chunk of each token
         pos = np.arange(n, dtype=np.int32) - offset[of_token] + start[of_token]
+        slot = self._slot[row]
         f["positions"][:n] = pos
         f["slot_ids"][:n] = slot[of_token]
         f["write_page"][:n] = self._tables[row[of_token], pos // self.page_size]
         f["write_offset"][:n] = pos % self.page_size
-        on_device = from_device.astype(bool)
         f["src"][offset[on_device]] = row[on_device]
         for c, o in zip(chunks, offset.tolist()):
             if not c.from_device:
                 f["tokens"][o : o + c.length] = c.request.tokens(c.start, c.start + c.length)
         f["q_start"][row], f["q_len"][row], f["kv_len"][row] = offset, length, start + length
-        _pack_sampling(f, [c for c in chunks if c.samples])
+        f["block_tables"][row] = self._tables[row]
+        sampled = row[samples]
+        for name in ("temperature", "top_k", "top_p", "seed"):
+            f[name][sampled] = self._sampling[name][sampled]
+        # The index of the output token this step samples: the chunk ends where the request's known
+        # tokens end, and outputs start after the prompt.
+        f["counter"][sampled] = (start + length)[samples] - self._num_prompt[sampled]
         return HostInputs(layout=layout, buffer=buffer, index=k, has_adapter=bool(slot.any()))
 
     def _clear(self, f: dict[str, np.ndarray]) -> None:
@@ -196,12 +213,12 @@ class InputPacker:
         f["src"].fill(-1)
         f["write_page"].fill(self.num_pages)
 
-    def _sync_tables(self, chunks: tuple[Chunk, ...], pages: PageTable) -> None:
-        """Brings the host table of every row in the step up to the row's pages (class doc)."""
+    def _sync_rows(self, chunks: tuple[Chunk, ...], pages: PageTable) -> None:
+        """Brings the host state of every row in the step up to its request (class doc)."""
         seen = self._pages_seen
         for c in chunks:
             if c.start == 0:
-                seen[c.row] = 0
+                self._start_row(c.row, c.request)
             owned = pages.pages_of(c.row)
             if len(owned) < seen[c.row]:
                 raise RuntimeError(
@@ -211,6 +228,17 @@ class InputPacker:
             if len(owned) > seen[c.row]:
                 self._tables[c.row, seen[c.row] : len(owned)] = owned[seen[c.row] :]
                 seen[c.row] = len(owned)
+
+    def _start_row(self, row: int, req: Request) -> None:
+        self._pages_seen[row] = 0
+        self._slot[row], self._num_prompt[row] = req.slot, req.num_prompt
+        s, p = self._sampling, req.sampling
+        s["temperature"][row], s["top_k"][row], s["top_p"][row], s["seed"][row] = (
+            p.temperature,
+            p.top_k,
+            p.top_p,
+            req.seed,
+        )
 
 
 def _views(buffer: np.ndarray, layout: StepLayout) -> dict[str, np.ndarray]:
@@ -222,16 +250,3 @@ def _views(buffer: np.ndarray, layout: StepLayout) -> dict[str, np.ndarray]:
     for name in _UINT32:
         views[name] = views[name].view(np.uint32)
     return views
-
-
-def _pack_sampling(f: dict[str, np.ndarray], sampling_chunks: list[Chunk]) -> None:
-    """Row parameters of the chunks whose next token is sampled; the other rows stay greedy."""
-    if not sampling_chunks:
-        return
-    rows = np.array([c.row for c in sampling_chunks], np.int32)
-    reqs = [c.request for c in sampling_chunks]
-    f["temperature"][rows] = [r.sampling.temperature for r in reqs]
-    f["top_p"][rows] = [r.sampling.top_p for r in reqs]
-    f["top_k"][rows] = [r.sampling.top_k for r in reqs]
-    f["seed"][rows] = [r.seed for r in reqs]
-    f["counter"][rows] = [r.num_dispatched for r in reqs]  # index of the token this step samples
