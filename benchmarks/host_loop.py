@@ -4,9 +4,10 @@ The real `Engine` runs closed loop: `batch` requests in flight at all times (a f
 replaced by a new one before the next step), every row on its own adapter when `distinct` equals
 the batch (row i on adapter i % distinct; 0: base model, bank present). Prompts are random ids of
 `--prompt-len` tokens; each request generates a length drawn uniformly in [gen_len / 2, 3 gen_len /
-2] so finishes are staggered and most steps are decode steps with an occasional prompt chunk. The
-model has random weights: the Llama-2-7B shape in bf16 on GPU (`--layers` keeps its first layers
-only), a toy model with `--tiny` (CPU).
+2], so finishes are staggered: once the batch is full, a step decodes every row and, about every
+gen_len / batch steps, prefills a new prompt alongside (token budgets batch and batch + prompt_len).
+The model has random weights: the Llama-2-7B shape in bf16 on GPU (`--layers` keeps its first
+layers only), a toy model with `--tiny` (CPU).
 
 Per case, over `--steps` steps after `--warmup-steps`:
   host_ms_per_step   `Engine.stats()["host"]` per dispatched step (jaxlora.engine.host_timing):
@@ -411,10 +412,10 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path]:
     p.add_argument("--layers", type=int, default=None, help="keep the model's first N layers (compile/memory)")
     p.add_argument("--backend", default=None, help="LoRA backend (default pallas on GPU, xla with --tiny)")
     p.add_argument("--rank", type=int, default=None, help="adapter rank (default 16; 4 with --tiny)")
-    p.add_argument("--prompt-len", type=int, default=None, help="default 128 (tiny: 8)")
-    p.add_argument("--gen-len", type=int, default=None, help="mean generated tokens, default 128 (tiny: 16)")
+    p.add_argument("--prompt-len", type=int, default=None, help="default 32 (tiny: 8)")
+    p.add_argument("--gen-len", type=int, default=None, help="mean generated tokens, default 256 (tiny: 16)")
     p.add_argument("--steps", type=int, default=None, help="measured loop steps, default 200 (tiny: 30)")
-    p.add_argument("--warmup-steps", type=int, default=None, help="default 30 (tiny: 10)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="default 60 (tiny: 10)")
     p.add_argument("--replay-steps", type=int, default=None, help="default 30 (tiny: 5)")
     p.add_argument("--profile-steps", type=int, default=None, help="traced loop steps, 0: no trace (default 30; 4)")
     p.add_argument("--probe-reps", type=int, default=None, help="dispatch probe pairs, 0: skip (default 20; 3)")
@@ -432,10 +433,10 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path]:
         layers=a.layers,
         backend=pick(a.backend, "pallas", "xla"),
         rank=pick(a.rank, 16, 4),
-        prompt_len=pick(a.prompt_len, 128, 8),
-        gen_len=pick(a.gen_len, 128, 16),
+        prompt_len=pick(a.prompt_len, 32, 8),
+        gen_len=pick(a.gen_len, 256, 16),
         steps=pick(a.steps, 200, 30),
-        warmup_steps=pick(a.warmup_steps, 30, 10),
+        warmup_steps=pick(a.warmup_steps, 60, 10),
         replay_steps=pick(a.replay_steps, 30, 5),
         profile_steps=pick(a.profile_steps, 30, 4),
         probe_reps=pick(a.probe_reps, 20, 3),

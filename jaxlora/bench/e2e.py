@@ -11,7 +11,7 @@ so several distinct-adapter counts (row i on adapter i % d; d = 0 is every row o
 cost no extra compile. At d = 0, step_ms times the step with the bank (the LoRA kernels still run),
 while the engine run behind tokens_per_s dispatches its bank-free step. Per cell:
 
-  step_ms        the engine's jitted step (`runner.ragged_step`) on a decode-only batch
+  step_ms        the engine's jitted step (`runner.packed_step`) on a decode-only batch
                  (`decode_inputs`), `steps` calls back to back with the page pool and ids fed through,
                  one block at the end, every row at the mean context prompt + gen / 2; the timed
                  calls must compile nothing (`jaxlora.engine.compiles`);
@@ -329,22 +329,25 @@ def decode_inputs(runner, slot_ids: np.ndarray, position: int) -> dict:
 
 def time_decode(runner, bank: Bank, slot_ids: np.ndarray, position: int, steps: int) -> float:
     """Milliseconds per call of the engine's jitted step on a decode-only batch (every row one token,
-    the engine's call shape at T = max_batch), `steps` calls back to back."""
-    from jaxlora.engine.runner import ragged_step
+    the engine's call shape at T = max_batch: its packed inputs, placed as the runner places them),
+    `steps` calls back to back."""
+    from jaxlora.engine.runner import packed_step
+    from jaxlora.engine.step_inputs import StepLayout
 
-    inputs = jax.device_put(decode_inputs(runner, slot_ids, position))
+    B = runner.config.max_batch
+    layout = StepLayout(budget=B, rows=B, pages_per_seq=runner.pages_per_seq)
+    packed = jax.device_put(layout.pack(**decode_inputs(runner, slot_ids, position)), runner.input_sharding)
     static = _step_static(runner)
     # Warm up with the timed loop's own arguments: the second call feeds back the first's ids and
-    # pool, as every timed call does. Under tensor parallelism those are placed over the mesh while the
-    # host inputs sit on one device, and jit compiles one program per placement without retracing.
+    # pool, as every timed call does (jit compiles one program per argument placement).
     kv, ids = runner.kv, runner.last_ids
     for _ in range(2):
-        ids, kv = ragged_step(runner.params, bank, kv, last_ids=ids, **inputs, **static)
+        ids, kv = packed_step(runner.params, bank, kv, packed, ids, layout=layout, **static)
     ids.block_until_ready()
     compiles = backend_compiles()
     t0 = time.perf_counter()
     for _ in range(steps):
-        ids, kv = ragged_step(runner.params, bank, kv, last_ids=ids, **inputs, **static)
+        ids, kv = packed_step(runner.params, bank, kv, packed, ids, layout=layout, **static)
     ids.block_until_ready()
     seconds = time.perf_counter() - t0
     check_no_compiles(compiles, "the timed decode steps")

@@ -73,6 +73,22 @@ class StepLayout:
             out[name], start = slice(start, start + T), start + T
         return out
 
+    def pack(self, *, tokens, src, positions, slot_ids, batch: RaggedBatch, sampling: SamplingArrays) -> np.ndarray:
+        """The step's fields as host arrays (`unpack`'s output, or what tools build themselves) ->
+        packed [size] int32. The engine writes its buffers in place instead (`InputPacker`)."""
+        out = np.zeros(self.size, np.int32)
+        views = _views(out, self)
+        given = dict(tokens=tokens, src=src, positions=positions, slot_ids=slot_ids)
+        given.update({k: getattr(batch, k) for k in ("q_start", "q_len", "kv_len", "block_tables")})
+        given.update({k: getattr(batch, k) for k in ("write_page", "write_offset")})
+        given.update({k: getattr(sampling, k) for k in ("temperature", "top_k", "top_p", "seed", "counter")})
+        for name, value in given.items():
+            value = np.asarray(value)
+            if value.shape != views[name].shape:
+                raise ValueError(f"{name} has shape {value.shape}, the layout wants {views[name].shape}")
+            views[name][...] = value
+        return out
+
     def unpack(self, packed: jax.Array) -> dict:
         """packed [size] int32 (a traced array inside the step) -> the step's fields: tokens, src,
         positions, slot_ids [T] int32, batch (RaggedBatch), sampling (SamplingArrays [S])."""

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from jaxlora.engine.request import GenerationRequest, SamplingParams
+from jaxlora.engine.sampling import SamplingArrays
 from jaxlora.engine.scheduler import StepPlan
 from jaxlora.engine.step_inputs import ROW_FIELDS, TOKEN_FIELDS, StepLayout
+from jaxlora.model import RaggedBatch
 from tests.engine.conftest import ADAPTERS, make_engine
 
 PRINTABLE_IDS = np.arange(4, 99)
@@ -111,25 +113,42 @@ def test_packed_inputs_equal_a_per_token_build_through_preemption(parts, monkeyp
 
 @pytest.mark.parametrize("budget, rows, pages_per_seq", [(8, 4, 16), (5, 3, 1), (16, 16, 7)])
 def test_layout_round_trips_every_field(budget, rows, pages_per_seq):
-    """Random values in every field, floats and uint32 seeds included, come back bit for bit; the
-    spans tile the buffer with no gap or overlap."""
+    """Random values in every field, floats and uint32 seeds above int32's range included, come back
+    bit for bit through pack and the step's unpack; the spans tile the buffer with no gap or overlap."""
     layout = StepLayout(budget=budget, rows=rows, pages_per_seq=pages_per_seq)
     spans = sorted(layout.spans.values(), key=lambda s: s.start)
     assert spans[0].start == 0 and spans[-1].stop == layout.size
     assert all(a.stop == b.start for a, b in zip(spans, spans[1:]))
     assert len(spans) == 1 + len(ROW_FIELDS) + len(TOKEN_FIELDS)
     rng = np.random.default_rng(budget)
-    buffer = rng.integers(-(2**31), 2**31, layout.size, dtype=np.int64).astype(np.int32)
-    temperature = rng.uniform(0.1, 2.0, rows).astype(np.float32)
-    seed = rng.integers(2**31, 2**32, rows, dtype=np.uint64).astype(np.uint32)  # above int32's range
-    buffer[layout.spans["temperature"]] = temperature.view(np.int32)
-    buffer[layout.spans["seed"]] = seed.view(np.int32)
-    got = unpacked(layout, buffer)
-    np.testing.assert_array_equal(got["temperature"], temperature)
-    np.testing.assert_array_equal(got["seed"], seed)
-    assert got["seed"].dtype == np.uint32 and got["top_p"].dtype == np.float32
-    np.testing.assert_array_equal(got["block_tables"].ravel(), buffer[layout.spans["block_tables"]])
-    np.testing.assert_array_equal(got["write_offset"], buffer[layout.spans["write_offset"]])
+
+    def ints(*shape):
+        return rng.integers(-(2**31), 2**31, shape, dtype=np.int64).astype(np.int32)
+
+    batch = RaggedBatch(
+        q_start=ints(rows),
+        q_len=ints(rows),
+        kv_len=ints(rows),
+        block_tables=ints(rows, pages_per_seq),
+        write_page=ints(budget),
+        write_offset=ints(budget),
+    )
+    sampling = SamplingArrays(
+        temperature=rng.uniform(0.1, 2.0, rows).astype(np.float32),
+        top_k=ints(rows),
+        top_p=rng.uniform(0.1, 1.0, rows).astype(np.float32),
+        seed=rng.integers(2**31, 2**32, rows, dtype=np.uint64).astype(np.uint32),
+        counter=ints(rows),
+    )
+    fields = dict(tokens=ints(budget), src=ints(budget), positions=ints(budget), slot_ids=ints(budget))
+    got = unpacked(layout, layout.pack(**fields, batch=batch, sampling=sampling))
+    want = {**fields, **vars(batch), **vars(sampling)}
+    assert set(got) == set(want)
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype, name
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    with pytest.raises(ValueError, match="tokens has shape"):
+        layout.pack(**{**fields, "tokens": ints(budget + 1)}, batch=batch, sampling=sampling)
     with pytest.raises(ValueError, match="expected"):
         layout.unpack(jnp.zeros(layout.size + 1, jnp.int32))
 
