@@ -17,12 +17,15 @@ The order of one step (`Engine.step`; everything else refers here):
      issued before this step's dispatch and runs under it;
   3. plan the step (`Scheduler.schedule`): decode tokens, prompt chunks, admissions, preemptions;
      a request whose adapter the staged copies bring may be admitted;
-  4. dispatch the one jitted step (`Runner.step`); if the step reads a slot that the staged copies
-     fill, the slot writes (`pager.commit()`) go first, else right after the dispatch (the writes
-     donate the bank the step reads, so JAX orders them after it, and the copies ran under it);
+  4. pack the step's inputs on the host (`Runner.pack`) and dispatch the one jitted step
+     (`Runner.dispatch`: one host->device copy, then the call; neither waits for the device); if
+     the step reads a slot that the staged copies fill, the slot writes (`pager.commit()`) go
+     first, else right after the dispatch (the writes donate the bank the step reads, so JAX
+     orders them after it, and the copies ran under it);
   5. read the *previous* step's sampled ids and stream those tokens (the engine runs one step
      behind: step N+1 is on the device's queue before the host blocks on step N's ids).
-A step with nothing to run still commits, so requests waiting for a page-in make progress.
+A step with nothing to run still commits, so requests waiting for a page-in make progress. The
+host time of each part is in `stats()["host"]` (`jaxlora.engine.host_timing`).
 """
 
 from __future__ import annotations
@@ -261,11 +264,11 @@ class Engine:
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return
-        next_ids = jax.device_get(inflight.next_ids)
+        next_ids = jax.device_get(inflight.next_ids).tolist()
         self._times.lap("wait")
         for chunk in inflight.plan.chunks:
             if chunk.samples:
-                self._take_token(chunk.request, int(next_ids[chunk.row]), outputs)
+                self._take_token(chunk.request, next_ids[chunk.row], outputs)
         self._times.lap("stream")
 
     def _take_token(self, req: Request, token: int, outputs: list[RequestOutput]) -> None:

@@ -21,8 +21,8 @@ HOST_PHASES = PHASES[:-1]
 
 
 class HostTimes:
-    """Cumulative seconds per phase (PHASES), and how many engine steps they cover. Not thread-safe:
-    the engine loop alone writes it.
+    """Cumulative seconds per phase (PHASES), and how many engine steps they cover. The engine loop
+    alone writes it; `as_dict` from another thread (stats of a serving engine) may mix two steps.
 
         times.start()            # at the top of Engine.step
         ...; times.lap("schedule")  # charges the time since the previous lap (or start) to a phase

@@ -229,6 +229,7 @@ class Runner:
         self.kv = self._new_pool()
         self.last_ids = self._initial_ids()
         self.packer.reset()
+        self._sent = [None] * InputPacker.NUM_BUFFERS  # copies of the failed steps are not waited for
 
     def _initial_ids(self) -> jax.Array:
         """Every row's "previous output" before any step: zeros, placed as the step's inputs are."""
