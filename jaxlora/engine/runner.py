@@ -7,8 +7,8 @@ the engine's static token budgets (each compiled at warm-up). Its inputs, unpack
                 last_ids[S]) -> (next_ids[S], kv)
 
 The engine sends them packed into one int32 array, one host->device copy per step that the runner
-issues itself before the call (`packed_step`; layout in `jaxlora.engine.step_inputs`): sent as
-separate jit arguments they were a copy each, and copies may wait behind the device work in flight.
+issues itself before the call (`packed_step`; layout in `jaxlora.engine.step_inputs`): as separate
+jit arguments they would be a copy each, and a copy may wait behind the device work in flight.
 
 S = max_batch rows; a running request keeps its row. The tokens of each row in this step (a decode
 token, or a chunk of its prompt) are packed one row after another with no padding between them,

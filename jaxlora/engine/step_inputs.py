@@ -2,8 +2,8 @@
 
 The step reads about sixteen small arrays (see `jaxlora.engine.runner`): per token [T] the token
 ids, their sources, positions, adapter slots and KV write targets; per row [S] the ragged batch
-(query start and length, context length, block table) and the sampling parameters. Sent as sixteen
-jit arguments they were sixteen host->device copies per step, each a transfer that may queue
+(query start and length, context length, block table) and the sampling parameters. As separate jit
+arguments they would be sixteen host->device copies per step, each a transfer that may queue
 behind the device work in flight. Packed into one buffer they are one copy, which the runner issues
 itself (`jax.device_put`) before the call; the jitted step slices the fields out at static offsets
 (`StepLayout.unpack`) and the model still sees a `RaggedBatch`.
