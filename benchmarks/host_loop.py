@@ -14,7 +14,7 @@ Per case, over `--steps` steps after `--warmup-steps`:
                      schedule, inputs, dispatch, stream, and host_ms (all four: everything but the
                      wait for the previous step's ids);
   wait_ms_per_step   time the host blocked on the previous step's ids;
-  wall_ms_per_step   the loop's wall time per step (host + wait);
+  wall_ms_per_step   the loop's wall time per step (host + wait + this driver's top-ups);
   device_step_ms     one decode step of this batch replayed back to back on the device, the same
                      packed inputs every call (no host work between calls): the device's time;
   dispatch_probe     host ms of one dispatch while two steps are queued on the device, for the step's
@@ -137,13 +137,11 @@ class ClosedLoop:
 
     def run(self, steps: int) -> None:
         """`steps` engine steps that dispatch, topping the batch up after each."""
-        done = 0
-        while done < steps:
-            before = self.engine.stats()["steps"]
+        until = self.engine.stats()["steps"] + steps
+        while self.engine.stats()["steps"] < until:
             outputs = self.engine.step()
             self.in_flight -= sum(o.finished for o in outputs)
             self.fill()
-            done += self.engine.stats()["steps"] - before
 
 
 def measure_loop(loop: ClosedLoop, steps: int) -> dict:
