@@ -153,8 +153,10 @@ def settings(tiny: bool) -> dict[str, Setting]:
             "all": Setting(name="all", ranks=(4,), modules=TARGET_MODULES, n=4, slots=4),
         }
     return {
-        "s1": Setting(name="s1", ranks=(8,), modules=ATTENTION_MODULES, n=2000, slots=64),
-        "s2": Setting(name="s2", ranks=(64, 32, 16, 8), modules=ATTENTION_MODULES, n=2000, slots=64),
+        # Slots: enough distinct adapters for the 256 rows under the power law (about 130 distinct of
+        # 2,000 at alpha 1); s2's bank pads every slot to rank 64, so it keeps fewer to leave HBM for KV.
+        "s1": Setting(name="s1", ranks=(8,), modules=ATTENTION_MODULES, n=2000, slots=256),
+        "s2": Setting(name="s2", ranks=(64, 32, 16, 8), modules=ATTENTION_MODULES, n=2000, slots=160),
         "all": Setting(name="all", ranks=(16,), modules=TARGET_MODULES, n=64, slots=64),
     }
 
@@ -193,9 +195,9 @@ def scale(tiny: bool, model: str) -> Scale:
         dtype="bfloat16" if model == "llama2-7b" else "float32",
         input_range=(8, 512),
         output_range=(8, 512),
-        max_batch=128,
+        max_batch=256,
         max_seq_len=1024,
-        token_budgets=(128, 512, 2048),
+        token_budgets=(128, 256, 512, 1024, 2048),
         page_size=16,
     )
 
@@ -216,6 +218,7 @@ def make_engine(setting: Setting, model: LoadedModel, pager: Pager, size: Scale,
         max_queue=1 << 20,
         lora=dataclasses.replace(pager.lora_config, backend=backend),
         dtype=size.dtype,
+        bank_free_steps=False,  # every request of the trace names an adapter
     )
     engine = Engine(model, word_tokenizer(model.config.vocab_size), config, pager)
     if engine.tokenizer.eos_token_ids:
@@ -839,6 +842,8 @@ def run_setting(
                 "n_asked": setting.n,
                 "slots": setting.slots,
                 "paged": n > setting.slots,
+                "max_batch": size.max_batch,
+                "token_budgets": list(size.token_budgets),
                 "registration_s": round(reg_s, 1),
                 "sweep": sweep,
                 **result,

@@ -13,7 +13,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 def warmup_progress(what: str, k: int, n: int) -> None:
     """Engine.warmup's progress callback for the commands: one stderr line per compiled shape."""
-    print(f"  compiling {what} ({k}/{n})", file=sys.stderr, flush=True)
+    print(f"  compiled {what} ({k}/{n})", file=sys.stderr, flush=True)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

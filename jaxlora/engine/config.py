@@ -49,6 +49,10 @@ class EngineConfig:
       prefetch_adapters: page in (unpinned) the adapters of up to this many waiting requests, in
         arrival order, while rows are busy, so a request's adapter is resident when its row frees
         (0: page in only on admission).
+      bank_free_steps: also compile each step without the adapter bank, for steps where no token
+        has an adapter (they skip the LoRA launches). False halves the warm-up's compiles; such
+        steps then run with the bank (the same tokens: slot 0 is all zero). For deployments where
+        nearly every request names an adapter.
     """
 
     max_batch: int = 8
@@ -67,6 +71,7 @@ class EngineConfig:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     attention: AttentionBackend = AttentionBackend.AUTO
     prefetch_adapters: int = 16
+    bank_free_steps: bool = True
 
     def __post_init__(self) -> None:
         for field in ("max_batch", "max_seq_len", "page_size", "max_new_tokens_limit", "max_queue", "max_wait_steps"):

@@ -392,7 +392,7 @@ class Engine:
     # Warm-up and stats.
     def warmup(self, progress: WarmupProgress | None = None) -> None:
         """Compiles every static shape (the step at each token budget, with and without the bank).
-        `progress(what, k, n)` is called before each of the n compiles."""
+        `progress(what, k, n)` is called as each of the n compiles finishes."""
         if self.pager is not None:
             self.pager.warmup()
             self.pager.commit()

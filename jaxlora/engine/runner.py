@@ -23,7 +23,8 @@ step N's ids (one step behind, so the host's work overlaps the device's). `src[t
 from `last_ids[s]`, row s's output of the previous step; `src[t] = -1` takes the host's `tokens[t]`.
 
 A step none of whose tokens has an adapter (every slot 0) runs without the bank: the same math (slot
-0 is all zero) without the LoRA launches. Both variants are compiled at warm-up.
+0 is all zero) without the LoRA launches. Both variants are compiled at warm-up, unless
+`config.bank_free_steps` is off (then every step runs with the bank).
 
 (* donated: the page pool is updated in place.) Padding tokens are harmless by construction: their
 key/value writes go to a page past the pool (dropped), no row's range covers them, and their slot is
@@ -34,7 +35,9 @@ request alone. With `config.mesh.tensor > 1` the same step runs per shard under 
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 from collections.abc import Callable, Sequence
 
 import jax
@@ -194,7 +197,8 @@ class Runner:
     def step(self, bank: Bank | None, plan: StepPlan, pages: PageTable, *, lora: bool | None = None) -> jax.Array:
         """Packs and dispatches the plan's step; returns next ids [S] by row, on the device.
 
-        lora: run with the bank (True) or without (False); None: only if a token has an adapter.
+        lora: run with the bank (True) or without (False); None: only if a token has an adapter (always
+          without `config.bank_free_steps`).
         """
         return self.dispatch(bank, self.pack(plan, pages), lora=lora)
 
@@ -212,7 +216,7 @@ class Runner:
         # may_alias=False: on CPU a device_put may alias the numpy buffer, which the next pack rewrites.
         packed = jax.device_put(inputs.buffer, self.input_sharding, may_alias=False)
         self._sent[inputs.index] = packed
-        return self.dispatch_packed(_bank_for(bank, inputs.has_adapter, lora), packed, inputs.layout)
+        return self.dispatch_packed(self._bank_for(bank, inputs.has_adapter, lora), packed, inputs.layout)
 
     def dispatch_packed(self, bank: Bank | None, packed: jax.Array, layout: StepLayout) -> jax.Array:
         """Dispatches the step on inputs already on the device (packed [layout.size] int32)."""
@@ -236,23 +240,54 @@ class Runner:
         return jax.device_put(np.zeros(self.config.max_batch, np.int32), self.input_sharding)
 
     def warmup(self, bank: Bank | None, pages: PageTable, progress: WarmupProgress | None = None) -> None:
-        """Compiles the step at every token budget, with the bank and without, all tokens padding."""
-        variants = (False,) if bank is None else (True, False)
+        """Compiles the step at every token budget, with the bank and without, all tokens padding.
+
+        The shapes compile at once, one thread each: XLA compiles release the GIL and each is mostly
+        single-threaded, so n compiles take about the longest one on a machine with n cores. The
+        compiled programs land in jit's compile cache; the calls below then only execute them.
+        `progress(what, k, n)` is called as each of the n compiles finishes.
+        """
+        variants = (False,) if bank is None else (True, False) if self.config.bank_free_steps else (True,)
         shapes = [(budget, lora) for budget in self.config.token_budgets for lora in variants]
+        # Inputs placed as `dispatch` places them (the placement is part of the compiled program).
+        packed = {
+            T: jax.device_put(np.zeros(layout.size, np.int32), self.input_sharding)
+            for T, layout in self.packer.layouts.items()
+        }
+        layouts = self.packer.layouts
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(shapes), os.cpu_count() or 1)) as pool:
+            jobs = {
+                pool.submit(self._compile, bank, packed[budget], layouts[budget], lora): (budget, lora)
+                for budget, lora in shapes
+            }
+            for k, done in enumerate(concurrent.futures.as_completed(jobs)):
+                done.result()
+                budget, lora = jobs[done]
+                if progress is not None:
+                    progress(f"step of {budget} tokens{' with adapters' if lora else ''}", k + 1, len(shapes))
         # Twice: the first call of a shape may see arguments the step never returns (a fresh pool),
         # and jit's fast dispatch path keys on that too; after round two every call hits it.
-        for k, (budget, lora) in enumerate(shapes * 2):
-            if progress is not None and k < len(shapes):
-                progress(f"step of {budget} tokens{' with adapters' if lora else ''}", k + 1, len(shapes))
-            empty = StepPlan(chunks=(), budget=budget, needs_commit=False)
-            self.step(bank, empty, pages, lora=lora).block_until_ready()
+        for budget, lora in shapes * 2:
+            self.step(bank, _empty_plan(budget), pages, lora=lora).block_until_ready()
+
+    def _compile(self, bank: Bank | None, packed: jax.Array, layout: StepLayout, lora: bool) -> None:
+        """Compiles (without running) the step of `layout`, with the bank or without."""
+        bank = self._bank_for(bank, False, lora)
+        # Called exactly as `dispatch_packed` calls it (positional vs keyword is part of jit's cache key).
+        packed_step.lower(self.params, bank, self.kv, packed, self.last_ids, layout=layout, **self._static).compile()
+
+    def _bank_for(self, bank: Bank | None, has_adapter: bool, lora: bool | None) -> Bank | None:
+        """The bank when the step needs it: asked for (lora), else when some token has an adapter, or
+        always unless `config.bank_free_steps`."""
+        if bank is None:
+            return None
+        if lora is None:
+            lora = has_adapter or not self.config.bank_free_steps
+        return bank if lora else None
 
 
-def _bank_for(bank: Bank | None, has_adapter: bool, lora: bool | None) -> Bank | None:
-    """The bank when the step needs it: asked for, or (lora None) some token has an adapter."""
-    if bank is None:
-        return None
-    return bank if (has_adapter if lora is None else lora) else None
+def _empty_plan(budget: int) -> StepPlan:
+    return StepPlan(chunks=(), budget=budget, needs_commit=False)
 
 
 def sampling_arrays(requests: Sequence[Request | None], rows: int) -> SamplingArrays:

@@ -10,6 +10,14 @@ Every step is one flat batch of at most `max(token_budgets)` tokens (vLLM V1's p
      are free.
 The step is then padded to the smallest static budget that holds it (`StepPlan.budget`).
 
+How many tokens a step may hold is chosen first, from the work at hand: the decode tokens plus the
+prompt tokens the running prefills and the admissible waiting requests could take. All of it fits
+the smallest budget that holds it, unless that would leave more than `MAX_PADDING` of the step
+empty while decode rows are running: then the step fills the largest budget that the work fills
+exactly, and the rest of the prompt tokens ride along with the next step, which those decode rows
+make happen anyway. Padding is compute spent on nothing once steps are compute-bound (under load);
+an idle engine (no decode row) still takes a prompt in one step, for its first token's latency.
+
 Adapter slots are the other admission resource. Before the pager stages its copies,
 `pin_adapters` pins the adapters of the waiting requests the free rows could take (`acquire`, which
 queues a page-in for an adapter not on the device), unless that would exceed the cap on distinct
@@ -30,6 +38,7 @@ import bisect
 import collections
 import dataclasses
 import heapq
+import typing
 from typing import TYPE_CHECKING
 
 from jaxlora.engine.kv_pages import PageTable
@@ -40,11 +49,15 @@ if TYPE_CHECKING:  # the scheduler stays importable without JAX
     from jaxlora.adapters.source import AdapterSource
 
 BASE_SLOT = 0
+# The most of a step left empty when the work could instead fill a smaller budget exactly and
+# defer prompt tokens to the next step (see the module doc).
+MAX_PADDING = 0.1
 
 
-@dataclasses.dataclass(frozen=True)
-class Chunk:
+class Chunk(typing.NamedTuple):
     """Positions [start, start + length) of one request, computed in one step on batch row `row`.
+    (A NamedTuple: the host makes one per running row every step, and a frozen dataclass costs
+    several times more to build.)
 
     samples: the chunk ends the tokens the request knows, so the token sampled after its last
       position is the request's next output (a decode token, or the end of a prompt).
@@ -153,8 +166,8 @@ class Scheduler:
         pager's copies, so that requests whose adapters those copies bring can be admitted."""
         self.num_steps += 1
         chunks: list[Chunk] = []
-        budget = self.token_budgets[-1]
-        budget -= self._plan_decode(chunks)
+        decode = self._plan_decode(chunks)
+        budget = self._step_size(decode, decode + self._prompt_demand()) - decode
         budget -= self._plan_prefill(chunks, budget)
         needs_commit = self._admit(chunks, budget)
         if not chunks:
@@ -194,6 +207,32 @@ class Scheduler:
         req.phase = Phase.FINISHED
 
     # Planning.
+    def _prompt_demand(self) -> int:
+        """Prompt tokens this step could take if the budget were unbounded: the rest of every running
+        prefill, plus the prompts of the waiting requests the free rows could admit now (pages are
+        not counted: the planners stop at them anyway)."""
+        demand = sum(r.num_known - r.num_computed for r in self.running.values() if r.phase is Phase.PREFILL)
+        rows = len(self._free_rows)
+        for req in self.waiting:
+            if rows <= 0:
+                break
+            if req.num_pending or self._slot(req)[0] is None:
+                continue
+            demand += req.num_known
+            rows -= 1
+        return demand
+
+    def _step_size(self, decode: int, work: int) -> int:
+        """Tokens the step may hold, for `decode` decode tokens within `work` tokens (module doc)."""
+        budgets = self.token_budgets
+        if work >= budgets[-1]:
+            return budgets[-1]
+        fits = next(b for b in budgets if b >= work)
+        filled = [b for b in budgets if decode <= b <= work]
+        if decode and filled and fits - work > MAX_PADDING * fits:
+            return filled[-1]
+        return fits
+
     def _plan_decode(self, chunks: list[Chunk]) -> int:
         """One token for each decoding request that still has tokens to produce, oldest first."""
         decoding = sorted(
@@ -205,9 +244,10 @@ class Scheduler:
             if req.phase is not Phase.DECODE:  # preempted by an older request in this loop
                 continue
             position = req.next_position
-            if not self._make_room(req, position + 1):
-                continue
-            self.pages.grow(req.row, position + 1)
+            if position >= self.pages.capacity(req.row):  # its next position needs another page
+                if not self._make_room(req, position + 1):
+                    continue
+                self.pages.grow(req.row, position + 1)
             chunks.append(
                 Chunk(req, req.row, position, 1, samples=True, from_device=req.num_pending > 0, is_decode=True)
             )
@@ -270,7 +310,10 @@ class Scheduler:
             if slot is None:
                 continue
             first = min(req.num_known, budget - used)
-            if not self.pages.can_grow(None, first, reserve=self.reserve_pages):
+            # A preempted request comes back only when all it knows fits: taking it back in small
+            # chunks while pages are short would preempt it again (thrashing).
+            need = req.num_known if req.num_preemptions else first
+            if not self.pages.can_grow(None, need, reserve=self.reserve_pages):
                 break  # first come, first served: no pages for this one, none for later ones
             self._assign_row(req, slot)
             self._add_chunk(chunks, req, first)

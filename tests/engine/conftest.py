@@ -37,7 +37,7 @@ def parts():
     return model, tok, adapters
 
 
-def make_engine(parts, **overrides) -> Engine:
+def make_engine(parts, progress=None, **overrides) -> Engine:
     from jaxlora.adapters import Pager
 
     model, tok, adapters = parts
@@ -46,7 +46,7 @@ def make_engine(parts, **overrides) -> Engine:
     for name, adapter in adapters.items():
         pager.register(name, adapter)
     engine = Engine(model, tok, config, pager)
-    engine.warmup()
+    engine.warmup(progress)
     return engine
 
 

@@ -532,6 +532,19 @@ def test_warmup_reports_each_shape_it_compiles(engine):
     assert sum("with adapters" in what for what, _, _ in seen) == len(budgets)
 
 
+def test_without_bank_free_steps_every_step_runs_with_the_bank(engine, parts):
+    """bank_free_steps=False: one compile per budget, and base-only steps still give the same tokens."""
+    seen: list[tuple[str, int, int]] = []
+    lean = make_engine(parts, bank_free_steps=False, progress=lambda what, k, n: seen.append((what, k, n)))
+    budgets = lean.config.token_budgets
+    assert len(seen) == len(budgets) and all("with adapters" in what for what, _, _ in seen)
+    requests = [r for r in traffic(10, seed=3) if r.adapter is None] + traffic(4, seed=4)
+    with jax.no_tracing():
+        outs = lean.generate(requests)
+    assert lean.compiles_after_warmup == 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in engine.generate(requests)]
+
+
 # Last in this module: it stops the shared engine for good.
 def test_background_loop_serves_threads_and_drains_on_stop(engine):
     requests = traffic(8, seed=5)

@@ -158,6 +158,38 @@ def test_decode_tokens_first_then_prompt_chunks_within_the_budget():
     assert long_.is_finished and third.is_finished and s.pages.num_free < s.pages.num_pages
 
 
+def test_under_load_a_step_fills_a_smaller_budget_rather_than_pad_a_larger_one():
+    s = make_scheduler(max_batch=3, token_budgets=(4, 8, 16))
+    a = make_request("a", prompt_len=3, max_tokens=10)
+    s.add(a)
+    run_step(s)
+    b = make_request("b", prompt_len=8, max_tokens=2)
+    s.add(b)
+    # 1 decode token + 8 prompt tokens: 16 would be 7/16 padding, so 8 is filled exactly and the
+    # prompt's last token rides along with the next decode step.
+    plan, _ = run_step(s)
+    assert layout(plan) == [("a", 3, 1, True), ("b", 0, 7, False)] and plan.budget == 8
+    plan, _ = run_step(s)
+    assert layout(plan) == [("a", 4, 1, True), ("b", 7, 1, False)] and plan.budget == 4
+    assert plan.chunks[1].samples
+
+
+def test_an_idle_engine_takes_a_whole_prompt_in_one_step():
+    s = make_scheduler(max_batch=3, token_budgets=(4, 8, 16))
+    s.add(make_request("p", prompt_len=9, max_tokens=2))
+    plan, _ = run_step(s)
+    assert layout(plan) == [("p", 0, 9, False)] and plan.budget == 16  # no decode row: latency first
+
+
+def test_close_fits_are_padded_not_split():
+    s = make_scheduler(max_batch=3, token_budgets=(4, 8, 32))
+    s.add(make_request("a", prompt_len=3, max_tokens=10))
+    run_step(s)
+    s.add(make_request("b", prompt_len=30, max_tokens=2))
+    plan, _ = run_step(s)  # 31 tokens in 32: within MAX_PADDING, one step
+    assert layout(plan)[1] == ("b", 0, 30, False) and plan.budget == 32
+
+
 def test_positions_and_pages_follow_lengths_not_max_seq_len():
     s = make_scheduler(max_batch=2, num_pages=8, page_size=4)
     r = make_request("r", prompt_len=5, max_tokens=6)
