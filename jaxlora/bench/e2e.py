@@ -11,7 +11,7 @@ so several distinct-adapter counts (row i on adapter i % d; d = 0 is every row o
 cost no extra compile. At d = 0, step_ms times the step with the bank (the LoRA kernels still run),
 while the engine run behind tokens_per_s dispatches its bank-free step. Per cell:
 
-  step_ms        the engine's jitted step (`runner.ragged_step`) on a decode-only batch
+  step_ms        the engine's jitted step (`runner.packed_step`) on a decode-only batch
                  (`decode_inputs`), `steps` calls back to back with the page pool and ids fed through,
                  one block at the end, every row at the mean context prompt + gen / 2; the timed
                  calls must compile nothing (`jaxlora.engine.compiles`);
@@ -22,6 +22,8 @@ while the engine run behind tokens_per_s dispatches its bank-free step. Per cell
                  tokens each, gen_len greedy tokens each; generated tokens over wall time
                  (prefill, scheduling, detokenizing and the per-step readback included);
   ttft_ms        one request on an idle engine, from submit to its first token on the host.
+The details of a cell with an engine run add host_ms_per_step: the engine loop's host time per step
+of that run, by phase (`Engine.stats()["host"]`, jaxlora.engine.host_timing).
 
 Groups run in priority order until the wall-clock budget is spent; what did not run is listed in
 the results with the reason. Results are rewritten after every cell, so a killed run keeps its data.
@@ -327,22 +329,25 @@ def decode_inputs(runner, slot_ids: np.ndarray, position: int) -> dict:
 
 def time_decode(runner, bank: Bank, slot_ids: np.ndarray, position: int, steps: int) -> float:
     """Milliseconds per call of the engine's jitted step on a decode-only batch (every row one token,
-    the engine's call shape at T = max_batch), `steps` calls back to back."""
-    from jaxlora.engine.runner import ragged_step
+    the engine's call shape at T = max_batch: its packed inputs, placed as the runner places them),
+    `steps` calls back to back."""
+    from jaxlora.engine.runner import packed_step
+    from jaxlora.engine.step_inputs import StepLayout
 
-    inputs = jax.device_put(decode_inputs(runner, slot_ids, position))
+    B = runner.config.max_batch
+    layout = StepLayout(budget=B, rows=B, pages_per_seq=runner.pages_per_seq)
+    packed = jax.device_put(layout.pack(**decode_inputs(runner, slot_ids, position)), runner.input_sharding)
     static = _step_static(runner)
     # Warm up with the timed loop's own arguments: the second call feeds back the first's ids and
-    # pool, as every timed call does. Under tensor parallelism those are placed over the mesh while the
-    # host inputs sit on one device, and jit compiles one program per placement without retracing.
+    # pool, as every timed call does (jit compiles one program per argument placement).
     kv, ids = runner.kv, runner.last_ids
     for _ in range(2):
-        ids, kv = ragged_step(runner.params, bank, kv, last_ids=ids, **inputs, **static)
+        ids, kv = packed_step(runner.params, bank, kv, packed, ids, layout=layout, **static)
     ids.block_until_ready()
     compiles = backend_compiles()
     t0 = time.perf_counter()
     for _ in range(steps):
-        ids, kv = ragged_step(runner.params, bank, kv, last_ids=ids, **inputs, **static)
+        ids, kv = packed_step(runner.params, bank, kv, packed, ids, layout=layout, **static)
     ids.block_until_ready()
     seconds = time.perf_counter() - t0
     check_no_compiles(compiles, "the timed decode steps")
@@ -386,14 +391,17 @@ def run_engine(engine, batch: int, prompt_len: int, gen_len: int, distinct: int,
         )
         for i in range(batch)
     ]
+    from jaxlora.engine.host_timing import per_step
+
     first: dict[str, float] = {}
-    before = engine.stats()["generated_tokens"]
+    stats0 = engine.stats()
     t0 = time.perf_counter()
     for r in requests:
         engine.submit(r, callback=lambda out: first.setdefault(out.request_id, time.perf_counter()))
     engine.run_until_idle()
     seconds = time.perf_counter() - t0
-    generated = engine.stats()["generated_tokens"] - before
+    stats1 = engine.stats()
+    generated = stats1["generated_tokens"] - stats0["generated_tokens"]
     if generated != batch * gen_len:
         raise RuntimeError(f"expected {batch * gen_len} generated tokens, got {generated}")
     ttfts = sorted(t - t0 for t in first.values())
@@ -402,6 +410,7 @@ def run_engine(engine, batch: int, prompt_len: int, gen_len: int, distinct: int,
         "seconds": seconds,
         "ttft_loaded_ms_p50": ttfts[len(ttfts) // 2] * 1e3,
         "ttft_loaded_ms_max": ttfts[-1] * 1e3,
+        "host_ms_per_step": per_step(stats0["host"], stats1["host"]),
     }
 
 
@@ -481,6 +490,7 @@ def run_group(
                 e2e_seconds=round(result["seconds"], 3),
                 ttft_loaded_ms_p50=round(result["ttft_loaded_ms_p50"], 2),
                 ttft_loaded_ms_max=round(result["ttft_loaded_ms_max"], 2),
+                host_ms_per_step=result["host_ms_per_step"],
             )
         details["compiles_after_setup"] = num_traces() - traces0
         row = {

@@ -17,12 +17,15 @@ The order of one step (`Engine.step`; everything else refers here):
      issued before this step's dispatch and runs under it;
   3. plan the step (`Scheduler.schedule`): decode tokens, prompt chunks, admissions, preemptions;
      a request whose adapter the staged copies bring may be admitted;
-  4. dispatch the one jitted step (`Runner.step`); if the step reads a slot that the staged copies
-     fill, the slot writes (`pager.commit()`) go first, else right after the dispatch (the writes
-     donate the bank the step reads, so JAX orders them after it, and the copies ran under it);
+  4. pack the step's inputs on the host (`Runner.pack`) and dispatch the one jitted step
+     (`Runner.dispatch`: one host->device copy, then the call; neither waits for the device); if
+     the step reads a slot that the staged copies fill, the slot writes (`pager.commit()`) go
+     first, else right after the dispatch (the writes donate the bank the step reads, so JAX
+     orders them after it, and the copies ran under it);
   5. read the *previous* step's sampled ids and stream those tokens (the engine runs one step
      behind: step N+1 is on the device's queue before the host blocks on step N's ids).
-A step with nothing to run still commits, so requests waiting for a page-in make progress.
+A step with nothing to run still commits, so requests waiting for a page-in make progress. The
+host time of each part is in `stats()["host"]` (`jaxlora.engine.host_timing`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from jaxlora.adapters.pager import AdapterInfo
 from jaxlora.adapters.source import AdapterSource
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.detokenizer import Detokenizer
+from jaxlora.engine.host_timing import HostTimes
 from jaxlora.engine.kv_pages import PageTable
 from jaxlora.engine.request import (
     FinalOutput,
@@ -170,6 +174,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._seeds = random.Random()
         self._counters = _Counters()
+        self._times = HostTimes()
         self._compiles_at_warmup: int | None = None
         self._inflight: _Inflight | None = None  # the dispatched step whose ids are not read yet
         self._thread: threading.Thread | None = None
@@ -218,22 +223,30 @@ class Engine:
         overshoots.
         """
         outputs: list[RequestOutput] = []
+        times = self._times
+        times.start()
         self._take_inbox(outputs)
         for req, err in self.scheduler.pin_adapters():
             self._finish(req, FinishReason.ERROR, outputs, error=str(err))
         self._stage_page_ins()
         plan = self.scheduler.schedule()
+        times.lap("schedule")
         if plan is None:
             self._commit_page_ins()  # nothing to overlap: issue them now, so waiting requests progress
+            times.lap("dispatch")
             self._read_inflight(outputs)
             return outputs
         if plan.needs_commit:
             self._commit_page_ins()
-        next_ids = self.runner.step(self._bank(), plan, self.pages)
+            times.lap("dispatch")
+        inputs = self.runner.pack(plan, self.pages)
+        times.lap("inputs")
+        next_ids = self.runner.dispatch(self._bank(), inputs)
         if not plan.needs_commit:
             self._commit_page_ins()
         self.scheduler.dispatched(plan)
         self._count(plan)
+        times.lap("dispatch")
         self._read_inflight(outputs)
         self._inflight = _Inflight(plan=plan, next_ids=next_ids)
         return outputs
@@ -241,6 +254,7 @@ class Engine:
     def _count(self, plan: StepPlan) -> None:
         c = self._counters
         c.steps += 1
+        self._times.steps += 1
         c.decode_tokens += plan.num_decode_tokens
         c.prefill_tokens += plan.num_tokens - plan.num_decode_tokens
         c.padded_tokens += plan.budget
@@ -250,10 +264,12 @@ class Engine:
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return
-        next_ids = jax.device_get(inflight.next_ids)
+        next_ids = jax.device_get(inflight.next_ids).tolist()
+        self._times.lap("wait")
         for chunk in inflight.plan.chunks:
             if chunk.samples:
-                self._take_token(chunk.request, int(next_ids[chunk.row]), outputs)
+                self._take_token(chunk.request, next_ids[chunk.row], outputs)
+        self._times.lap("stream")
 
     def _take_token(self, req: Request, token: int, outputs: list[RequestOutput]) -> None:
         if req.is_finished:  # stopped (or cancelled) after this step was dispatched: a wasted token
@@ -390,6 +406,8 @@ class Engine:
         return None if self._compiles_at_warmup is None else self.runner.step_compiles - self._compiles_at_warmup
 
     def stats(self) -> dict[str, Any]:
+        """Counters since the engine started. "host": the loop's cumulative host time by phase, and the
+        steps it covers (`jaxlora.engine.host_timing`; `per_step` turns two snapshots into ms/step)."""
         c = self._counters
         out = {
             "running": self.scheduler.num_running,
@@ -409,6 +427,7 @@ class Engine:
             "adapters_used": len(c.adapters_used),
             "compiles": num_traces(),
             "compiles_after_warmup": self.compiles_after_warmup,
+            "host": self._times.as_dict(),
         }
         if self.pager is not None:
             # Counters only: copying the latency samples (up to 10,000) on every call cost about a

@@ -1,10 +1,14 @@
 """Host step plan -> device arrays -> the one jitted step -> sampled ids (still on device).
 
 Every engine step is one call of one jitted function over a flat batch of `T` tokens, `T` one of
-the engine's static token budgets (each compiled at warm-up):
+the engine's static token budgets (each compiled at warm-up). Its inputs, unpacked:
 
     ragged_step(params, bank, kv*, tokens[T], src[T], positions[T], slot_ids[T], batch, sampling[S],
                 last_ids[S]) -> (next_ids[S], kv)
+
+The engine sends them packed into one int32 array, one host->device copy per step that the runner
+issues itself before the call (`packed_step`; layout in `jaxlora.engine.step_inputs`): as separate
+jit arguments they would be a copy each, and a copy may wait behind the device work in flight.
 
 S = max_batch rows; a running request keeps its row. The tokens of each row in this step (a decode
 token, or a chunk of its prompt) are packed one row after another with no padding between them,
@@ -40,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxlora.engine.compiles import start_counting, thread_backend_compiles
 from jaxlora.engine.config import EngineConfig
@@ -47,6 +52,7 @@ from jaxlora.engine.kv_pages import PageTable, pages_for
 from jaxlora.engine.request import Request
 from jaxlora.engine.sampling import SamplingArrays, sample
 from jaxlora.engine.scheduler import StepPlan
+from jaxlora.engine.step_inputs import HostInputs, InputPacker, StepLayout
 from jaxlora.lora.apply import LoraRuntime
 from jaxlora.lora.bank import Bank
 from jaxlora.model import PagedKVCache, RaggedBatch, init_paged_kv_cache
@@ -66,26 +72,8 @@ def num_traces() -> int:
     return _num_traces
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "mesh"), donate_argnames=("kv",))
-def ragged_step(
-    params,
-    bank,
-    kv,
-    tokens,
-    src,
-    positions,
-    slot_ids,
-    batch: RaggedBatch,
-    sampling,
-    last_ids,
-    *,
-    graphdef,
-    runtime,
-    mesh=None,
-):
-    """One step over a flat token batch; see the module doc."""
-    global _num_traces
-    _num_traces += 1
+def _step(params, bank, kv, tokens, src, positions, slot_ids, batch, sampling, last_ids, *, graphdef, runtime, mesh):
+    """The step's math over its unpacked fields (module doc); traced inside the jitted entries."""
     tokens = jnp.where(src >= 0, last_ids[jnp.maximum(src, 0)], tokens)
 
     def step(params, bank, kv, tokens, positions, slot_ids, batch, sampling, *, tensor_axis):
@@ -107,6 +95,54 @@ def ragged_step(
     return shard_step(step, mesh)(params, bank, kv, tokens, positions, slot_ids, batch, sampling)
 
 
+@functools.partial(jax.jit, static_argnames=("layout", "graphdef", "runtime", "mesh"), donate_argnames=("kv",))
+def packed_step(params, bank, kv, packed, last_ids, *, layout: StepLayout, graphdef, runtime, mesh=None):
+    """The engine's step: its inputs as one int32 array `packed` [layout.size] (one host->device
+    copy; `jaxlora.engine.step_inputs`), unpacked here at static offsets. -> (next_ids [S], kv)."""
+    global _num_traces
+    _num_traces += 1
+    fields = layout.unpack(packed)
+    return _step(params, bank, kv, last_ids=last_ids, graphdef=graphdef, runtime=runtime, mesh=mesh, **fields)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "mesh"), donate_argnames=("kv",))
+def ragged_step(
+    params,
+    bank,
+    kv,
+    tokens,
+    src,
+    positions,
+    slot_ids,
+    batch: RaggedBatch,
+    sampling,
+    last_ids,
+    *,
+    graphdef,
+    runtime,
+    mesh=None,
+):
+    """The same step over its fields as separate arrays (module doc): for tools that build a step's
+    arrays themselves (benchmarks, HLO checks). The engine sends `packed_step`."""
+    global _num_traces
+    _num_traces += 1
+    return _step(
+        params,
+        bank,
+        kv,
+        tokens,
+        src,
+        positions,
+        slot_ids,
+        batch,
+        sampling,
+        last_ids,
+        graphdef=graphdef,
+        runtime=runtime,
+        mesh=mesh,
+    )
+
+
 class Runner:
     """Owns the page pool and calls the compiled step. Not thread-safe: the engine loop calls it."""
 
@@ -122,8 +158,18 @@ class Runner:
         self._static = dict(graphdef=model.graphdef, runtime=runtime)
         if self.mesh is not None:  # one device: the same jit cache key as callers that never pass a mesh
             self._static["mesh"] = self.mesh
+        # The step's small inputs go whole to every device of the mesh (None: the default device).
+        self.input_sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        self.packer = InputPacker(
+            rows=config.max_batch,
+            pages_per_seq=self.pages_per_seq,
+            page_size=config.page_size,
+            num_pages=self.num_pages,
+            budgets=config.token_budgets,
+        )
+        self._sent: list[jax.Array | None] = [None] * InputPacker.NUM_BUFFERS  # each buffer's last copy
         # Each row's last sampled id, still on the device (see the module doc).
-        self.last_ids: jax.Array | np.ndarray = np.zeros(config.max_batch, np.int32)
+        self.last_ids: jax.Array = self._initial_ids()
         # XLA compiles paid by this runner's step calls, a new placement of an argument included
         # (jit compiles those without retracing, so num_traces misses them).
         self.step_compiles = 0
@@ -149,72 +195,49 @@ class Runner:
         return init_sharded_paged_kv_cache(model.config, self.num_pages, cfg.page_size, model.dtype, self.mesh)
 
     def step(self, bank: Bank | None, plan: StepPlan, pages: PageTable, *, lora: bool | None = None) -> jax.Array:
-        """Dispatches the plan's step; returns next ids [S] by row, on the device.
+        """Packs and dispatches the plan's step; returns next ids [S] by row, on the device.
 
-        lora: run with the bank (True) or without (False); None: only if a token has an adapter.
+        lora: run with the bank (True) or without (False); None: only if a token has an adapter (always
+          without `config.bank_free_steps`).
         """
-        bank, arrays = self._step_args(bank, plan, pages, lora)
+        return self.dispatch(bank, self.pack(plan, pages), lora=lora)
+
+    def pack(self, plan: StepPlan, pages: PageTable) -> HostInputs:
+        """The plan's inputs in one of the packer's host buffers, after that buffer's previous copy
+        to the device is done (in the engine's loop it is: see `InputPacker`)."""
+        sent = self._sent[self.packer.next_buffer]
+        if sent is not None:
+            sent.block_until_ready()
+        return self.packer.pack(plan, pages)
+
+    def dispatch(self, bank: Bank | None, inputs: HostInputs, *, lora: bool | None = None) -> jax.Array:
+        """Sends the packed inputs (one host->device copy, issued here so that the call finds them
+        placed) and dispatches the step; returns next ids [S] on the device, without waiting."""
+        # may_alias=False: on CPU a device_put may alias the numpy buffer, which the next pack rewrites.
+        packed = jax.device_put(inputs.buffer, self.input_sharding, may_alias=False)
+        self._sent[inputs.index] = packed
+        return self.dispatch_packed(self._bank_for(bank, inputs.has_adapter, lora), packed, inputs.layout)
+
+    def dispatch_packed(self, bank: Bank | None, packed: jax.Array, layout: StepLayout) -> jax.Array:
+        """Dispatches the step on inputs already on the device (packed [layout.size] int32)."""
         compiles = thread_backend_compiles()  # jit compiles on the calling thread
-        next_ids, self.kv = ragged_step(self.params, bank, self.kv, last_ids=self.last_ids, **arrays, **self._static)
+        next_ids, self.kv = packed_step(
+            self.params, bank, self.kv, packed, self.last_ids, layout=layout, **self._static
+        )
         self.step_compiles += thread_backend_compiles() - compiles
         self.last_ids = next_ids
         return next_ids
 
-    def _step_args(
-        self, bank: Bank | None, plan: StepPlan, pages: PageTable, lora: bool | None
-    ) -> tuple[Bank | None, dict]:
-        """(the bank the step runs with, the plan's host arrays); see `step`."""
-        arrays = self._inputs(plan, pages)
-        if lora is None and not self.config.bank_free_steps:
-            lora = True
-        return _bank_for(bank, arrays["slot_ids"], lora), arrays
-
-    def _inputs(self, plan: StepPlan, pages: PageTable) -> dict:
-        """The step's host arrays: per token [T] and per row [S] (see RaggedBatch)."""
-        T, S, P = plan.budget, self.config.max_batch, self.config.page_size
-        tokens, src = np.zeros(T, np.int32), np.full(T, -1, np.int32)
-        positions, slot_ids = np.zeros(T, np.int32), np.zeros(T, np.int32)
-        write_page, write_offset = np.full(T, self.num_pages, np.int32), np.zeros(T, np.int32)
-        q_start, q_len, kv_len = np.zeros(S, np.int32), np.zeros(S, np.int32), np.zeros(S, np.int32)
-        block_tables = np.zeros((S, self.pages_per_seq), np.int32)
-        sampled: list[Request | None] = [None] * S
-        offset = 0
-        for c in plan.chunks:
-            span = slice(offset, offset + c.length)
-            if c.from_device:
-                src[offset] = c.row
-            else:
-                tokens[span] = c.request.tokens(c.start, c.start + c.length)
-            seq_pages = np.asarray(pages.pages_of(c.row), np.int32)
-            pos = np.arange(c.start, c.start + c.length, dtype=np.int32)
-            positions[span], slot_ids[span] = pos, c.request.slot
-            write_page[span], write_offset[span] = seq_pages[pos // P], pos % P
-            q_start[c.row], q_len[c.row], kv_len[c.row] = offset, c.length, c.start + c.length
-            block_tables[c.row, : len(seq_pages)] = seq_pages
-            if c.samples:
-                sampled[c.row] = c.request
-            offset += c.length
-        batch = RaggedBatch(
-            q_start=q_start,
-            q_len=q_len,
-            kv_len=kv_len,
-            block_tables=block_tables,
-            write_page=write_page,
-            write_offset=write_offset,
-        )
-        return dict(
-            tokens=tokens,
-            src=src,
-            positions=positions,
-            slot_ids=slot_ids,
-            batch=batch,
-            sampling=sampling_arrays(sampled, S),
-        )
-
     def reset_pool(self) -> None:
         """A fresh page pool (after a failed step, whose donated pool may be gone)."""
         self.kv = self._new_pool()
-        self.last_ids = np.zeros(self.config.max_batch, np.int32)
+        self.last_ids = self._initial_ids()
+        self.packer.reset()
+        self._sent = [None] * InputPacker.NUM_BUFFERS  # copies of the failed steps are not waited for
+
+    def _initial_ids(self) -> jax.Array:
+        """Every row's "previous output" before any step: zeros, placed as the step's inputs are."""
+        return jax.device_put(np.zeros(self.config.max_batch, np.int32), self.input_sharding)
 
     def warmup(self, bank: Bank | None, pages: PageTable, progress: WarmupProgress | None = None) -> None:
         """Compiles the step at every token budget, with the bank and without, all tokens padding.
@@ -226,8 +249,17 @@ class Runner:
         """
         variants = (False,) if bank is None else (True, False) if self.config.bank_free_steps else (True,)
         shapes = [(budget, lora) for budget in self.config.token_budgets for lora in variants]
+        # Inputs placed as `dispatch` places them (the placement is part of the compiled program).
+        packed = {
+            T: jax.device_put(np.zeros(layout.size, np.int32), self.input_sharding)
+            for T, layout in self.packer.layouts.items()
+        }
+        layouts = self.packer.layouts
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(shapes), os.cpu_count() or 1)) as pool:
-            jobs = {pool.submit(self._compile, bank, pages, budget, lora): (budget, lora) for budget, lora in shapes}
+            jobs = {
+                pool.submit(self._compile, bank, packed[budget], layouts[budget], lora): (budget, lora)
+                for budget, lora in shapes
+            }
             for k, done in enumerate(concurrent.futures.as_completed(jobs)):
                 done.result()
                 budget, lora = jobs[done]
@@ -238,24 +270,24 @@ class Runner:
         for budget, lora in shapes * 2:
             self.step(bank, _empty_plan(budget), pages, lora=lora).block_until_ready()
 
-    def _compile(self, bank: Bank | None, pages: PageTable, budget: int, lora: bool) -> None:
-        """Compiles (without running) the step of `budget` tokens, with the bank or without."""
-        bank, arrays = self._step_args(bank, _empty_plan(budget), pages, lora)
-        # Called exactly as `step` calls it (positional vs keyword is part of jit's cache key).
-        ragged_step.lower(self.params, bank, self.kv, last_ids=self.last_ids, **arrays, **self._static).compile()
+    def _compile(self, bank: Bank | None, packed: jax.Array, layout: StepLayout, lora: bool) -> None:
+        """Compiles (without running) the step of `layout`, with the bank or without."""
+        bank = self._bank_for(bank, False, lora)
+        # Called exactly as `dispatch_packed` calls it (positional vs keyword is part of jit's cache key).
+        packed_step.lower(self.params, bank, self.kv, packed, self.last_ids, layout=layout, **self._static).compile()
+
+    def _bank_for(self, bank: Bank | None, has_adapter: bool, lora: bool | None) -> Bank | None:
+        """The bank when the step needs it: asked for (lora), else when some token has an adapter, or
+        always unless `config.bank_free_steps`."""
+        if bank is None:
+            return None
+        if lora is None:
+            lora = has_adapter or not self.config.bank_free_steps
+        return bank if lora else None
 
 
 def _empty_plan(budget: int) -> StepPlan:
     return StepPlan(chunks=(), budget=budget, needs_commit=False)
-
-
-def _bank_for(bank: Bank | None, slot_ids: np.ndarray, lora: bool | None) -> Bank | None:
-    """The bank when the step needs it: asked for, or (lora None) some token has an adapter."""
-    if bank is None:
-        return None
-    if lora is None:
-        lora = bool(np.any(slot_ids))
-    return bank if lora else None
 
 
 def sampling_arrays(requests: Sequence[Request | None], rows: int) -> SamplingArrays:

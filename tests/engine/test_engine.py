@@ -275,7 +275,7 @@ def test_page_ins_are_staged_before_the_step_and_committed_around_it(parts, monk
         events,
         (engine.pager, "stage"),
         (engine.pager, "commit"),
-        (engine.runner, "step"),
+        (engine.runner, "dispatch"),
         (jax, "device_get"),
     )
     engine.run_until_idle()
@@ -302,10 +302,12 @@ def test_page_ins_are_staged_before_the_step_and_committed_around_it(parts, monk
             steps.append([])
         steps[-1].append(e)
     allowed = {
-        ("stage", *c, *r) for c in (("commit",), ("step", "commit"), ("commit", "step")) for r in ((), ("device_get",))
+        ("stage", *c, *r)
+        for c in (("commit",), ("dispatch", "commit"), ("commit", "dispatch"))
+        for r in ((), ("device_get",))
     }
     assert all(tuple(s) in allowed for s in steps), steps
-    dispatching = [s for s in steps if "step" in s]
+    dispatching = [s for s in steps if "dispatch" in s]
     assert dispatching and "device_get" not in dispatching[0]  # the first has nothing in flight to read
     # A request for a cold adapter is admitted in the step that pages its adapter in: the commit
     # that writes its slot goes first, then the step with its prompt.
@@ -319,7 +321,7 @@ def test_page_ins_are_staged_before_the_step_and_committed_around_it(parts, monk
     page_ins = engine.pager.metrics.page_ins
     events.clear()
     engine.step()  # pins the adapter (page-in queued), stages the copy, admits, commits, dispatches
-    assert events == ["stage", "commit", "step"] and engine.pager.metrics.page_ins == page_ins + 1
+    assert events == ["stage", "commit", "dispatch"] and engine.pager.metrics.page_ins == page_ins + 1
     engine.run_until_idle()
     assert handle.result().error is None and handle.result().completion_tokens == 2
 
@@ -328,21 +330,42 @@ def test_engine_runs_one_step_behind(engine, monkeypatch):
     """Step N+1 is dispatched before step N's ids are read; rows are fed their token on the device."""
     events: list[str] = []
     engine.run_until_idle()
-    record_calls(monkeypatch, events, (engine.runner, "step"), (jax, "device_get"))
+    record_calls(monkeypatch, events, (engine.runner, "dispatch"), (jax, "device_get"))
     request = GenerationRequest(request_id="behind", prompt_ids=[1, 20, 21, 22], sampling=SamplingParams(max_tokens=3))
     handle = engine.submit(request)
-    assert engine.step() == [] and events == ["step"]  # dispatched, not read
+    assert engine.step() == [] and events == ["dispatch"]  # dispatched, not read
     first = engine.step()  # decode fed the prompt's sampled id on the device, then that id is read
-    assert events[1:] == ["step", "device_get"] and [o.completion_tokens for o in first] == [1]
+    assert events[1:] == ["dispatch", "device_get"] and [o.completion_tokens for o in first] == [1]
     engine.run_until_idle()
     tokens = handle.result().token_ids
     assert len(tokens) == 3 and engine.compiles_after_warmup == 0
     # max_tokens is known ahead: no step is dispatched past the third token.
-    assert events.count("step") == 3
+    assert events.count("dispatch") == 3
     solo = engine.generate(
         [GenerationRequest(request_id="again", prompt_ids=[1, 20, 21, 22], sampling=SamplingParams(max_tokens=3))]
     )[0]
     assert solo.token_ids == tokens
+
+
+def test_stats_split_the_loops_host_time_by_phase(engine):
+    """Every dispatched step is counted; host time is the sum of its four phases, the wait apart."""
+    from jaxlora.engine.host_timing import HOST_PHASES, per_step
+
+    engine.run_until_idle()
+    s0 = engine.stats()
+    requests = [
+        GenerationRequest(request_id=f"timed{i}", prompt_ids=[1, 40 + i], sampling=SamplingParams(max_tokens=5))
+        for i in range(3)
+    ]
+    engine.generate(requests)
+    s1 = engine.stats()
+    host = s1["host"]
+    assert host["steps"] - s0["host"]["steps"] == s1["steps"] - s0["steps"] >= 5
+    assert host["calls"] - s0["host"]["calls"] >= host["steps"] - s0["host"]["steps"]
+    assert host["host_ms"] == pytest.approx(sum(host[f"{p}_ms"] for p in HOST_PHASES), abs=0.01)
+    ms = per_step(s0["host"], s1["host"])
+    assert all(ms[f"{p}_ms"] > 0 for p in HOST_PHASES) and ms["wait_ms"] >= 0
+    assert per_step(s1["host"], s1["host"])["host_ms"] is None  # no step in between
 
 
 def test_steps_without_adapter_rows_run_without_the_bank(engine, monkeypatch):
@@ -351,13 +374,13 @@ def test_steps_without_adapter_rows_run_without_the_bank(engine, monkeypatch):
     import jaxlora.engine.runner as runner_module
 
     seen: list[bool] = []
-    fn = runner_module.ragged_step
+    fn = runner_module.packed_step
 
     def wrapped(params, bank, *args, **kwargs):
         seen.append(bank is not None)
         return fn(params, bank, *args, **kwargs)
 
-    monkeypatch.setattr(runner_module, "ragged_step", wrapped)
+    monkeypatch.setattr(runner_module, "packed_step", wrapped)
     engine.run_until_idle()
     base = GenerationRequest(request_id="base-only", prompt_ids=[1, 9, 10], sampling=SamplingParams(max_tokens=4))
     with jax.no_tracing():
