@@ -26,7 +26,6 @@ USED = {
     "stage",
     "commit",
     "warmup",
-    "place_on",
     "bank",
     "mesh",
     "max_slots",
