@@ -31,7 +31,7 @@ import numpy as np
 from benchmarks.common import LLAMA2_7B, TINY
 from jaxlora.adapters.registry import FlatLayout
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraConfig, ModelConfig
-from jaxlora.lora.bank import _write_many_flat, bank_groups, init_bank, write_slot_flat, write_slots_flat
+from jaxlora.lora.bank import bank_groups, init_bank, write_many_flat, write_slot_flat, write_slots_flat
 
 DTYPE = jnp.bfloat16
 
@@ -117,7 +117,7 @@ def make_in_jit_writer(k: int, pinned, device):
     def write_all(bank, slots, *flats):
         if pinned is not None:
             flats = tuple(jax.device_put(flat, jax.memory.Space.Device) for flat in flats)
-        return _write_many_flat(bank, slots, flats)
+        return write_many_flat(bank, slots, flats)
 
     in_sh = (None, None) + ((pinned,) * k if pinned is not None else (None,) * k)
     return jax.jit(write_all, donate_argnums=0, in_shardings=in_sh if pinned is not None else None)

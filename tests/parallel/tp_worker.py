@@ -235,7 +235,7 @@ def check_hlo(engine: Engine, result: dict) -> None:
     inputs = decode_inputs(runner, np.zeros(engine.config.max_batch, np.int32), 0)
     hlo = (
         ragged_step.lower(
-            runner.params, engine.pager.bank, runner.kv, last_ids=runner.last_ids, **inputs, **runner._static
+            runner.params, engine.pager.bank, runner.kv, last_ids=runner.last_ids, **inputs, **runner.step_static
         )
         .compile()
         .as_text()
