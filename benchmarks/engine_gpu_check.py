@@ -3,14 +3,13 @@ requests through engines that differ only in kernels (Pallas attention + Pallas 
 defaults, against XLA attention + XLA LoRA) give the same greedy tokens, with zero compiles after
 warm-up. A toy model (float32), so the two paths agree to the last token.
 
-    PYTHONPATH=. python3 benchmarks/engine_gpu_check.py --out $OUT
+    python -m benchmarks.engine_gpu_check --out $OUT
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -18,15 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jaxlora.adapters import ResidentBank  # noqa: E402
-from jaxlora.bench.e2e import TINY, adapter_name, random_bank, word_tokenizer  # noqa: E402
-from jaxlora.config import LoraConfig  # noqa: E402
-from jaxlora.engine.config import EngineConfig  # noqa: E402
-from jaxlora.engine.engine import Engine  # noqa: E402
-from jaxlora.engine.request import GenerationRequest, SamplingParams  # noqa: E402
-from jaxlora.lora.apply import LoraRuntime  # noqa: E402
-from jaxlora.model.params import random_model  # noqa: E402
+from benchmarks.common import TINY, adapter_name, random_bank, word_tokenizer
+from jaxlora.adapters import ResidentBank
+from jaxlora.config import LoraConfig
+from jaxlora.engine.config import EngineConfig
+from jaxlora.engine.engine import Engine
+from jaxlora.engine.request import GenerationRequest, SamplingParams
+from jaxlora.lora.apply import LoraRuntime
+from jaxlora.model.params import random_model
 
 
 def run(backend: str, attention: str, model, requests) -> tuple[list[tuple[int, ...]], int | None, float]:

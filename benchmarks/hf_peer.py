@@ -10,8 +10,8 @@ Per case: tokens/s of the timed `generate` (prefill included, as jaxlora's end-t
 time to first token (a 1-token `generate` of the whole batch) and the mean decode step
 ((t(N) - t(1)) / (N - 1)). Also the device-to-device copy bandwidth through torch, for reference.
 
-    python3 benchmarks/hf_peer.py --out hf_peer.json               # H200 (torch, transformers, peft)
-    python3 benchmarks/hf_peer.py --tiny --device cpu --out x.json  # smoke run on a toy shape
+    python -m benchmarks.hf_peer --out hf_peer.json               # H200 (torch, transformers, peft)
+    python -m benchmarks.hf_peer --tiny --device cpu --out x.json  # smoke run on a toy shape
 
 Runs under the image's torch python, never imports jax or jaxlora.
 """
@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 # This folder holds kernels.py, which would shadow the `kernels` package transformers probes for.
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
-import torch  # noqa: E402
+import torch
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LLAMA2_7B = dict(

@@ -27,8 +27,8 @@ Per case, over `--steps` steps after `--warmup-steps`:
                      in the trace: on CPU the entry says it is not available.
 The loop must compile nothing after warm-up (`compiles_after_warmup` is recorded and checked).
 
-    PYTHONPATH=. python benchmarks/host_loop.py --tiny --out /tmp/host_loop       # CPU, seconds
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=. python benchmarks/host_loop.py \\
+    python -m benchmarks.host_loop --tiny --out /tmp/host_loop       # CPU, seconds
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python -m benchmarks.host_loop \\
         --out benchmarks/results                                                  # H200
 
 Writes OUT/host_loop.json, rewritten after every case.
@@ -51,19 +51,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jaxlora.adapters import ResidentBank  # noqa: E402
-from jaxlora.bench.e2e import LLAMA2_7B, TINY, adapter_name, random_bank, word_tokenizer  # noqa: E402
-from jaxlora.config import LoraConfig  # noqa: E402
-from jaxlora.engine.compiles import backend_compiles, check_no_compiles  # noqa: E402
-from jaxlora.engine.config import EngineConfig  # noqa: E402
-from jaxlora.engine.engine import Engine  # noqa: E402
-from jaxlora.engine.host_timing import per_step  # noqa: E402
-from jaxlora.engine.request import GenerationRequest, SamplingParams  # noqa: E402
-from jaxlora.engine.runner import ragged_step  # noqa: E402
-from jaxlora.engine.step_inputs import HostInputs  # noqa: E402
-from jaxlora.lora.apply import LoraRuntime  # noqa: E402
-from jaxlora.model.params import random_model  # noqa: E402
+from benchmarks.common import LLAMA2_7B, TINY, adapter_name, random_bank, word_tokenizer
+from jaxlora.adapters import ResidentBank
+from jaxlora.config import LoraConfig
+from jaxlora.engine.compiles import backend_compiles, check_no_compiles
+from jaxlora.engine.config import EngineConfig
+from jaxlora.engine.engine import Engine
+from jaxlora.engine.host_timing import per_step
+from jaxlora.engine.request import GenerationRequest, SamplingParams
+from jaxlora.engine.runner import ragged_step
+from jaxlora.engine.step_inputs import HostInputs
+from jaxlora.lora.apply import LoraRuntime
+from jaxlora.model.params import random_model
 
 PAGE_SIZE = 16
 

@@ -9,12 +9,12 @@ HBM bandwidth is measured in the same run as a large device-to-device copy (byte
 Every case's floor counts the distinct adapter bytes, x read, h written and read, and y read and
 written.
 
-    python benchmarks/kernels.py check              # pallas vs xla on awkward shapes (GPU, compiled)
-    python benchmarks/kernels.py tune               # sweep decode knobs, print tuning.py rows
-    python benchmarks/kernels.py bench --out DIR    # full table -> DIR/kernels.{json,md,png}
-    python benchmarks/kernels.py model              # scan over layers, plan hoisted vs per op
-    python benchmarks/kernels.py all --out DIR      # check, tune (installed for the bench), bench, model
-    python benchmarks/kernels.py all --smoke        # the same on tiny shapes in interpret mode (CPU)
+    python -m benchmarks.kernels check              # pallas vs xla on awkward shapes (GPU, compiled)
+    python -m benchmarks.kernels tune               # sweep decode knobs, print tuning.py rows
+    python -m benchmarks.kernels bench --out DIR    # full table -> DIR/kernels.{json,md,png}
+    python -m benchmarks.kernels model              # scan over layers, plan hoisted vs per op
+    python -m benchmarks.kernels all --out DIR      # check, tune (installed for the bench), bench, model
+    python -m benchmarks.kernels all --smoke        # the same on tiny shapes in interpret mode (CPU)
 
 `--budget-s` bounds the run: lower-priority cases are skipped once it is spent, and the results
 written so far stay (they are rewritten after every case).
@@ -36,9 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import pallas_kernels as pk  # noqa: E402
-from pallas_kernels import lora_triton, tuning  # noqa: E402
+import pallas_kernels as pk
+from pallas_kernels import lora_triton, tuning
 
 L2_BYTES = 60e6
 DTYPE = jnp.bfloat16
@@ -558,7 +557,7 @@ def main() -> None:
     start = time.perf_counter()
     S = dataclasses.replace(SMOKE if args.smoke else Scale(), deadline=start + args.budget_s)
     num_layers = 2 if args.smoke else args.layers
-    command = "python benchmarks/kernels.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.kernels " + " ".join(sys.argv[1:])
     stamp = lambda what: print(f"== {what} at {time.perf_counter() - start:.0f}s", flush=True)
     print("device", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
     HBM_GBPS = hbm_gbps()

@@ -11,9 +11,9 @@ A research probe for the pager (issue 6). Every figure is a median over repeats,
                   the step's output is ready and when the written bank is, against the step alone
                   and the copies alone; host time spent issuing the page-ins
 
-    python benchmarks/pagein_probe.py --out benchmarks/results        # GPU
-    python benchmarks/pagein_probe.py --tiny --out /tmp/probe         # CPU smoke run
-    python benchmarks/pagein_probe.py --render benchmarks/results/pagein_probe.json   # -> pagein_probe.md
+    python -m benchmarks.pagein_probe --out benchmarks/results        # GPU
+    python -m benchmarks.pagein_probe --tiny --out /tmp/probe         # CPU smoke run
+    python -m benchmarks.pagein_probe --render benchmarks/results/pagein_probe.json   # -> pagein_probe.md
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jaxlora.adapters.registry import FlatLayout  # noqa: E402
-from jaxlora.bench.e2e import LLAMA2_7B, TINY  # noqa: E402
-from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraConfig, ModelConfig  # noqa: E402
-from jaxlora.lora.bank import _write_many_flat, bank_groups, init_bank, write_slot_flat, write_slots_flat  # noqa: E402
+from benchmarks.common import LLAMA2_7B, TINY
+from jaxlora.adapters.registry import FlatLayout
+from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraConfig, ModelConfig
+from jaxlora.lora.bank import bank_groups, init_bank, write_many_flat, write_slot_flat, write_slots_flat
 
 DTYPE = jnp.bfloat16
 
@@ -118,7 +117,7 @@ def make_in_jit_writer(k: int, pinned, device):
     def write_all(bank, slots, *flats):
         if pinned is not None:
             flats = tuple(jax.device_put(flat, jax.memory.Space.Device) for flat in flats)
-        return _write_many_flat(bank, slots, flats)
+        return write_many_flat(bank, slots, flats)
 
     in_sh = (None, None) + ((pinned,) * k if pinned is not None else (None,) * k)
     return jax.jit(write_all, donate_argnums=0, in_shardings=in_sh if pinned is not None else None)

@@ -22,10 +22,10 @@ the real Pager; Pallas LoRA kernels and decode attention on GPU):
 Registration: a few random weight sets are drawn once and every registered adapter is a copy of one
 of them (each registration still validates, packs and pins its own host buffer), on a few threads.
 
-    python benchmarks/paging.py                # H200: both settings -> benchmarks/results/paging.{json,md,png}
-    python benchmarks/paging.py --tiny         # CPU smoke run at toy size
-    python benchmarks/paging.py --setting s1 --registered 2000 --exponents 1 0.1
-    python benchmarks/paging.py --setting full --host-gb 60 --budget-s 900
+    python -m benchmarks.paging                # H200: both settings -> benchmarks/results/paging.{json,md,png}
+    python -m benchmarks.paging --tiny         # CPU smoke run at toy size
+    python -m benchmarks.paging --setting s1 --registered 2000 --exponents 1 0.1
+    python -m benchmarks.paging --setting full --host-gb 60 --budget-s 900
 """
 
 from __future__ import annotations
@@ -46,15 +46,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jaxlora.adapters import HostMemory, Pager  # noqa: E402
-from jaxlora.bench.e2e import LLAMA2_7B, TINY, word_tokenizer  # noqa: E402
-from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig  # noqa: E402
-from jaxlora.engine.config import EngineConfig  # noqa: E402
-from jaxlora.engine.engine import Engine  # noqa: E402
-from jaxlora.engine.request import GenerationRequest, SamplingParams  # noqa: E402
-from jaxlora.lora.host_adapter import HostAdapter  # noqa: E402
-from jaxlora.model.params import random_model  # noqa: E402
+from benchmarks.common import LLAMA2_7B, TINY, word_tokenizer
+from jaxlora.adapters import HostMemory, Pager
+from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig
+from jaxlora.engine.config import EngineConfig
+from jaxlora.engine.engine import Engine
+from jaxlora.engine.request import GenerationRequest, SamplingParams
+from jaxlora.lora.host_adapter import HostAdapter
+from jaxlora.model.params import random_model
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -641,7 +640,7 @@ def merge(paths: list[Path], out: Path) -> dict:
         rows=[],
         variant_rows=[],
         commands=[p["command"] for p in payloads],
-        command="python benchmarks/paging.py --merge " + " ".join(str(p) for p in paths),
+        command="python -m benchmarks.paging --merge " + " ".join(str(p) for p in paths),
     )
     seen: set[str] = set()
     for payload in payloads:

@@ -9,7 +9,7 @@
   profiles        per-op device time (XLA Ops line of the profiler) for the base variants and the
                   pallas LoRA step, top ops by total time
 
-    PYTHONPATH=. python3 benchmarks/profile_decode.py [--tiny] [--out DIR] [--only NAME ...]
+    python -m benchmarks.profile_decode [--tiny] [--out DIR] [--only NAME ...]
 
 Writes DIR/profile_decode.json when --out is given.
 """
@@ -20,7 +20,6 @@ import argparse
 import collections
 import glob
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,13 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jaxlora.bench.e2e import LLAMA2_7B, TINY, hbm_gbps, random_bank, slot_pattern, time_decode  # noqa: E402
-from jaxlora.config import TARGET_MODULES, LoraBackend, LoraConfig  # noqa: E402
-from jaxlora.engine.config import EngineConfig  # noqa: E402
-from jaxlora.engine.runner import Runner  # noqa: E402
-from jaxlora.lora.apply import LoraRuntime  # noqa: E402
-from jaxlora.model.params import random_model  # noqa: E402
+from benchmarks.common import LLAMA2_7B, TINY, hbm_gbps, random_bank, slot_pattern, time_decode
+from jaxlora.config import TARGET_MODULES, LoraBackend, LoraConfig
+from jaxlora.engine.config import EngineConfig
+from jaxlora.engine.runner import Runner
+from jaxlora.lora.apply import LoraRuntime
+from jaxlora.model.params import random_model
 
 BASE_VARIANTS = {
     "scan/xla-attn": dict(),
@@ -94,7 +92,7 @@ def print_ops(title: str, ops: list[tuple[str, float, int]], top: int = 18) -> N
 
 
 def step_fn(runner, bank, slots, position):
-    from jaxlora.bench.e2e import decode_inputs
+    from benchmarks.common import decode_inputs
     from jaxlora.engine.runner import ragged_step
 
     inputs = jax.device_put(decode_inputs(runner, slots, position))

@@ -13,7 +13,7 @@ reads its layer's weights straight out of the stack; a bf16 / f32 count for int8
 wrote a dequantized copy first instead of fusing the convert into the GEMM (the bytes the format
 saves are then spent again); s8 / f8e4m3fn counts are copies of a layer's slice.
 
-    PYTHONPATH=. python3 benchmarks/quant_gemm.py [--tiny] [--batch 1 16 64 256] [--out DIR]
+    python -m benchmarks.quant_gemm [--tiny] [--batch 1 16 64 256] [--out DIR]
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import re
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,10 +29,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jaxlora.bench.e2e import LLAMA2_7B, TINY, hbm_gbps  # noqa: E402
-from jaxlora.config import TARGET_MODULES, ModelConfig  # noqa: E402
-from jaxlora.model.quant import Quantization, matmul, quantize  # noqa: E402
+from benchmarks.common import LLAMA2_7B, TINY, hbm_gbps
+from jaxlora.config import TARGET_MODULES, ModelConfig
+from jaxlora.model.quant import Quantization, matmul, quantize
 
 FORMATS = ("bf16", "int8", "fp8", "fp8-native")
 FP8 = jnp.dtype(jnp.float8_e4m3fn)

@@ -4,8 +4,8 @@ For each case (random pages in a shuffled pool, NaN in every page no sequence re
 tokens at the end), it prints the kernel's largest error against the reference, times the kernel
 and the reference per layer, and sweeps block_q x block_k (every swept setting is checked too):
 
-    PYTHONPATH=. python3 benchmarks/ragged_attention_check.py --out DIR    # DIR/ragged_attention.json
-    PYTHONPATH=. python3 benchmarks/ragged_attention_check.py --out DIR --smoke  # tiny, interpret mode (CPU)
+    python -m benchmarks.ragged_attention_check --out DIR    # DIR/ragged_attention.json
+    python -m benchmarks.ragged_attention_check --out DIR --smoke  # tiny, interpret mode (CPU)
 
 Timing: one jitted call runs the op over `--layers` layers in a fori_loop, each layer's output fed
 to the next as its queries (so nothing is hoisted or dropped); a layer's time is the median over 20
@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import itertools
 import json
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -30,10 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pallas_kernels.ragged_attention import ragged_paged_attention  # noqa: E402
-from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference  # noqa: E402
-from tests.tolerances import TOLERANCES  # noqa: E402
+from pallas_kernels.ragged_attention import ragged_paged_attention
+from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference
+from tests.tolerances import TOLERANCES
 
 HBM_BYTES_PER_S = 4.1e12
 DTYPE = jnp.bfloat16

@@ -46,10 +46,10 @@ once), serving its rates one after another: each run starts with an idle engine,
 adapters the previous run left resident (a paged setting's first run starts with no adapter on the
 device; `all` pages its 64 in before the first).
 
-    python benchmarks/serving.py --tiny                                  # CPU smoke run
-    python benchmarks/serving.py --settings all s1 --rates 4 10 40 --duration 30 --max-drain-s 30
-    python benchmarks/serving.py --settings s2 --rates 4 10 40 --sweep 3 --merge
-    python benchmarks/serving.py --render                                # md + png from the JSON
+    python -m benchmarks.serving --tiny                                  # CPU smoke run
+    python -m benchmarks.serving --settings all s1 --rates 4 10 40 --duration 30 --max-drain-s 30
+    python -m benchmarks.serving --settings s2 --rates 4 10 40 --sweep 3 --merge
+    python -m benchmarks.serving --render                                # md + png from the JSON
 """
 
 from __future__ import annotations
@@ -70,18 +70,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from benchmarks.paging import pool_adapters, register_copies, weight_pool  # noqa: E402
-from jaxlora.adapters import Pager  # noqa: E402
-from jaxlora.bench.e2e import LLAMA2_7B, TINY, word_tokenizer  # noqa: E402
-from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig  # noqa: E402
-from jaxlora.engine.config import ENGINE_KIND, EngineConfig  # noqa: E402
-from jaxlora.engine.engine import Engine  # noqa: E402
-from jaxlora.engine.request import FinishReason, GenerationRequest, RequestOutput, SamplingParams  # noqa: E402
-from jaxlora.errors import JaxloraError  # noqa: E402
-from jaxlora.model.params import LoadedModel, random_model  # noqa: E402
+from benchmarks.common import LLAMA2_7B, TINY, word_tokenizer
+from benchmarks.paging import pool_adapters, register_copies, weight_pool
+from jaxlora.adapters import Pager
+from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig
+from jaxlora.engine.config import ENGINE_KIND, EngineConfig
+from jaxlora.engine.engine import Engine
+from jaxlora.engine.request import FinishReason, GenerationRequest, RequestOutput, SamplingParams
+from jaxlora.errors import JaxloraError
+from jaxlora.model.params import LoadedModel, random_model
 
+ROOT = Path(__file__).resolve().parents[1]
 SLO_TTFT_S = 6.0  # S-LoRA's SLO: the first token within 6 s
 KEY_FIELDS = ("engine", "setting", "n", "rate", "cv", "alpha")  # what --merge replaces rows by
 RESULTS = "serving.json"
@@ -912,7 +911,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     previous = json.loads(path.read_text())["rows"] if args.merge and path.exists() else []
     model = random_model(size.model, dtype=jnp.dtype(size.dtype))
     jax.block_until_ready(model.params)
-    command = "python benchmarks/serving.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m benchmarks.serving " + " ".join(sys.argv[1:] if argv is None else argv)
     base_row = {
         "device": str(dev.device_kind),
         "engine_commit": commit,

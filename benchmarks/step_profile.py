@@ -6,7 +6,7 @@ chunks (length, cached prefix), packed into a step of T tokens exactly as the en
 serving trace's steady state is the model: decode rows at a mean context of ~390 (prompt mean 260 plus
 half the output mean), and prompt chunks filling the rest of the budget.
 
-    PYTHONPATH=. python3 benchmarks/step_profile.py [--tiny] [--layers 8] [--out DIR] [--profile]
+    python3 -m benchmarks.step_profile [--tiny] [--layers 8] [--out DIR] [--profile]
 
 --profile adds a per-op device-time split (attention / GEMM / LoRA / other) of the named cases; run
 it with XLA_FLAGS=--xla_gpu_enable_command_buffer= so that the kernels show one by one. Timings are
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlora.bench.e2e import LLAMA2_7B, TINY, hbm_gbps, random_bank
+from benchmarks.common import LLAMA2_7B, TINY, hbm_gbps, random_bank
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraConfig
 from jaxlora.engine.runner import ragged_step, sampling_arrays
 from jaxlora.lora.apply import LoraRuntime

@@ -2,7 +2,7 @@
 (about 138 GB of bf16 weights: no single H200 holds it with a KV cache) on TP 2.
 
 A *case* is the engine's one jitted step (`jaxlora.engine.runner.ragged_step` with the runtime the
-engine picks on this platform) compiled for a decode-only batch (`jaxlora.bench.e2e.decode_inputs`:
+engine picks on this platform) compiled for a decode-only batch (`benchmarks.common.decode_inputs`:
 one token per row, T = batch, each row over its own KV pages) for one (model, tensor, batch, with or
 without the bank). Within a case only data changes, so it is timed for each distinct-adapter count d at no
 extra compile (row i on adapter 1 + i % d; d = 0: every row on the base slot 0). A case without
@@ -33,9 +33,9 @@ on one device or on the host), with the same values on TP 1 and TP 2. Results ar
 OUT/tp.json and OUT/tp.md after every case; a failing case is recorded with its error and the next
 one runs; no case starts once `--budget-s` is spent (listed as not run).
 
-    PYTHONPATH=. python3 benchmarks/tp.py --out benchmarks/results --budget-s 500      # 2 x H200
+    python -m benchmarks.tp --out benchmarks/results --budget-s 500      # 2 x H200
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
-        PYTHONPATH=. python3 benchmarks/tp.py --tiny --out /tmp/tp                      # CPU smoke
+        python -m benchmarks.tp --tiny --out /tmp/tp                      # CPU smoke
 """
 
 from __future__ import annotations
@@ -57,17 +57,16 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jaxlora.bench.e2e import LLAMA2_7B, TINY, decode_inputs, hbm_gbps, random_bank, slot_pattern  # noqa: E402
-from jaxlora.config import LoraConfig, ModelConfig  # noqa: E402
-from jaxlora.engine.compiles import backend_compiles, check_no_compiles  # noqa: E402
-from jaxlora.engine.config import EngineConfig  # noqa: E402
-from jaxlora.engine.kv_pages import pages_for  # noqa: E402
-from jaxlora.engine.runner import Runner, ragged_step  # noqa: E402
-from jaxlora.lora.apply import LoraRuntime  # noqa: E402
-from jaxlora.parallel import MeshConfig, make_mesh  # noqa: E402
-from jaxlora.parallel.mesh import TENSOR_AXIS  # noqa: E402
-from jaxlora.parallel.sharding import random_sharded_model  # noqa: E402
+from benchmarks.common import LLAMA2_7B, TINY, decode_inputs, hbm_gbps, random_bank, slot_pattern
+from jaxlora.config import LoraConfig, ModelConfig
+from jaxlora.engine.compiles import backend_compiles, check_no_compiles
+from jaxlora.engine.config import EngineConfig
+from jaxlora.engine.kv_pages import pages_for
+from jaxlora.engine.runner import Runner, ragged_step
+from jaxlora.lora.apply import LoraRuntime
+from jaxlora.model.sharded import random_sharded_model
+from jaxlora.parallel import MeshConfig, make_mesh
+from jaxlora.parallel.mesh import TENSOR_AXIS
 
 LLAMA2_70B = ModelConfig(
     vocab_size=32000,
@@ -234,7 +233,7 @@ def compile_step(runner: Runner, bank: dict | None, position: int) -> tuple[Step
     )
     inputs = step_inputs(runner, place, np.zeros(B, np.int32), position)
     t0 = time.perf_counter()
-    lowered = ragged_step.trace(runner.params, bank, runner.kv, *inputs, tokens, **runner._static).lower()
+    lowered = ragged_step.trace(runner.params, bank, runner.kv, *inputs, tokens, **runner.step_static).lower()
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
@@ -306,13 +305,15 @@ class Models:
         self.dtype = dtype
         self._key: tuple[str, int] | None = None
         self._model = None
+        self.mesh: jax.sharding.Mesh | None = None  # the mesh the current model is drawn on
 
     def get(self, name: str, tensor: int):
         if self._key != (name, tensor):
             self._model = None
             gc.collect()
             t0 = time.perf_counter()
-            self._model = random_sharded_model(MODELS[name], make_mesh(MeshConfig(tensor=tensor)), dtype=self.dtype)
+            self.mesh = make_mesh(MeshConfig(tensor=tensor))
+            self._model = random_sharded_model(MODELS[name], self.mesh, dtype=self.dtype)
             jax.block_until_ready(self._model.params)
             self._key = (name, tensor)
             print(f"  drew {name} on {tensor} device(s) in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -336,7 +337,10 @@ def run_case(
     model = models.get(case.model, case.tensor)
     cfg, itemsize = model.config, jnp.dtype(models.dtype).itemsize
     runner = Runner(
-        model, engine_config(case, backend, jnp.dtype(models.dtype).name), runtime=LoraRuntime.for_platform(backend)
+        model,
+        engine_config(case, backend, jnp.dtype(models.dtype).name),
+        runtime=LoraRuntime.for_platform(backend),
+        mesh=models.mesh if case.tensor > 1 else None,  # the model's own mesh, not a second one
     )
     bank = None
     if case.bank:
@@ -737,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1 or args.greedy_steps < 1 or args.budget_s <= 0:
         p.error("--steps and --greedy-steps must be >= 1, --budget-s > 0")
-    args.command = "python3 benchmarks/tp.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    args.command = "python -m benchmarks.tp " + shlex.join(sys.argv[1:] if argv is None else argv)
     payload = run(args)
     print(f"wrote {args.out / 'tp.json'} ({len(payload['rows'])} rows, {len(payload['not_run'])} not run)")
     return 0

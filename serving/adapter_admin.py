@@ -5,11 +5,14 @@ pager), so an adapter loaded through one protocol is served and unloaded through
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxlora.lora.validate import check_adapter_name
 from serving.api import ApiError, Status
 from serving.security import AdapterRoots
+
+if TYPE_CHECKING:
+    from jaxlora.engine.engine import Engine
 
 
 class AdapterAdmin:
@@ -23,7 +26,7 @@ class AdapterAdmin:
       unload_timeout_seconds: how long an unload waits for requests still using the adapter.
     """
 
-    def __init__(self, engine: Any, roots: AdapterRoots, *, base_model: str, unload_timeout_seconds: float) -> None:
+    def __init__(self, engine: Engine, roots: AdapterRoots, *, base_model: str, unload_timeout_seconds: float) -> None:
         self.engine = engine
         self.roots = roots
         self.base_model = base_model

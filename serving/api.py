@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -40,6 +40,9 @@ from jaxlora.errors import (
     UnknownAdapterError,
 )
 from serving.security import PathRefused
+
+if TYPE_CHECKING:
+    from jaxlora.engine.engine import Engine
 
 
 class Status(enum.Enum):
@@ -133,7 +136,7 @@ class Limits:
     vocab_size: int
 
     @classmethod
-    def of(cls, engine: Any) -> Limits:
+    def of(cls, engine: Engine) -> Limits:
         return cls(max_new_tokens=engine.config.max_new_tokens_limit, vocab_size=engine.model.config.vocab_size)
 
 

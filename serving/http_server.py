@@ -46,6 +46,7 @@ from serving.openai_api import ParsedRequest
 from serving.security import AuthInterceptor, PathRefused, bearer_token
 
 if TYPE_CHECKING:
+    from jaxlora.engine.engine import Engine
     from serving.server import ServerOptions
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class HttpServer:
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         options: ServerOptions,
         *,
         model_name: str,
@@ -128,7 +129,7 @@ class _Handlers:
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         options: ServerOptions,
         *,
         model_name: str,

@@ -26,13 +26,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from jaxlora.engine.request import GenerationRequest, RequestOutput
+
+if TYPE_CHECKING:
+    from jaxlora.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ _PAGER_COUNTERS = {
 class ServerMetrics:
     """The metrics of one server; `observe_*` are called from gRPC handler threads."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.ttft = Histogram(
             "jaxlora_time_to_first_token_seconds",
@@ -106,7 +109,7 @@ class ServerMetrics:
         self.generated_tokens.inc(completion_tokens)
         self.prompt_tokens.inc(prompt_tokens)
 
-    def submit(self, engine: Any, request: GenerationRequest, callback: Callable[[RequestOutput], None]) -> None:
+    def submit(self, engine: Engine, request: GenerationRequest, callback: Callable[[RequestOutput], None]) -> None:
         """`engine.submit(request, callback)`, counting the request in flight for its adapter until its
         final update (the waiting adapters of `vllm:lora_requests_info`). Raises what submit raises."""
         adapter = request.adapter or ""
@@ -161,7 +164,7 @@ class _InFlight:
 class _EngineCollector:
     """Reads queue depths, pager counters and adapter residency from the engine at scrape time."""
 
-    def __init__(self, engine: Any, in_flight: _InFlight) -> None:
+    def __init__(self, engine: Engine, in_flight: _InFlight) -> None:
         self._engine = engine
         self._in_flight = in_flight
 
@@ -183,13 +186,11 @@ class _EngineCollector:
                 f"{prefix}waiting", f"Requests queued for admission{suffix}.", value=stats["waiting"]
             )
         pager = self._engine.pager
-        metrics = getattr(pager, "metrics", None)
-        if metrics is None:
+        if pager is None:  # an engine serving the base model alone
             return
+        metrics = pager.metrics  # every AdapterSource keeps PagerMetrics
         for field, name in _PAGER_COUNTERS.items():
-            yield CounterMetricFamily(
-                name, f"Adapter pager: {field.replace('_', ' ')}.", value=getattr(metrics, field, 0)
-            )
+            yield CounterMetricFamily(name, f"Adapter pager: {field.replace('_', ' ')}.", value=getattr(metrics, field))
         yield _lora_requests_info(adapters, self._in_flight.counts(), max_lora=pager.max_slots - 1)
         yield _residency(adapters)
         yield _page_in_histogram({"device": metrics.device_page_in, "host": metrics.host_load})

@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent import futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -46,6 +46,9 @@ from serving.http_server import HttpServer
 from serving.metrics import ServerMetrics
 from serving.security import AdapterRoots, AuthInterceptor, PathRefused
 from serving.wire import DecodeGuard
+
+if TYPE_CHECKING:
+    from jaxlora.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +136,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     unexpected is logged and answered INTERNAL, and never leaves the handler."""
 
     def __init__(
-        self, engine: Any, options: ServerOptions, metrics: ServerMetrics, admission: Admission, admin: AdapterAdmin
+        self, engine: Engine, options: ServerOptions, metrics: ServerMetrics, admission: Admission, admin: AdapterAdmin
     ) -> None:
         self.engine = engine
         self.options = options
@@ -318,7 +321,7 @@ class InferenceServer(grpc.Server):
         self,
         server: grpc.Server,
         *,
-        engine: Any,
+        engine: Engine,
         options: ServerOptions,
         servicer: InferenceServicer,
         health_servicer: health.HealthServicer,
@@ -432,7 +435,7 @@ class InferenceServer(grpc.Server):
         return finished
 
 
-def build_server(engine: Any, options: ServerOptions = ServerOptions()) -> tuple[InferenceServer, int | None]:
+def build_server(engine: Engine, options: ServerOptions = ServerOptions()) -> tuple[InferenceServer, int | None]:
     """Builds the server around `engine` and binds `options.host:options.port` (gRPC) and
     `options.host:options.http_port` (HTTP), those that are set.
 
@@ -503,6 +506,6 @@ def _bind_grpc(server: grpc.Server, host: str, port: int) -> int:
     return bound
 
 
-def served_model_name(engine: Any, options: ServerOptions) -> str:
+def served_model_name(engine: Engine, options: ServerOptions) -> str:
     """The base model's name as clients see it (GetServerInfo, the HTTP API's `model`)."""
     return options.model_name or engine.model.config.name

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # `jaxlora` commands run in-process here must not write into the user's compilation cache; tests that
 # want the cache give their subprocesses a folder of their own.
 os.environ["JAXLORA_COMPILATION_CACHE"] = "off"
 
-from reference.client import SETUP_COMMAND, ref_python, run_reference  # noqa: E402
+from tests.reference.client import SETUP_COMMAND, ref_python, run_reference  # noqa: E402
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -31,8 +31,8 @@ from google.protobuf import descriptor_pool, json_format
 from google.protobuf.message_factory import GetMessageClass
 
 import jaxlora.cli.engine_args
-from jaxlora.cli import serve
 from jaxlora.cli.main import UsageParser, main
+from serving.cli import serve
 from serving.client import InferenceClient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,8 +139,8 @@ class Harness:
         self.server = None
         self.served_once = False
 
-    def build_engine(self, args, extra_adapters=None):
-        """Stands in for jaxlora.cli.engine_args.build_engine: checks the flags, returns the shared engine."""
+    def engine_from_args(self, args, extra_adapters=None):
+        """Stands in for jaxlora.cli.engine_args.engine_from_args: checks the flags, returns the shared engine."""
         adapters = {**(extra_adapters or {}), **args.adapter}
         jaxlora.cli.engine_args.engine_config(args, adapters)  # the config file and adapter folders are valid
         assert args.model is None, "README examples that run here use the default model"
@@ -182,7 +182,7 @@ def harness(tmp_path_factory, smollm2_gguf_path, monkeypatch_module):
     engine.warmup()
     monkeypatch_module.setattr(engine, "warmup", lambda *args, **kwargs: None)  # once is enough
     h = Harness(workdir, engine)
-    monkeypatch_module.setattr(jaxlora.cli.engine_args, "build_engine", h.build_engine)
+    monkeypatch_module.setattr(jaxlora.cli.engine_args, "engine_from_args", h.engine_from_args)
     monkeypatch_module.chdir(workdir)
     yield h
     h.stop_server()

@@ -85,7 +85,7 @@ class ResidentBank:
         pass
 
     def place_on(self, mesh: jax.sharding.Mesh) -> None:
-        """Splits the bank over a tensor-parallel mesh (the engine calls this)."""
+        """Splits the bank over a tensor-parallel mesh: the one the engine will be given."""
         from jaxlora.parallel.sharding import shard_bank
 
         self.bank = shard_bank(self.bank, mesh)

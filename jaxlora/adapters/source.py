@@ -42,8 +42,8 @@ class AdapterSource(Protocol):
       commit(): write staged copies into their slots (after the dispatch; see the step order).
       bank: the device bank; read it afresh for every step, since `commit` may replace it.
       warmup(): compile the slot writes, so serving compiles nothing; safe to call at any time.
-      place_on(mesh): split the bank over a tensor-parallel mesh (the engine's); `mesh` is the one
-        it is split over (None: one device).
+      mesh: the tensor-parallel mesh the bank is split over (None: one device); the engine checks
+        that it is its own (`jaxlora.engine.build_engine` hands one mesh to both).
 
     Registry (any thread):
       register(name, source) / unregister(name): add or remove an adapter at run time;
@@ -84,8 +84,6 @@ class AdapterSource(Protocol):
     def commit(self) -> None: ...
 
     def warmup(self) -> None: ...
-
-    def place_on(self, mesh: jax.sharding.Mesh) -> None: ...
 
     # Registry.
     def register(self, name: str, source: str | Path | HostAdapter) -> AdapterInfo: ...

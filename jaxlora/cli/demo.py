@@ -10,8 +10,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from jaxlora.cli import engine_args
 from jaxlora.cli.common import warmup_progress
-from jaxlora.cli.engine_args import add_engine_args, build_engine
 from jaxlora.errors import JaxloraError
 
 DEFAULT_PROMPTS = (
@@ -22,7 +22,7 @@ DEFAULT_PROMPTS = (
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    add_engine_args(p, adapters_help="also register this PEFT adapter folder")
+    engine_args.add_engine_args(p, adapters_help="also register this PEFT adapter folder")
     p.add_argument(
         "--demo-dir",
         type=Path,
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = tuple(args.prompt or DEFAULT_PROMPTS)
     try:
         adapters = demo_adapters(folder) if folder.is_dir() else {}
-        engine = build_engine(args, extra_adapters=adapters)
+        engine = engine_args.engine_from_args(args, extra_adapters=adapters)
         names = [None, *{**adapters, **args.adapter}]
         print(
             f"base model + {len(names) - 1} adapters ({', '.join(map(str, names[1:]))}) x {len(prompts)} "

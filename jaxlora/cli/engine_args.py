@@ -1,17 +1,14 @@
-"""Flags and construction shared by every command that runs the engine (generate, demo, serve)."""
+"""Flags shared by every command that runs the engine (generate, demo, serve), and their EngineConfig."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import sys
 from pathlib import Path
 
 from jaxlora.cli.common import AdapterFlag, add_model_args, add_quantize_arg
-from jaxlora.config import LoraBackend
-
-log = logging.getLogger(__name__)
+from jaxlora.config import AttentionBackend, LoraBackend
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, adapters_help: str = "register a PEFT adapter folder") -> None:
@@ -50,7 +47,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, adapters_help: str = "registe
     )
     p.add_argument(
         "--attention",
-        choices=("auto", "pallas", "xla"),
+        choices=[a.value for a in AttentionBackend],
         default=None,
         help="decode attention: the Pallas kernel, XLA, or auto (Pallas on GPU; the config's by default)",
     )
@@ -105,34 +102,24 @@ def engine_config(args: argparse.Namespace, adapters: dict[str, str] | None = No
     return with_tensor_parallel(config, getattr(args, "tensor_parallel", None))
 
 
-def build_engine(args: argparse.Namespace, extra_adapters: dict[str, str] | None = None):
-    """Loads the model, registers the --adapter folders, returns an (un-warmed) Engine.
+def engine_from_args(args: argparse.Namespace, extra_adapters: dict[str, str] | None = None):
+    """Loads the model and returns an (un-warmed) Engine with the --adapter folders (and
+    `extra_adapters`) registered: the flags become an EngineConfig here, `jaxlora.engine.build_engine`
+    does the rest.
 
     Raises JaxloraError / ValueError / OSError with a message fit for the command line.
     """
-    from jaxlora.adapters import Pager
     from jaxlora.adapters.registry import slot_nbytes
     from jaxlora.cli.common import DTYPES
-    from jaxlora.engine import Engine
+    from jaxlora.engine.build import build_engine
     from jaxlora.loading import load_model
 
     adapters = {**(extra_adapters or {}), **args.adapter}
     config = engine_config(args, adapters)
     model, tokenizer = load_model(args.model, dtype=DTYPES[config.dtype], quantization=args.quantize)
-    mesh = None
-    if config.mesh.is_sharded:  # fail before the pager and the engine allocate anything
-        from jaxlora.parallel import make_mesh
-        from jaxlora.parallel.sharding import check_divisible
-
-        check_divisible(model.config, config.mesh.tensor)
-        mesh = make_mesh(config.mesh)
     capacity = _host_capacity(args, config, slot_nbytes(model.config, config.lora, model.dtype))
     config = dataclasses.replace(config, host_capacity_bytes=capacity)
-    pager = Pager(model.config, config.lora, host_capacity_bytes=capacity, dtype=model.dtype, mesh=mesh)
-    for name, path in adapters.items():
-        pager.register(name, path)
-        log.info("registered adapter %r from %s", name, path)
-    return Engine(model, tokenizer, config, pager)
+    return build_engine(config, model, tokenizer, adapters)
 
 
 def _host_capacity(args: argparse.Namespace, config, slot_bytes: int) -> int:

@@ -7,13 +7,13 @@ import sys
 import time
 from pathlib import Path
 
+from jaxlora.cli import engine_args
 from jaxlora.cli.common import warmup_progress
-from jaxlora.cli.engine_args import add_engine_args, build_engine
 from jaxlora.errors import JaxloraError
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    add_engine_args(p)
+    engine_args.add_engine_args(p)
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument(
         "--prompt",
@@ -45,7 +45,14 @@ def run(args: argparse.Namespace) -> int:
     if args.input is not None:
         from jaxlora.engine.batch_job import run_batch_job
 
-        return run_batch_job(args)
+        return run_batch_job(
+            args.input,
+            args.output,
+            lambda: engine_args.engine_from_args(args),
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+            warmup_progress=warmup_progress,
+        )
     return _run_prompt(args)
 
 
@@ -69,7 +76,7 @@ def _run_prompt(args: argparse.Namespace) -> int:
     from jaxlora.engine import GenerationRequest, SamplingParams
 
     try:
-        engine = build_engine(args)
+        engine = engine_args.engine_from_args(args)
         sampling = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
         )

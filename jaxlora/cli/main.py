@@ -1,27 +1,54 @@
-"""`jaxlora` command line: one subcommand per job; each lives in its own module."""
+"""`jaxlora` command line: one subcommand per job; each lives in its own module.
+
+jaxlora's own subcommands are listed here. Other packages of the distribution add theirs through
+entry points of the group `jaxlora.commands` (pyproject.toml), each naming a `Subcommand`:
+`serving` adds `serve` and `client`, `benchmarks` adds `bench`. So this package never imports
+them, and the dependencies still point one way (serving -> jaxlora, benchmarks -> jaxlora).
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 
-# subcommand -> (module, help). Modules expose add_args(parser) and run(args) -> exit code.
-# Imported lazily so `jaxlora --help` does not pay for JAX start-up.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("jaxlora.cli.generate", "generate text for a prompt or a JSONL batch, with adapters"),
-    "demo": ("jaxlora.cli.demo", "one mixed batch: the base model and every demo adapter side by side"),
-    "convert": ("jaxlora.cli.convert", "convert a GGUF or Hugging Face model to a fast orbax checkpoint"),
-    "merge": ("jaxlora.cli.merge", "merge a PEFT adapter into the base model, write an HF folder"),
-    "train": ("jaxlora.cli.train", "train a LoRA adapter with optax, saved in PEFT format"),
-    "serve": ("jaxlora.cli.serve", "serve over gRPC and the OpenAI-compatible HTTP API"),
-    "client": ("jaxlora.cli.client", "send a prompt to a running gRPC server"),
-    "bench": ("jaxlora.cli.bench", "end-to-end throughput benchmark"),
+from jaxlora.cli.subcommand import Subcommand
+
+COMMANDS_GROUP = "jaxlora.commands"
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "generate": Subcommand(
+        module="jaxlora.cli.generate", help="generate text for a prompt or a JSONL batch, with adapters"
+    ),
+    "demo": Subcommand(
+        module="jaxlora.cli.demo", help="one mixed batch: the base model and every demo adapter side by side"
+    ),
+    "convert": Subcommand(
+        module="jaxlora.cli.convert", help="convert a GGUF or Hugging Face model to a fast orbax checkpoint"
+    ),
+    "merge": Subcommand(
+        module="jaxlora.cli.merge", help="merge a PEFT adapter into the base model, write an HF folder"
+    ),
+    "train": Subcommand(module="jaxlora.cli.train", help="train a LoRA adapter with optax, saved in PEFT format"),
 }
 
 
-# Subcommands that never compile (no persistent compilation cache to set up).
-_NO_COMPILES = frozenset({"client"})
+def all_subcommands() -> dict[str, Subcommand]:
+    """SUBCOMMANDS plus those the installed entry points of `COMMANDS_GROUP` add.
+
+    Raises RuntimeError for an entry point that names no Subcommand or reuses a taken name.
+    """
+    commands = dict(SUBCOMMANDS)
+    for entry in importlib.metadata.entry_points(group=COMMANDS_GROUP):
+        command = entry.load()
+        if not isinstance(command, Subcommand):
+            raise RuntimeError(f"entry point {entry.name} = {entry.value} ({COMMANDS_GROUP}) is not a Subcommand")
+        if entry.name in commands:
+            raise RuntimeError(f"entry point {entry.name} = {entry.value} reuses the subcommand name {entry.name!r}")
+        commands[entry.name] = command
+    return commands
 
 
 class UsageParser(argparse.ArgumentParser):
@@ -33,17 +60,18 @@ class UsageParser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    commands = all_subcommands()
     parser = UsageParser(prog="jaxlora", description="Multi-LoRA LLM serving in JAX.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    chosen = argv[0] if argv and argv[0] in SUBCOMMANDS else None
-    for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+    chosen = argv[0] if argv and argv[0] in commands else None
+    for name, command in commands.items():
+        p = sub.add_parser(name, help=command.help, description=command.help)
         if name == chosen:
-            mod = importlib.import_module(module)
+            mod = importlib.import_module(command.module)
             mod.add_args(p)
             p.set_defaults(_run=mod.run)
     args = parser.parse_args(argv)
-    if args.command not in _NO_COMPILES:
+    if commands[args.command].compiles:
         from jaxlora.cli import compile_cache
 
         compile_cache.enable()

@@ -31,7 +31,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, tok = load_model(args.model, dtype=DTYPES[args.dtype])
         adapter = load_peft_adapter(args.adapter, name=_name(args.adapter), model_config=model.config, max_rank=1 << 30)
-        save_hf_folder(model, tok, args.out, merged_params(model, adapter.weights))
+        save_hf_folder(
+            model, tok, args.out, merged_params(model.flat_params(), adapter.weights, quantization=model.quantization)
+        )
     except (JaxloraError, OSError) as e:
         print(f"jaxlora merge: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""Serving engine: request state, scheduler (plain Python), runner (jitted steps), engine (the loop).
+"""Serving engine: request state, scheduler (plain Python), runner (jitted steps), engine (the loop),
+and `build_engine`, the one place an engine is put together.
 
 Names are imported lazily so that `jaxlora.engine.scheduler` and `jaxlora.engine.request` stay
 importable (and testable) without JAX.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
+    "build_engine": "jaxlora.engine.build",
     "Engine": "jaxlora.engine.engine",
     "RequestHandle": "jaxlora.engine.engine",
     "EngineConfig": "jaxlora.engine.config",

@@ -9,23 +9,24 @@ Crash safety: results are written in input order as soon as every earlier line i
 `write`, fsync'd. A re-run checks that the output holds this input's results (see
 jaxlora.engine.results_file: fingerprints, lock, torn-line repair), then skips the lines already
 answered, so after `kill -9` nothing is lost or written twice, and a file that is not this job's is
-refused instead of overwritten. Everything about `--input`/`--output` is checked before the model
-loads.
+refused instead of overwritten. Everything about the input and output files is checked before the
+engine (and its model) is built.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from jaxlora.engine.engine import Engine, RequestHandle
 from jaxlora.engine.request import FinalOutput, GenerationRequest, SamplingParams
 from jaxlora.engine.results_file import ResultsFile, ResultsFileError, request_hash
+from jaxlora.engine.runner import WarmupProgress
 from jaxlora.errors import CapacityError, JaxloraError
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
@@ -52,34 +53,37 @@ class _Line:
         return out
 
 
-def run_batch_job(args: argparse.Namespace) -> int:
-    """Checks the files, loads the model and adapters, runs the job, prints the JSON summary on
-    stderr. Exit code 0 when every line got a record (error records included), 2 for unusable
-    arguments or files (before the model loads), 1 when the results cannot be written.
-
-    `args` carries the engine flags of jaxlora.cli.engine_args plus input, output, overwrite and
-    no_progress.
+def run_batch_job(
+    input_path: Path,
+    output_path: Path,
+    make_engine: Callable[[], Engine],
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    warmup_progress: WarmupProgress | None = None,
+) -> int:
+    """Checks the files, builds the engine (`make_engine`, called only once the files are fine), runs
+    the job, prints the JSON summary on stderr. Exit code 0 when every line got a record (error
+    records included), 2 for unusable files or an engine that cannot be built, 1 when the results
+    cannot be written.
     """
-    from jaxlora.cli.common import warmup_progress
-    from jaxlora.cli.engine_args import build_engine
-
     try:
-        lines = read_input(args.input)
+        lines = read_input(input_path)
         results = ResultsFile.open(
-            args.output, input_path=args.input, expected=[x.fingerprint for x in lines], overwrite=args.overwrite
+            output_path, input_path=input_path, expected=[x.fingerprint for x in lines], overwrite=overwrite
         )
     except ResultsFileError as e:
         print(f"jaxlora generate: {e}", file=sys.stderr)
         return 2
     with results:
         try:
-            engine = build_engine(args)
+            engine = make_engine()
         except (JaxloraError, ValueError, OSError) as e:
             print(f"jaxlora generate: {e}", file=sys.stderr)
             return 2
         engine.warmup(progress=warmup_progress)
         try:
-            summary = BatchJob(engine, lines, results, progress=not args.no_progress).run()
+            summary = BatchJob(engine, lines, results, progress=progress).run()
         except ResultsFileError as e:
             print(f"jaxlora generate: {e}", file=sys.stderr)
             return 1

@@ -134,6 +134,8 @@ class Engine:
 
     pager: where adapters get their device slots, any `jaxlora.adapters.AdapterSource` (the paging
       `Pager`, or the all-resident `ResidentBank`); None serves the base model only.
+    mesh: the tensor-parallel mesh `config.mesh` describes (None: one device); the pager's bank must
+      already be split over it. `jaxlora.engine.build_engine` makes it once and hands it to both.
     """
 
     def __init__(
@@ -144,18 +146,22 @@ class Engine:
         pager: AdapterSource | None = None,
         *,
         runtime: LoraRuntime | None = None,
+        mesh: jax.sharding.Mesh | None = None,
     ) -> None:
         if pager is not None and pager.max_slots != config.lora.max_slots:
             raise ValueError(f"pager has {pager.max_slots} slots but config.lora.max_slots={config.lora.max_slots}")
+        if pager is not None and pager.mesh != mesh:
+            raise ValueError(f"the pager's bank is on mesh {pager.mesh}, the engine's is {mesh}: build both with one")
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self.pager = pager
         self.runner = Runner(
-            model, config, runtime=runtime or LoraRuntime.for_platform(config.lora.backend, attention=config.attention)
+            model,
+            config,
+            runtime=runtime or LoraRuntime.for_platform(config.lora.backend, attention=config.attention),
+            mesh=mesh,
         )
-        if pager is not None and self.runner.mesh is not None and pager.mesh != self.runner.mesh:
-            pager.place_on(self.runner.mesh)
         self.pages = PageTable(self.runner.num_pages, config.page_size, self.runner.pages_per_seq)
         self.scheduler = Scheduler(
             max_batch=config.max_batch,

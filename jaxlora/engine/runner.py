@@ -58,8 +58,9 @@ from jaxlora.lora.bank import Bank
 from jaxlora.model import PagedKVCache, RaggedBatch, init_paged_kv_cache
 from jaxlora.model.kv_cache import kv_bytes_per_position
 from jaxlora.model.params import LoadedModel
-from jaxlora.parallel import make_mesh
-from jaxlora.parallel.sharding import init_sharded_paged_kv_cache, shard_params, shard_step, tensor_size
+from jaxlora.model.sharded import init_sharded_paged_kv_cache
+from jaxlora.parallel import check_mesh
+from jaxlora.parallel.sharding import shard_params, shard_step, tensor_size
 
 # Traces of the step in this process: each is a compile. Module level, so engines with equal shapes
 # share compiled steps (jit caches by function and static arguments).
@@ -146,11 +147,14 @@ def ragged_step(
 class Runner:
     """Owns the page pool and calls the compiled step. Not thread-safe: the engine loop calls it."""
 
-    def __init__(self, model: LoadedModel, config: EngineConfig, *, runtime: LoraRuntime) -> None:
+    def __init__(
+        self, model: LoadedModel, config: EngineConfig, *, runtime: LoraRuntime, mesh: jax.sharding.Mesh | None = None
+    ) -> None:
+        check_mesh(config.mesh, mesh)  # the mesh is made once, by jaxlora.engine.build
         self.model = model
         self.config = config
         self.runtime = runtime
-        self.mesh = make_mesh(config.mesh) if config.mesh.is_sharded else None
+        self.mesh = mesh
         self.params = model.params if self.mesh is None else shard_params(model.params, model.config, self.mesh)
         self.pages_per_seq = pages_for(config.max_seq_len, config.page_size)
         self.num_pages = self._pool_pages()
@@ -174,6 +178,12 @@ class Runner:
         # (jit compiles those without retracing, so num_traces misses them).
         self.step_compiles = 0
         start_counting()
+
+    @property
+    def step_static(self) -> dict:
+        """The static arguments this runner passes to `ragged_step`: a caller timing the step on its
+        own inputs (benchmarks) passes them too, and runs the same compiled step."""
+        return dict(self._static)
 
     def _pool_pages(self) -> int:
         """The configured page count, else what the device memory left after weights and adapter bank

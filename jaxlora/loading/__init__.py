@@ -11,7 +11,7 @@ from jaxlora.errors import ModelLoadError
 from jaxlora.loading.default_model import default_model_path
 from jaxlora.model.params import LoadedModel, build_model
 from jaxlora.model.quant import Quantization, parse_quantization
-from jaxlora.tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
+from jaxlora.tokenizer import Tokenizer, tokenizer_from_folder
 
 __all__ = ["default_model_path", "load_model"]
 
@@ -43,6 +43,7 @@ def load_model(
         return model, tokenizer_from_folder(path, eos_token_ids=config.eos_token_ids)
     if path.suffix == ".gguf" or path.is_file():
         from jaxlora.loading.gguf_file import load_gguf_arrays, metadata
+        from jaxlora.loading.gguf_tokenizer import tokenizer_from_gguf
 
         config, arrays, reader = load_gguf_arrays(path, quantization=quantization)
         model = build_model(config, arrays, dtype=dtype, quantization=quantization, source=str(path))

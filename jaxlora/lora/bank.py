@@ -142,14 +142,16 @@ def write_slot_flat(bank: Bank, slot: int, flat: jax.Array) -> Bank:
     return write_slots_flat(bank, np.array([slot], np.int32), (flat,))
 
 
-def _write_many_flat(bank: Bank, slots: jax.Array, flats: tuple[jax.Array, ...]) -> Bank:
+def write_many_flat(bank: Bank, slots: jax.Array, flats: tuple[jax.Array, ...]) -> Bank:
+    """The traceable body of `write_slots_flat`, without its checks: for callers that compose the
+    writes into a jitted program of their own (benchmarks/pagein_probe.py)."""
     for i, flat in enumerate(flats):  # in order: a later write to the same slot wins
         bank = _write_flat(bank, slots[i], flat)
     return bank
 
 
 # One program for k slot writes; k (len(flats)) is part of the compiled shape.
-write_slots_flat_jit = jax.jit(_write_many_flat, donate_argnums=0)
+write_slots_flat_jit = jax.jit(write_many_flat, donate_argnums=0)
 
 
 def write_slots_flat(bank: Bank, slots: np.ndarray, flats: tuple[jax.Array, ...]) -> Bank:

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
+import numpy.typing as npt
 
 from jaxlora.errors import ModelLoadError
-from jaxlora.model.params import LoadedModel
 
 _MODULE_PARAM = {
     "q_proj": "layers.self_attn.q_proj.kernel",
@@ -23,19 +23,25 @@ _MODULE_PARAM = {
 }
 
 
-def merged_params(model: LoadedModel, weights: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Flat parameters with every module's delta added.
+def merged_params(
+    flat_params: Mapping[str, npt.ArrayLike],
+    weights: Mapping[str, tuple[np.ndarray, np.ndarray]],
+    *,
+    quantization: str | None,
+) -> dict[str, np.ndarray]:
+    """Flat parameters (`LoadedModel.flat_params()`) with every module's delta added.
 
     weights: module -> (A [L, in, r], B [L, r, out]) with the scale folded into B.
+    quantization: the base model's (`LoadedModel.quantization`); None for dense weights.
     Kernels are [L, in, out], so the delta of layer l is A[l] @ B[l]; it is added in float32.
     Raises ModelLoadError for a quantized base: its merged weights would have to be quantized again.
     """
-    if model.quantization is not None:
+    if quantization is not None:
         raise ModelLoadError(
-            f"cannot merge into {model.quantization} base weights; merge into the dense "
+            f"cannot merge into {quantization} base weights; merge into the dense "
             f"model (load it without --quantize, or from the unconverted source)"
         )
-    flat = {k: np.asarray(v) for k, v in model.flat_params().items()}
+    flat = {k: np.asarray(v) for k, v in flat_params.items()}
     for module, (a, b) in weights.items():
         name = _MODULE_PARAM[module]
         base = flat[name]

@@ -56,3 +56,15 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
         )
     grid = np.array(devices[: config.num_devices], dtype=object).reshape(config.data, config.tensor)
     return jax.sharding.Mesh(grid, (DATA_AXIS, TENSOR_AXIS))
+
+
+def check_mesh(config: MeshConfig, mesh: jax.sharding.Mesh | None) -> None:
+    """Raises ValueError unless `mesh` is the one `config` describes: None for one device, else a
+    (data, tensor) mesh of the configured sizes (from `make_mesh`)."""
+    if mesh is None:
+        if config.is_sharded:
+            raise ValueError(f"mesh config {config} needs a mesh (jaxlora.parallel.make_mesh), got None")
+        return
+    want = {DATA_AXIS: config.data, TENSOR_AXIS: config.tensor}
+    if dict(mesh.shape) != want:
+        raise ValueError(f"mesh of shape {dict(mesh.shape)} does not match the mesh config {want}")

@@ -36,13 +36,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlora.config import ModelConfig
-from jaxlora.model.kv_cache import KVCache, PagedKVCache, init_kv_cache, init_paged_kv_cache
-from jaxlora.model.params import LoadedModel, abstract_model, build_model, draw_params
 from jaxlora.parallel.mesh import TENSOR_AXIS
 
 T = TENSOR_AXIS
@@ -136,22 +133,6 @@ def shard_model(model, mesh: Mesh):
     return dataclasses.replace(model, params=shard_params(model.params, model.config, mesh))
 
 
-def random_sharded_model(
-    config: ModelConfig, mesh: Mesh, *, dtype: jnp.dtype, seed: int = 0, std: float = 0.02
-) -> LoadedModel:
-    """A random model drawn directly in its shards (`param_spec`): no device ever holds it whole.
-
-    The values do not depend on the mesh (see `draw_params`): the same seed gives the same model on
-    one device and split over n, so their outputs can be compared.
-    """
-    tensor = tensor_size(mesh)
-    check_divisible(config, tensor)
-    _, expected = abstract_model(config, dtype)
-    shardings = {n: NamedSharding(mesh, param_spec(n, s.shape, tensor)) for n, s in expected.items()}
-    arrays = draw_params(config, dtype=dtype, seed=seed, std=std, shardings=shardings)
-    return build_model(config, arrays, dtype=dtype, source="random")
-
-
 def bank_shardings(bank: dict, mesh: Mesh) -> dict:
     return _named(mesh, bank_specs(bank))
 
@@ -166,30 +147,9 @@ def shard_bank(bank: dict, mesh: Mesh) -> dict:
     return jax.device_put(bank, bank_shardings(bank, mesh))
 
 
-def shard_kv(kv: KVCache, mesh: Mesh) -> KVCache:
-    """The KV cache placed on the mesh, split by KV heads."""
+def shard_kv(kv: Any, mesh: Mesh) -> Any:
+    """A KV cache (jaxlora.model.kv_cache, dense or paged) placed on the mesh, split by KV heads."""
     return jax.device_put(kv, NamedSharding(mesh, KV_SPEC))
-
-
-def init_sharded_kv_cache(config: ModelConfig, rows: int, max_len: int, dtype: jnp.dtype, mesh: Mesh) -> KVCache:
-    """A zero cache allocated directly in shards (never whole on one device)."""
-    check_divisible(config, tensor_size(mesh))
-    sharding = NamedSharding(mesh, KV_SPEC)
-    make = jax.jit(lambda: init_kv_cache(config, rows, max_len, dtype), out_shardings=KVCache(k=sharding, v=sharding))
-    return make()
-
-
-def init_sharded_paged_kv_cache(
-    config: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype, mesh: Mesh
-) -> PagedKVCache:
-    """A zero page pool allocated directly in shards, split by KV heads like the dense cache."""
-    check_divisible(config, tensor_size(mesh))
-    sharding = NamedSharding(mesh, KV_SPEC)
-    make = jax.jit(
-        lambda: init_paged_kv_cache(config, num_pages, page_size, dtype),
-        out_shardings=PagedKVCache(k=sharding, v=sharding),
-    )
-    return make()
 
 
 def shard_step(fn: Callable, mesh: Mesh | None, *, num_outputs_before_kv: int = 1) -> Callable:

@@ -10,8 +10,7 @@ import pytest
 from jaxlora.adapters import HostMemory, Pager
 from jaxlora.adapters.registry import FlatLayout
 from jaxlora.lora.bank import flat_slot_layout, init_bank, set_slot, slot_arrays, write_slot_flat, write_slots_flat
-from tests.adapters.adapter_factory import random_host_adapter, random_host_adapters, tiny_lora
-from tests.helpers import tiny_config
+from tests.factories import random_adapter, random_adapters, tiny_config, tiny_lora
 
 MODEL = tiny_config()
 
@@ -28,9 +27,9 @@ def assert_trees_equal(got, want) -> None:
 def varied_adapters(lora):
     """Different ranks (1..max) and module subsets, incl. a single module and every module."""
     rng = np.random.default_rng(7)
-    out = random_host_adapters(6, MODEL, lora, seed=11)
-    out.append(random_host_adapter("one-module", MODEL, rank=1, modules=("o_proj",), rng=rng))
-    out.append(random_host_adapter("all-modules", MODEL, rank=lora.max_rank, modules=lora.target_modules, rng=rng))
+    out = random_adapters(6, MODEL, lora, seed=11)
+    out.append(random_adapter("one-module", MODEL, rank=1, modules=("o_proj",), rng=rng))
+    out.append(random_adapter("all-modules", MODEL, rank=lora.max_rank, modules=lora.target_modules, rng=rng))
     assert len({a.rank for a in out}) > 1 and len({a.target_modules for a in out}) > 1
     return out
 
@@ -120,10 +119,10 @@ def test_layout_pack_refuses_what_slot_arrays_refuses():
     lora = tiny_lora()
     layout = FlatLayout.for_bank(MODEL, lora, jnp.float32)
     rng = np.random.default_rng(0)
-    too_big = random_host_adapter("big", MODEL, rank=lora.max_rank + 1, modules=("q_proj",), rng=rng)
+    too_big = random_adapter("big", MODEL, rank=lora.max_rank + 1, modules=("q_proj",), rng=rng)
     with pytest.raises(ValueError, match="rank"):
         layout.pack(too_big.weights, MODEL, lora)
-    gate = random_host_adapter("gate", MODEL, rank=2, modules=("gate_proj",), rng=rng)
+    gate = random_adapter("gate", MODEL, rank=2, modules=("gate_proj",), rng=rng)
     with pytest.raises(ValueError, match="does not hold"):
         layout.pack(gate.weights, MODEL, lora)
 
@@ -131,7 +130,7 @@ def test_layout_pack_refuses_what_slot_arrays_refuses():
 @pytest.mark.parametrize("host_memory", [HostMemory.PAGEABLE, HostMemory.PINNED])
 def test_one_device_put_per_page_in_and_no_compiles(monkeypatch, host_memory):
     pager = Pager(MODEL, tiny_lora(), host_memory=host_memory)
-    adapters = random_host_adapters(5, MODEL, pager.lora_config, seed=2)
+    adapters = random_adapters(5, MODEL, pager.lora_config, seed=2)
     for a in adapters:
         pager.register(a.name, a)
     flats = {id(pager.host_adapter(a.name).flat) for a in adapters}
@@ -170,7 +169,7 @@ def test_one_device_put_per_page_in_and_no_compiles(monkeypatch, host_memory):
 
 def test_timed_transfers_count_the_adapter_bytes():
     pager = Pager(MODEL, tiny_lora(), time_transfers=True)
-    adapters = random_host_adapters(3, MODEL, pager.lora_config, seed=4)
+    adapters = random_adapters(3, MODEL, pager.lora_config, seed=4)
     for a in adapters:
         pager.register(a.name, a)
         pager.acquire(a.name)

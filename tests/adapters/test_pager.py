@@ -16,8 +16,7 @@ from jaxlora.errors import AdapterError, AdapterInUseError, CapacityError, Unkno
 from jaxlora.lora.bank import slot_arrays
 from jaxlora.lora.host_adapter import HostAdapter
 from jaxlora.lora.peft_format import save_peft_adapter
-from tests.adapters.adapter_factory import random_host_adapter, random_host_adapters, tiny_lora
-from tests.helpers import tiny_config
+from tests.factories import random_adapter, random_adapters, tiny_config, tiny_lora
 
 MODEL = tiny_config()
 
@@ -38,7 +37,7 @@ def assert_slot_zero(pager: Pager, slot: int) -> None:
 def make_pager(num_adapters: int = 0, **kwargs) -> tuple[Pager, list[HostAdapter]]:
     lora = kwargs.pop("lora", tiny_lora())
     pager = Pager(MODEL, lora, **kwargs)
-    adapters = random_host_adapters(num_adapters, MODEL, lora)
+    adapters = random_adapters(num_adapters, MODEL, lora)
     for a in adapters:
         pager.register(a.name, a)
     return pager, adapters
@@ -186,9 +185,9 @@ def test_bad_adapters_never_enter_the_registry(tmp_path):
         "missing": tmp_path / "does-not-exist",
         "nan": HostAdapter(name="nan", rank=a.rank, target_modules=a.target_modules, weights=nan_weights),
         "huge": HostAdapter(name="huge", rank=a.rank, target_modules=a.target_modules, weights=huge_weights),
-        "too-big": random_host_adapter("too-big", MODEL, rank=8, modules=("q_proj",), rng=np.random.default_rng(0)),
-        "gate": random_host_adapter("gate", MODEL, rank=2, modules=("gate_proj",), rng=np.random.default_rng(0)),
-        "wrong-shape": random_host_adapter(
+        "too-big": random_adapter("too-big", MODEL, rank=8, modules=("q_proj",), rng=np.random.default_rng(0)),
+        "gate": random_adapter("gate", MODEL, rank=2, modules=("gate_proj",), rng=np.random.default_rng(0)),
+        "wrong-shape": random_adapter(
             "x",
             tiny_config(hidden_size=16, num_heads=2, num_kv_heads=1),
             rank=2,
@@ -210,7 +209,7 @@ def test_bad_adapters_never_enter_the_registry(tmp_path):
 
 def test_register_from_a_peft_folder(tmp_path):
     pager, _ = make_pager(0)
-    a = random_host_adapters(1, MODEL, pager.lora_config, seed=5)[0]
+    a = random_adapters(1, MODEL, pager.lora_config, seed=5)[0]
     folder = save_peft_adapter(tmp_path / "a", weights=dict(a.weights), rank=a.rank, alpha=2 * a.rank)
     info = pager.register("from-disk", folder)
     assert info.source == str(folder) and info.rank == a.rank and info.target_modules == a.target_modules
@@ -223,7 +222,7 @@ def test_host_capacity_is_enforced_in_bytes():
     lora = tiny_lora()
     probe = Pager(MODEL, lora)
     pager, ads = make_pager(0, lora=lora, host_capacity_bytes=3 * probe.slot_nbytes + 1)
-    more = random_host_adapters(4, MODEL, lora)
+    more = random_adapters(4, MODEL, lora)
     for a in more[:3]:
         pager.register(a.name, a)
     with pytest.raises(CapacityError, match="host adapter memory is full"):
@@ -237,7 +236,7 @@ def test_concurrent_registration_respects_capacity():
     lora = tiny_lora()
     probe = Pager(MODEL, lora)
     pager = Pager(MODEL, lora, host_capacity_bytes=10 * probe.slot_nbytes)
-    ads = random_host_adapters(40, MODEL, lora)
+    ads = random_adapters(40, MODEL, lora)
     results: list[str] = []
 
     def register(a):
@@ -392,7 +391,7 @@ def test_commit_writes_at_most_the_cap_and_never_compiles_again():
 
 def test_register_and_unregister_from_other_threads_while_serving():
     pager, ads = make_pager(12)
-    churn = random_host_adapters(20, MODEL, pager.lora_config, seed=9, prefix="churn")
+    churn = random_adapters(20, MODEL, pager.lora_config, seed=9, prefix="churn")
     stop = threading.Event()
     errors: list[BaseException] = []
 

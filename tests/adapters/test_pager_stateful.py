@@ -20,12 +20,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from jaxlora.adapters import Pager
 from jaxlora.errors import AdapterError, AdapterInUseError, UnknownAdapterError
-from tests.adapters.adapter_factory import random_host_adapters, tiny_lora
-from tests.helpers import tiny_config
+from tests.factories import random_adapters, tiny_config, tiny_lora
 
 MODEL = tiny_config(num_layers=1)
 LORA = tiny_lora(max_slots=4)  # three usable slots for eight names: plenty of eviction and waiting
-ADAPTERS = {a.name: a for a in random_host_adapters(8, MODEL, LORA, seed=3)}
+ADAPTERS = {a.name: a for a in random_adapters(8, MODEL, LORA, seed=3)}
 NAMES = st.sampled_from(sorted(ADAPTERS))
 
 

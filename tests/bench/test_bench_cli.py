@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from jaxlora.bench import e2e
+from benchmarks import e2e
 from jaxlora.cli.main import main
 
 ROW_KEYS = {

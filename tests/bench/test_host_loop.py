@@ -10,15 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.host_loop import Case, gaps_summary
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from benchmarks.host_loop import Case, gaps_summary  # noqa: E402
 
 
 def test_host_loop_smoke(tmp_path):
     cmd = [
         sys.executable,
-        str(ROOT / "benchmarks" / "host_loop.py"),
+        "-m",
+        "benchmarks.host_loop",
         "--tiny",
         "--one-budget",
         "--layers",

@@ -1,4 +1,4 @@
-"""benchmarks/pagein_probe.py runs end to end at toy size on CPU and renders its tables."""
+"""python -m benchmarks.pagein_probe runs end to end at toy size on CPU and renders its tables."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_pagein_probe_smoke(tmp_path):
     cmd = [
         sys.executable,
-        str(ROOT / "benchmarks" / "pagein_probe.py"),
+        "-m",
+        "benchmarks.pagein_probe",
         "--tiny",
         "--reps",
         "1",

@@ -1,4 +1,4 @@
-"""benchmarks/profile_decode.py runs end to end on a toy model on CPU (the H200 run is the real one)."""
+"""python -m benchmarks.profile_decode runs end to end on a toy model on CPU (the H200 run is the real one)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_profile_decode_smoke(tmp_path):
     cmd = [
         sys.executable,
-        str(ROOT / "benchmarks" / "profile_decode.py"),
+        "-m",
+        "benchmarks.profile_decode",
         "--tiny",
         "--batch",
         "4",

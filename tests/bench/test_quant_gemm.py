@@ -1,4 +1,4 @@
-"""benchmarks/quant_gemm.py runs end to end on toy shapes on CPU (the H200 run is the real one)."""
+"""python -m benchmarks.quant_gemm runs end to end on toy shapes on CPU (the H200 run is the real one)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quant_gemm_smoke(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "quant_gemm.py"), "--tiny", "--batch", "2", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "benchmarks.quant_gemm", "--tiny", "--batch", "2", "--out", str(tmp_path)]
     run = subprocess.run(
         cmd,
         cwd=ROOT,

@@ -1,4 +1,4 @@
-"""benchmarks/serving.py: S-LoRA's trace generator, the rate bisection, and a toy run on CPU."""
+"""python -m benchmarks.serving: S-LoRA's trace generator, the rate bisection, and a toy run on CPU."""
 
 from __future__ import annotations
 
@@ -108,7 +108,8 @@ def _run(out: Path, *args: str) -> dict:
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "serving.py"),
+            "-m",
+            "benchmarks.serving",
             "--tiny",
             "--engine-commit",
             "test",

@@ -1,4 +1,4 @@
-"""benchmarks/tp.py --tiny on two fake CPU devices: every case runs (the timed loops compile
+"""python -m benchmarks.tp --tiny on two fake CPU devices: every case runs (the timed loops compile
 nothing, or the case fails), TP 1 and TP 2 give the same greedy tokens, each GPU's floor shrinks
 with TP 2, and the results carry what the H200 run reports."""
 
@@ -26,7 +26,8 @@ def results(tmp_path_factory) -> tuple[Path, dict]:
     }
     cmd = [
         sys.executable,
-        str(ROOT / "benchmarks" / "tp.py"),
+        "-m",
+        "benchmarks.tp",
         "--tiny",
         "--steps",
         "2",

@@ -6,7 +6,7 @@ import pytest
 from jaxlora.cli.main import main
 from jaxlora.loading.hf_writer import save_hf_folder
 from jaxlora.lora.peft_format import save_peft_adapter
-from tests.engine.fakes import char_tokenizer, tiny_model
+from tests.factories import char_tokenizer, tiny_model
 
 ENGINE_YAML = """engine:
   max_batch: 4
@@ -123,13 +123,13 @@ def _engine_args(argv: list[str]):
 def test_default_host_adapter_memory_is_a_share_of_the_machine(files, monkeypatch, capsys):
     from jaxlora.adapters import host_budget
     from jaxlora.adapters.registry import slot_nbytes
-    from jaxlora.cli.engine_args import build_engine, engine_config
+    from jaxlora.cli.engine_args import engine_config, engine_from_args
     from jaxlora.errors import CapacityError
 
     args = _engine_args(_common(files))
     slot = slot_nbytes(tiny_model().config, engine_config(args).lora, np.float32)
     monkeypatch.setattr(host_budget, "machine_memory_bytes", lambda: 4 * 3 * slot)  # a quarter: 3 adapters
-    engine = build_engine(args)
+    engine = engine_from_args(args)
     assert engine.config.host_capacity_bytes == 3 * slot
     err = capsys.readouterr().err
     assert "room for 3 adapters" in err and "25% of this machine's" in err, err
@@ -140,7 +140,7 @@ def test_default_host_adapter_memory_is_a_share_of_the_machine(files, monkeypatc
 
 
 def test_bank_rank_follows_the_adapters_named_at_start_up(files, tmp_path):
-    from jaxlora.cli.engine_args import build_engine, engine_config
+    from jaxlora.cli.engine_args import engine_config, engine_from_args
     from jaxlora.errors import AdapterError
 
     cfg = tiny_model().config
@@ -157,7 +157,7 @@ def test_bank_rank_follows_the_adapters_named_at_start_up(files, tmp_path):
     assert engine_config(_engine_args([*_common(files), "--adapter", small])).lora.max_rank == 4
     pinned = _engine_args([*_common(files), "--adapter", f"big={big}", "--max-lora-rank", "4"])
     with pytest.raises(AdapterError, match="rank 8 exceeds max_rank=4.*--max-lora-rank"):
-        build_engine(pinned)
+        engine_from_args(pinned)
 
 
 def test_merge_output_files_follow_the_umask(files, tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from jaxlora.cli.main import main
 from jaxlora.loading.hf_writer import save_hf_folder
 from jaxlora.loading.orbax_ckpt import MARKER
-from tests.engine.fakes import char_tokenizer, tiny_model
+from tests.factories import char_tokenizer, tiny_model
 
 ENGINE_YAML = """engine:
   max_batch: 2

@@ -8,7 +8,7 @@ import pytest
 from jaxlora.config import LoraConfig
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.engine import Engine
-from tests.engine.fakes import char_tokenizer, random_adapter, tiny_model
+from tests.factories import char_tokenizer, random_adapter, tiny_model
 
 ADAPTERS = ("a0", "a1", "a2", "a3", "a4")
 
@@ -33,7 +33,10 @@ def parts():
     """(model, tokenizer, {name: HostAdapter})."""
     model, tok = tiny_model(), char_tokenizer()
     lora = engine_config().lora
-    adapters = {name: random_adapter(name, model.config, lora, seed=i + 1) for i, name in enumerate(ADAPTERS)}
+    adapters = {
+        name: random_adapter(name, model.config, modules=lora.target_modules, rng=i + 1)
+        for i, name in enumerate(ADAPTERS)
+    }
     return model, tok, adapters
 
 

@@ -3,7 +3,9 @@ the all-resident `ResidentBank` gives the same greedy tokens as one over the pag
 
 from __future__ import annotations
 
+import ast
 import inspect
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +28,6 @@ USED = {
     "stage",
     "commit",
     "warmup",
-    "place_on",
     "bank",
     "mesh",
     "max_slots",
@@ -36,6 +37,7 @@ USED = {
     "has",
     "list",
 }
+ENGINE_DIR = Path(__file__).resolve().parents[2] / "jaxlora" / "engine"
 RESIDENT = ADAPTERS[:3]  # the engine config's 4 slots: the base and three adapters
 
 
@@ -55,6 +57,33 @@ def resident_bank(parts) -> ResidentBank:
 
 def test_the_protocol_holds_every_member_the_engine_uses():
     assert protocol_members() == USED
+
+
+def members_read_in_source() -> set[str]:
+    """Attributes read off the adapter source in engine.py (`pager.X`, `self.pager.X`) and
+    scheduler.py (`self.slots.X`), found with ast: a member used there must be in the protocol."""
+    found = set()
+    for module, names in (("engine", {"pager"}), ("scheduler", {"slots"})):
+        tree = ast.parse((ENGINE_DIR / f"{module}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                owner = node.value
+                name = (
+                    owner.attr
+                    if isinstance(owner, ast.Attribute)
+                    else owner.id
+                    if isinstance(owner, ast.Name)
+                    else None
+                )
+                if name in names:
+                    found.add(node.attr)
+    return found
+
+
+def test_every_member_read_in_the_engine_and_the_scheduler_is_in_the_protocol():
+    read = members_read_in_source()
+    assert {"acquire", "commit", "bank", "mesh"} <= read  # the scan sees both files
+    assert read <= protocol_members(), read - protocol_members()
 
 
 @pytest.mark.parametrize("kind", ["pager", "resident"])

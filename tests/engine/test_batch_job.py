@@ -19,7 +19,7 @@ from jaxlora.cli.main import main
 from jaxlora.engine.batch_job import read_input
 from jaxlora.engine.results_file import ResultsFile
 from jaxlora.loading.orbax_ckpt import save_converted
-from tests.engine.fakes import char_tokenizer, tiny_model
+from tests.factories import char_tokenizer, tiny_model
 
 NUM_GOOD = 24
 
@@ -182,7 +182,7 @@ def no_engine(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the engine was built before the output file was checked")
 
-    monkeypatch.setattr(jaxlora.cli.engine_args, "build_engine", refuse)
+    monkeypatch.setattr(jaxlora.cli.engine_args, "engine_from_args", refuse)
 
 
 def _records(root: Path, count: int, **changes) -> list[dict]:

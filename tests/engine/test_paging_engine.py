@@ -13,10 +13,9 @@ from jaxlora.engine import Engine, GenerationRequest, SamplingParams
 from jaxlora.errors import AdapterError, UnknownAdapterError
 from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
 from jaxlora.lora.peft_format import save_peft_adapter
-from tests.adapters.adapter_factory import random_host_adapters, tiny_lora
 from tests.engine.conftest import engine_config
-from tests.engine.fakes import char_tokenizer, tiny_model
-from tests.helpers import greedy
+from tests.factories import char_tokenizer, random_adapters, tiny_lora, tiny_model
+from tests.greedy import greedy
 
 NUM_REGISTERED, NUM_USED, NUM_REQUESTS, MAX_TOKENS, PROMPT_LEN = 1000, 200, 300, 6, 6
 
@@ -27,7 +26,7 @@ def setup():
     lora = tiny_lora(max_slots=8)  # 7 adapter slots + the base slot
     config = engine_config(max_batch=8, lora=lora, max_wait_steps=16)
     pager = Pager(model.config, lora, dtype=model.dtype)
-    adapters = random_host_adapters(NUM_REGISTERED, model.config, lora, seed=3)
+    adapters = random_adapters(NUM_REGISTERED, model.config, lora, seed=3)
     for adapter in adapters:
         pager.register(adapter.name, adapter)
     engine = Engine(model, tok, config, pager)

@@ -13,8 +13,8 @@ from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
 from jaxlora.model.params import build_model, quantized_model
 from jaxlora.model.quant import dequantize_arrays
 from tests.engine.conftest import engine_config, make_engine
-from tests.engine.fakes import EOS
-from tests.helpers import batched_greedy
+from tests.factories import EOS
+from tests.greedy import batched_greedy
 
 NEW_TOKENS = 8
 # (adapter, prompt): the base model and three adapters, prompts of different lengths, one adapter twice.

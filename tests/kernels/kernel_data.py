@@ -1,20 +1,11 @@
-"""Shared data builders for the kernel tests: random (never zero) inputs, NaN where nothing may read."""
+"""Shared data builders for the kernel tests: random (never zero) inputs, NaN where nothing may read.
+
+Results are compared with `tests.tolerances.assert_close` (the one tolerance table)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-
-# One tolerance table, keyed by dtype: (rtol, atol) against a reference accumulated in f32.
-TOLERANCE = {jnp.dtype(jnp.float32): (5e-3, 5e-3), jnp.dtype(jnp.bfloat16): (3e-2, 2e-2)}
-
-
-def assert_close(actual, expected, dtype) -> None:
-    rtol, atol = TOLERANCE[jnp.dtype(dtype)]
-    actual = np.asarray(jnp.asarray(actual, jnp.float32))
-    expected = np.asarray(jnp.asarray(expected, jnp.float32))
-    assert np.isfinite(actual).all(), "non-finite values in the result (a stray read of NaN padding?)"
-    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
 
 
 def random_array(rng: np.random.Generator, shape, dtype, scale: float = 1.0):

@@ -9,7 +9,8 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import tuning
-from tests.kernels.kernel_data import assert_close, random_array
+from tests.kernels.kernel_data import random_array
+from tests.tolerances import assert_close
 
 
 @pytest.mark.parametrize("seg_len", [None, 4])

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 import pallas_kernels as pk
 from pallas_kernels import lora_triton, reference, xla_backends
-from tests.kernels.kernel_data import assert_close, bank, random_array
+from tests.kernels.kernel_data import bank, random_array
+from tests.tolerances import assert_close
 
 NUM_TOKENS = 24  # not a multiple of the 16-row tile
 NUM_SLOTS = NUM_TOKENS + 1

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import reference, xla_backends
-from tests.kernels.kernel_data import assert_close, random_array
+from tests.kernels.kernel_data import random_array
+from tests.tolerances import assert_close
 
 
 def test_hand_computed_case():

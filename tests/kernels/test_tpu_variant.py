@@ -15,7 +15,8 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import lora_tpu, reference
-from tests.kernels.kernel_data import assert_close, bank, random_array, zero_slot0
+from tests.kernels.kernel_data import bank, random_array, zero_slot0
+from tests.tolerances import assert_close
 
 INTERPRET = True
 

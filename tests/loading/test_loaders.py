@@ -20,8 +20,7 @@ from jaxlora.loading.orbax_ckpt import save_converted
 from jaxlora.model import init_kv_cache
 from jaxlora.model.forward import forward_logits
 from jaxlora.model.params import build_model, random_model
-from tests.helpers import tiny_config
-from tests.helpers import tiny_tokenizer as _tiny_tokenizer
+from tests.factories import tiny_config, word_tokenizer
 
 TOKENS = jnp.array([[3, 17, 42, 5, 88, 9, 1]])
 
@@ -40,7 +39,7 @@ def tiny(request):
 
 
 def test_hf_folder_round_trip(tiny, tmp_path):
-    save_hf_folder(tiny, _tiny_tokenizer(), tmp_path)
+    save_hf_folder(tiny, word_tokenizer(), tmp_path)
     loaded, tok = load_model(tmp_path)
     assert loaded.config == tiny.config
     np.testing.assert_array_equal(_logits(loaded), _logits(tiny))
@@ -184,10 +183,10 @@ def test_not_a_gguf(tmp_path):
 
 
 def test_orbax_round_trip(tiny, tmp_path):
-    save_converted(tiny, _tiny_tokenizer(), tmp_path / "ckpt")
+    save_converted(tiny, word_tokenizer(), tmp_path / "ckpt")
     loaded, tok = load_model(tmp_path / "ckpt")
     assert loaded.config == tiny.config
     np.testing.assert_array_equal(_logits(loaded), _logits(tiny))
     assert tok.chat_template is not None
     with pytest.raises(FileExistsError):
-        save_converted(tiny, _tiny_tokenizer(), tmp_path / "ckpt")
+        save_converted(tiny, word_tokenizer(), tmp_path / "ckpt")

@@ -16,7 +16,7 @@ from jaxlora.loading.hf_writer import save_hf_folder
 from jaxlora.loading.orbax_ckpt import MARKER, save_converted
 from jaxlora.model.params import quantized_model, random_model
 from jaxlora.model.quant import PROJECTION_PREFIXES
-from tests.helpers import tiny_config, tiny_tokenizer
+from tests.factories import tiny_config, word_tokenizer
 from tests.loading.test_loaders import _write_gguf
 
 # Every projection's input width (32 hidden, 32 = 4 heads x 8, 64 intermediate) is a multiple of
@@ -82,7 +82,7 @@ def test_q8_0_as_fp8_equals_quantizing_the_dequantized_file(q8_gguf):
 
 def test_hf_folder_quantized_at_load(tmp_path):
     model = random_model(tiny_config(attention_bias=True, tie_word_embeddings=False), seed=5)
-    save_hf_folder(model, tiny_tokenizer(), tmp_path / "hf")
+    save_hf_folder(model, word_tokenizer(), tmp_path / "hf")
     loaded, _ = load_model(tmp_path / "hf", quantization="int8")
     _assert_same_params(loaded, quantized_model(model, "int8"))
 
@@ -90,7 +90,7 @@ def test_hf_folder_quantized_at_load(tmp_path):
 @pytest.mark.parametrize("quantization", ["int8", "fp8"])
 def test_quantized_checkpoint_round_trip(tmp_path, quantization):
     model = quantized_model(random_model(CFG, seed=6), quantization)
-    save_converted(model, tiny_tokenizer(), tmp_path / "ckpt")
+    save_converted(model, word_tokenizer(), tmp_path / "ckpt")
     assert json.loads((tmp_path / "ckpt" / MARKER).read_text())["quantization"] == quantization
     loaded, _ = load_model(tmp_path / "ckpt")  # the checkpoint's own format, nothing re-quantized
     _assert_same_params(loaded, model)
@@ -103,7 +103,7 @@ def test_quantized_checkpoint_round_trip(tmp_path, quantization):
 
 def test_dense_checkpoint_quantized_at_load(tmp_path):
     model = random_model(CFG, seed=7)
-    save_converted(model, tiny_tokenizer(), tmp_path / "ckpt")
+    save_converted(model, word_tokenizer(), tmp_path / "ckpt")
     loaded, _ = load_model(tmp_path / "ckpt", quantization="int8")
     _assert_same_params(loaded, quantized_model(model, "int8"))
     assert all(f"{p}.qkernel" in loaded.flat_params() for p in PROJECTION_PREFIXES.values())

@@ -9,13 +9,15 @@ from jaxlora.loading.hf_writer import save_hf_folder
 from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
 from jaxlora.lora.peft_format import load_peft_adapter, save_peft_adapter
 from jaxlora.model.params import random_model
-from tests.helpers import greedy, tiny_config, tiny_tokenizer
+from tests.factories import tiny_config, word_tokenizer
+from tests.greedy import greedy
+from tests.tolerances import assert_close
 
 
 def test_merged_model_equals_unmerged_adapter(tmp_path):
     cfg = tiny_config()
     base = random_model(cfg, seed=21, std=0.2)
-    save_hf_folder(base, tiny_tokenizer(), tmp_path / "base")
+    save_hf_folder(base, word_tokenizer(), tmp_path / "base")
     rng = np.random.default_rng(0)
     weights = {
         m: (
@@ -52,12 +54,12 @@ def test_merged_model_equals_unmerged_adapter(tmp_path):
     _, base_tokens = greedy(base, prompt, 16)
     assert merged_tokens == lora_tokens
     assert base_tokens != lora_tokens, "the adapter must change the output for this test to mean anything"
-    np.testing.assert_allclose(merged_logits, lora_logits, atol=1e-4, rtol=1e-4)
+    assert_close(merged_logits, lora_logits, "float32")
 
 
 def test_merge_reports_bad_adapter(tmp_path, capsys):
     base = random_model(tiny_config(), seed=1)
-    save_hf_folder(base, tiny_tokenizer(), tmp_path / "base")
+    save_hf_folder(base, word_tokenizer(), tmp_path / "base")
     (tmp_path / "adapter").mkdir()
     assert (
         main(

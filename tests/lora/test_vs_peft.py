@@ -11,7 +11,7 @@ from jaxlora.config import LoraBackend, LoraConfig
 from jaxlora.loading import load_model
 from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
 from jaxlora.lora.peft_format import load_peft_adapter
-from tests.helpers import batched_greedy
+from tests.greedy import batched_greedy
 
 pytestmark = pytest.mark.reference
 

@@ -10,7 +10,8 @@ from jaxlora.model import init_kv_cache
 from jaxlora.model.forward import forward_logits
 from jaxlora.model.params import build_model, random_model
 from jaxlora.model.rope import inverse_frequencies
-from tests.helpers import tiny_config
+from tests.factories import tiny_config
+from tests.greedy import batched_greedy
 
 
 def _full(model, tokens):
@@ -96,7 +97,6 @@ def test_bfloat16_runs_close_to_float32():
 def test_decode_kernels_and_unrolled_layers_give_the_same_tokens(runtime):
     """Pallas decode attention (interpret mode) and the unrolled layer loop change no greedy token."""
     from jaxlora.lora.apply import LoraRuntime
-    from tests.helpers import batched_greedy
 
     model = random_model(tiny_config(head_dim=16, num_layers=3), seed=3)
     prompts = [[5, 6, 7, 8, 9], [11, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48]]

@@ -18,7 +18,7 @@ from jaxlora.model.quant import (
     project,
     quantize,
 )
-from tests.helpers import tiny_config
+from tests.factories import tiny_config
 from tests.tolerances import assert_close
 
 IN, OUT = 576, 2049  # SmolLM2's hidden size, and an odd width
@@ -128,4 +128,4 @@ def test_build_model_never_casts_quantized_weights_across_formats():
 def test_merging_into_a_quantized_base_is_refused():
     model = quantized_model(random_model(tiny_config(), seed=2), "int8")
     with pytest.raises(ModelLoadError, match="cannot merge into int8 base weights"):
-        merged_params(model, {})
+        merged_params(model.flat_params(), {}, quantization=model.quantization)

@@ -10,8 +10,9 @@ import pytest
 from jaxlora.loading import load_model
 from jaxlora.loading.hf_writer import save_hf_folder
 from jaxlora.model.params import random_model
-from tests.helpers import greedy, tiny_config
-from tests.tolerances import TOLERANCES, assert_close
+from tests.factories import tiny_config
+from tests.greedy import greedy
+from tests.tolerances import assert_close
 
 pytestmark = pytest.mark.reference
 
@@ -73,5 +74,5 @@ def test_random_hf_folder_matches_transformers(overrides, tmp_path, reference):
     ref = reference({"kind": "generate", "model": {"hf_dir": str(tmp_path)}, "prompts": prompts, "n_new": 12})
     for i, prompt in enumerate(prompts):
         logits, tokens = greedy(model, prompt, 12)
-        np.testing.assert_allclose(logits, ref["rows"][i]["logits"], **TOLERANCES["float32"])
+        assert_close(logits, ref["rows"][i]["logits"], "float32")
         assert tokens == ref["rows"][i]["tokens"]

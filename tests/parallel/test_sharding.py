@@ -21,7 +21,7 @@ from jaxlora.parallel.sharding import (
     param_spec,
     slot_specs,
 )
-from tests.helpers import tiny_config
+from tests.factories import tiny_config
 
 T = "tensor"
 CFG = tiny_config(

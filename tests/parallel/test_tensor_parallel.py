@@ -22,7 +22,6 @@ import pytest
 
 from tests.tolerances import TOLERANCES
 
-WORKER = Path(__file__).with_name("tp_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,7 +29,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def result() -> dict:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
-        [sys.executable, str(WORKER)], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "tests.parallel.tp_worker"],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}"

@@ -1,6 +1,6 @@
 """Runs the tensor-parallel checks on fake CPU devices and prints one JSON object.
 
-Started by test_tensor_parallel.py as `python tests/parallel/tp_worker.py` with
+Started by test_tensor_parallel.py as `python -m tests.parallel.tp_worker` (from the repository root) with
 XLA_FLAGS=--xla_force_host_platform_device_count=4 in its environment: the flag must be set before
 jax is imported, which a pytest process has already done.
 """
@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlora.adapters import Pager
 from jaxlora.config import TARGET_MODULES, LoraConfig, ModelConfig
+from jaxlora.engine.build import build_engine
 from jaxlora.engine.engine import Engine
 from jaxlora.engine.request import GenerationRequest, SamplingParams
 from jaxlora.engine.runner import ragged_step
@@ -38,7 +34,7 @@ from jaxlora.parallel.sharding import (
     shard_model,
 )
 from tests.engine.conftest import engine_config
-from tests.engine.fakes import char_tokenizer, random_adapter, tiny_model
+from tests.factories import char_tokenizer, random_adapter, tiny_model
 
 TENSOR_SIZES = (2, 4)
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "collective-broadcast")
@@ -175,10 +171,7 @@ def engine_requests() -> list[GenerationRequest]:
 
 def run_engine(model, tokenizer, adapters, tensor: int) -> tuple[Engine, list[list[int]]]:
     config = engine_config(mesh=MeshConfig(tensor=tensor))
-    pager = Pager(model.config, config.lora, dtype=model.dtype)  # the engine splits its bank
-    for name, adapter in adapters.items():
-        pager.register(name, adapter)
-    engine = Engine(model, tokenizer, config, pager)
+    engine = build_engine(config, model, tokenizer, adapters)  # one mesh for the pager's bank and the runner
     engine.warmup()
     finals = engine.generate(engine_requests())
     assert engine.compiles_after_warmup == 0, engine.compiles_after_warmup
@@ -189,7 +182,10 @@ def run_engine(model, tokenizer, adapters, tensor: int) -> tuple[Engine, list[li
 def check_engine(result: dict) -> Engine:
     model, tokenizer = tiny_model(**ENGINE_MODEL), char_tokenizer()
     lora = engine_config().lora
-    adapters = {n: random_adapter(n, model.config, lora, seed=i + 1) for i, n in enumerate(ENGINE_ADAPTERS)}
+    adapters = {
+        n: random_adapter(n, model.config, modules=lora.target_modules, rng=i + 1)
+        for i, n in enumerate(ENGINE_ADAPTERS)
+    }
     result["engine"] = {}
     engine = None
     for n in (1, *TENSOR_SIZES):
@@ -233,13 +229,13 @@ def _collectives(text: str) -> list[tuple[str, str]]:
 def check_hlo(engine: Engine, result: dict) -> None:
     """Collectives of the engine's compiled step on a decode-only batch (tp=4, T = max_batch tokens),
     split into the layer scan's body and the rest."""
-    from jaxlora.bench.e2e import decode_inputs
+    from benchmarks.common import decode_inputs
 
     runner = engine.runner
     inputs = decode_inputs(runner, np.zeros(engine.config.max_batch, np.int32), 0)
     hlo = (
         ragged_step.lower(
-            runner.params, engine.pager.bank, runner.kv, last_ids=runner.last_ids, **inputs, **runner._static
+            runner.params, engine.pager.bank, runner.kv, last_ids=runner.last_ids, **inputs, **runner.step_static
         )
         .compile()
         .as_text()
@@ -250,7 +246,7 @@ def check_hlo(engine: Engine, result: dict) -> None:
 def check_bench_timer(engine: Engine, result: dict) -> None:
     """`jaxlora bench`'s step timer on the tp=4 engine: its timed steps must compile nothing (it
     raises if they do). Its ids fed back are replicated over the mesh, unlike the first host tokens."""
-    from jaxlora.bench.e2e import slot_pattern, time_decode
+    from benchmarks.common import slot_pattern, time_decode
 
     B = engine.config.max_batch
     try:
@@ -338,7 +334,7 @@ def check_engine_shape_hlo(result: dict) -> None:
     """Collectives, their sizes and any host transfer in the TP=2 decode-only step at the 7B shape."""
     from flax import nnx
 
-    from jaxlora.bench.e2e import LLAMA2_7B
+    from benchmarks.common import LLAMA2_7B
     from jaxlora.model import Llama
     from jaxlora.parallel.sharding import param_specs
 

@@ -4,7 +4,7 @@ The reference needs torch, which installs here only for Python 3.11, while jaxlo
 so it lives in its own venv (``scripts/setup_ref_env.sh``) and runs as a subprocess. Stdlib and
 numpy only.
 
-    from reference.client import run_reference
+    from tests.reference.client import run_reference
     result = run_reference({
         "kind": "generate",
         "model": {"gguf": "/path/SmolLM2-135M-Instruct.Q4_1.gguf"},

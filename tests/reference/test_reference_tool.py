@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from reference import client
+from tests.reference import client
 
 pytestmark = pytest.mark.reference
 

@@ -12,7 +12,7 @@ from jaxlora.adapters import Pager
 from jaxlora.engine import Engine
 from serving.client import InferenceClient
 from serving.server import InferenceServer
-from tests.engine.fakes import char_tokenizer, tiny_model
+from tests.factories import char_tokenizer, tiny_model
 from tests.serving.support import ADAPTERS, ENGINE_CONFIG, LORA, SPARE_ADAPTERS, connect, running_server, write_adapter
 
 

@@ -15,7 +15,7 @@ from jaxlora.engine import Engine, EngineConfig
 from jaxlora.lora.peft_format import save_peft_adapter
 from serving.client import InferenceClient
 from serving.server import InferenceServer, ServerOptions, build_server
-from tests.engine.fakes import random_adapter
+from tests.factories import random_adapter
 
 LORA = LoraConfig(max_slots=4, max_rank=4)  # 3 adapter slots: a fourth adapter in use forces paging
 ENGINE_CONFIG = EngineConfig(
@@ -36,7 +36,7 @@ LONG = 3900
 
 def write_adapter(folder: Path, model_config, *, seed: int, rank: int = 4) -> Path:
     """A random PEFT adapter folder (lora_alpha = r, so the stored weights are the effective ones)."""
-    adapter = random_adapter(folder.name, model_config, LORA, seed=seed, rank=rank)
+    adapter = random_adapter(folder.name, model_config, modules=LORA.target_modules, rank=rank, rng=seed)
     return save_peft_adapter(folder, weights=adapter.weights, rank=rank, alpha=float(rank))
 
 

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from tests.engine.fakes import tiny_model
+from tests.factories import tiny_model
 from tests.serving.support import (
     BackgroundStream,
     assert_capacity_whole,

@@ -108,7 +108,7 @@ def _cli_generate(engine: Engine, root: Path) -> str:
     CLI's, so the module pays for one)."""
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
-        mp.setattr("jaxlora.cli.generate.build_engine", lambda args, *a, **kw: engine)
+        mp.setattr("jaxlora.cli.engine_args.engine_from_args", lambda args, *a, **kw: engine)
         assert (
             jaxlora_main(
                 [

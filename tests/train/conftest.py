@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from helpers import tiny_config
 
-from jaxlora.model.params import build_model, random_model
+from tests.factories import confident_model
 
 
 @pytest.fixture(scope="session")
@@ -14,7 +13,7 @@ def smollm2_tokenizer(smollm2_gguf_path):
     import gguf
 
     from jaxlora.loading.gguf_file import metadata
-    from jaxlora.tokenizer import tokenizer_from_gguf
+    from jaxlora.loading.gguf_tokenizer import tokenizer_from_gguf
 
     reader = gguf.GGUFReader(str(smollm2_gguf_path))
     return tokenizer_from_gguf(reader, metadata(reader), source=str(smollm2_gguf_path))
@@ -22,8 +21,5 @@ def smollm2_tokenizer(smollm2_gguf_path):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    """A tiny random model whose (tied) embeddings are large enough for confident predictions: with
-    the default N(0, 0.02) init no logit can exceed ~0.7, so no adapter could lower the loss much."""
-    model = random_model(tiny_config(), seed=3)
-    arrays = {k: v * 25.0 if k == "embed_tokens.embedding" else v for k, v in model.flat_params().items()}
-    return build_model(model.config, arrays)
+    """A tiny random model confident enough for training to lower its loss (`confident_model`)."""
+    return confident_model()

@@ -8,11 +8,11 @@ import os
 import stat
 
 import pytest
-from helpers import tiny_config
 
 import jaxlora.loading
 from jaxlora.model.params import random_model
 from jaxlora.train.cli import main
+from tests.factories import tiny_config
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_tokenizer
 
 from jaxlora.adapters import Pager
 from jaxlora.config import LoraConfig
@@ -24,6 +23,7 @@ from jaxlora.train.export import save_adapter
 from jaxlora.train.loop import TrainConfig, train
 from jaxlora.train.lora_params import AdapterSpec, init_lora_params, parse_targets
 from jaxlora.train.step import OptimizerConfig, lora_logits
+from tests.factories import word_tokenizer
 
 # Logits computed in float32 two ways (jitted training path vs the serving bank, padded to another
 # rank): they differ in summation order only. Logits here are O(10).
@@ -67,7 +67,7 @@ def _engine_greedy(model, pager: Pager, prompts: list[list[int]], max_tokens: in
     config = EngineConfig(
         max_batch=len(prompts), max_seq_len=32, token_budgets=(8, 32), max_new_tokens_limit=16, lora=pager.lora_config
     )
-    engine = Engine(model, tiny_tokenizer(model.config.vocab_size), config, pager)
+    engine = Engine(model, word_tokenizer(model.config.vocab_size), config, pager)
     name = pager.list()[0].name
     outputs = engine.generate(
         [

@@ -1,39 +1,18 @@
-"""Small shared builders for tests (tiny configs, random models)."""
+"""Greedy decoding with the jitted whole-model forward (`jaxlora.model.forward.forward_logits`), one
+row or a batch: the reference the engine and the adapters are checked against."""
 
 from __future__ import annotations
 
-from jaxlora.config import ModelConfig
+import jax.numpy as jnp
+import numpy as np
 
-
-def tiny_config(**overrides) -> ModelConfig:
-    base = dict(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=48,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        eos_token_ids=(2,),
-        bos_token_id=1,
-    )
-    base.update(overrides)
-    return ModelConfig(**base)
+from jaxlora.lora.apply import LoraRuntime
+from jaxlora.model import init_kv_cache
+from jaxlora.model.forward import forward_logits
 
 
 def greedy(model, prompt: list[int], n_new: int, *, bank=None, slot: int = 0, backend="xla"):
     """(prompt logits [len, vocab], n_new greedy ids) for one row, with the jitted whole-model forward."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jaxlora.lora.apply import LoraRuntime
-    from jaxlora.model import init_kv_cache
-    from jaxlora.model.forward import forward_logits
-
     runtime = LoraRuntime.for_platform(backend)
     slots = None if bank is None else jnp.asarray([slot], jnp.int32)
     kv = init_kv_cache(model.config, 1, len(prompt) + n_new)
@@ -72,13 +51,6 @@ def batched_greedy(
     Each row is prefilled on its own into its cache row (segmented LoRA path), then every decode
     step runs all rows at once, each at its own position, with its own slot (per-row LoRA path).
     """
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jaxlora.lora.apply import LoraRuntime
-    from jaxlora.model import init_kv_cache
-    from jaxlora.model.forward import forward_logits
-
     runtime = runtime or LoraRuntime.for_platform(backend)
     rows = len(prompts)
     kv = init_kv_cache(model.config, rows, max(map(len, prompts)) + n_new)
@@ -117,18 +89,3 @@ def batched_greedy(
         for r, t in enumerate(np.asarray(logits)[:, -1].argmax(-1)):
             out[r].append(int(t))
     return out
-
-
-def tiny_tokenizer(vocab_size: int = 96):
-    """A word-level tokenizer over `w0 .. w{n-1}` (ids = numbers) with a trivial chat template."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models, pre_tokenizers
-
-    from jaxlora.tokenizer import Tokenizer
-
-    vocab = {f"w{i}": i for i in range(vocab_size)}
-    hf = HFTokenizer(models.WordLevel(vocab, unk_token="w0"))
-    hf.pre_tokenizer = pre_tokenizers.Whitespace()
-    return Tokenizer(
-        hf=hf, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}", eos_token_ids=(2,), bos_token_id=1
-    )

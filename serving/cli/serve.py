@@ -14,14 +14,14 @@ import signal
 import sys
 import threading
 
-from jaxlora.cli.engine_args import add_engine_args, build_engine
+from jaxlora.cli import engine_args
 from jaxlora.errors import JaxloraError
 
 log = logging.getLogger("jaxlora.serve")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    add_engine_args(p, adapters_help="register a PEFT adapter folder at start-up")
+    engine_args.add_engine_args(p, adapters_help="register a PEFT adapter folder at start-up")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port; printed at start)")
     p.add_argument(
@@ -105,6 +105,6 @@ def _build(args: argparse.Namespace):
         model_name=str(args.model) if args.model else "SmolLM2-135M-Instruct",
     )
     AdapterRoots(options.adapter_roots)
-    engine = build_engine(args)
+    engine = engine_args.engine_from_args(args)
     server, _ = build_server(engine, options)
     return server

@@ -1,0 +1,163 @@
+"""Helpers the benchmarks share: model shapes, the HBM copy bandwidth, random adapter banks, a toy
+tokenizer, and the engine's decode step timed on its own.
+
+Run every benchmark from the repository root as a module (`python -m benchmarks.kernels ...`), so
+that `benchmarks`, `jaxlora` and `pallas_kernels` import from this checkout.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers
+
+from jaxlora.config import LoraConfig, ModelConfig
+from jaxlora.engine.compiles import backend_compiles, check_no_compiles
+from jaxlora.engine.runner import Runner, sampling_arrays
+from jaxlora.lora.bank import Bank, init_bank
+from jaxlora.model import RaggedBatch
+from jaxlora.parallel.sharding import bank_shardings
+from jaxlora.tokenizer import Tokenizer
+
+LLAMA2_7B = ModelConfig(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=32,
+    head_dim=128,
+    max_position_embeddings=4096,
+    name="llama-2-7b-shape",
+)
+TINY = ModelConfig(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    name="tiny",
+)
+
+
+def hbm_gbps(num_bytes: int = 1 << 31, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth (bytes read + written): `reps` jitted copies back to back."""
+    x = jnp.ones((num_bytes // 2,), jnp.bfloat16)
+    copy = jax.jit(lambda v: v + jnp.bfloat16(0))  # one fused read + write pass
+    copy(x).block_until_ready()
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        outs = [copy(x) for _ in range(reps)]
+        jax.block_until_ready(outs)
+        best = max(best, 2 * x.nbytes * reps / (time.perf_counter() - t0) / 1e9)
+        del outs
+    return best
+
+
+def random_bank(
+    model: ModelConfig, lora: LoraConfig, num_adapters: int, dtype, seed: int = 0, mesh: Mesh | None = None
+) -> Bank:
+    """A bank with adapters in slots 1..num_adapters (random, never zero), drawn on the device.
+
+    Slot 0 and slots past num_adapters stay zero, as the pager leaves them. With a mesh, the bank is
+    drawn directly in its tensor-parallel shards (`jaxlora.parallel.sharding.bank_specs`), with the
+    same values as on one device.
+    """
+    shapes = jax.eval_shape(lambda: init_bank(model, lora, dtype))
+    leaves, treedef = jax.tree_util.tree_flatten(shapes)
+
+    def draw(key):
+        out = []
+        for i, leaf in enumerate(leaves):
+            slots = jnp.arange(leaf.shape[1])
+            live = ((slots >= 1) & (slots <= num_adapters)).reshape((1, -1) + (1,) * (leaf.ndim - 2))
+            std = 1.0 / math.sqrt(leaf.shape[2]) if i % 2 == 0 else 0.02
+            w = jax.random.normal(jax.random.fold_in(key, i), leaf.shape, jnp.float32) * std
+            out.append(jnp.where(live, w, 0).astype(leaf.dtype))
+        return out
+
+    out_shardings = None
+    if mesh is not None:
+        out_shardings = jax.tree_util.tree_leaves(bank_shardings(shapes, mesh))
+    return jax.tree_util.tree_unflatten(treedef, jax.jit(draw, out_shardings=out_shardings)(jax.random.key(seed)))
+
+
+def adapter_name(i: int) -> str:
+    return f"a{i}"
+
+
+def word_tokenizer(vocab_size: int):
+    """One word per id (w0, w1, ...) and no end-of-sequence id: every request runs to max_tokens."""
+    hf = HFTokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(hf=hf, chat_template=None, eos_token_ids=(), bos_token_id=None)
+
+
+def slot_pattern(batch: int, distinct: int) -> np.ndarray:
+    """Row i on slot 1 + i % distinct (distinct = 0: every row on the base slot)."""
+    if distinct == 0:
+        return np.zeros(batch, np.int32)
+    return (1 + np.arange(batch) % distinct).astype(np.int32)
+
+
+def decode_inputs(runner: Runner, slot_ids: np.ndarray, position: int) -> dict:
+    """The step's inputs for a decode-only step: row b's one token at `position`, over its own pages
+    (rows take consecutive pages of the pool), on slot slot_ids[b]. T = max_batch tokens."""
+    B, page = runner.config.max_batch, runner.config.page_size
+    pages = (np.arange(B * runner.pages_per_seq, dtype=np.int32) % runner.num_pages).reshape(B, -1)
+    rows = np.arange(B, dtype=np.int32)
+    batch = RaggedBatch(
+        q_start=rows,
+        q_len=np.ones(B, np.int32),
+        kv_len=np.full(B, position + 1, np.int32),
+        block_tables=pages,
+        write_page=pages[:, position // page].copy(),
+        write_offset=np.full(B, position % page, np.int32),
+    )
+    tokens = np.random.default_rng(0).integers(0, runner.model.config.vocab_size, B, dtype=np.int32)
+    return dict(
+        tokens=tokens,
+        src=np.full(B, -1, np.int32),
+        positions=np.full(B, position, np.int32),
+        slot_ids=np.asarray(slot_ids, np.int32),
+        batch=batch,
+        sampling=sampling_arrays([], B),
+    )
+
+
+def time_decode(runner: Runner, bank: Bank, slot_ids: np.ndarray, position: int, steps: int) -> float:
+    """Milliseconds per call of the engine's jitted step on a decode-only batch (every row one token,
+    the engine's call shape at T = max_batch: its packed inputs, placed as the runner places them),
+    `steps` calls back to back."""
+    from jaxlora.engine.runner import packed_step
+    from jaxlora.engine.step_inputs import StepLayout
+
+    B = runner.config.max_batch
+    layout = StepLayout(budget=B, rows=B, pages_per_seq=runner.pages_per_seq)
+    packed = jax.device_put(layout.pack(**decode_inputs(runner, slot_ids, position)), runner.input_sharding)
+    static = runner.step_static
+    # Warm up with the timed loop's own arguments: the second call feeds back the first's ids and
+    # pool, as every timed call does (jit compiles one program per argument placement).
+    kv, ids = runner.kv, runner.last_ids
+    for _ in range(2):
+        ids, kv = packed_step(runner.params, bank, kv, packed, ids, layout=layout, **static)
+    ids.block_until_ready()
+    compiles = backend_compiles()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        ids, kv = packed_step(runner.params, bank, kv, packed, ids, layout=layout, **static)
+    ids.block_until_ready()
+    seconds = time.perf_counter() - t0
+    check_no_compiles(compiles, "the timed decode steps")
+    runner.kv, runner.last_ids = kv, ids
+    return seconds / steps * 1e3

@@ -1,0 +1,63 @@
+"""The one place an engine is put together from a config, a loaded model and adapter folders.
+
+    model, tokenizer = jaxlora.loading.load_model(path)
+    engine = build_engine(EngineConfig(), model, tokenizer, {"shout": "checkpoints/demo/shout"})
+    engine.warmup()
+
+With `config.mesh.tensor > 1` the mesh is made here, once, before anything is allocated, and handed
+to both the pager (which splits its bank over it) and the engine's runner (params and page pool).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+import jax
+
+from jaxlora.adapters import Pager
+from jaxlora.config import ModelConfig
+from jaxlora.engine.config import EngineConfig
+from jaxlora.engine.engine import Engine
+from jaxlora.lora.apply import LoraRuntime
+from jaxlora.lora.host_adapter import HostAdapter
+from jaxlora.model.params import LoadedModel
+from jaxlora.parallel import MeshConfig, make_mesh
+from jaxlora.parallel.sharding import check_divisible
+from jaxlora.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(
+    config: EngineConfig,
+    model: LoadedModel,
+    tokenizer: Tokenizer,
+    adapters: Mapping[str, str | Path | HostAdapter] | None = None,
+    *,
+    runtime: LoraRuntime | None = None,
+) -> Engine:
+    """An (un-warmed) engine over `model` whose pager holds `adapters` (name -> PEFT folder or
+    HostAdapter), with `config.host_capacity_bytes` of host memory for them.
+
+    Raises ValueError when the model cannot be split over `config.mesh` or there are too few
+    devices, AdapterError for an adapter that cannot be registered.
+    """
+    mesh = engine_mesh(config.mesh, model.config)
+    pager = Pager(
+        model.config, config.lora, host_capacity_bytes=config.host_capacity_bytes, dtype=model.dtype, mesh=mesh
+    )
+    for name, source in (adapters or {}).items():
+        pager.register(name, source)
+        log.info("registered adapter %r from %s", name, source.source if isinstance(source, HostAdapter) else source)
+    return Engine(model, tokenizer, config, pager, runtime=runtime, mesh=mesh)
+
+
+def engine_mesh(mesh_config: MeshConfig, model_config: ModelConfig) -> jax.sharding.Mesh | None:
+    """The tensor-parallel mesh `mesh_config` asks for (None: one device), checked against the model
+    first so that a bad split fails before anything is allocated."""
+    if not mesh_config.is_sharded:
+        return None
+    check_divisible(model_config, mesh_config.tensor)
+    return make_mesh(mesh_config)
