@@ -113,7 +113,9 @@ def _kernel(
     acc = lax.fori_loop(0, count, step, jnp.zeros((block_m, block_n), _F32))
     scale = pltriton.load(scale_ref.at[layer, cols], mask=col_in, other=None if col_in is None else 0)  # [BN]
     out_at = (s, rows[:, None], cols[None, :]) if is_split else (rows[:, None], cols[None, :])
-    pltriton.store(y_ref.at[out_at], (acc * scale[None, :]).astype(y_ref.dtype), mask=_all((block_m, block_n), row_ok, col_ok))
+    pltriton.store(
+        y_ref.at[out_at], (acc * scale[None, :]).astype(y_ref.dtype), mask=_all((block_m, block_n), row_ok, col_ok)
+    )
 
 
 # -- wrapper ------------------------------------------------------------------------------------
@@ -128,10 +130,7 @@ def _split_k(num_k_blocks: int, base_programs: int, split_k: int | None, min_pro
     return pl.cdiv(num_k_blocks, blocks_per_split), blocks_per_split
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("block_m", "block_n", "block_k", "split_k", "min_programs", "num_warps", "num_stages", "interpret"),
-)
+@functools.partial(jax.jit, static_argnames=quant_tuning.KNOBS + ("split_k", "interpret"))
 def _call(x, q, scale, layer, *, block_m, block_n, block_k, split_k, min_programs, num_warps, num_stages, interpret):
     # q: [L, K, N]; scale: [L, N]; layer: [1] int32. Jitted so that the identical calls of an
     # unrolled layer loop lower to one function (the layer is an operand, not a constant of it).
@@ -174,7 +173,9 @@ def _check(x: jax.Array, q: jax.Array, scale: jax.Array, layer: jax.Array | int 
     if scale.shape != q.shape[:-2] + q.shape[-1:]:
         raise ValueError(f"scale {scale.shape} must be [(L,) N] for q {q.shape}")
     if jnp.dtype(q.dtype) not in WEIGHT_DTYPES or jnp.dtype(scale.dtype) != jnp.dtype(_F32):
-        raise ValueError(f"q {q.dtype} must be one of {[str(d) for d in WEIGHT_DTYPES]} and scale {scale.dtype} float32")
+        raise ValueError(
+            f"q {q.dtype} must be one of {[str(d) for d in WEIGHT_DTYPES]} and scale {scale.dtype} float32"
+        )
     if jnp.dtype(x.dtype) not in X_DTYPES:
         raise ValueError(f"x {x.dtype} must be one of {[str(d) for d in X_DTYPES]}")
     if (q.ndim == 3) != (layer is not None):
@@ -220,9 +221,15 @@ def quant_matmul(
       [M, N] in x.dtype.
     """
     _check(x, q, scale, layer)
-    knobs = quant_tuning.lookup(x.shape[0])
-    given = dict(block_m=block_m, block_n=block_n, block_k=block_k, min_programs=min_programs)
-    knobs.update({k: v for k, v in {**given, "num_warps": num_warps, "num_stages": num_stages}.items() if v is not None})
+    given = dict(
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        min_programs=min_programs,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    knobs = quant_tuning.lookup(x.shape[0]) | {k: v for k, v in given.items() if v is not None}
     for name in ("block_m", "block_n", "block_k"):
         if not _is_pow2(knobs[name]) or knobs[name] < MIN_DOT:
             raise ValueError(f"{name}={knobs[name]} must be a power of two >= {MIN_DOT} (Triton dot blocks)")

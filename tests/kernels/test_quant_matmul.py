@@ -143,7 +143,9 @@ def _lower_for_cuda(fn, *args) -> str:
 
 @pytest.mark.parametrize("storage", [jnp.int8, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("shape", [(1, 4096, 4096), (64, 4096, 11008), (64, 11008, 4096), (2048, 4096, 4096), (17, 200, 72)])
+@pytest.mark.parametrize(
+    "shape", [(1, 4096, 4096), (64, 4096, 11008), (64, 11008, 4096), (2048, 4096, 4096), (17, 200, 72)]
+)
 def test_lowers_for_cuda(storage, x_dtype, shape):
     num_rows, depth, width = shape
     sd = jax.ShapeDtypeStruct
