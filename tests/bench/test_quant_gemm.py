@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quant_gemm_smoke(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "quant_gemm.py"), "--tiny", "--batch", "2", "--tune", "3", "--out", str(tmp_path)]
+    flags = ["--tiny", "--batch", "2", "--tune", "3", "--out", str(tmp_path)]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "quant_gemm.py"), *flags]
     run = subprocess.run(
         cmd,
         cwd=ROOT,
