@@ -5,6 +5,9 @@ decode step runs them, per base weight format: time against each format's bytes 
   int8, fp8     (x @ q.astype(bf16)) * scale        jaxlora.model.quant.matmul (what the model runs)
   fp8-native    (e4m3(x / sx) @ q) * sx * scale     the H200's FP8 tensor cores; activations quantized
                                                     per row (W8A8), so not the model's numerics
+  int8-pallas,  pallas_kernels.quant_matmul           the model's GPU path: the Triton kernel converts
+  fp8-pallas                                        weight tiles in registers and reads layer i of
+                                                    the stacked weights in place (never sliced)
 
 floor = weight bytes (1 byte per quantized weight + float32 scales; 2 per bf16 weight) over the
 device-to-device copy bandwidth of this run. `weight_buffers` counts, per dtype, the weight-shaped
@@ -13,7 +16,11 @@ reads its layer's weights straight out of the stack; a bf16 / f32 count for int8
 wrote a dequantized copy first instead of fusing the convert into the GEMM (the bytes the format
 saves are then spent again); s8 / f8e4m3fn counts are copies of a layer's slice.
 
-    python -m benchmarks.quant_gemm [--tiny] [--batch 1 16 64 256] [--out DIR]
+`--tune M` then times the kernel (int8 weights) at batch M with each knob set of TUNE_CANDIDATES,
+to pick the rows of pallas_kernels/quant_tuning.py by measurement. quant_gemm.json is rewritten
+after every row, so a run cut short keeps what it measured.
+
+    python -m benchmarks.quant_gemm [--tiny] [--batch 1 16 64 256] [--formats ...] [--tune 64] [--out DIR]
 """
 
 from __future__ import annotations
@@ -32,9 +39,24 @@ import jax.numpy as jnp
 from benchmarks.common import LLAMA2_7B, TINY, hbm_gbps
 from jaxlora.config import TARGET_MODULES, ModelConfig
 from jaxlora.model.quant import Quantization, matmul, quantize
+from pallas_kernels.quant_matmul import quant_matmul
 
-FORMATS = ("bf16", "int8", "fp8", "fp8-native")
+FORMATS = ("bf16", "int8", "fp8", "fp8-native", "int8-pallas", "fp8-pallas")
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
+# Kernel knob sets `--tune` compares (see pallas_kernels/quant_tuning.py for what each knob does):
+# the table's decode row (wide columns, K split until 132 programs), narrower columns with no split
+# (no partial sums, x re-read more), and 16-row tiles with no split (rows give the parallelism; each
+# weight tile is read by M / 16 programs, mostly from L2).
+TUNE_CANDIDATES: tuple[dict[str, int], ...] = (
+    dict(block_m=64, block_n=128, block_k=128, min_programs=132, num_warps=4, num_stages=4),
+    dict(block_m=64, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+    dict(block_m=16, block_n=128, block_k=256, split_k=1, num_warps=4, num_stages=4),
+)
+
+
+def storage(fmt: str) -> str:
+    """How a format stores its weights: "bf16", "int8" or "fp8"."""
+    return fmt.removesuffix("-native").removesuffix("-pallas")
 
 
 def fp8_native(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
@@ -45,30 +67,36 @@ def fp8_native(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     return (y * sx * scale).astype(x.dtype)
 
 
-def projections(fmt: str) -> Callable:
-    """(h [n, D], layer weights) -> h after the seven projections of one layer, in format `fmt`."""
+def projections(fmt: str, knobs: dict[str, int]) -> Callable:
+    """(h [n, D], weights, layer) -> h after the seven projections of one layer, in format `fmt`.
 
-    def mm(h, w):
+    weights: that layer's (sliced) for XLA formats; the whole stacks for the kernel, which reads
+    layer `layer` of them in place."""
+    interpret = jax.default_backend() == "cpu"
+
+    def mm(h, w, layer):
         if fmt == "bf16":
             return h @ w
+        if fmt.endswith("-pallas"):
+            return quant_matmul(h, *w, layer, interpret=interpret, **knobs)
         return (fp8_native if fmt == "fp8-native" else matmul)(h, *w)
 
-    def layer(h, lw):
-        q = mm(h, lw["q_proj"])
-        kv = mm(h, lw["k_proj"]) + mm(h, lw["v_proj"])
-        h = h + mm(q.at[:, : kv.shape[1]].add(kv), lw["o_proj"])
-        a = jax.nn.silu(mm(h, lw["gate_proj"])) * mm(h, lw["up_proj"])
-        return (h + mm(a, lw["down_proj"])).astype(h.dtype)
+    def one_layer(h, lw, layer):
+        q = mm(h, lw["q_proj"], layer)
+        kv = mm(h, lw["k_proj"], layer) + mm(h, lw["v_proj"], layer)
+        h = h + mm(q.at[:, : kv.shape[1]].add(kv), lw["o_proj"], layer)
+        a = jax.nn.silu(mm(h, lw["gate_proj"], layer)) * mm(h, lw["up_proj"], layer)
+        return (h + mm(a, lw["down_proj"], layer)).astype(h.dtype)
 
-    return layer
+    return one_layer
 
 
-def stacked_weights(cfg: ModelConfig, fmt: str) -> dict:
-    """module -> [L, in, out] bf16, or (q [L, in, out], scale [L, out]) drawn on the device."""
+def stacked_weights(cfg: ModelConfig, kind: str) -> dict:
+    """module -> [L, in, out] bf16, or (q [L, in, out], scale [L, out]) drawn on the device; kind: `storage`."""
     out = {}
     for i, m in enumerate(TARGET_MODULES):
         w = jax.random.normal(jax.random.key(i), (cfg.num_layers, *cfg.module_shape(m)), jnp.bfloat16) * 0.02
-        out[m] = w if fmt == "bf16" else quantize(w, Quantization.INT8 if fmt == "int8" else Quantization.FP8)
+        out[m] = w if kind == "bf16" else quantize(w, Quantization(kind))
         jax.block_until_ready(out[m])
         del w
     return out
@@ -77,7 +105,7 @@ def stacked_weights(cfg: ModelConfig, fmt: str) -> dict:
 def weight_bytes(cfg: ModelConfig, fmt: str) -> int:
     n = sum(math.prod(cfg.module_shape(m)) for m in TARGET_MODULES)
     scales = sum(cfg.module_shape(m)[1] for m in TARGET_MODULES)
-    return cfg.num_layers * (2 * n if fmt == "bf16" else n + 4 * scales)
+    return cfg.num_layers * (2 * n if storage(fmt) == "bf16" else n + 4 * scales)
 
 
 def weight_buffers(hlo: str, cfg: ModelConfig) -> dict[str, int]:
@@ -93,12 +121,13 @@ def weight_buffers(hlo: str, cfg: ModelConfig) -> dict[str, int]:
     return out
 
 
-def unrolled(cfg: ModelConfig, fmt: str) -> Callable:
-    layer = projections(fmt)
+def unrolled(cfg: ModelConfig, fmt: str, knobs: dict[str, int] | None = None) -> Callable:
+    layer = projections(fmt, knobs or {})
+    in_place = fmt.endswith("-pallas")
 
     def run(w, x):
         for i in range(cfg.num_layers):
-            x = layer(x, jax.tree.map(lambda a: a[i], w))
+            x = layer(x, w if in_place else jax.tree.map(lambda a: a[i], w), i)
         return x
 
     return jax.jit(run)
@@ -112,11 +141,36 @@ def timed(fn, *args, reps: int = 10) -> float:
     return (time.perf_counter() - t0) / reps * 1e3
 
 
+def measure(cfg: ModelConfig, fmt: str, batch: int, w: dict, hbm: float, knobs: dict | None = None) -> dict | None:
+    """One row: the unrolled step's time against the format's bytes floor (None if it fails)."""
+    fn = unrolled(cfg, fmt, knobs)
+    x = jax.random.normal(jax.random.key(99), (batch, cfg.hidden_size), jnp.bfloat16)
+    label = f"{fmt} B={batch}" + (f" {knobs}" if knobs else "")
+    try:
+        buffers = weight_buffers(fn.lower(w, x).compile().as_text(), cfg)
+        ms = timed(fn, w, x)
+    except Exception as e:  # a probe: report the format that does not compile and go on
+        print(f"{label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None
+    floor = weight_bytes(cfg, fmt) / (hbm * 1e9) * 1e3
+    row = {
+        "format": fmt,
+        "batch": batch,
+        "weight_bytes": weight_bytes(cfg, fmt),
+        "ms": round(ms, 3),
+        "floor_ms": round(floor, 4),
+        "x_floor": round(ms / floor, 2),
+        "weight_buffers": buffers,
+    }
+    return row if knobs is None else {**row, "knobs": knobs}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (a smoke run)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    p.add_argument("--tune", type=int, default=None, metavar="M", help="time TUNE_CANDIDATES at batch M")
     p.add_argument("--out", type=Path, default=None, help="folder for quant_gemm.json")
     args = p.parse_args()
     cfg = TINY if args.tiny else LLAMA2_7B
@@ -129,33 +183,23 @@ def main() -> None:
         "rows": [],
     }
     print(f"{result['device']}, HBM copy {hbm:.0f} GB/s", flush=True)
-    for fmt in args.formats:
-        w = stacked_weights(cfg, fmt)
-        floor = weight_bytes(cfg, fmt) / (hbm * 1e9) * 1e3
-        fn = unrolled(cfg, fmt)
-        for batch in args.batch:
-            x = jax.random.normal(jax.random.key(99), (batch, cfg.hidden_size), jnp.bfloat16)
-            try:
-                buffers = weight_buffers(fn.lower(w, x).compile().as_text(), cfg)
-                ms = timed(fn, w, x)
-            except Exception as e:  # a probe: report the format that does not compile and go on
-                print(f"{fmt} B={batch}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                continue
-            row = {
-                "format": fmt,
-                "batch": batch,
-                "weight_bytes": weight_bytes(cfg, fmt),
-                "ms": round(ms, 3),
-                "floor_ms": round(floor, 4),
-                "x_floor": round(ms / floor, 2),
-                "weight_buffers": buffers,
-            }
-            result["rows"].append(row)
-            print(json.dumps(row), flush=True)
-        del w, fn
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "quant_gemm.json").write_text(json.dumps(result, indent=1))
+    cases = [(fmt, batch, None) for fmt in args.formats for batch in args.batch]
+    cases += [("int8-pallas", args.tune, knobs) for knobs in TUNE_CANDIDATES] if args.tune else []
+    kinds = list(dict.fromkeys(storage(fmt) for fmt, _, _ in cases))
+    cases.sort(key=lambda case: kinds.index(storage(case[0])))  # stable: each kind's weights drawn once
+    drawn: tuple[str, dict] | None = None  # one storage kind's weights at a time (7B: 6.7-13.5 GB)
+    for fmt, batch, knobs in cases:
+        if drawn is None or drawn[0] != storage(fmt):
+            drawn = None  # free the previous kind before drawing the next
+            drawn = (storage(fmt), stacked_weights(cfg, storage(fmt)))
+        row = measure(cfg, fmt, batch, drawn[1], hbm, knobs)
+        if row is None:
+            continue
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "quant_gemm.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

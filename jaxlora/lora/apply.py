@@ -12,6 +12,7 @@ Slot 0 is all-zero, so base-model rows come out unchanged.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,14 @@ from jaxlora.config import AttentionBackend, LoraBackend
 from jaxlora.lora.bank import GROUPS
 
 GROUP_MODULES: dict[str, tuple[str, ...]] = dict(GROUPS)
+
+
+class QuantMatmul(enum.StrEnum):
+    """How the GEMM of a weight-only quantized projection runs (jaxlora.model.quant; same math)."""
+
+    AUTO = "auto"  # PALLAS on GPU, XLA elsewhere (resolved by `LoraRuntime.for_platform`)
+    XLA = "xla"  # (x @ q.astype(x.dtype)) * scale: XLA writes a dequantized copy of the weight first
+    PALLAS = "pallas"  # pallas_kernels.quant_matmul: converts tiles in registers, reads a layer in place
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +47,9 @@ class LoraRuntime:
     unroll_max_tokens: unroll only steps of at most this many tokens (one token per row). Small
       steps are bound by reading the weights, where the scan's per-layer weight copy costs most;
       large ones are compute-bound and keep the scan's short compile.
+    quant_matmul: how quantized projections multiply, in every step (unrolled or scanned). With
+      PALLAS the model hands each quantized projection its whole stack [L, in, out] and the layer
+      index (see `Llama.__call__`). Never AUTO here: `for_platform` resolves it.
     """
 
     backend: LoraBackend = LoraBackend.XLA
@@ -45,13 +57,15 @@ class LoraRuntime:
     attention: AttentionBackend = AttentionBackend.XLA
     unroll_layers: bool = False
     unroll_max_tokens: int = 512
+    quant_matmul: QuantMatmul = QuantMatmul.XLA
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", LoraBackend(self.backend))  # accept the string form too
-        resolved = tuple(a.value for a in AttentionBackend if a is not AttentionBackend.AUTO)
-        if self.attention not in resolved:
-            raise ValueError(f"attention={self.attention!r} must be one of {resolved}")
-        object.__setattr__(self, "attention", AttentionBackend(self.attention))
+        for name, kind in (("attention", AttentionBackend), ("quant_matmul", QuantMatmul)):
+            resolved = tuple(a.value for a in kind if a.value != "auto")
+            if getattr(self, name) not in resolved:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {resolved}")
+            object.__setattr__(self, name, kind(getattr(self, name)))
 
     @classmethod
     def for_platform(
@@ -61,12 +75,17 @@ class LoraRuntime:
         *,
         attention: AttentionBackend | str = AttentionBackend.AUTO,
         unroll_layers: bool | None = None,
+        quant_matmul: QuantMatmul | str = QuantMatmul.AUTO,
     ) -> LoraRuntime:
         """Pallas runs natively on GPU and TPU; on CPU the only way to run it is the interpreter.
 
         attention="auto" picks the Pallas decode-attention kernel on GPU and XLA elsewhere;
         unroll_layers=None unrolls decode steps on GPU (see `Llama.__call__`) and scans elsewhere,
-        where compile time matters more.
+        where compile time matters more. quant_matmul="auto" picks XLA everywhere for now: the
+        quantized-GEMM kernel has passed interpret-mode and CUDA-lowering tests but has not been
+        timed (or compiled to machine code) on a GPU yet; choose it explicitly with "pallas"
+        (`benchmarks/quant_gemm.py` measures both). The kernel is Triton only, so PALLAS on a TPU
+        raises ValueError.
         """
         platform = platform or jax.default_backend()
         if unroll_layers is None:
@@ -75,12 +94,22 @@ class LoraRuntime:
         attention = AttentionBackend(attention)
         if attention is AttentionBackend.AUTO:
             attention = AttentionBackend.PALLAS if platform == "gpu" else AttentionBackend.XLA
-        uses_pallas = backend is LoraBackend.PALLAS or attention is AttentionBackend.PALLAS
+        quant_matmul = QuantMatmul(quant_matmul)
+        if quant_matmul is QuantMatmul.AUTO:
+            quant_matmul = QuantMatmul.XLA
+        if quant_matmul is QuantMatmul.PALLAS and platform not in ("gpu", "cpu"):
+            raise ValueError(
+                f"quant_matmul=pallas is a Triton kernel: it runs on GPU (or interpreted on CPU), not {platform}"
+            )
+        uses_pallas = (
+            backend is LoraBackend.PALLAS or attention is AttentionBackend.PALLAS or quant_matmul is QuantMatmul.PALLAS
+        )
         return cls(
             backend=backend,
             interpret=uses_pallas and platform == "cpu",
             attention=attention,
             unroll_layers=unroll_layers,
+            quant_matmul=quant_matmul,
         )
 
 

@@ -24,7 +24,7 @@ from flax import nnx
 
 import pallas_kernels
 from jaxlora.config import AttentionBackend, ModelConfig
-from jaxlora.lora.apply import LoraRuntime, apply_group, step_plan, token_slots_for
+from jaxlora.lora.apply import LoraRuntime, QuantMatmul, apply_group, step_plan, token_slots_for
 from jaxlora.model.kv_cache import KVCache, PagedKVCache
 from jaxlora.model.quant import Quantization, QuantLinear, project
 from jaxlora.model.rope import apply_rope, inverse_frequencies
@@ -54,6 +54,17 @@ def _linear(
     return nnx.Linear(
         d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs, kernel_init=nnx.initializers.normal(0.02)
     )
+
+
+# The parameters a quantized projection keeps stacked over layers on the kernel path (see `Llama.__call__`).
+_IN_PLACE_WEIGHTS = nnx.Any(nnx.PathContains("qkernel"), nnx.PathContains("qscale"))
+
+
+def _apply_linear(linear: nnx.Linear | QuantLinear, x: jax.Array, layer: jax.Array, runtime: LoraRuntime) -> jax.Array:
+    """linear(x) with its bias; a quantized projection holding the whole stack multiplies by layer `layer`."""
+    if isinstance(linear, QuantLinear):
+        return linear(x, layer=layer, interpret=runtime.interpret)
+    return linear(x)
 
 
 @jax.tree_util.register_dataclass
@@ -120,7 +131,7 @@ class Attention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         x2 = x.reshape(b * t, -1)
-        qkv = {"q_proj": self.q_proj(x2), "k_proj": self.k_proj(x2), "v_proj": self.v_proj(x2)}
+        qkv = {m: _apply_linear(getattr(self, m), x2, layer, s.runtime) for m in ("q_proj", "k_proj", "v_proj")}
         qkv = apply_group(
             "qkv", lora.get("qkv"), x2, qkv, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan, layer=layer
         )
@@ -144,9 +155,9 @@ class Attention(nnx.Module):
             attn = _attend(q, keys, values, s.positions)  # [b, t, H * Dh]
         a2 = attn.reshape(b * t, -1)
         if s.tensor_axis is None:
-            out = {"o_proj": self.o_proj(a2)}
+            out = {"o_proj": _apply_linear(self.o_proj, a2, layer, s.runtime)}
         else:  # row-parallel: the bias joins after the all-reduce, or every shard would add it
-            out = {"o_proj": project(self.o_proj, a2)}
+            out = {"o_proj": project(self.o_proj, a2, layer=layer, interpret=s.runtime.interpret)}
         out = apply_group(
             "o", lora.get("o"), a2, out, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan, layer=layer
         )
@@ -223,12 +234,12 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array, layer: jax.Array, lora: dict, s: StepInputs) -> jax.Array:
         b, t, _ = x.shape
         x2 = x.reshape(b * t, -1)
-        gu = {"gate_proj": self.gate_proj(x2), "up_proj": self.up_proj(x2)}
+        gu = {m: _apply_linear(getattr(self, m), x2, layer, s.runtime) for m in ("gate_proj", "up_proj")}
         gu = apply_group(
             "gate_up", lora.get("gate_up"), x2, gu, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan, layer=layer
         )
         hidden = jax.nn.silu(gu["gate_proj"]) * gu["up_proj"]
-        out = {"down_proj": self.down_proj(hidden)}
+        out = {"down_proj": _apply_linear(self.down_proj, hidden, layer, s.runtime)}
         out = apply_group(
             "down", lora.get("down"), hidden, out, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan, layer=layer
         )
@@ -338,14 +349,17 @@ class Llama(nnx.Module):
             x = tp.embed(
                 self.embed_tokens.embedding[...], tokens, vocab_size=self.cfg.vocab_size, axis=tensor_axis
             ).astype(self.embed_tokens.dtype)
-        graphdef, layer_state = nnx.split(self.layers)
-
         # The bank is not sliced per layer: each LoRA op gets the whole stack and the layer index, and
-        # the kernels read that layer in place (a slice before a kernel call copies every slot).
+        # the kernels read that layer in place (a slice before a kernel call copies every slot). With
+        # the quantized-GEMM kernel the quantized projections' weights stay whole the same way; every
+        # other parameter is sliced (unrolled) or scanned over.
+        in_place = _IN_PLACE_WEIGHTS if runtime.quant_matmul is QuantMatmul.PALLAS else nnx.Nothing
+        graphdef, whole, layer_state = nnx.split(self.layers, in_place, ...)
+
         def body(carry, xs):
             h, kv = carry
             state, layer = xs
-            h, kv = nnx.merge(graphdef, state)(h, kv, layer, bank or {}, s)
+            h, kv = nnx.merge(graphdef, whole, state)(h, kv, layer, bank or {}, s)
             return (h, kv), None
 
         if runtime.unroll_layers and t == 1 and b <= runtime.unroll_max_tokens:

@@ -3,10 +3,13 @@
     w[i, o] ~= q[i, o] * scale[o]                q [in, out] int8 | float8_e4m3fn, scale [out] float32
     layer(x) = (x @ q.astype(x.dtype)) * scale (+ bias)
 
-The scale multiplies the GEMM's output columns, never the weight: XLA fuses the int8/fp8 -> bf16
-convert into the dot's operand read and the scale into its epilogue, so a decode step (memory-bound)
-reads one byte per weight. The LoRA delta is added to this output, as it is to a dense layer's, so
-adapters trained on the dense base apply unchanged.
+The scale multiplies the GEMM's output columns, never the weight, so a GEMM can read the 1-byte
+weights, convert them on the fly and scale its result. XLA does not do that (it writes a
+dequantized copy of the weight first); `pallas_kernels.quant_matmul` does, and reads one layer of
+the stacked weights in place: a QuantLinear holding the whole stack [L, in, out] runs that kernel on
+the layer it is given (the model's GPU path, `LoraRuntime.quant_matmul`), one holding a single layer
+[in, out] runs `matmul` through XLA. The LoRA delta is added to this output, as it is to a dense
+layer's, so adapters trained on the dense base apply unchanged.
 
 Formats (amax = max |w[:, o]| of the channel; a zero channel gets scale 1 and stays zero):
 
@@ -34,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlora.config import TARGET_MODULES
+from pallas_kernels.quant_matmul import quant_matmul
 
 
 class Quantization(enum.StrEnum):
@@ -86,7 +90,9 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype = jnp.float32) -
 
 
 def matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    """x [n, in] @ the quantized w -> [n, out] in x's dtype. Accumulates and scales in float32."""
+    """x [n, in] @ the quantized w -> [n, out] in x's dtype. Accumulates and scales in float32.
+
+    Plain XLA, and the reference `pallas_kernels.quant_matmul` is tested against."""
     y = jnp.dot(x, q.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * scale).astype(x.dtype)
 
@@ -106,20 +112,34 @@ class QuantLinear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None  # [out]
         self.dtype = dtype
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul(x.astype(self.dtype), self.qkernel[...], self.qscale[...])
+    def __call__(self, x: jax.Array, *, layer: jax.Array | None = None, interpret: bool = False) -> jax.Array:
+        """x [n, in] -> [n, out]; `layer` and `interpret` as in `project`."""
+        y = project(self, x, layer=layer, interpret=interpret)
         return y if self.bias is None else y + self.bias[...]
 
 
-def project(layer: nnx.Linear | QuantLinear, x: jax.Array) -> jax.Array:
+def project(
+    linear: nnx.Linear | QuantLinear, x: jax.Array, *, layer: jax.Array | None = None, interpret: bool = False
+) -> jax.Array:
     """x @ W of a dense or quantized projection, without its bias.
+
+    layer: this projection's layer in the model (int32 scalar, may be traced). A quantized projection
+    holding the whole stack (qkernel [L, in, out], qscale [L, out]) multiplies by that layer with
+    `pallas_kernels.quant_matmul`, which reads it in place (`interpret`: in the Pallas interpreter,
+    CPU); one holding a single layer [in, out] runs `matmul` and needs no index.
 
     A row-parallel projection under tensor parallelism adds its bias after the all-reduce (else every
     shard would add it); the per-column scale commutes with that sum, so each shard applies it.
     """
-    if isinstance(layer, QuantLinear):
-        return matmul(x.astype(layer.dtype), layer.qkernel[...], layer.qscale[...])
-    return x @ layer.kernel[...]
+    if not isinstance(linear, QuantLinear):
+        return x @ linear.kernel[...]
+    q, scale = linear.qkernel[...], linear.qscale[...]
+    x = x.astype(linear.dtype)
+    if q.ndim == 3:
+        if layer is None:
+            raise ValueError(f"a QuantLinear holding the whole stack {q.shape} [L, in, out] needs the layer index")
+        return quant_matmul(x, q, scale, layer, interpret=interpret)
+    return matmul(x, q, scale)
 
 
 # -- flat parameter names (jaxlora.model.params) -----------------------------------------------------

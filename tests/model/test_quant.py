@@ -3,12 +3,16 @@ quantized layer against its dequantized weight, and what build_model accepts."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxlora.errors import ModelLoadError
+from jaxlora.lora.apply import LoraRuntime, QuantMatmul
 from jaxlora.lora.merge import merged_params
+from jaxlora.model import init_kv_cache
+from jaxlora.model.forward import forward_logits
 from jaxlora.model.params import build_model, quantized_model, random_model
 from jaxlora.model.quant import (
     Quantization,
@@ -19,6 +23,7 @@ from jaxlora.model.quant import (
     quantize,
 )
 from tests.factories import tiny_config
+from tests.greedy import batched_greedy
 from tests.tolerances import assert_close
 
 IN, OUT = 576, 2049  # SmolLM2's hidden size, and an odd width
@@ -129,3 +134,71 @@ def test_merging_into_a_quantized_base_is_refused():
     model = quantized_model(random_model(tiny_config(), seed=2), "int8")
     with pytest.raises(ModelLoadError, match="cannot merge into int8 base weights"):
         merged_params(model.flat_params(), {}, quantization=model.quantization)
+
+
+def _runs_quant_kernel(model, runtime: LoraRuntime) -> bool:
+    """Whether the model's one-token step traces a pallas_kernels.quant_matmul call."""
+    kv = init_kv_cache(model.config, 1, 8)
+    tokens, positions = jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda p, kv: forward_logits(model.graphdef, p, tokens, positions, kv, runtime=runtime))
+    return "quant_matmul" in str(jaxpr(model.params, kv))
+
+
+@pytest.mark.parametrize(("quantization", "unroll_layers"), [("int8", False), ("fp8", True)])
+def test_kernel_path_gives_the_greedy_tokens_of_the_xla_path(quantization, unroll_layers):
+    """The model with its quantized GEMMs in pallas_kernels.quant_matmul (interpret mode; the stacked
+    weights read in place by the scan's traced layer index, or a static one unrolled) against XLA."""
+    model = quantized_model(random_model(tiny_config(head_dim=16, num_layers=3), seed=3), quantization)
+    prompts = [[5, 6, 7, 8, 9], [11, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
+    xla = LoraRuntime(unroll_layers=unroll_layers)
+    kernel = LoraRuntime(quant_matmul="pallas", interpret=True, unroll_layers=unroll_layers)
+    assert _runs_quant_kernel(model, kernel) and not _runs_quant_kernel(model, xla)
+    want = batched_greedy(model, prompts, [0, 0, 0], 6, runtime=xla)
+    assert len({tuple(ids) for ids in want}) == len(prompts), "rows must differ for a swap to show"
+    assert batched_greedy(model, prompts, [0, 0, 0], 6, runtime=kernel) == want
+
+
+def test_quant_matmul_choice_is_resolved_per_platform():
+    assert LoraRuntime.for_platform("xla", "gpu").quant_matmul is QuantMatmul.XLA  # until timed on a GPU
+    assert LoraRuntime.for_platform("xla", "gpu", quant_matmul="pallas").quant_matmul is QuantMatmul.PALLAS
+    cpu = LoraRuntime.for_platform("xla", "cpu")
+    assert cpu.quant_matmul is QuantMatmul.XLA and not cpu.interpret
+    assert LoraRuntime.for_platform("xla", "cpu", quant_matmul="pallas").interpret
+    with pytest.raises(ValueError, match="Triton kernel"):
+        LoraRuntime.for_platform("xla", "tpu", quant_matmul="pallas")
+    with pytest.raises(ValueError, match="quant_matmul='auto' must be one of"):
+        LoraRuntime(quant_matmul="auto")
+
+
+def test_a_stacked_quant_linear_needs_its_layer():
+    layer = QuantLinear(48, 80, quantization=Quantization.INT8, use_bias=False, dtype=jnp.float32)
+    layer.qkernel.set_value(jnp.ones((2, 48, 80), jnp.int8))
+    layer.qscale.set_value(jnp.ones((2, 80), jnp.float32))
+    with pytest.raises(ValueError, match="needs the layer index"):
+        layer(jnp.ones((3, 48)))
+
+
+@pytest.mark.parametrize("unroll_layers", [False, True])
+def test_kernel_path_reads_the_stacked_weights_in_place_on_cuda(unroll_layers):
+    """Lowered for an H200: no quantized weight is sliced out of its stack (a slice feeding a kernel
+    is a copy), whether the layer index is the scan's counter or a constant of the unrolled loop."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    h200 = AbstractMesh(
+        (1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    )
+    model = quantized_model(random_model(tiny_config(hidden_size=64, intermediate_size=96), seed=4), "int8")
+    runtime = LoraRuntime(quant_matmul="pallas", unroll_layers=unroll_layers)
+    kv = init_kv_cache(model.config, 2, 8)
+    tokens, positions = jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32)
+
+    def step(params, kv):
+        return forward_logits(model.graphdef, params, tokens, positions, kv, runtime=runtime)
+
+    with jax.sharding.use_abstract_mesh(h200):
+        text = jax.jit(step).trace(model.params, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+    stacked = [f"tensor<2x{a}x{b}xi8>" for a, b in ((64, 64), (64, 32), (64, 96), (96, 64))]
+    slices = [line for line in text.splitlines() if "slice" in line and any(s in line for s in stacked)]
+    assert not slices, slices[:3]
+    assert sum(text.count(s) for s in stacked) > 0  # the stacked weights do reach the lowered step
