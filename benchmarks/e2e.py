@@ -298,12 +298,13 @@ def run_group(
     lora = LoraConfig(
         max_slots=group.max_slots, max_rank=group.rank, target_modules=TARGETS[group.targets], backend=group.backend
     )
-    # Decode steps have exactly max_batch tokens; prompts go one step each. Pages: every row at full length.
+    # Decode steps have exactly max_batch tokens; prompts go up to eight a step (as the engine before
+    # the ragged step ran its prefill calls: 8 rows). Pages: every row at full length.
     pages_per_seq = -(-group.max_seq_len // 16)
     config = EngineConfig(
         max_batch=group.batch,
         max_seq_len=group.max_seq_len,
-        token_budgets=tuple(sorted({group.batch, group.prompt_len})),
+        token_budgets=tuple(sorted({group.batch, min(2048, 8 * group.prompt_len)})),
         page_size=16,
         num_pages=group.batch * pages_per_seq,
         max_new_tokens_limit=group.gen_len,
