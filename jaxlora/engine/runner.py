@@ -38,6 +38,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
+import threading
 from collections.abc import Callable, Sequence
 
 import jax
@@ -65,12 +66,19 @@ from jaxlora.parallel.sharding import shard_params, shard_step, tensor_size
 # Traces of the step in this process: each is a compile. Module level, so engines with equal shapes
 # share compiled steps (jit caches by function and static arguments).
 _num_traces = 0
+_traces_lock = threading.Lock()  # warm-up traces shapes in several threads at once
 
 WarmupProgress = Callable[[str, int, int], None]  # (what is compiling, k, n)
 
 
 def num_traces() -> int:
     return _num_traces
+
+
+def _count_trace() -> None:
+    global _num_traces
+    with _traces_lock:
+        _num_traces += 1
 
 
 def _step(params, bank, kv, tokens, src, positions, slot_ids, batch, sampling, last_ids, *, graphdef, runtime, mesh):
@@ -100,8 +108,7 @@ def _step(params, bank, kv, tokens, src, positions, slot_ids, batch, sampling, l
 def packed_step(params, bank, kv, packed, last_ids, *, layout: StepLayout, graphdef, runtime, mesh=None):
     """The engine's step: its inputs as one int32 array `packed` [layout.size] (one host->device
     copy; `jaxlora.engine.step_inputs`), unpacked here at static offsets. -> (next_ids [S], kv)."""
-    global _num_traces
-    _num_traces += 1
+    _count_trace()
     fields = layout.unpack(packed)
     return _step(params, bank, kv, last_ids=last_ids, graphdef=graphdef, runtime=runtime, mesh=mesh, **fields)
 
@@ -125,8 +132,7 @@ def ragged_step(
 ):
     """The same step over its fields as separate arrays (module doc): for tools that build a step's
     arrays themselves (benchmarks, HLO checks). The engine sends `packed_step`."""
-    global _num_traces
-    _num_traces += 1
+    _count_trace()
     return _step(
         params,
         bank,

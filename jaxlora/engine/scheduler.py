@@ -228,7 +228,9 @@ class Scheduler:
         if work >= budgets[-1]:
             return budgets[-1]
         fits = next(b for b in budgets if b >= work)
-        filled = [b for b in budgets if decode <= b <= work]
+        # A smaller budget only if prompts still get a share of it: else a step whose decode tokens
+        # just fill a budget would leave prompts no room, step after step (starving them).
+        filled = [b for b in budgets if decode < b <= work and b - decode >= MAX_PADDING * b]
         if decode and filled and fits - work > MAX_PADDING * fits:
             return filled[-1]
         return fits
@@ -311,9 +313,11 @@ class Scheduler:
                 continue
             first = min(req.num_known, budget - used)
             # A preempted request comes back only when all it knows fits: taking it back in small
-            # chunks while pages are short would preempt it again (thrashing).
-            need = req.num_known if req.num_preemptions else first
-            if not self.pages.can_grow(None, need, reserve=self.reserve_pages):
+            # chunks while pages are short would preempt it again (thrashing). The reserve applies
+            # to the first chunk only: running requests grow into it, so a preempted one may know
+            # more than the pool holds outside the reserve.
+            fits = self.pages.can_grow(None, first, reserve=self.reserve_pages)
+            if not fits or (req.num_preemptions and not self.pages.can_grow(None, req.num_known)):
                 break  # first come, first served: no pages for this one, none for later ones
             self._assign_row(req, slot)
             self._add_chunk(chunks, req, first)

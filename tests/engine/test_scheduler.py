@@ -190,6 +190,32 @@ def test_close_fits_are_padded_not_split():
     assert layout(plan)[1] == ("b", 0, 30, False) and plan.budget == 32
 
 
+def test_decode_tokens_that_fill_a_budget_do_not_starve_prompts():
+    # 128 decode tokens plus a 50-token prompt: shrinking the step to 128 would leave the prompt no
+    # room, step after step; it is padded to 256 instead and the prompt runs at once.
+    s = make_scheduler(max_batch=256, num_pages=4096, token_budgets=(128, 256, 512))
+    for i in range(128):
+        s.add(make_request(f"d{i}", prompt_len=3, max_tokens=300))
+    run_step(s)
+    s.add(make_request("p", prompt_len=50, max_tokens=2))
+    plan, _ = run_step(s)
+    assert plan.num_decode_tokens == 128 and admitted(plan) == ["p"] and plan.budget == 256
+    assert layout(plan)[-1] == ("p", 0, 50, False)
+
+
+def test_a_preempted_request_knowing_more_than_the_pool_outside_the_reserve_comes_back():
+    # 4 pages of 16, one kept in reserve at admission: "b" grows into the reserve, is preempted
+    # knowing 49 tokens (4 pages), and must still come back once "a" is done.
+    s = make_scheduler(max_batch=2, num_pages=4, page_size=16, token_budgets=(16,), reserve_pages=1)
+    a, b = make_request("a", prompt_len=2, max_tokens=14), make_request("b", prompt_len=40, max_tokens=20)
+    s.add(a)
+    s.add(b)
+    for _ in range(200):
+        if run_step(s)[0] is None and s.is_idle:
+            break
+    assert a.is_finished and b.is_finished and b.num_preemptions >= 1 and s.pages.num_free == 4
+
+
 def test_positions_and_pages_follow_lengths_not_max_seq_len():
     s = make_scheduler(max_batch=2, num_pages=8, page_size=4)
     r = make_request("r", prompt_len=5, max_tokens=6)
