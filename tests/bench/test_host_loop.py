@@ -4,22 +4,16 @@ its profile reading turns step intervals into device step time and idle gaps."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from benchmarks.host_loop import Case, gaps_summary
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.run_module import run_benchmark
 
 
 def test_host_loop_smoke(tmp_path):
     cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.host_loop",
+        "host_loop",
         "--tiny",
         "--one-budget",
         "--layers",
@@ -43,14 +37,7 @@ def test_host_loop_smoke(tmp_path):
         "--out",
         str(tmp_path),
     ]
-    run = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
-    )
+    run = run_benchmark(*cmd)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((tmp_path / "host_loop.json").read_text())
     assert not result["failed"] and len(result["cases"]) == 1

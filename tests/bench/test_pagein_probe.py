@@ -3,32 +3,20 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.run_module import run_benchmark
 
 
 def test_pagein_probe_smoke(tmp_path):
     cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.pagein_probe",
+        "pagein_probe",
         "--tiny",
         "--reps",
         "1",
         "--out",
         str(tmp_path),
     ]
-    run = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
-    )
+    run = run_benchmark(*cmd)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((tmp_path / "pagein_probe.json").read_text())
     for section in ("size_curve", "copies_only", "burst", "overlap", "loop"):

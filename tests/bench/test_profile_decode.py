@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.run_module import run_benchmark
 
 
 def test_profile_decode_smoke(tmp_path):
     cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.profile_decode",
+        "profile_decode",
         "--tiny",
         "--batch",
         "4",
@@ -26,14 +21,7 @@ def test_profile_decode_smoke(tmp_path):
         "--out",
         str(tmp_path),
     ]
-    run = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
-    )
+    run = run_benchmark(*cmd)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((tmp_path / "profile_decode.json").read_text())
     assert set(result["base_step_ms"]) == {"scan/pallas-attn", "unroll/xla-attn"}

@@ -3,24 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.run_module import run_benchmark
 
 
 def test_quant_gemm_smoke(tmp_path):
     flags = ["--tiny", "--batch", "2", "--tune", "3", "--out", str(tmp_path)]
-    cmd = [sys.executable, "-m", "benchmarks.quant_gemm", *flags]
-    run = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
-    )
+    cmd = ["quant_gemm", *flags]
+    run = run_benchmark(*cmd)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads((tmp_path / "quant_gemm.json").read_text())["rows"]
     # Grouped by how the weights are stored (each kind drawn once); the --tune rows follow int8's.
