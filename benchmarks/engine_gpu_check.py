@@ -76,6 +76,7 @@ def main() -> None:
         identical=same,
         compiles_after_warmup=compiles,
         seconds=round(seconds, 2),
+        tokens=[list(t) for t in fast],  # to compare runs under different XLA flags
         first_difference=next(([i, list(a), list(b)] for i, (a, b) in enumerate(zip(fast, slow)) if a != b), None),
     )
     print(json.dumps(result), flush=True)

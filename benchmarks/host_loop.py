@@ -20,7 +20,9 @@ Per case, over `--steps` steps after `--warmup-steps`:
   dispatch_probe     host ms of one dispatch while two steps are queued on the device, for the step's
                      inputs as one packed int32 array (`packed_step`, what the engine sends) and as
                      the ~16 separate host arrays of the unpacked step (`ragged_step`): whether a
-                     host->device copy of the inputs waits behind queued device work;
+                     host->device copy of the inputs waits behind queued device work; and "idle",
+                     the packed dispatch with nothing queued (the call's own host cost: when it is
+                     as long as the queued one, the host is launching kernels, not waiting);
   profile            from a jax.profiler trace of `--profile-steps` loop steps: each step's device
                      time ("XLA Modules" line of the GPU plane) and the device idle gap between
                      consecutive steps, plus the host->device copies per step. Needs a GPU plane
@@ -179,7 +181,7 @@ def device_intervals(trace_dir: str) -> dict | None:
             if not plane.name.startswith("/device:GPU:0"):
                 continue
             lines = list(plane.lines)
-            steps, h2d = [], []
+            steps, h2d, ops = [], [], []
             for line in lines:
                 for ev in line.events:
                     span = (ev.start_ns, ev.start_ns + ev.duration_ns)
@@ -187,7 +189,9 @@ def device_intervals(trace_dir: str) -> dict | None:
                         steps.append(span)
                     elif "Stream" in line.name and ("MemcpyH2D" in ev.name or "MemcpyH2D" in line.name):
                         h2d.append(span)
-            return {"steps": sorted(steps), "h2d": sorted(h2d), "lines": [ln.name for ln in lines]}
+                    elif "Stream" in line.name:
+                        ops.append(span)
+            return {"steps": sorted(steps), "h2d": sorted(h2d), "ops": sorted(ops), "lines": [ln.name for ln in lines]}
     return None
 
 
@@ -218,12 +222,57 @@ def profile_loop(loop: ClosedLoop, steps: int) -> dict:
         jax.block_until_ready(loop.engine.runner.last_ids)
     finally:
         jax.profiler.stop_trace()
+    host_events = host_event_summary(trace_dir, steps)
     found = device_intervals(trace_dir)
     if found is None:
         return {"available": False, "reason": "the trace has no GPU plane (device time is only traced on GPU)"}
+    kernels = {**kernel_summary(found["ops"], steps), "host_events": host_events}
     if len(found["steps"]) < 2:
-        return {"available": False, "reason": f"fewer than two steps on the XLA Modules line; lines {found['lines']}"}
-    return {"available": True, **gaps_summary(found["steps"], found["h2d"]), "gpu_lines": found["lines"][:12]}
+        return {
+            "available": False,
+            "reason": f"fewer than two steps on the XLA Modules line; lines {found['lines'][:12]}",
+            **kernels,
+        }
+    return {"available": True, **gaps_summary(found["steps"], found["h2d"]), **kernels, "gpu_lines": found["lines"][:12]}
+
+
+def host_event_summary(trace_dir: str, steps: int, top: int = 25) -> list[tuple[str, float, float]]:
+    """The host threads' traced events with the most time: (name, ms a step, calls a step). Where
+    a dispatch's host time goes (launches, buffer handling, Python)."""
+    from jax.profiler import ProfileData
+
+    totals: dict[str, list[float]] = {}
+    for path in sorted(glob.glob(trace_dir + "/**/*.xplane.pb", recursive=True)):
+        for plane in ProfileData.from_file(path).planes:
+            if not plane.name.startswith("/host:"):
+                continue
+            for line in plane.lines:
+                for ev in line.events:
+                    name = ev.name.split("#")[0][:80]  # TraceMe names carry "#key=value#" args
+                    entry = totals.setdefault(name, [0.0, 0.0])
+                    entry[0] += ev.duration_ns / 1e6
+                    entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [(name, round(ms / steps, 4), round(n / steps, 1)) for name, (ms, n) in ranked]
+
+
+def kernel_summary(ops: list[tuple[float, float]], steps: int) -> dict:
+    """Kernels and copies on the GPU's streams over the traced loop: how many a step, and the time
+    at least one ran (the device's real busy time, free of launch gaps). The profiler runs the
+    step op by op (XLA leaves command buffers while tracing), so the count is the launch count."""
+    if not ops:
+        return {"kernels_per_step": 0}
+    busy, end = 0.0, ops[0][0]
+    for s, e in ops:  # sorted by start: the union of the intervals
+        busy += max(0.0, e - max(s, end))
+        end = max(end, e)
+    window = ops[-1][1] - ops[0][0]
+    return {
+        "kernels_per_step": round(len(ops) / steps, 1),
+        "busy_ms_per_step": round(busy / steps / 1e6, 4),
+        "busy_share": round(busy / window, 4),
+        "window_ms_per_step": round(window / steps / 1e6, 4),
+    }
 
 
 # -- the device step alone, and the dispatch probe --------------------------------------------------
@@ -283,8 +332,12 @@ def dispatch_probe(runner, bank, inputs: HostInputs, reps: int) -> dict:
         fn()
     jax.block_until_ready(runner.last_ids)
     compiles = backend_compiles()
-    times: dict[str, list[float]] = {"packed": [], "fields": []}
+    times: dict[str, list[float]] = {"packed": [], "fields": [], "idle": []}
     for _ in range(reps):
+        t0 = time.perf_counter()  # the device is idle here: the call's own host cost
+        packed_dispatch()
+        times["idle"].append((time.perf_counter() - t0) * 1e3)
+        jax.block_until_ready(runner.last_ids)
         for name, fn in (("fields", fields_dispatch), ("packed", packed_dispatch)):
             packed_dispatch()
             packed_dispatch()  # two steps queued ahead of the timed dispatch
