@@ -150,12 +150,12 @@ def time_decode(runner: Runner, bank: Bank, slot_ids: np.ndarray, position: int,
     # pool, as every timed call does (jit compiles one program per argument placement).
     kv, ids = runner.kv, runner.last_ids
     for _ in range(2):
-        ids, kv = packed_step(runner.params, bank, kv, packed, ids, layout=layout, **static)
+        ids, kv, _ = packed_step(runner.params, bank, kv, packed, ids, layout=layout, **static)
     ids.block_until_ready()
     compiles = backend_compiles()
     t0 = time.perf_counter()
     for _ in range(steps):
-        ids, kv = packed_step(runner.params, bank, kv, packed, ids, layout=layout, **static)
+        ids, kv, _ = packed_step(runner.params, bank, kv, packed, ids, layout=layout, **static)
     ids.block_until_ready()
     seconds = time.perf_counter() - t0
     check_no_compiles(compiles, "the timed decode steps")

@@ -233,7 +233,12 @@ def profile_loop(loop: ClosedLoop, steps: int) -> dict:
             "reason": f"fewer than two steps on the XLA Modules line; lines {found['lines'][:12]}",
             **kernels,
         }
-    return {"available": True, **gaps_summary(found["steps"], found["h2d"]), **kernels, "gpu_lines": found["lines"][:12]}
+    return {
+        "available": True,
+        **gaps_summary(found["steps"], found["h2d"]),
+        **kernels,
+        "gpu_lines": found["lines"][:12],
+    }
 
 
 def host_event_summary(trace_dir: str, steps: int, top: int = 25) -> list[tuple[str, float, float]]:

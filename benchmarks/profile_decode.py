@@ -96,7 +96,7 @@ def step_fn(runner, bank, slots, position):
     from jaxlora.engine.runner import ragged_step
 
     inputs = jax.device_put(decode_inputs(runner, slots, position))
-    static = dict(graphdef=runner.model.graphdef, runtime=runner.runtime)
+    static = runner.step_static
 
     def run():
         ids, runner.kv = ragged_step(runner.params, bank, runner.kv, last_ids=runner.last_ids, **inputs, **static)

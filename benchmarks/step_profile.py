@@ -29,6 +29,7 @@ import numpy as np
 from benchmarks.common import LLAMA2_7B, TINY, hbm_gbps, random_bank
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraConfig
 from jaxlora.engine.runner import ragged_step, sampling_arrays
+from jaxlora.engine.static_arg import Hashed
 from jaxlora.lora.apply import LoraRuntime
 from jaxlora.model import RaggedBatch, init_paged_kv_cache
 from jaxlora.model.params import random_model
@@ -185,7 +186,7 @@ def main() -> None:
         for backend in args.backends if lora is not None else ["xla"]:
             for attention in args.attention:
                 runtime = LoraRuntime.for_platform(backend, attention=attention)
-                static = dict(graphdef=model.graphdef, runtime=runtime)
+                static = dict(graphdef=Hashed(model.graphdef), runtime=runtime)
                 for mix in mixes:
                     if mix.decode + len(mix.chunks) > rows:
                         print(f"{mix.name}: needs more than {rows} rows, skipped", flush=True)

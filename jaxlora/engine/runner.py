@@ -51,8 +51,9 @@ from jaxlora.engine.compiles import start_counting, thread_backend_compiles
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.kv_pages import PageTable, pages_for
 from jaxlora.engine.request import Request
-from jaxlora.engine.sampling import SamplingArrays, sample
+from jaxlora.engine.sampling import SamplingArrays, greedy, sample
 from jaxlora.engine.scheduler import StepPlan
+from jaxlora.engine.static_arg import Hashed
 from jaxlora.engine.step_inputs import HostInputs, InputPacker, StepLayout
 from jaxlora.lora.apply import LoraRuntime
 from jaxlora.lora.bank import Bank
@@ -98,19 +99,36 @@ def _step(params, bank, kv, tokens, src, positions, slot_ids, batch, sampling, l
             tensor_axis=tensor_axis,
         )
         logits = mod.logits(hidden[batch.last_index, 0], tensor_axis=tensor_axis)  # [S, vocab]
-        finite = jnp.all(jnp.isfinite(logits), axis=-1)
-        return jnp.where(finite, sample(logits, sampling), -1), kv
+        return greedy(logits), logits, kv
 
-    return shard_step(step, mesh)(params, bank, kv, tokens, positions, slot_ids, batch, sampling)
+    step = shard_step(step, mesh, num_outputs_before_kv=2)
+    ids, logits, kv = step(params, bank, kv, tokens, positions, slot_ids, batch, sampling)
+    return ids, kv, logits
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "graphdef", "runtime", "mesh"), donate_argnames=("kv",))
-def packed_step(params, bank, kv, packed, last_ids, *, layout: StepLayout, graphdef, runtime, mesh=None):
+def packed_step(params, bank, kv, packed, last_ids, *, layout: StepLayout, graphdef: Hashed, runtime, mesh=None):
     """The engine's step: its inputs as one int32 array `packed` [layout.size] (one host->device
-    copy; `jaxlora.engine.step_inputs`), unpacked here at static offsets. -> (next_ids [S], kv)."""
+    copy; `jaxlora.engine.step_inputs`), unpacked here at static offsets.
+    -> (greedy next_ids [S], kv, logits [S, vocab] float32); `packed_sample` then samples the rows
+    with a temperature, in steps that have any."""
     _count_trace()
     fields = layout.unpack(packed)
-    return _step(params, bank, kv, last_ids=last_ids, graphdef=graphdef, runtime=runtime, mesh=mesh, **fields)
+    return _step(params, bank, kv, last_ids=last_ids, graphdef=graphdef.value, runtime=runtime, mesh=mesh, **fields)
+
+
+@functools.partial(jax.jit, static_argnames=("layout",))
+def packed_sample(logits, ids, packed, *, layout: StepLayout):
+    """The rows of a step with a temperature, sampled from its logits [S, vocab] (top-k, top-p);
+    greedy rows and rows whose logits are not finite keep `ids` [S]. -> next_ids [S].
+
+    A program of its own, dispatched after the step only when a row of the step samples: inside the
+    step, the choice would be an XLA conditional, whose predicate the GPU runtime reads on the host,
+    so every dispatch would wait for the step before it (measured on the H200: the host blocked for
+    the whole device step), and computing both branches always sorts the vocabulary per row."""
+    _count_trace()
+    sampling = layout.unpack(packed)["sampling"]
+    return jnp.where(ids >= 0, sample(logits, sampling), ids)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "mesh"), donate_argnames=("kv",))
@@ -126,14 +144,15 @@ def ragged_step(
     sampling,
     last_ids,
     *,
-    graphdef,
+    graphdef: Hashed,
     runtime,
     mesh=None,
 ):
     """The same step over its fields as separate arrays (module doc): for tools that build a step's
-    arrays themselves (benchmarks, HLO checks). The engine sends `packed_step`."""
+    arrays themselves (benchmarks, HLO checks). The engine sends `packed_step`. -> (greedy next_ids
+    [S], kv); `sampling` is unused (sampled rows are `packed_sample`'s)."""
     _count_trace()
-    return _step(
+    ids, kv, _ = _step(
         params,
         bank,
         kv,
@@ -144,10 +163,11 @@ def ragged_step(
         batch,
         sampling,
         last_ids,
-        graphdef=graphdef,
+        graphdef=graphdef.value,
         runtime=runtime,
         mesh=mesh,
     )
+    return ids, kv
 
 
 class Runner:
@@ -165,7 +185,7 @@ class Runner:
         self.pages_per_seq = pages_for(config.max_seq_len, config.page_size)
         self.num_pages = self._pool_pages()
         self.kv: PagedKVCache = self._new_pool()
-        self._static = dict(graphdef=model.graphdef, runtime=runtime)
+        self._static = dict(graphdef=Hashed(model.graphdef), runtime=runtime)
         if self.mesh is not None:  # one device: the same jit cache key as callers that never pass a mesh
             self._static["mesh"] = self.mesh
         # The step's small inputs go whole to every device of the mesh (None: the default device).
@@ -210,13 +230,23 @@ class Runner:
             return init_paged_kv_cache(model.config, self.num_pages, cfg.page_size, model.dtype)
         return init_sharded_paged_kv_cache(model.config, self.num_pages, cfg.page_size, model.dtype, self.mesh)
 
-    def step(self, bank: Bank | None, plan: StepPlan, pages: PageTable, *, lora: bool | None = None) -> jax.Array:
+    def step(
+        self,
+        bank: Bank | None,
+        plan: StepPlan,
+        pages: PageTable,
+        *,
+        lora: bool | None = None,
+        sample: bool | None = None,
+    ) -> jax.Array:
         """Packs and dispatches the plan's step; returns next ids [S] by row, on the device.
 
         lora: run with the bank (True) or without (False); None: only if a token has an adapter (always
           without `config.bank_free_steps`).
+        sample: run `packed_sample` after the step (True) or not; None: only if a row of the step
+          samples with a temperature.
         """
-        return self.dispatch(bank, self.pack(plan, pages), lora=lora)
+        return self.dispatch(bank, self.pack(plan, pages), lora=lora, sample=sample)
 
     def pack(self, plan: StepPlan, pages: PageTable) -> HostInputs:
         """The plan's inputs in one of the packer's host buffers, after that buffer's previous copy
@@ -226,20 +256,28 @@ class Runner:
             sent.block_until_ready()
         return self.packer.pack(plan, pages)
 
-    def dispatch(self, bank: Bank | None, inputs: HostInputs, *, lora: bool | None = None) -> jax.Array:
+    def dispatch(
+        self, bank: Bank | None, inputs: HostInputs, *, lora: bool | None = None, sample: bool | None = None
+    ) -> jax.Array:
         """Sends the packed inputs (one host->device copy, issued here so that the call finds them
         placed) and dispatches the step; returns next ids [S] on the device, without waiting."""
         # may_alias=False: on CPU a device_put may alias the numpy buffer, which the next pack rewrites.
         packed = jax.device_put(inputs.buffer, self.input_sharding, may_alias=False)
         self._sent[inputs.index] = packed
-        return self.dispatch_packed(self._bank_for(bank, inputs.has_adapter, lora), packed, inputs.layout)
+        bank = self._bank_for(bank, inputs.has_adapter, lora)
+        return self.dispatch_packed(bank, packed, inputs.layout, sample=inputs.samples if sample is None else sample)
 
-    def dispatch_packed(self, bank: Bank | None, packed: jax.Array, layout: StepLayout) -> jax.Array:
-        """Dispatches the step on inputs already on the device (packed [layout.size] int32)."""
+    def dispatch_packed(
+        self, bank: Bank | None, packed: jax.Array, layout: StepLayout, *, sample: bool = False
+    ) -> jax.Array:
+        """Dispatches the step on inputs already on the device (packed [layout.size] int32), and
+        `packed_sample` after it when `sample`."""
         compiles = thread_backend_compiles()  # jit compiles on the calling thread
-        next_ids, self.kv = packed_step(
+        next_ids, self.kv, logits = packed_step(
             self.params, bank, self.kv, packed, self.last_ids, layout=layout, **self._static
         )
+        if sample:
+            next_ids = packed_sample(logits, next_ids, packed, layout=layout)
         self.step_compiles += thread_backend_compiles() - compiles
         self.last_ids = next_ids
         return next_ids
@@ -282,9 +320,10 @@ class Runner:
                 if progress is not None:
                     progress(f"step of {budget} tokens{' with adapters' if lora else ''}", k + 1, len(shapes))
         # Twice: the first call of a shape may see arguments the step never returns (a fresh pool),
-        # and jit's fast dispatch path keys on that too; after round two every call hits it.
+        # and jit's fast dispatch path keys on that too; after round two every call hits it. Each
+        # runs `packed_sample` too (compiled here, on this thread: a small program).
         for budget, lora in shapes * 2:
-            self.step(bank, _empty_plan(budget), pages, lora=lora).block_until_ready()
+            self.step(bank, _empty_plan(budget), pages, lora=lora, sample=True).block_until_ready()
 
     def _compile(self, bank: Bank | None, packed: jax.Array, layout: StepLayout, lora: bool) -> None:
         """Compiles (without running) the step of `layout`, with the bank or without."""

@@ -44,17 +44,21 @@ class SamplingArrays:
         )
 
 
-def sample(logits: jax.Array, s: SamplingArrays) -> jax.Array:
-    """logits [b, vocab] float32 -> next token ids [b] int32.
+def greedy(logits: jax.Array) -> jax.Array:
+    """logits [b, vocab] float32 -> each row's most likely token [b] int32, or -1 where the row's
+    logits are not finite (an adapter that blows up: the engine fails that request alone)."""
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    return jnp.where(finite, jnp.argmax(logits, axis=-1).astype(jnp.int32), -1)
 
-    A batch of only greedy rows skips the sort (lax.cond: both branches are compiled once).
+
+def sample(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """logits [b, vocab] float32 -> next token ids [b] int32: rows with temperature 0 greedy, the
+    others drawn after top-k and top-p filtering.
+
+    Every row pays the vocabulary sort, so the engine runs this only for steps with a sampled row
+    (`jaxlora.engine.runner.packed_sample`); a greedy step stops at `greedy`.
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.lax.cond(
-        jnp.all(s.temperature == 0),
-        lambda: greedy,
-        lambda: jnp.where(s.temperature == 0, greedy, _sample_filtered(logits, s)),
-    )
+    return jnp.where(s.temperature == 0, greedy(logits), _sample_filtered(logits, s))
 
 
 def _sample_filtered(logits: jax.Array, s: SamplingArrays) -> jax.Array:

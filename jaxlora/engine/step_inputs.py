@@ -124,12 +124,14 @@ class HostInputs:
 
     buffer: [layout.size] int32, a view of the packer's buffer `index`: rewritten by a later `pack`.
     has_adapter: some token of the step reads an adapter slot (slot != 0).
+    samples: some row of the step samples its next token with a temperature (not greedy).
     """
 
     layout: StepLayout
     buffer: np.ndarray
     index: int
     has_adapter: bool
+    samples: bool = False
 
 
 class InputPacker:
@@ -217,7 +219,13 @@ class InputPacker:
         # The index of the output token this step samples: the chunk ends where the request's known
         # tokens end, and outputs start after the prompt.
         f["counter"][sampled] = (start + length)[samples] - self._num_prompt[sampled]
-        return HostInputs(layout=layout, buffer=buffer, index=k, has_adapter=bool(slot.any()))
+        return HostInputs(
+            layout=layout,
+            buffer=buffer,
+            index=k,
+            has_adapter=bool(slot.any()),
+            samples=bool((f["temperature"][sampled] > 0).any()),
+        )
 
     def _clear(self, f: dict[str, np.ndarray]) -> None:
         """Every row absent and greedy, every token padding (module doc of jaxlora.engine.runner)."""

@@ -573,3 +573,40 @@ def test_background_loop_serves_threads_and_drains_on_stop(engine):
         engine.submit(GenerationRequest(request_id="after", prompt_ids=[1, 8]))
     with pytest.raises(CapacityError):  # stopped for good: generate() raises instead of waiting forever
         engine.generate([GenerationRequest(request_id="after", prompt_ids=[1, 8])])
+
+
+def test_sampler_runs_only_in_steps_with_a_sampled_row(engine, monkeypatch):
+    """Greedy steps end at the step's argmax: the vocabulary-sorting sampler is a program of its own,
+    dispatched only for steps where a row samples with a temperature, and compiled at warm-up."""
+    import jaxlora.engine.runner as runner_module
+
+    calls: list[int] = []
+    fn = runner_module.packed_sample
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(runner_module, "packed_sample", counted)
+    engine.run_until_idle()
+    greedy = GenerationRequest(request_id="g-only", prompt_ids=[1, 9, 10], sampling=SamplingParams(max_tokens=5))
+    with jax.no_tracing():
+        engine.generate([greedy])
+    assert calls == [] and engine.compiles_after_warmup == 0
+    hot = SamplingParams(max_tokens=5, temperature=0.9, seed=11)
+    with jax.no_tracing():
+        engine.generate([greedy, GenerationRequest(request_id="hot", prompt_ids=[1, 9, 10], sampling=hot)])
+    assert len(calls) >= 5 and engine.compiles_after_warmup == 0
+
+
+def test_step_has_no_conditional(engine):
+    """An XLA conditional in the step makes the GPU runtime read its predicate on the host, so the
+    host would wait for every step before dispatching the next (the sampler's choice used to be one)."""
+    import jaxlora.engine.runner as runner_module
+
+    runner = engine.runner
+    layout = next(iter(runner.packer.layouts.values()))
+    packed = jnp.zeros(layout.size, jnp.int32)
+    args = (runner.params, engine.pager.bank, runner.kv, packed, runner.last_ids)
+    hlo = runner_module.packed_step.lower(*args, layout=layout, **runner.step_static).as_text()
+    assert "stablehlo.case" not in hlo and "stablehlo.if" not in hlo

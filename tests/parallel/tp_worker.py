@@ -20,6 +20,7 @@ from jaxlora.engine.engine import Engine
 from jaxlora.engine.request import GenerationRequest, SamplingParams
 from jaxlora.engine.runner import ragged_step
 from jaxlora.engine.sampling import SamplingArrays
+from jaxlora.engine.static_arg import Hashed
 from jaxlora.lora.apply import LoraRuntime
 from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
 from jaxlora.model import RaggedBatch, init_kv_cache, init_paged_kv_cache
@@ -373,7 +374,7 @@ def check_engine_shape_hlo(result: dict) -> None:
             batch,
             sampling,
             rows,
-            graphdef=graphdef,
+            graphdef=Hashed(graphdef),
             runtime=runtime,
             mesh=mesh,
         )
