@@ -545,36 +545,6 @@ def test_without_bank_free_steps_every_step_runs_with_the_bank(engine, parts):
     assert [o.token_ids for o in outs] == [o.token_ids for o in engine.generate(requests)]
 
 
-# Last in this module: it stops the shared engine for good.
-def test_background_loop_serves_threads_and_drains_on_stop(engine):
-    requests = traffic(8, seed=5)
-    expected = [o.token_ids for o in engine.generate(requests)]
-    engine.start()
-    try:
-        results: dict[str, tuple[int, ...]] = {}
-
-        def client(r):
-            results[r.request_id] = engine.submit(r).result(60).token_ids
-
-        threads = [threading.Thread(target=client, args=(r,)) for r in requests]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert [results[r.request_id] for r in requests] == expected
-        assert [o.token_ids for o in engine.generate(requests)] == expected  # generate() on the loop
-        late = engine.submit(
-            GenerationRequest(request_id="late", prompt_ids=[1, 8], sampling=SamplingParams(max_tokens=20))
-        )
-    finally:
-        engine.stop(drain=True, timeout=60)
-    assert late.result(0).finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
-    with pytest.raises(CapacityError):
-        engine.submit(GenerationRequest(request_id="after", prompt_ids=[1, 8]))
-    with pytest.raises(CapacityError):  # stopped for good: generate() raises instead of waiting forever
-        engine.generate([GenerationRequest(request_id="after", prompt_ids=[1, 8])])
-
-
 def test_sampler_runs_only_in_steps_with_a_sampled_row(engine, monkeypatch):
     """Greedy steps end at the step's argmax: the vocabulary-sorting sampler is a program of its own,
     dispatched only for steps where a row samples with a temperature, and compiled at warm-up."""
@@ -610,3 +580,33 @@ def test_step_has_no_conditional(engine):
     args = (runner.params, engine.pager.bank, runner.kv, packed, runner.last_ids)
     hlo = runner_module.packed_step.lower(*args, layout=layout, **runner.step_static).as_text()
     assert "stablehlo.case" not in hlo and "stablehlo.if" not in hlo
+
+
+# Last in this module: it stops the shared engine for good.
+def test_background_loop_serves_threads_and_drains_on_stop(engine):
+    requests = traffic(8, seed=5)
+    expected = [o.token_ids for o in engine.generate(requests)]
+    engine.start()
+    try:
+        results: dict[str, tuple[int, ...]] = {}
+
+        def client(r):
+            results[r.request_id] = engine.submit(r).result(60).token_ids
+
+        threads = [threading.Thread(target=client, args=(r,)) for r in requests]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [results[r.request_id] for r in requests] == expected
+        assert [o.token_ids for o in engine.generate(requests)] == expected  # generate() on the loop
+        late = engine.submit(
+            GenerationRequest(request_id="late", prompt_ids=[1, 8], sampling=SamplingParams(max_tokens=20))
+        )
+    finally:
+        engine.stop(drain=True, timeout=60)
+    assert late.result(0).finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    with pytest.raises(CapacityError):
+        engine.submit(GenerationRequest(request_id="after", prompt_ids=[1, 8]))
+    with pytest.raises(CapacityError):  # stopped for good: generate() raises instead of waiting forever
+        engine.generate([GenerationRequest(request_id="after", prompt_ids=[1, 8])])
