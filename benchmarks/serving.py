@@ -725,6 +725,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-drain-s", type=float, default=None, help="after the last arrival (default 60; --tiny 20)")
     p.add_argument("--host-gb", type=float, default=64.0, help="host budget for registered adapters, GB")
     p.add_argument(
+        "--budgets", type=int, nargs="+", default=None, help="the engine's token budgets (default 128-2048 by 2x)"
+    )
+    p.add_argument(
         "--backend",
         choices=[b.value for b in LoraBackend],
         default=None,
@@ -901,6 +904,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     commit = args.engine_commit or engine_commit()
 
     size = scale(args.tiny, args.model)
+    if args.budgets:  # finer budgets: less padding, one more compile at set-up each
+        size = dataclasses.replace(size, token_budgets=tuple(sorted(set(args.budgets))))
     dev = jax.devices()[0]
     backend = args.backend or ("pallas" if dev.platform == "gpu" else "xla")
     print(

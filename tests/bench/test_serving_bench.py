@@ -129,12 +129,27 @@ def _run(out: Path, *args: str) -> dict:
 
 
 def test_tiny_open_loop_run_accounts_for_every_request(tmp_path):
-    payload = _run(tmp_path, "--settings", "s1", "--rates", "8", "--duration", "1.5", "--max-drain-s", "60")
+    payload = _run(
+        tmp_path,
+        "--settings",
+        "s1",
+        "--rates",
+        "8",
+        "--duration",
+        "1.5",
+        "--max-drain-s",
+        "60",
+        "--budgets",
+        "32",
+        "8",
+        "16",
+    )
     assert isinstance(payload["device"], str) and isinstance(payload["jax_version"], str)
     assert payload["engine_commit"] == "test"
     (row,) = payload["rows"]
     assert row["engine"] == "ragged" and row["setting"] == "s1" and row["rate"] == 8.0 and row["duration_s"] == 1.5
     assert row["paged"] and row["n"] > row["slots"] and row["page_ins"] > 0
+    assert row["token_budgets"] == [8, 16, 32]
     assert row["requests"] == int(8 * 1.5)
     assert row["completed"] + row["unfinished"] + row["rejected"] + row["stopped_other"] == row["requests"]
     assert row["completed"] == row["requests"]  # a toy load with a minute to drain
