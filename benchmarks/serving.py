@@ -82,7 +82,8 @@ from jaxlora.model.params import LoadedModel, random_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SLO_TTFT_S = 6.0  # S-LoRA's SLO: the first token within 6 s
-KEY_FIELDS = ("engine", "setting", "n", "rate", "cv", "alpha")  # what --merge replaces rows by
+KEY_FIELDS = ("engine", "setting", "n", "rate", "cv", "alpha", "temperature")  # what --merge replaces rows by
+KEY_DEFAULTS = {"temperature": 0.0}  # rows written before the field existed were greedy
 RESULTS = "serving.json"
 
 
@@ -358,16 +359,19 @@ def run_trace(
     max_drain_s: float,
     run_id: str,
     seed: int,
+    temperature: float = 0.0,
 ) -> dict:
     """Submits `trace` open loop to the running engine, waits for the last completion or the drain
-    cap, cancels what is left and waits until the engine is idle. Returns the run's measurements."""
+    cap, cancels what is left and waits until the engine is idle. Returns the run's measurements.
+    temperature 0: greedy requests (S-LoRA's workload); above 0 every request samples (seeded), so
+    every step also runs the sampler program."""
     rng = np.random.default_rng(seed)
     requests = [
         GenerationRequest(
             request_id=f"{run_id}-{i}",
             adapter=f"a{r.adapter}",
             prompt_ids=rng.integers(0, vocab, r.prompt_len).tolist(),
-            sampling=SamplingParams(max_tokens=r.output_len, stop_token_ids=()),
+            sampling=SamplingParams(max_tokens=r.output_len, stop_token_ids=(), temperature=temperature, seed=i),
         )
         for i, r in enumerate(trace)
     ]
@@ -514,7 +518,7 @@ def next_sweep_rate(
 
 
 def row_key(row: Mapping) -> tuple:
-    return tuple(row[k] for k in KEY_FIELDS)
+    return tuple(row[k] if k in row else KEY_DEFAULTS[k] for k in KEY_FIELDS)
 
 
 def merge_rows(old: Iterable[dict], new: Iterable[dict]) -> list[dict]:
@@ -529,6 +533,7 @@ MD_COLUMNS = [
     "engine",
     "setting",
     "n",
+    "temperature",
     "rate",
     "duration_s",
     "requests",
@@ -554,9 +559,10 @@ def slo_summary(rows: Sequence[dict], target: float = 0.9) -> list[dict]:
     and the lowest measured rate above it that missed."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["engine"], r["setting"], r["n"], r["cv"], r["alpha"], r["duration_s"]), []).append(r)
+        group = (r["engine"], r["setting"], r["n"], r["cv"], r["alpha"], r["duration_s"], r.get("temperature", 0.0))
+        groups.setdefault(group, []).append(r)
     out = []
-    for (engine, setting, n, cv, alpha, duration), rs in groups.items():
+    for (engine, setting, n, cv, alpha, duration, temperature), rs in groups.items():
         ok = [r["rate"] for r in rs if r["slo_attainment"] is not None and r["slo_attainment"] >= target]
         best = max(ok, default=None)
         miss = min(
@@ -577,6 +583,7 @@ def slo_summary(rows: Sequence[dict], target: float = 0.9) -> list[dict]:
                 cv=cv,
                 alpha=alpha,
                 duration_s=duration,
+                temperature=temperature,
                 max_rate_at_slo=best,
                 lowest_rate_missing=miss,
             )
@@ -605,16 +612,17 @@ def write_markdown(payload: dict, out: Path) -> None:
         + [f"- `{c}`" for c in commands]
         + ["", "| " + " | ".join(MD_COLUMNS) + " |", "|" + "---|" * len(MD_COLUMNS)]
     )
-    lines += ["| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in MD_COLUMNS) + " |" for r in rows]
+    cells = [{**KEY_DEFAULTS, **r} for r in rows]  # rows from before a key field existed show its default
+    lines += ["| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in MD_COLUMNS) + " |" for r in cells]
     lines += [
         "",
         "Highest measured rate at SLO attainment >= 0.9 (and the lowest measured rate above it that missed):",
         "",
-        "| engine | setting | n | cv | alpha | duration_s | max rate at SLO | lowest miss |",
-        "|---|---|---|---|---|---|---|---|",
+        "| engine | setting | n | cv | alpha | duration_s | temperature | max rate at SLO | lowest miss |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {s['engine']} | {s['setting']} | {s['n']} | {s['cv']} | {s['alpha']} | {s['duration_s']} | "
+        f"| {s['engine']} | {s['setting']} | {s['n']} | {s['cv']} | {s['alpha']} | {s['duration_s']} | {s['temperature']} | "
         f"{s['max_rate_at_slo']} | {s['lowest_rate_missing']} |"
         for s in slo_summary(rows)
     ]
@@ -636,12 +644,16 @@ def write_plot(payload: dict, out: Path) -> bool:
         return False
     rows = payload["rows"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for label in dict.fromkeys((r["engine"], r["setting"], r["n"], r["cv"], r["alpha"]) for r in rows):
+
+    def label_of(r: dict) -> tuple:
+        return r["engine"], r["setting"], r["n"], r["cv"], r["alpha"], r.get("temperature", 0.0)
+
+    for label in dict.fromkeys(label_of(r) for r in rows):
         rs = sorted(
-            (r for r in rows if (r["engine"], r["setting"], r["n"], r["cv"], r["alpha"]) == label),
+            (r for r in rows if label_of(r) == label),
             key=lambda r: r["rate"],
         )
-        name = f"{label[0]} {label[1]} (n={label[2]})"
+        name = f"{label[0]} {label[1]} (n={label[2]}" + (f", T={label[5]:g})" if label[5] else ")")
         xs = [r["rate"] for r in rs]
         ax1.plot(xs, [r["served_req_s"] for r in rs], "o-", label=name)
         ax2.plot(xs, [(r["ttft_ms_p99"] or float("nan")) / 1e3 for r in rs], "o-", label=name)
@@ -712,6 +724,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-target", type=float, default=0.9)
     p.add_argument("--sweep-resolution", type=float, default=0.5, help="req/s")
     p.add_argument("--cv", type=float, default=1.0)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's sampling temperature (0: greedy, S-LoRA's workload; above 0 each step also runs the sampler)",
+    )
     p.add_argument("--alpha", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument(
@@ -798,8 +816,14 @@ def run_setting(
     engine.warmup()
     tokens = token_counter(engine)
     print(f"[{setting.name}] set up in {time.perf_counter() - t0:.1f} s", flush=True)
-    key = dict(engine=ENGINE_KIND, setting=setting.name, n=n, cv=args.cv, alpha=args.alpha)
-    same = [r for r in previous if all(r[k] == v for k, v in key.items()) and r["duration_s"] == args.duration]
+    key = dict(
+        engine=ENGINE_KIND, setting=setting.name, n=n, cv=args.cv, alpha=args.alpha, temperature=args.temperature
+    )
+    same = [
+        r
+        for r in previous
+        if all(r.get(k, KEY_DEFAULTS.get(k)) == v for k, v in key.items()) and r["duration_s"] == args.duration
+    ]
     slo = {r["rate"]: r["slo_attainment"] for r in same}
     measured = set(slo) if args.skip_measured else set()
     engine.start()
@@ -829,6 +853,7 @@ def run_setting(
                 max_drain_s=args.max_drain_s,
                 run_id=f"{setting.name}-{rate:g}",
                 seed=args.seed + 1,
+                temperature=args.temperature,
             )
             row = {
                 **base_row,

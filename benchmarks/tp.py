@@ -1,7 +1,7 @@
 """Tensor parallelism on two GPUs: the Llama-2-7B shape on TP 1 vs TP 2, and a Llama-2-70B shape
 (about 138 GB of bf16 weights: no single H200 holds it with a KV cache) on TP 2.
 
-A *case* is the engine's one jitted step (`jaxlora.engine.runner.ragged_step` with the runtime the
+A *case* is the engine's jitted step (`jaxlora.engine.runner.ragged_step` with the runtime the
 engine picks on this platform) compiled for a decode-only batch (`benchmarks.common.decode_inputs`:
 one token per row, T = batch, each row over its own KV pages) for one (model, tensor, batch, with or
 without the bank). Within a case only data changes, so it is timed for each distinct-adapter count d at no

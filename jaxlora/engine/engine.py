@@ -17,8 +17,9 @@ The order of one step (`Engine.step`; everything else refers here):
      issued before this step's dispatch and runs under it;
   3. plan the step (`Scheduler.schedule`): decode tokens, prompt chunks, admissions, preemptions;
      a request whose adapter the staged copies bring may be admitted;
-  4. pack the step's inputs on the host (`Runner.pack`) and dispatch the one jitted step
-     (`Runner.dispatch`: one host->device copy, then the call; neither waits for the device); if
+  4. pack the step's inputs on the host (`Runner.pack`) and dispatch the jitted step, and the
+     sampler after it when a row samples (`Runner.dispatch`: one host->device copy, then the
+     calls; none waits for the device); if
      the step reads a slot that the staged copies fill, the slot writes (`pager.commit()`) go
      first, else right after the dispatch (the writes donate the bank the step reads, so JAX
      orders them after it, and the copies ran under it);

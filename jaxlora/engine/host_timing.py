@@ -3,7 +3,8 @@
 One `Engine.step` on the host is, in order (the numbers of the engine's module doc):
   schedule  take submissions and cancellations, pin adapters, stage page-ins, plan the step (1-3);
   inputs    build the step's inputs on the host (`Runner.pack`);
-  dispatch  copy them to the device and call the jitted step, with the pager's slot writes (4);
+  dispatch  copy them to the device and call the jitted step (and the sampler), with the pager's
+            slot writes (4);
   stream    hand the previous step's sampled ids to their requests: detokenize, stop checks,
             callbacks (5, without the wait);
   wait      block until the previous step's ids are on the host (5).

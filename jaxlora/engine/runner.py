@@ -1,10 +1,11 @@
-"""Host step plan -> device arrays -> the one jitted step -> sampled ids (still on device).
+"""Host step plan -> device arrays -> the jitted step (and sampler) -> next ids (still on device).
 
-Every engine step is one call of one jitted function over a flat batch of `T` tokens, `T` one of
-the engine's static token budgets (each compiled at warm-up). Its inputs, unpacked:
+Every engine step is one call of one jitted step over a flat batch of `T` tokens, `T` one of the
+engine's static token budgets (each compiled at warm-up), plus, in a step where a row samples with a
+temperature, one call of the sampler after it. The step's inputs, unpacked:
 
     ragged_step(params, bank, kv*, tokens[T], src[T], positions[T], slot_ids[T], batch, sampling[S],
-                last_ids[S]) -> (next_ids[S], kv)
+                last_ids[S]) -> (greedy next_ids[S], kv)
 
 The engine sends them packed into one int32 array, one host->device copy per step that the runner
 issues itself before the call (`packed_step`; layout in `jaxlora.engine.step_inputs`): as separate
@@ -15,8 +16,11 @@ token, or a chunk of its prompt) are packed one row after another with no paddin
 then padded to T; `batch` (`jaxlora.model.RaggedBatch`) says where each row's tokens start, how many
 there are, how long its context is, and which KV pages hold it (block tables). The base matmuls see
 the T tokens as one matrix; the LoRA term is per token (`slot_ids`); attention is the ragged paged
-kernel. The token after each row's last token is sampled: `next_ids[s]` is row s's next output when
+kernel. The token after each row's last token is chosen: `next_ids[s]` is row s's next output when
 its chunk ends the tokens the request knows (a decode token or the end of its prompt), else unused.
+The step picks each row's argmax; `packed_sample` then draws the rows with a temperature from the
+step's logits. No conditional decides this inside the step: XLA:GPU reads a conditional's
+predicate on the host, which would make every dispatch wait for the step before it.
 
 A decode token's input may still be on the device: the engine dispatches step N+1 before it reads
 step N's ids (one step behind, so the host's work overlaps the device's). `src[t] = s` takes token t
@@ -82,11 +86,12 @@ def _count_trace() -> None:
         _num_traces += 1
 
 
-def _step(params, bank, kv, tokens, src, positions, slot_ids, batch, sampling, last_ids, *, graphdef, runtime, mesh):
-    """The step's math over its unpacked fields (module doc); traced inside the jitted entries."""
+def _step(params, bank, kv, tokens, src, positions, slot_ids, batch, last_ids, *, graphdef, runtime, mesh):
+    """The step's math over its unpacked fields (module doc; sampling is `packed_sample`'s); traced
+    inside the jitted entries. -> (greedy next_ids [S], kv, logits [S, vocab] float32)."""
     tokens = jnp.where(src >= 0, last_ids[jnp.maximum(src, 0)], tokens)
 
-    def step(params, bank, kv, tokens, positions, slot_ids, batch, sampling, *, tensor_axis):
+    def step(params, bank, kv, tokens, positions, slot_ids, batch, *, tensor_axis):
         mod = nnx.merge(graphdef, params)
         hidden, kv = mod(
             tokens[:, None],
@@ -102,7 +107,7 @@ def _step(params, bank, kv, tokens, src, positions, slot_ids, batch, sampling, l
         return greedy(logits), logits, kv
 
     step = shard_step(step, mesh, num_outputs_before_kv=2)
-    ids, logits, kv = step(params, bank, kv, tokens, positions, slot_ids, batch, sampling)
+    ids, logits, kv = step(params, bank, kv, tokens, positions, slot_ids, batch)
     return ids, kv, logits
 
 
@@ -114,7 +119,9 @@ def packed_step(params, bank, kv, packed, last_ids, *, layout: StepLayout, graph
     with a temperature, in steps that have any."""
     _count_trace()
     fields = layout.unpack(packed)
-    return _step(params, bank, kv, last_ids=last_ids, graphdef=graphdef.value, runtime=runtime, mesh=mesh, **fields)
+    del fields["sampling"]  # packed_sample's
+    graphdef = Hashed.unwrap(graphdef, "packed_step")
+    return _step(params, bank, kv, last_ids=last_ids, graphdef=graphdef, runtime=runtime, mesh=mesh, **fields)
 
 
 @functools.partial(jax.jit, static_argnames=("layout",))
@@ -152,6 +159,7 @@ def ragged_step(
     arrays themselves (benchmarks, HLO checks). The engine sends `packed_step`. -> (greedy next_ids
     [S], kv); `sampling` is unused (sampled rows are `packed_sample`'s)."""
     _count_trace()
+    graphdef = Hashed.unwrap(graphdef, "ragged_step")
     ids, kv, _ = _step(
         params,
         bank,
@@ -161,9 +169,8 @@ def ragged_step(
         positions,
         slot_ids,
         batch,
-        sampling,
         last_ids,
-        graphdef=graphdef.value,
+        graphdef=graphdef,
         runtime=runtime,
         mesh=mesh,
     )

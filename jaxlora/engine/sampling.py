@@ -1,4 +1,5 @@
-"""Per-row sampling on device, inside the jitted step.
+"""Per-row sampling on device: the step's argmax (`greedy`), and the sampler program the engine runs
+after a step with a row that samples (`sample`, through `jaxlora.engine.runner.packed_sample`).
 
 Each row carries its own temperature, top-k, top-p and PRNG stream. The key of a row's n-th generated
 token is `fold_in(key(seed), n)`: it depends on the request alone, never on the batch, so a seeded

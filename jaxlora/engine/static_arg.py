@@ -10,13 +10,17 @@ from __future__ import annotations
 
 
 class Hashed[T]:
-    """value: a hashable, immutable object (a `GraphDef`); read it back with `.value`."""
+    """value: a hashable, immutable object (a `GraphDef`); read it back with `.value`. Immutable
+    itself: the hash is the value's at construction."""
 
     __slots__ = ("value", "_hash")
 
     def __init__(self, value: T) -> None:
-        self.value = value
-        self._hash = hash(value)
+        object.__setattr__(self, "value", value)
+        object.__setattr__(self, "_hash", hash(value))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Hashed is immutable (its hash was taken when it was made); cannot set {name}")
 
     def __hash__(self) -> int:
         return self._hash
@@ -28,3 +32,11 @@ class Hashed[T]:
 
     def __repr__(self) -> str:
         return f"Hashed({type(self.value).__name__})"
+
+    @staticmethod
+    def unwrap(arg: object, where: str) -> object:
+        """The value of a `Hashed` static argument; a clear error for a bare value (a caller that
+        passed the model's GraphDef itself instead of `Runner.step_static`'s)."""
+        if not isinstance(arg, Hashed):
+            raise TypeError(f"{where}: graphdef must be a Hashed (Runner.step_static), got {type(arg).__name__}")
+        return arg.value

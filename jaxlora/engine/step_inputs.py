@@ -131,7 +131,7 @@ class HostInputs:
     buffer: np.ndarray
     index: int
     has_adapter: bool
-    samples: bool = False
+    samples: bool
 
 
 class InputPacker:
@@ -192,7 +192,7 @@ class InputPacker:
         self._clear(f)
         chunks = plan.chunks
         if not chunks:
-            return HostInputs(layout=layout, buffer=buffer, index=k, has_adapter=False)
+            return HostInputs(layout=layout, buffer=buffer, index=k, has_adapter=False, samples=False)
         self._sync_rows(chunks, pages)
         # [C, 5] per chunk: row, start, length, from_device, samples.
         meta = np.array([(c.row, c.start, c.length, c.from_device, c.samples) for c in chunks], np.int32)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.serving import KEY_FIELDS, make_trace, merge_rows, next_sweep_rate
+from benchmarks.serving import make_trace, merge_rows, next_sweep_rate, row_key
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,18 +89,29 @@ def test_sweep_bisects_between_the_best_pass_and_the_first_miss():
 
 
 def test_merge_replaces_rows_of_the_same_key():
-    def row(engine, rate, value):
-        return {"engine": engine, "setting": "s1", "n": 2000, "rate": rate, "cv": 1.0, "alpha": 1.0, "value": value}
+    def row(engine, rate, value, **extra):
+        return {
+            "engine": engine,
+            "setting": "s1",
+            "n": 2000,
+            "rate": rate,
+            "cv": 1.0,
+            "alpha": 1.0,
+            "value": value,
+        } | extra
 
+    # A row without "temperature" (written before the field) is a greedy row: temperature 0.
     merged = merge_rows(
-        [row("bucketed", 4.0, 1), row("bucketed", 10.0, 2)], [row("bucketed", 4.0, 3), row("ragged", 4.0, 4)]
+        [row("bucketed", 4.0, 1), row("bucketed", 10.0, 2), row("ragged", 4.0, 5, temperature=1.0)],
+        [row("bucketed", 4.0, 3), row("ragged", 4.0, 4, temperature=0.0)],
     )
     assert sorted((r["engine"], r["rate"], r["value"]) for r in merged) == [
         ("bucketed", 4.0, 3),
         ("bucketed", 10.0, 2),
         ("ragged", 4.0, 4),
+        ("ragged", 4.0, 5),  # a sampled run is not replaced by a greedy one
     ]
-    assert len({tuple(r[k] for k in KEY_FIELDS) for r in merged}) == 3
+    assert len({row_key(r) for r in merged}) == 4
 
 
 def _run(out: Path, *args: str) -> dict:
@@ -131,25 +142,15 @@ def _run(out: Path, *args: str) -> dict:
 def test_tiny_open_loop_run_accounts_for_every_request(tmp_path):
     payload = _run(
         tmp_path,
-        "--settings",
-        "s1",
-        "--rates",
-        "8",
-        "--duration",
-        "1.5",
-        "--max-drain-s",
-        "60",
-        "--budgets",
-        "32",
-        "8",
-        "16",
+        *("--settings", "s1", "--rates", "8", "--duration", "1.5", "--max-drain-s", "60"),
+        *("--budgets", "32", "8", "16", "--temperature", "0.8"),
     )
     assert isinstance(payload["device"], str) and isinstance(payload["jax_version"], str)
     assert payload["engine_commit"] == "test"
     (row,) = payload["rows"]
     assert row["engine"] == "ragged" and row["setting"] == "s1" and row["rate"] == 8.0 and row["duration_s"] == 1.5
     assert row["paged"] and row["n"] > row["slots"] and row["page_ins"] > 0
-    assert row["token_budgets"] == [8, 16, 32]
+    assert row["token_budgets"] == [8, 16, 32] and row["temperature"] == 0.8
     assert row["requests"] == int(8 * 1.5)
     assert row["completed"] + row["unfinished"] + row["rejected"] + row["stopped_other"] == row["requests"]
     assert row["completed"] == row["requests"]  # a toy load with a minute to drain

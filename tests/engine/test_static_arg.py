@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from jaxlora.engine.static_arg import Hashed
 
@@ -42,3 +43,12 @@ def test_equality_follows_the_value():
     assert a == b and hash(a) == hash(b)
     assert a != c
     assert a != ("x", 1)  # a wrapper never equals a bare value
+
+
+def test_immutable_and_unwrap_names_a_bare_value():
+    h = Hashed(("x", 1))
+    with pytest.raises(AttributeError, match="immutable"):
+        h.value = ("y", 2)
+    assert Hashed.unwrap(h, "step") == ("x", 1)
+    with pytest.raises(TypeError, match="step: graphdef must be a Hashed"):
+        Hashed.unwrap(("x", 1), "step")

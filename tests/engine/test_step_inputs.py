@@ -76,7 +76,7 @@ def test_packed_inputs_equal_a_per_token_build_through_preemption(parts, monkeyp
     equal the reference, and the run needs no block-table row it was not sent."""
     engine = make_engine(parts, num_pages=20)
     runner = engine.runner
-    checked = {"steps": 0, "restarts": 0}
+    checked = {"steps": 0, "restarts": 0, "sampled_steps": 0}
     pack = runner.pack
 
     def checking_pack(plan, pages):
@@ -90,6 +90,8 @@ def test_packed_inputs_equal_a_per_token_build_through_preemption(parts, monkeyp
         for row, owned in tables.items():
             np.testing.assert_array_equal(got["block_tables"][row, : len(owned)], owned, err_msg=f"row {row}")
         assert inputs.has_adapter == any(c.request.slot for c in plan.chunks)
+        assert inputs.samples == any(c.samples and c.request.sampling.temperature > 0 for c in plan.chunks)
+        checked["sampled_steps"] += inputs.samples
         checked["steps"] += bool(plan.chunks)
         checked["restarts"] += sum(c.start == 0 and c.request.num_preemptions > 0 for c in plan.chunks)
         return inputs
@@ -108,6 +110,7 @@ def test_packed_inputs_equal_a_per_token_build_through_preemption(parts, monkeyp
     outs = engine.generate(requests)
     assert all(o.error is None for o in outs)
     assert engine.stats()["preemptions"] > 0 and checked["restarts"] > 0 and checked["steps"] > 20
+    assert 0 < checked["sampled_steps"] < checked["steps"]
     assert engine.compiles_after_warmup == 0
 
 

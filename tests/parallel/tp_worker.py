@@ -164,7 +164,8 @@ def engine_requests() -> list[GenerationRequest]:
             request_id=f"r{i}",
             adapter=adapters[i % len(adapters)],
             prompt_ids=[1, *rng.integers(4, 99, int(rng.integers(2, 20))).tolist()],
-            sampling=SamplingParams(max_tokens=int(rng.integers(4, 10))),
+            # Two rows sample (seeded): the sampler program runs under the mesh too.
+            sampling=SamplingParams(max_tokens=int(rng.integers(4, 10)), temperature=0.7 * (i in (2, 5)), seed=i),
         )
         for i in range(9)
     ]
