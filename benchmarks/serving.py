@@ -517,8 +517,13 @@ def next_sweep_rate(
 # -- output -----------------------------------------------------------------------------------------
 
 
+def key_field(row: Mapping, name: str):
+    """A key field of a row, or its default for rows written before the field existed."""
+    return row[name] if name in row else KEY_DEFAULTS[name]
+
+
 def row_key(row: Mapping) -> tuple:
-    return tuple(row[k] if k in row else KEY_DEFAULTS[k] for k in KEY_FIELDS)
+    return tuple(key_field(row, k) for k in KEY_FIELDS)
 
 
 def merge_rows(old: Iterable[dict], new: Iterable[dict]) -> list[dict]:
@@ -559,7 +564,7 @@ def slo_summary(rows: Sequence[dict], target: float = 0.9) -> list[dict]:
     and the lowest measured rate above it that missed."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        group = (r["engine"], r["setting"], r["n"], r["cv"], r["alpha"], r["duration_s"], r.get("temperature", 0.0))
+        group = (r["engine"], r["setting"], r["n"], r["cv"], r["alpha"], r["duration_s"], key_field(r, "temperature"))
         groups.setdefault(group, []).append(r)
     out = []
     for (engine, setting, n, cv, alpha, duration, temperature), rs in groups.items():
@@ -646,7 +651,7 @@ def write_plot(payload: dict, out: Path) -> bool:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
 
     def label_of(r: dict) -> tuple:
-        return r["engine"], r["setting"], r["n"], r["cv"], r["alpha"], r.get("temperature", 0.0)
+        return r["engine"], r["setting"], r["n"], r["cv"], r["alpha"], key_field(r, "temperature")
 
     for label in dict.fromkeys(label_of(r) for r in rows):
         rs = sorted(
@@ -820,9 +825,7 @@ def run_setting(
         engine=ENGINE_KIND, setting=setting.name, n=n, cv=args.cv, alpha=args.alpha, temperature=args.temperature
     )
     same = [
-        r
-        for r in previous
-        if all(r.get(k, KEY_DEFAULTS.get(k)) == v for k, v in key.items()) and r["duration_s"] == args.duration
+        r for r in previous if all(key_field(r, k) == v for k, v in key.items()) and r["duration_s"] == args.duration
     ]
     slo = {r["rate"]: r["slo_attainment"] for r in same}
     measured = set(slo) if args.skip_measured else set()
