@@ -239,7 +239,8 @@ def test_concurrent_streams_on_different_adapters(live):
 
 
 def _completion(client: openai.OpenAI, **kw):
-    return client.completions.create(**{"model": BASE, "prompt": "hi", "max_tokens": 2, **kw})
+    """A short greedy completion (OpenAI's default temperature of 1 could sample EOS early)."""
+    return client.completions.create(**{"model": BASE, "prompt": "hi", "max_tokens": 2, "temperature": 0, **kw})
 
 
 @pytest.mark.parametrize(

@@ -142,7 +142,9 @@ def test_sigterm_drains_and_exits_0(tiny_hf_folder, adapter_root):
 
         http_port = re.search(r"ready on .*?http://127\.0\.0\.1:(\d+)", "".join(lines)).group(1)
         http = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0)
-        assert http.completions.create(model="alpha", prompt="hi", max_tokens=4).usage.completion_tokens == 4
+        # Greedy: OpenAI's default temperature is 1, and a sampled EOS would end the reply early.
+        reply = http.completions.create(model="alpha", prompt="hi", max_tokens=4, temperature=0)
+        assert reply.usage.completion_tokens == 4
         with InferenceClient(f"127.0.0.1:{port}", timeout=60) as client:
             assert client.health() == "SERVING"
             assert client.generate("hi", adapter="alpha", max_tokens=4).completion_tokens == 4
