@@ -20,8 +20,9 @@ each request at its arrival time; the request's callback (on the engine thread) 
 token. Settings (S-LoRA's S1 and S2, plus one with adapters on all seven modules):
   s1   rank 8 on q/k/v/o, 2,000 registered adapters, 64 device slots (paged);
   s2   ranks 64/32/16/8 on q/k/v/o (adapter i has rank (64, 32, 16, 8)[i % 4], as S-LoRA's S2 list),
-       2,000 asked; the pager keeps every host copy padded to the bank's rank 64 (134 MB each), so
-       `--host-gb` caps n (the default 64 GB holds 476) and the rows record the n that ran;
+       2,000 asked; the pager keeps each host copy at its rank class (8-64: 17-134 MB, 63 MB on
+       average), so `--host-gb` caps n (the default 64 GB holds 1,016) and the rows record the n
+       that ran;
   all  rank 16 on all seven modules, 64 adapters, all resident in the 64 slots.
 
 Per run (one offered rate) a row records:
@@ -264,9 +265,9 @@ def make_pager(
         host_capacity_bytes=host_bytes,
         max_page_ins_per_commit=min(16, setting.slots),
     )
-    n = setting.n if host_bytes is None else min(setting.n, host_bytes // pager.slot_nbytes)
+    n = num_fitting(pager, setting.ranks, setting.n, host_bytes)
     if n < 1:
-        raise ValueError(f"--host-gb holds no {pager.slot_nbytes / 1e6:.0f} MB adapter")
+        raise ValueError(f"--host-gb holds no {pager.host_nbytes(setting.ranks[0]) / 1e6:.0f} MB adapter")
     per_rank = 2 if len(setting.ranks) > 1 else 8
     pools = {
         r: pool_adapters(weight_pool(model.config, r, setting.modules, per_rank, seed=r), r, setting.modules)
@@ -280,6 +281,15 @@ def make_pager(
         while pager.snapshot()["pending"]:
             pager.commit()
     return pager, n, seconds
+
+
+def num_fitting(pager: Pager, ranks: Sequence[int], n: int, host_bytes: int | None) -> int:
+    """How many of a0..a{n-1} (a{i} of rank ranks[i % len(ranks)], at its rank class's host bytes)
+    fit in `host_bytes` (None: all n)."""
+    if host_bytes is None:
+        return n
+    sizes = np.array([pager.host_nbytes(ranks[i % len(ranks)]) for i in range(n)])
+    return int(np.searchsorted(np.cumsum(sizes), host_bytes, side="right"))
 
 
 # -- one open-loop run ------------------------------------------------------------------------------
@@ -812,11 +822,11 @@ def run_setting(
     note = None
     if n < setting.n:
         note = (
-            f"{setting.name}: {n} adapters registered, not {setting.n}: the pager keeps each host copy padded "
-            f"to rank {setting.max_rank} ({pager.slot_nbytes / 1e6:.0f} MB), and --host-gb {args.host_gb:g} "
-            f"holds {n}"
+            f"{setting.name}: {n} adapters registered, not {setting.n}: --host-gb {args.host_gb:g} holds {n} "
+            f"host copies at their rank classes ({pager.registered_bytes / n / 1e6:.0f} MB on average)"
         )
-    print(f"[{setting.name}] {n} adapters x {pager.slot_nbytes / 1e6:.1f} MB registered in {reg_s:.1f} s", flush=True)
+    mb = pager.registered_bytes / max(n, 1) / 1e6
+    print(f"[{setting.name}] {n} adapters x {mb:.1f} MB on average registered in {reg_s:.1f} s", flush=True)
     engine = make_engine(setting, model, pager, size, backend)
     engine.warmup()
     tokens = token_counter(engine)

@@ -4,7 +4,8 @@
     pager.py        Pager: thousands of adapters in host memory, a few device slots, page-ins
                     overlapped with the engine's steps
     resident.py     ResidentBank: a fixed set of adapters resident in the bank for good (benchmarks, tests)
-    registry.py     name -> validated adapter in host memory, packed as one slot wants it
+    registry.py     name -> validated adapter in host memory, packed as one slot wants it at its
+                    rank class (widened to the bank's rank on the device at page-in)
     slot_table.py   slot <-> name, LRU order and pins (plain Python)
     metrics.py      hit, miss, page-in and eviction counters
 

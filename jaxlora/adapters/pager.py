@@ -6,7 +6,8 @@ Life of a page-in:
                       (free, or the least recently used unpinned one) and queue a write -> None
     prefetch(names)   queue page-ins (no pin) for the adapters of waiting requests
     stage()           right BEFORE a step is dispatched: per queued adapter, ONE host->device copy
-                      of its flat host buffer (registry.FlatLayout) starts
+                      of its flat host buffer (registry.FlatLayout, at the adapter's rank class)
+                      starts, and a jitted widening to the bank's rank follows it on the device
     commit()          right AFTER the step is dispatched: ONE jitted call writes every staged copy
                       into its slot of the donated bank (bank.write_slots_flat); ready next step
     is_ready(name)    the slot once written (the engine polls this; acquire is called once per request)
@@ -40,6 +41,7 @@ then device -> every device of the mesh.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Iterable
@@ -57,7 +59,9 @@ from jaxlora.adapters.registry import (
     Registry,
     host_sharding,
     prepare_adapter,
+    rank_class,
     slot_nbytes,
+    widen_flat,
 )
 from jaxlora.adapters.slot_table import SlotTable, invariant
 from jaxlora.config import LoraConfig, ModelConfig
@@ -74,7 +78,8 @@ class AdapterInfo:
     """What `list` reports about one registered adapter.
 
     Attributes:
-      nbytes: host bytes held (padded to the bank's rank and modules, in the bank dtype).
+      nbytes: host bytes held (padded to the adapter's rank class and the bank's modules, in the
+        bank dtype; see `jaxlora.adapters.registry`).
       resident: the device slot holding it, written and usable; None when not on the device yet.
       in_flight: requests pinning it (its refcount).
     """
@@ -135,10 +140,14 @@ class Pager:
         )
         self.time_transfers = time_transfers
         self.metrics = PagerMetrics()
-        self.slot_nbytes = slot_nbytes(model_config, lora_config, self.dtype)
-        self.layout = FlatLayout.for_bank(model_config, lora_config, self.dtype)
+        self.slot_nbytes = slot_nbytes(model_config, lora_config, self.dtype)  # a whole slot: the most
+        # rank class -> layout of a host copy padded to it; the largest is a whole slot.
+        self.layouts = FlatLayout.classes_for_bank(model_config, lora_config, self.dtype)
+        self.layout = self.layouts[lora_config.max_rank]
+        self._class_of_size = {layout.size: r for r, layout in self.layouts.items()}
         if self.layout.nbytes != self.slot_nbytes:
             raise AssertionError(f"flat layout holds {self.layout.nbytes} bytes, a slot {self.slot_nbytes}")
+        self._widen: dict[int, jax.stages.Wrapped] = {}  # rank class < R -> jitted widen_flat
         self._device = device or jax.devices()[0]
         self._host_sharding = host_sharding(self._device, HostMemory(host_memory))
         self._device_sharding = jax.sharding.SingleDeviceSharding(
@@ -158,8 +167,10 @@ class Pager:
 
         self.mesh: jax.sharding.Mesh | None = None
         self._entry_sharding = self._device_sharding  # where an adapter's flat buffer goes before the write
-        self._zeros_flat = self._on_host(self.layout.zeros())  # what a reset writes
+        # What a reset writes: zeros of the smallest class (the fewest bytes to copy), widened.
+        self._zeros_flat = self._on_host(self.layouts[min(self.layouts)].zeros())
         self.bank: Bank = jax.device_put(init_bank(model_config, lora_config, self.dtype), self._device_sharding)
+        self._make_widen()
         if mesh is not None:
             self.place_on(mesh)
         else:
@@ -177,6 +188,7 @@ class Pager:
         # path the single-device pager uses), then device -> mesh over the device links (see _write).
         self._entry_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.mesh = mesh
+        self._make_widen()
         self.warmup()
 
     # ---------------------------------------------------------------- registry (any thread)
@@ -194,7 +206,7 @@ class Pager:
         """
         check_adapter_name(name)
         with self._lock:
-            self._registry.reserve(name, self.slot_nbytes)
+            self._registry.reserve(name, self._bytes_estimate(source))
         start = time.perf_counter()
         try:
             adapter = prepare_adapter(
@@ -204,7 +216,7 @@ class Pager:
                 lora=self.lora_config,
                 dtype=self.dtype,
                 sharding=self._host_sharding,
-                layout=self.layout,
+                layouts=self.layouts,
             )
         except BaseException:
             with self._lock:
@@ -214,6 +226,18 @@ class Pager:
             self._registry.add(adapter)
             self.metrics.host_load.observe(time.perf_counter() - start)
             return self._info(adapter)
+
+    def host_nbytes(self, rank: int) -> int:
+        """Host bytes one registered adapter of `rank` takes (its rank class's copy)."""
+        return self.layouts[rank_class(rank, tuple(self.layouts))].nbytes
+
+    def _bytes_estimate(self, source: str | Path | HostAdapter) -> int:
+        """Host bytes to reserve before loading `source`: its rank class's when the rank is known
+        without reading files (a HostAdapter), else a whole slot's (the most any adapter takes;
+        `Registry.add` then charges what it really took)."""
+        if isinstance(source, HostAdapter) and 1 <= source.rank <= self.lora_config.max_rank:
+            return self.host_nbytes(source.rank)
+        return self.slot_nbytes
 
     def unregister(self, name: str, *, wait: bool = True, timeout: float | None = None) -> None:
         """Forgets an adapter and frees its slot (zeroed at the next commit).
@@ -538,13 +562,27 @@ class Pager:
         )
 
     def _to_device(self, flat: np.ndarray | jax.Array | None) -> jax.Array:
-        """Starts the copy of one flat buffer (None: zeros) to where the slot write reads it."""
+        """Starts the copy of one flat buffer (None: zeros) to where the slot write reads it, and
+        its widening to a whole slot when it is of a smaller rank class (on the device, queued
+        behind the copy: the host does not wait)."""
         if flat is None:
             flat = self._zeros_flat
         if self.mesh is None:
-            return jax.device_put(flat, self._entry_sharding)
-        # host -> one device in one copy, then replicated device-to-device over the mesh
-        return jax.device_put(jax.device_put(flat, self._device_sharding), self._entry_sharding)
+            on_device = jax.device_put(flat, self._entry_sharding)
+        else:  # host -> one device in one copy, then replicated device-to-device over the mesh
+            on_device = jax.device_put(jax.device_put(flat, self._device_sharding), self._entry_sharding)
+        rank = self._class_of_size[flat.size]
+        return on_device if rank == self.lora_config.max_rank else self._widen[rank](on_device)
+
+    def _make_widen(self) -> None:
+        """One jitted `widen_flat` per rank class below R, its output placed where the slot write
+        reads its inputs (`warmup` compiles them)."""
+        full = self.layout
+        self._widen = {
+            r: jax.jit(functools.partial(widen_flat, small=layout, full=full), out_shardings=self._entry_sharding)
+            for r, layout in self.layouts.items()
+            if r != full.rank
+        }
 
     def _on_host(self, flat: np.ndarray) -> np.ndarray | jax.Array:
         """`flat` where registered adapters live (pinned_host, or numpy)."""
@@ -553,14 +591,16 @@ class Pager:
         return jax.block_until_ready(jax.device_put(flat, self._host_sharding))
 
     def warmup(self) -> None:
-        """Compiles the slot writes once per padded size, through the same path as page-ins (zero
-        compiles later). The constructor and `place_on` call it; calling it again is safe at any
+        """Compiles the widening of every rank class and the slot writes once per padded size,
+        through the same path as page-ins (zero compiles later). The constructor and `place_on` call it; calling it again is safe at any
         time from the engine thread.
 
         It rewrites slot 1 with what it holds: the adapter written there (its host buffer is what
         its page-in wrote), else zeros. A slot that is not ready is read by no request, and a
         write still queued for it is issued later, so it wins.
         """
+        for layout in self.layouts.values():  # the widening of every rank class
+            jax.block_until_ready(self._to_device(layout.zeros()))
         with self._lock:
             name = self._table.name_in(1)
             flat = self._registry.get(name).flat if name in self._ready else None

@@ -1,16 +1,23 @@
 """Adapters known to the server: name -> validated, slot-ready weights in host memory.
 
-Each adapter is kept exactly as one device slot wants it: the entries of `bank.slot_arrays` (rank
-zero-padded to R, modules the adapter leaves alone zero, scale folded into B) in the bank's dtype,
-packed into ONE contiguous 1-D buffer. Where each entry lies in that buffer (`FlatLayout`: an
-offset and a shape per leaf of the bank) depends only on the bank's shapes, so all adapters of one
-pager share it. A page-in is then one host->device copy of one buffer and one jitted slot write
-that unpacks it with static slices (`bank.write_slot_flat`), with no host work on the serving path:
-many small copies (one per group A and per module B) ran at a third of the bandwidth of one large
-one on the H200. On GPUs the buffer lives in `pinned_host` memory: on the H200 a copy from
-pinned_host ran at 40-50 GB/s against 5 GB/s from ordinary (pageable) numpy. The price of padding is
-host bytes: an adapter of rank 8 in a rank-16 bank takes twice its own size, which capacity
-accounting counts.
+Each adapter is kept as one device slot wants it, at its rank class: the entries of
+`bank.slot_arrays` (modules the adapter leaves alone zero, scale folded into B) in the bank's dtype,
+with the rank zero-padded to the smallest class that holds it (R, R/2, R/4, ... down to
+`MIN_RANK_CLASS`; `rank_classes`), packed into ONE contiguous 1-D buffer. Where each entry lies in
+that buffer (`FlatLayout`: an offset and a shape per leaf of the bank) depends only on the bank's
+shapes and the class, so all adapters of one class share it. A page-in is then one host->device copy
+of one buffer, one jitted widening to rank R on the device when the class is below R
+(`bank.widen_slot_entries`), and one jitted slot write that unpacks it with static slices
+(`bank.write_slot_flat`), with no host work on the serving path: many small copies (one per group A
+and per module B) ran at a third of the bandwidth of one large one on the H200. On GPUs the buffer
+lives in `pinned_host` memory: on the H200 a copy from pinned_host ran at 40-50 GB/s against 5 GB/s
+from ordinary (pageable) numpy.
+
+Why classes: host bytes and host->device bytes follow the adapter's own rank (as S-LoRA stores
+adapters), within 2x, instead of R: a rank-8 adapter in a rank-64 bank takes an eighth of a slot,
+and S-LoRA's mixed-rank S2 setting (ranks 8-64) fits about twice as many adapters in the same host
+memory. A class, not the exact rank, so that the device-side widening compiles once per class at
+warm-up (a few shapes), never while serving. Capacity accounting charges the class's bytes.
 """
 
 from __future__ import annotations
@@ -26,9 +33,29 @@ import numpy as np
 
 from jaxlora.config import LoraConfig, ModelConfig
 from jaxlora.errors import AdapterError, AdapterExistsError, CapacityError
-from jaxlora.lora.bank import Bank, bank_groups, flat_slot_layout, init_bank
+from jaxlora.lora.bank import Bank, bank_groups, flat_slot_layout, init_bank, widen_slot_entries
 from jaxlora.lora.host_adapter import HostAdapter
 from jaxlora.lora.validate import RANK_HINT, check_adapter_name, check_weight_magnitude
+
+# The smallest rank class: below it a class saves less than the extra compiled shape costs.
+MIN_RANK_CLASS = 4
+
+
+def rank_classes(max_rank: int) -> tuple[int, ...]:
+    """The ranks host copies are padded to, ascending: R, then R/2, R/4, ... while the halving is
+    exact and at least MIN_RANK_CLASS (R=64: 4, 8, 16, 32, 64; R=12: 6, 12; R=3: 3)."""
+    classes = [max_rank]
+    while classes[-1] % 2 == 0 and classes[-1] // 2 >= MIN_RANK_CLASS:
+        classes.append(classes[-1] // 2)
+    return tuple(reversed(classes))
+
+
+def rank_class(rank: int, classes: tuple[int, ...]) -> int:
+    """The smallest class that holds `rank` (classes ascending, as `rank_classes` returns them)."""
+    for c in classes:
+        if rank <= c:
+            return c
+    raise ValueError(f"rank {rank} exceeds the largest rank class {classes[-1]}")
 
 
 class HostMemory(enum.StrEnum):
@@ -48,6 +75,7 @@ class FlatLayout:
       leaves: (offset, shape) per leaf, in `tree_leaves` order (see `bank.flat_slot_layout`).
       paths: the key path of each leaf, e.g. ("qkv", "a") or ("qkv", "b", "q_proj").
       size: elements of the buffer; dtype: its dtype (the bank's).
+      rank: the rank class the entries are padded to (the bank's R for a full slot).
     """
 
     treedef: jax.tree_util.PyTreeDef
@@ -55,15 +83,26 @@ class FlatLayout:
     paths: tuple[tuple[str, ...], ...]
     size: int
     dtype: np.dtype
+    rank: int
 
     @classmethod
-    def for_bank(cls, model: ModelConfig, lora: LoraConfig, dtype: jnp.dtype) -> FlatLayout:
-        shapes = jax.eval_shape(lambda: init_bank(model, lora, dtype))  # no allocation
+    def for_bank(cls, model: ModelConfig, lora: LoraConfig, dtype: jnp.dtype, *, rank: int | None = None) -> FlatLayout:
+        """The layout of one slot of the bank, or of its entries padded to rank class `rank` only."""
+        rank = lora.max_rank if rank is None else rank
+        if not 1 <= rank <= lora.max_rank:
+            raise ValueError(f"{rank=} must be in [1, max_rank={lora.max_rank}]")
+        narrow = dataclasses.replace(lora, max_rank=rank)
+        shapes = jax.eval_shape(lambda: init_bank(model, narrow, dtype))  # no allocation
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(shapes)
         leaves = flat_slot_layout(shapes)
         paths = tuple(tuple(str(k.key) for k in path) for path, _ in with_paths)
         size = leaves[-1][0] + int(np.prod(leaves[-1][1])) if leaves else 0
-        return cls(treedef=treedef, leaves=leaves, paths=paths, size=size, dtype=np.dtype(dtype))
+        return cls(treedef=treedef, leaves=leaves, paths=paths, size=size, dtype=np.dtype(dtype), rank=rank)
+
+    @classmethod
+    def classes_for_bank(cls, model: ModelConfig, lora: LoraConfig, dtype: jnp.dtype) -> dict[int, FlatLayout]:
+        """rank class -> its layout, for every class of the bank (`rank_classes`)."""
+        return {r: cls.for_bank(model, lora, dtype, rank=r) for r in rank_classes(lora.max_rank)}
 
     @property
     def nbytes(self) -> int:
@@ -85,12 +124,14 @@ class FlatLayout:
     def pack(
         self, weights: Mapping[str, tuple[np.ndarray, np.ndarray]], model: ModelConfig, lora: LoraConfig
     ) -> np.ndarray:
-        """Per-module (A [L,in,r], B [L,r,out]) -> one flat buffer holding `slot_arrays(weights)` in
-        the layout's dtype, written in place (no float32 intermediate of the padded entries).
+        """Per-module (A [L,in,r], B [L,r,out]) -> one flat buffer holding `slot_arrays(weights)` with
+        the rank padded to this layout's class (not to the bank's R), in the layout's dtype, written
+        in place (no float32 intermediate of the padded entries).
 
-        Raises ValueError if the adapter targets a module the bank does not hold or its rank exceeds R.
+        Raises ValueError if the adapter targets a module the bank does not hold or its rank exceeds
+        the class.
         """
-        R = lora.max_rank
+        R = self.rank
         extra = set(weights) - set(lora.target_modules)
         if extra:
             raise ValueError(
@@ -106,7 +147,7 @@ class FlatLayout:
                 wa, wb = weights[m]
                 r = wa.shape[-1]
                 if r > R:
-                    raise ValueError(f"{m}: rank {r} exceeds the bank's max_rank={R}")
+                    raise ValueError(f"{m}: rank {r} exceeds the layout's rank class {R}")
                 a_all[:, :, i * R : i * R + r] = wa
                 self.view(flat, (group, "b", m))[:, :r, :] = wb
         return flat
@@ -117,9 +158,10 @@ class RegisteredAdapter:
     """One adapter as the pager keeps it.
 
     Attributes:
-      flat: one slot's bank entries packed per `layout` into one 1-D buffer of the bank dtype: a
-        numpy array, or a JAX array in pinned_host memory.
-      layout: where each entry lies in `flat` (shared by all adapters of the bank).
+      flat: one slot's bank entries, rank padded to the adapter's class, packed per `layout` into one
+        1-D buffer of the bank dtype: a numpy array, or a JAX array in pinned_host memory.
+      layout: where each entry lies in `flat` (shared by all adapters of its rank class).
+      max_rank: the bank's R (what `entries` pads to).
       nbytes: host bytes of `flat` (what capacity accounting charges).
     """
 
@@ -129,17 +171,29 @@ class RegisteredAdapter:
     source: str
     flat: np.ndarray | jax.Array
     layout: FlatLayout
+    max_rank: int
     nbytes: int
 
     @property
     def entries(self) -> Bank:
-        """The entries as a pytree of numpy arrays (copied off pinned_host memory if need be)."""
-        return self.layout.unpack(np.asarray(self.flat))
+        """One slot's entries at the bank's rank R, as a pytree of numpy arrays (what the slot holds
+        once the adapter is paged in; copied off pinned_host memory if need be)."""
+        return widen_slot_entries(self.layout.unpack(np.asarray(self.flat)), self.layout.rank, self.max_rank, xp=np)
 
 
-def slot_nbytes(model: ModelConfig, lora: LoraConfig, dtype: jnp.dtype) -> int:
-    """Bytes of one slot's entries: every registered adapter takes exactly this much host memory."""
-    L, R, itemsize = model.num_layers, lora.max_rank, np.dtype(dtype).itemsize
+def widen_flat(flat: jax.Array, *, small: FlatLayout, full: FlatLayout) -> jax.Array:
+    """A flat buffer of rank class `small.rank` -> the same adapter's flat buffer at `full.rank`
+    (traceable: the pager jits it once per class and runs it on the device after the copy)."""
+    if small.treedef != full.treedef:
+        raise ValueError("the layouts are of different banks")
+    wide = widen_slot_entries(small.unpack(flat), small.rank, full.rank, xp=jnp)
+    return jnp.concatenate([leaf.reshape(-1) for leaf in jax.tree_util.tree_leaves(wide)])
+
+
+def slot_nbytes(model: ModelConfig, lora: LoraConfig, dtype: jnp.dtype, *, rank: int | None = None) -> int:
+    """Bytes of one slot's entries at rank class `rank` (default R: a whole slot, the most host
+    memory one registered adapter takes)."""
+    L, R, itemsize = model.num_layers, lora.max_rank if rank is None else rank, np.dtype(dtype).itemsize
     total = 0
     for _, modules in bank_groups(lora):
         d_in = model.module_shape(modules[0])[0]
@@ -208,9 +262,11 @@ def prepare_adapter(
     lora: LoraConfig,
     dtype: jnp.dtype,
     sharding: jax.sharding.Sharding | None,
-    layout: FlatLayout | None = None,
+    layouts: Mapping[int, FlatLayout] | None = None,
 ) -> RegisteredAdapter:
-    """Loads, validates and pads one adapter into host memory (slow: call it without locks held).
+    """Loads, validates and pads one adapter to its rank class into host memory (slow: call it
+    without locks held). `layouts`: `FlatLayout.classes_for_bank(model, lora, dtype)`, made once
+    by the caller.
 
     Raises:
       AdapterError: the name is invalid or the adapter does not fit the model or the bank.
@@ -218,7 +274,8 @@ def prepare_adapter(
     check_adapter_name(name)
     adapter = load_host_adapter(name, source, model, lora)
     check_host_adapter(name, adapter, model, lora)
-    layout = layout or FlatLayout.for_bank(model, lora, dtype)
+    layouts = layouts or FlatLayout.classes_for_bank(model, lora, dtype)
+    layout = layouts[rank_class(adapter.rank, tuple(sorted(layouts)))]
     flat = layout.pack(adapter.weights, model, lora)
     if sharding is not None:
         flat = jax.block_until_ready(jax.device_put(flat, sharding))
@@ -230,6 +287,7 @@ def prepare_adapter(
         source=source_text or "<memory>",
         flat=flat,
         layout=layout,
+        max_rank=lora.max_rank,
         nbytes=flat.nbytes,
     )
 

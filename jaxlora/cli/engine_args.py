@@ -31,7 +31,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, adapters_help: str = "registe
         help="largest adapter rank the bank holds (default: the config's, or the largest rank of "
         "the --adapter folders if that is larger)",
     )
-    p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory at most")
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="host memory for N adapters of the bank's max rank (each host copy is kept at its rank "
+        "class: more adapters of lower rank fit)",
+    )
     p.add_argument(
         "--prefetch-adapters",
         type=int,
@@ -139,7 +145,7 @@ def _host_capacity(args: argparse.Namespace, config, slot_bytes: int) -> int:
         origin = f"{HOST_SHARE:.0%} of this machine's {memory / 2**30:.1f} GiB; --max-cpu-loras N to change"
     print(
         f"host adapter memory: {capacity / 2**30:.2f} GiB, room for {capacity // slot_bytes} adapters of "
-        f"{slot_bytes / 2**20:.1f} MiB ({origin})",
+        f"{slot_bytes / 2**20:.1f} MiB at the bank's max rank, more at lower ranks ({origin})",
         file=sys.stderr,
         flush=True,
     )

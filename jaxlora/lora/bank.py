@@ -88,6 +88,31 @@ def slot_arrays(weights: Mapping[str, tuple[np.ndarray, np.ndarray]], model: Mod
     return out
 
 
+def widen_slot_entries(entries: Bank, rank: int, max_rank: int, *, xp=jnp) -> Bank:
+    """One slot's entries padded to rank `rank` -> the same entries at the bank's rank `max_rank`.
+
+    A group's stacked A [L, in, G*rank] holds module i in columns [i*rank, (i+1)*rank); at
+    max_rank module i moves to [i*max_rank, i*max_rank + rank) with zeros after it, and each B
+    [L, rank, out] gains zero rows. `xp` is numpy (host) or jax.numpy (traceable, on the device).
+    """
+    if rank == max_rank:
+        return entries
+    if not 1 <= rank < max_rank:
+        raise ValueError(f"{rank=} must be in [1, {max_rank=}]")
+    pad = max_rank - rank
+    out: Bank = {}
+    for group, entry in entries.items():
+        a = entry["a"]
+        L, d_in, stacked = a.shape
+        if stacked % rank:
+            raise ValueError(f"{group}: stacked rank {stacked} is not a multiple of {rank=}")
+        g = stacked // rank
+        a = xp.pad(a.reshape(L, d_in, g, rank), ((0, 0), (0, 0), (0, 0), (0, pad))).reshape(L, d_in, g * max_rank)
+        bs = {m: xp.pad(b, ((0, 0), (0, pad), (0, 0))) for m, b in entry["b"].items()}
+        out[group] = {"a": a, "b": bs}
+    return out
+
+
 def _write(bank: Bank, slot: jax.Array, entries: Bank) -> Bank:
     return jax.tree_util.tree_map(lambda full, one: full.at[:, slot].set(one.astype(full.dtype)), bank, entries)
 

@@ -11,7 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.serving import make_trace, merge_rows, next_sweep_rate, row_key
+from benchmarks.serving import make_trace, merge_rows, next_sweep_rate, num_fitting, row_key
+from jaxlora.adapters import Pager
+from jaxlora.config import ATTENTION_MODULES, LoraConfig
+from tests.factories import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,6 +140,17 @@ def _run(out: Path, *args: str) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "serving.json").read_text())
+
+
+def test_host_budget_counts_each_adapter_at_its_rank_class():
+    pager = Pager(tiny_config(), LoraConfig(max_slots=3, max_rank=8, target_modules=ATTENTION_MODULES))
+    ranks = (8, 4, 2, 1)  # classes 8, 4, 4, 4
+    sizes = [pager.host_nbytes(r) for r in ranks]
+    assert sizes[0] == 2 * sizes[1] and sizes[1] == sizes[2] == sizes[3]
+    two_rounds = 2 * sum(sizes)
+    assert num_fitting(pager, ranks, 100, two_rounds + sizes[0] - 1) == 8  # the ninth (rank 8) does not fit
+    assert num_fitting(pager, ranks, 100, two_rounds + sizes[0]) == 9
+    assert num_fitting(pager, ranks, 5, None) == 5 and num_fitting(pager, ranks, 3, 10**12) == 3
 
 
 def test_tiny_open_loop_run_accounts_for_every_request(tmp_path):
