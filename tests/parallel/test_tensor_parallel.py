@@ -63,6 +63,13 @@ def test_engine_greedy_tokens_match_one_device(result, tensor):
     assert result["engine"][f"tp{tensor}"] == result["engine"]["tp1"]
 
 
+def test_split_pager_widens_every_rank_class(result):
+    classes = result["pager_classes"]
+    assert classes["slots_equal"] == [True] * 4 and classes["bank_split_kept"]
+    # ranks 1, 5, 8, 3 travel as classes 4, 8, 8, 4 of R = 8: two half slots and two whole ones
+    assert classes["bytes_moved"] == 3 * classes["whole_slot_bytes"]
+
+
 def test_engine_bank_and_cache_keep_their_layout(result):
     engine = result["engine"]
     assert engine["page_ins"] >= 5  # five adapters over three slots: written, evicted, rewritten

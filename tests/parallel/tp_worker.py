@@ -397,6 +397,32 @@ def check_engine_shape_hlo(result: dict) -> None:
     }
 
 
+def check_pager_rank_classes(result: dict) -> None:
+    """A pager split 2 ways with adapters of three rank classes (R = 8: classes 4 and 8): every
+    page-in's slot, gathered, equals the adapter padded straight to R (`slot_arrays`), and the
+    bank keeps its split."""
+    from jaxlora.adapters import Pager
+
+    model = tiny_model(**ENGINE_MODEL)
+    lora = LoraConfig(max_slots=3, max_rank=8, target_modules=TARGET_MODULES)
+    pager = Pager(model.config, lora, mesh=make_mesh(MeshConfig(tensor=2)))
+    specs = [x.sharding.spec for x in jax.tree.leaves(pager.bank)]
+    ok = []
+    for i, rank in enumerate((1, 5, 8, 3)):  # two usable slots: later ones evict earlier ones
+        a = random_adapter(f"c{i}", model.config, modules=TARGET_MODULES, rank=rank, rng=40 + i)
+        pager.register(a.name, a)
+        pager.acquire(a.name)
+        pager.commit()
+        slot = pager.is_ready(a.name)
+        want = slot_arrays(a.weights, model.config, lora)
+        got = jax.tree.map(lambda full, slot=slot: np.asarray(full[:, slot]), pager.bank)
+        ok.append(all(np.array_equal(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))))
+        pager.release(a.name)
+    kept = [x.sharding.spec for x in jax.tree.leaves(pager.bank)] == specs
+    result["pager_classes"] = {"slots_equal": ok, "bank_split_kept": kept, "bytes_moved": pager.metrics.bytes_moved}
+    result["pager_classes"]["whole_slot_bytes"] = pager.slot_nbytes
+
+
 def main() -> None:
     assert jax.device_count() >= 4, f"need 4 fake devices, found {jax.devices()}"
     result: dict = {}
@@ -407,6 +433,7 @@ def main() -> None:
     engine = check_engine(result)
     check_hlo(engine, result)
     check_bench_timer(engine, result)
+    check_pager_rank_classes(result)
     print("RESULT " + json.dumps(result))
 
 
