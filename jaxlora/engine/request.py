@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -117,10 +118,14 @@ class GenerationRequest:
             raise RequestError(f"request {self.request_id}: sampling must be SamplingParams")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RequestOutput:
+class RequestOutput(typing.NamedTuple):
     """One streamed update. `text` and `token_ids` are deltas since the previous update; the final
-    update (finished=True) carries `finish_reason` and, for errors, `error`."""
+    update (finished=True) carries `finish_reason` and, for errors, `error`.
+
+    Immutable like the dataclasses here, but a NamedTuple: the engine builds one per generated token
+    on its loop thread, and a frozen dataclass costs several times more to build. Build it with
+    keywords.
+    """
 
     request_id: str
     text: str = ""
