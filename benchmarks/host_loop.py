@@ -131,7 +131,8 @@ class ClosedLoop:
                 prompt_ids=self.rng.integers(0, vocab, o.prompt_len).tolist(),
                 adapter=adapter_name(i % self.case.distinct) if self.case.distinct else None,
                 sampling=SamplingParams(max_tokens=gen),
-            )
+            ),
+            stream=False,  # the loop reads the step's outputs, not the handles
         )
         self.submitted += 1
         self.in_flight += 1

@@ -280,7 +280,7 @@ def run_engine(engine: Engine, requests: list[GenerationRequest]) -> dict:
     pager, stats = engine.pager, engine.stats
     before = stats()["generated_tokens"]
     for r in requests:
-        engine.submit(r)
+        engine.submit(r, stream=False)
     steps: list[tuple[bool, bool]] = []  # per dispatched step: (page-ins issued, prefill)
     seconds: list[float] = []  # wall time of the call that read each step back
     counts0 = stats()

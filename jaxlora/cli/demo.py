@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
                         messages=[{"role": "user", "content": prompt}],
                         adapter=name,
                         sampling=SamplingParams(max_tokens=args.max_tokens),
-                    )
+                    ),
+                    stream=False,
                 ),
             )
             for i, prompt in enumerate(prompts)

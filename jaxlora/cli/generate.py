@@ -83,7 +83,8 @@ def _run_prompt(args: argparse.Namespace) -> int:
         prompt = {"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}
         engine.warmup(progress=warmup_progress)
         start = time.perf_counter()
-        handle = engine.submit(GenerationRequest(request_id="cli", adapter=args.use, sampling=sampling, **prompt))
+        request = GenerationRequest(request_id="cli", adapter=args.use, sampling=sampling, **prompt)
+        handle = engine.submit(request, stream=False)
     except (JaxloraError, ValueError, OSError) as e:
         print(f"jaxlora generate: {e}", file=sys.stderr)
         return 2

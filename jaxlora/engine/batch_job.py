@@ -144,7 +144,7 @@ class BatchJob:
                 line = todo[next_submit]
                 if line.record is None:
                     try:
-                        in_flight[next_submit] = self.engine.submit(line.request)
+                        in_flight[next_submit] = self.engine.submit(line.request, stream=False)
                     except CapacityError:
                         break
                     except JaxloraError as e:

@@ -72,11 +72,17 @@ Callback = Callable[[RequestOutput], None]
 
 
 class RequestHandle:
-    """A submitted request: iterate it for streamed outputs, or wait for the final result."""
+    """A submitted request: wait for the final result, or (submitted with `stream`) iterate it for
+    the streamed outputs.
 
-    def __init__(self, request_id: str) -> None:
+    A handle that does not stream holds no updates: the engine makes one per generated token, and a
+    server that forwards them through a callback would otherwise keep every request's whole stream
+    alive a second time until it finishes (memory, and garbage-collector time on the loop thread).
+    """
+
+    def __init__(self, request_id: str, *, stream: bool) -> None:
         self.request_id = request_id
-        self._updates: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self._updates: queue.SimpleQueue[RequestOutput] | None = queue.SimpleQueue() if stream else None
         self._done = threading.Event()
         self._final: FinalOutput | None = None
 
@@ -91,7 +97,16 @@ class RequestHandle:
         return self._final
 
     def __iter__(self) -> Iterator[RequestOutput]:
-        """Streamed updates until the final one (blocks while the request runs)."""
+        """Streamed updates until the final one (blocks while the request runs).
+
+        Raises:
+          RuntimeError: the request was submitted without `stream` (it has a callback, or asked for none).
+        """
+        if self._updates is None:
+            raise RuntimeError(
+                f"request {self.request_id} does not stream through its handle: submit it with stream=True "
+                "(a request with a callback streams through the callback)"
+            )
         while True:
             out = self._updates.get()
             yield out
@@ -99,7 +114,8 @@ class RequestHandle:
                 return
 
     def _publish(self, out: RequestOutput) -> None:
-        self._updates.put(out)
+        if self._updates is not None:
+            self._updates.put(out)
 
     def _complete(self, final: FinalOutput) -> None:
         self._final = final
@@ -189,9 +205,17 @@ class Engine:
         self._draining = False
 
     # Submission (thread-safe).
-    def submit(self, request: GenerationRequest, callback: Callback | None = None) -> RequestHandle:
+    def submit(
+        self, request: GenerationRequest, callback: Callback | None = None, *, stream: bool | None = None
+    ) -> RequestHandle:
         """Validates and queues a request. Raises RequestError, UnknownAdapterError or CapacityError;
-        a rejected request never affects the others."""
+        a rejected request never affects the others.
+
+        Args:
+          callback: called on the loop's thread with every update (`RequestOutput`).
+          stream: also queue every update on the returned handle, for iterating it (default: only
+            when no callback is given). Without it the handle gives `result()` alone.
+        """
         prompt_ids = self._prompt_ids(request)
         self._validate(request, prompt_ids)
         seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(32)
@@ -204,9 +228,8 @@ class Engine:
                 raise CapacityError(f"the admission queue is full ({self.config.max_queue} requests waiting)")
             req = Request(request, prompt_ids, seed=seed & 0xFFFFFFFF, arrival=next(self._arrivals), callback=callback)
             stop_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(request.sampling.stop_token_ids)
-            live = _Live(
-                req, RequestHandle(request.request_id), Detokenizer(self.tokenizer.hf, request.sampling.stop), stop_ids
-            )
+            handle = RequestHandle(request.request_id, stream=callback is None if stream is None else stream)
+            live = _Live(req, handle, Detokenizer(self.tokenizer.hf, request.sampling.stop), stop_ids)
             self._live[request.request_id] = live
             self._inbox.append(live)
             self._wake.notify_all()
@@ -330,7 +353,7 @@ class Engine:
             while pending:
                 i, r = pending[-1]
                 try:
-                    handles[i] = self.submit(r)
+                    handles[i] = self.submit(r, stream=False)
                 except CapacityError:
                     if self._stopping and not self.is_running:
                         raise  # stopped for good: waiting would never make room

@@ -159,13 +159,19 @@ def test_stop_strings_cut_the_text_exactly_and_stream_consistently(engine):
     req = GenerationRequest(
         request_id="cut", prompt="Hello", sampling=SamplingParams(max_tokens=24, stop=("zzzzz", stop))
     )
-    handle = engine.submit(req, callback=streamed.append)
+    handle = engine.submit(req, callback=streamed.append, stream=True)
     engine.run_until_idle()
     out = handle.result(0)
     assert out.text == cut and out.finish_reason is FinishReason.STOP
     assert "".join(o.text for o in streamed) == cut and streamed[-1].finished
     assert all(not o.finished for o in streamed[:-1])
     assert list(handle) == streamed  # the handle streams the same updates
+    # With a callback and no stream=True the handle keeps no updates: iterating it is refused.
+    quiet = engine.submit(dataclasses.replace(req, request_id="quiet"), callback=lambda out: None)
+    engine.run_until_idle()
+    assert quiet.result(0).text == cut
+    with pytest.raises(RuntimeError, match="stream=True"):
+        next(iter(quiet))
     # A stop token id ends generation at that token.
     stop_id = full.token_ids[3]
     first = full.token_ids.index(stop_id)
