@@ -7,9 +7,10 @@ Life of a page-in:
     prefetch(names)   queue page-ins (no pin) for the adapters of waiting requests
     stage()           right BEFORE a step is dispatched: per queued adapter, ONE host->device copy
                       of its flat host buffer (registry.FlatLayout, at the adapter's rank class)
-                      starts, and a jitted widening to the bank's rank follows it on the device
-    commit()          right AFTER the step is dispatched: ONE jitted call writes every staged copy
-                      into its slot of the donated bank (bank.write_slots_flat); ready next step
+                      starts
+    commit()          right AFTER the step is dispatched: ONE jitted call per rank class among them
+                      (usually one) writes every staged copy, widened to the bank's rank, into its
+                      slot of the donated bank (registry.slot_writer); ready next step
     is_ready(name)    the slot once written (the engine polls this; acquire is called once per request)
     release(name)     unpin; an unpinned slot may be evicted for another adapter
 
@@ -41,7 +42,6 @@ then device -> every device of the mesh.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 import time
 from collections.abc import Iterable
@@ -61,12 +61,12 @@ from jaxlora.adapters.registry import (
     prepare_adapter,
     rank_class,
     slot_nbytes,
-    widen_flat,
+    slot_writer,
 )
 from jaxlora.adapters.slot_table import SlotTable, invariant
 from jaxlora.config import LoraConfig, ModelConfig
 from jaxlora.errors import AdapterInUseError, UnknownAdapterError
-from jaxlora.lora.bank import Bank, init_bank, write_slots_flat
+from jaxlora.lora.bank import Bank, init_bank
 from jaxlora.lora.host_adapter import HostAdapter
 from jaxlora.lora.validate import check_adapter_name
 
@@ -147,7 +147,8 @@ class Pager:
         self._class_of_size = {layout.size: r for r, layout in self.layouts.items()}
         if self.layout.nbytes != self.slot_nbytes:
             raise AssertionError(f"flat layout holds {self.layout.nbytes} bytes, a slot {self.slot_nbytes}")
-        self._widen: dict[int, jax.stages.Wrapped] = {}  # rank class < R -> jitted widen_flat
+        # rank class -> the jitted write of a commit's copies of that class (widened to R on the device)
+        self._writers = {r: slot_writer(layout, self.layout) for r, layout in self.layouts.items()}
         self._device = device or jax.devices()[0]
         self._host_sharding = host_sharding(self._device, HostMemory(host_memory))
         self._device_sharding = jax.sharding.SingleDeviceSharding(
@@ -170,7 +171,6 @@ class Pager:
         # What a reset writes: zeros of the smallest class (the fewest bytes to copy), widened.
         self._zeros_flat = self._on_host(self.layouts[min(self.layouts)].zeros())
         self.bank: Bank = jax.device_put(init_bank(model_config, lora_config, self.dtype), self._device_sharding)
-        self._make_widen()
         if mesh is not None:
             self.place_on(mesh)
         else:
@@ -188,7 +188,6 @@ class Pager:
         # path the single-device pager uses), then device -> mesh over the device links (see _write).
         self._entry_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.mesh = mesh
-        self._make_widen()
         self.warmup()
 
     # ---------------------------------------------------------------- registry (any thread)
@@ -553,36 +552,30 @@ class Pager:
         return time.perf_counter() - start
 
     def _write_many(self, slots: list[int], flats: list[jax.Array]) -> Bank:
-        """One jitted write of k buffers, padded to a compiled size by repeating the last write
-        (writing the same buffer to the same slot twice is a no-op), so k never compiles anew."""
-        size = next(b for b in self._write_sizes if b >= len(slots))
-        pad = size - len(slots)
-        return write_slots_flat(
-            self.bank, np.array(slots + slots[-1:] * pad, np.int32), tuple(flats + flats[-1:] * pad)
-        )
+        """The writes of one commit: one jitted call per rank class among the buffers (usually one),
+        each padded to a compiled size by repeating its last write (writing the same buffer to the
+        same slot twice is a no-op), so nothing compiles anew. Only each slot's last write is
+        issued: an earlier one in the same commit was for an adapter the slot no longer holds, and
+        with it dropped the calls need no order between them."""
+        last = dict(zip(slots, flats))
+        by_class: dict[int, list[tuple[int, jax.Array]]] = {}
+        for slot, flat in last.items():
+            by_class.setdefault(self._class_of_size[flat.size], []).append((slot, flat))
+        bank = self.bank
+        for rank, writes in by_class.items():
+            size = next(b for b in self._write_sizes if b >= len(writes))
+            writes += writes[-1:] * (size - len(writes))
+            bank = self._writers[rank](bank, np.array([s for s, _ in writes], np.int32), tuple(f for _, f in writes))
+        return bank
 
     def _to_device(self, flat: np.ndarray | jax.Array | None) -> jax.Array:
-        """Starts the copy of one flat buffer (None: zeros) to where the slot write reads it, and
-        its widening to a whole slot when it is of a smaller rank class (on the device, queued
-        behind the copy: the host does not wait)."""
+        """Starts the copy of one flat buffer (None: zeros) to where the slot write reads it."""
         if flat is None:
             flat = self._zeros_flat
         if self.mesh is None:
-            on_device = jax.device_put(flat, self._entry_sharding)
-        else:  # host -> one device in one copy, then replicated device-to-device over the mesh
-            on_device = jax.device_put(jax.device_put(flat, self._device_sharding), self._entry_sharding)
-        rank = self._class_of_size[flat.size]
-        return on_device if rank == self.lora_config.max_rank else self._widen[rank](on_device)
-
-    def _make_widen(self) -> None:
-        """One jitted `widen_flat` per rank class below R, its output placed where the slot write
-        reads its inputs (`warmup` compiles them)."""
-        full = self.layout
-        self._widen = {
-            r: jax.jit(functools.partial(widen_flat, small=layout, full=full), out_shardings=self._entry_sharding)
-            for r, layout in self.layouts.items()
-            if r != full.rank
-        }
+            return jax.device_put(flat, self._entry_sharding)
+        # host -> one device in one copy, then replicated device-to-device over the mesh
+        return jax.device_put(jax.device_put(flat, self._device_sharding), self._entry_sharding)
 
     def _on_host(self, flat: np.ndarray) -> np.ndarray | jax.Array:
         """`flat` where registered adapters live (pinned_host, or numpy)."""
@@ -591,20 +584,21 @@ class Pager:
         return jax.block_until_ready(jax.device_put(flat, self._host_sharding))
 
     def warmup(self) -> None:
-        """Compiles the widening of every rank class and the slot writes once per padded size,
-        through the same path as page-ins (zero compiles later). The constructor and `place_on` call it; calling it again is safe at any
-        time from the engine thread.
+        """Compiles the slot write of every rank class at every padded size, through the same path
+        as page-ins (zero compiles later). The constructor and `place_on` call it; calling it again
+        is safe at any time from the engine thread.
 
-        It rewrites slot 1 with what it holds: the adapter written there (its host buffer is what
-        its page-in wrote), else zeros. A slot that is not ready is read by no request, and a
-        write still queued for it is issued later, so it wins.
+        It writes zeros into slot 1 and then rewrites what it held: the adapter written there (its
+        host buffer is what its page-in wrote), else zeros. No step is dispatched in between, and a
+        slot that is not ready is read by no request; a write still queued for it is issued later,
+        so it wins.
         """
-        for layout in self.layouts.values():  # the widening of every rank class
-            jax.block_until_ready(self._to_device(layout.zeros()))
+        for rank, layout in self.layouts.items():
+            zeros = self._to_device(layout.zeros())
+            for size in self._write_sizes:
+                self.bank = self._writers[rank](self.bank, np.ones(size, np.int32), (zeros,) * size)
         with self._lock:
             name = self._table.name_in(1)
             flat = self._registry.get(name).flat if name in self._ready else None
-        on_device = self._to_device(flat)
-        for size in self._write_sizes:
-            self.bank = self._write_many([1] * size, [on_device] * size)
+        self.bank = self._write_many([1], [self._to_device(flat)])
         jax.block_until_ready(self.bank)

@@ -6,8 +6,8 @@ with the rank zero-padded to the smallest class that holds it (R, R/2, R/4, ... 
 `MIN_RANK_CLASS`; `rank_classes`), packed into ONE contiguous 1-D buffer. Where each entry lies in
 that buffer (`FlatLayout`: an offset and a shape per leaf of the bank) depends only on the bank's
 shapes and the class, so all adapters of one class share it. A page-in is then one host->device copy
-of one buffer, one jitted widening to rank R on the device when the class is below R
-(`bank.widen_slot_entries`), and one jitted slot write that unpacks it with static slices
+of one buffer and one jitted slot write that widens it to rank R on the device when its class is
+below R (`slot_writer`, `bank.widen_slot_entries`) and unpacks it with static slices
 (`bank.write_slot_flat`), with no host work on the serving path: many small copies (one per group A
 and per module B) ran at a third of the bandwidth of one large one on the H200. On GPUs the buffer
 lives in `pinned_host` memory: on the H200 a copy from pinned_host ran at 40-50 GB/s against 5 GB/s
@@ -16,15 +16,16 @@ from ordinary (pageable) numpy.
 Why classes: host bytes and host->device bytes follow the adapter's own rank (as S-LoRA stores
 adapters), within 2x, instead of R: a rank-8 adapter in a rank-64 bank takes an eighth of a slot,
 and S-LoRA's mixed-rank S2 setting (ranks 8-64) fits about twice as many adapters in the same host
-memory. A class, not the exact rank, so that the device-side widening compiles once per class at
-warm-up (a few shapes), never while serving. Capacity accounting charges the class's bytes.
+memory. A class, not the exact rank, so that the widening writes compile once per class (and write
+size) at warm-up, a few shapes, never while serving. Capacity accounting charges the class's bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import jax
@@ -33,7 +34,15 @@ import numpy as np
 
 from jaxlora.config import LoraConfig, ModelConfig
 from jaxlora.errors import AdapterError, AdapterExistsError, CapacityError
-from jaxlora.lora.bank import Bank, bank_groups, flat_slot_layout, init_bank, widen_slot_entries
+from jaxlora.lora.bank import (
+    Bank,
+    bank_groups,
+    flat_slot_layout,
+    init_bank,
+    widen_slot_entries,
+    write_many_flat,
+    write_slots_flat,
+)
 from jaxlora.lora.host_adapter import HostAdapter
 from jaxlora.lora.validate import RANK_HINT, check_adapter_name, check_weight_magnitude
 
@@ -66,7 +75,7 @@ class HostMemory(enum.StrEnum):
     PAGEABLE = "pageable"  # plain numpy arrays
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class FlatLayout:
     """Where one slot's entries lie in a flat host buffer (shared by every adapter of one bank).
 
@@ -183,11 +192,39 @@ class RegisteredAdapter:
 
 def widen_flat(flat: jax.Array, *, small: FlatLayout, full: FlatLayout) -> jax.Array:
     """A flat buffer of rank class `small.rank` -> the same adapter's flat buffer at `full.rank`
-    (traceable: the pager jits it once per class and runs it on the device after the copy)."""
+    (traceable, for the device)."""
     if small.treedef != full.treedef:
         raise ValueError("the layouts are of different banks")
     wide = widen_slot_entries(small.unpack(flat), small.rank, full.rank, xp=jnp)
     return jnp.concatenate([leaf.reshape(-1) for leaf in jax.tree_util.tree_leaves(wide)])
+
+
+def slot_writer(small: FlatLayout, full: FlatLayout) -> Callable[[Bank, np.ndarray, tuple[jax.Array, ...]], Bank]:
+    """`bank.write_slots_flat` for flat buffers of rank class `small.rank`: ONE jitted call (the
+    bank donated) that widens each buffer to `full.rank` and writes it into its slot, in order.
+
+    The widening is part of the write, not a call of its own after each copy: a call whose input is
+    a host->device copy still in flight holds the host for about that copy's time (the reason the
+    pager writes all of a commit's page-ins in one call, `bank.write_slots_flat`).
+    """
+    if small.rank == full.rank:
+        return write_slots_flat
+
+    def write(bank: Bank, slots: np.ndarray, flats: tuple[jax.Array, ...]) -> Bank:
+        slots = np.asarray(slots, np.int32)
+        if slots.shape != (len(flats),) or (slots <= 0).any():
+            raise ValueError(f"slots {slots.tolist()} must be one adapter slot (> 0) per flat buffer")
+        return _widen_and_write(bank, slots, tuple(flats), small=small, full=full)
+
+    return write
+
+
+@functools.partial(jax.jit, static_argnames=("small", "full"), donate_argnums=0)
+def _widen_and_write(
+    bank: Bank, slots: jax.Array, flats: tuple[jax.Array, ...], *, small: FlatLayout, full: FlatLayout
+) -> Bank:
+    # Layouts compare by value: pagers of one bank shape share these compiled programs.
+    return write_many_flat(bank, slots, tuple(widen_flat(f, small=small, full=full) for f in flats))
 
 
 def slot_nbytes(model: ModelConfig, lora: LoraConfig, dtype: jnp.dtype, *, rank: int | None = None) -> int:

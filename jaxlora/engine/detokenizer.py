@@ -23,7 +23,6 @@ class Detokenizer:
         self._stream = DecodeStream(skip_special_tokens=True)
         self._stop = tuple(stop)
         self._max_stop = max((len(s) for s in self._stop), default=0)
-        self._stop_prefixes = {s[:n] for s in self._stop for n in range(1, len(s))}  # proper prefixes
         self._released: list[str] = []  # text emitted so far, in pieces
         # Decoded, not yet emitted: a tail that is a proper prefix of some stop string. Released text
         # never ends in such a prefix, so a stop string can only start inside it.
@@ -70,6 +69,7 @@ class Detokenizer:
     def _partial_stop_len(self, tail: str) -> int:
         """Length of the longest end of `tail` that is a proper prefix of some stop string."""
         for n in range(min(len(tail), self._max_stop - 1), 0, -1):
-            if tail[-n:] in self._stop_prefixes:
+            end = tail[-n:]
+            if any(s.startswith(end) for s in self._stop):
                 return n
         return 0

@@ -10,18 +10,10 @@ import pytest
 from jaxlora.adapters import HostMemory, Pager
 from jaxlora.adapters.registry import FlatLayout
 from jaxlora.lora.bank import flat_slot_layout, init_bank, set_slot, slot_arrays, write_slot_flat, write_slots_flat
+from tests.adapters.slots import assert_trees_equal, expected_entries
 from tests.factories import random_adapter, random_adapters, tiny_config, tiny_lora
 
 MODEL = tiny_config()
-
-
-def expected_entries(adapter, lora, dtype):
-    return jax.tree_util.tree_map(lambda x: x.astype(np.dtype(dtype)), slot_arrays(adapter.weights, MODEL, lora))
-
-
-def assert_trees_equal(got, want) -> None:
-    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)
 
 
 def varied_adapters(lora):
@@ -54,7 +46,7 @@ def test_flat_host_buffer_round_trips(dtype, host_memory):
         else:
             assert isinstance(flat, np.ndarray)
         assert stored.layout is pager.layout  # shared by every adapter of the bank
-        assert_trees_equal(pager.host_entries(a.name), expected_entries(a, lora, dtype))
+        assert_trees_equal(pager.host_entries(a.name), expected_entries(a, MODEL, lora, dtype))
 
 
 @pytest.mark.parametrize("host_memory", [HostMemory.PAGEABLE, HostMemory.PINNED])
@@ -69,7 +61,7 @@ def test_page_in_writes_exactly_what_set_slot_writes(host_memory):
         pager.commit()
         slot = pager.is_ready(a.name)
         assert slot is not None
-        reference = set_slot(init_bank(MODEL, lora, jnp.bfloat16), slot, expected_entries(a, lora, jnp.bfloat16))
+        reference = set_slot(init_bank(MODEL, lora, jnp.bfloat16), slot, expected_entries(a, MODEL, lora, jnp.bfloat16))
         got = jax.device_get(pager.bank)
         want = jax.device_get(reference)
         jax.tree_util.tree_map(lambda g, w: np.testing.assert_array_equal(g[:, slot], w[:, slot]), got, want)
@@ -86,7 +78,7 @@ def test_write_slot_flat_equals_set_slot_on_a_full_bank():
     assert layout.leaves == flat_slot_layout(bank)
     for a in varied_adapters(lora):
         flat = layout.pack(a.weights, MODEL, lora)
-        assert_trees_equal(layout.unpack(flat), expected_entries(a, lora, jnp.float32))
+        assert_trees_equal(layout.unpack(flat), expected_entries(a, MODEL, lora, jnp.float32))
         copy = jax.tree_util.tree_map(jnp.copy, bank)  # both writes donate their bank
         want = jax.device_get(set_slot(jax.tree_util.tree_map(jnp.copy, bank), 3, slot_arrays(a.weights, MODEL, lora)))
         got = jax.device_get(write_slot_flat(copy, 3, jnp.asarray(flat)))

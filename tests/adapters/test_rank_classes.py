@@ -14,22 +14,14 @@ import pytest
 from jaxlora.adapters import HostMemory, Pager
 from jaxlora.adapters.registry import FlatLayout, rank_class, rank_classes, slot_nbytes, widen_flat
 from jaxlora.errors import CapacityError
-from jaxlora.lora.bank import slot_arrays, widen_slot_entries
+from jaxlora.lora.bank import widen_slot_entries
 from jaxlora.lora.peft_format import save_peft_adapter
+from tests.adapters.slots import assert_trees_equal, expected_entries
 from tests.factories import random_adapter, tiny_config, tiny_lora
 
 MODEL = tiny_config()
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA = tiny_lora(max_rank=16, max_slots=4, target_modules=ALL_MODULES)  # classes 4, 8, 16
-
-
-def expected_entries(adapter, lora, dtype):
-    return jax.tree_util.tree_map(lambda x: np.asarray(x, np.dtype(dtype)), slot_arrays(adapter.weights, MODEL, lora))
-
-
-def assert_trees_equal(got, want) -> None:
-    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)
 
 
 def mixed_rank_adapters(lora=LORA) -> list:
@@ -72,7 +64,7 @@ def test_widened_class_entries_equal_the_entries_padded_to_r(xp):
         r = rank_class(a.rank, tuple(layouts))
         small = layouts[r].unpack(layouts[r].pack(a.weights, MODEL, LORA))
         wide = widen_slot_entries(jax.tree_util.tree_map(xp.asarray, small), r, LORA.max_rank, xp=xp)
-        assert_trees_equal(jax.device_get(wide), expected_entries(a, LORA, jnp.float32))
+        assert_trees_equal(jax.device_get(wide), expected_entries(a, MODEL, LORA, jnp.float32))
 
 
 def test_widen_flat_gives_the_whole_slot_layout_buffer():
@@ -110,13 +102,13 @@ def test_host_copies_and_page_ins_cost_the_class_bytes(host_memory):
         stored = pager.host_adapter(a.name)
         assert stored.nbytes == stored.flat.nbytes == class_bytes[a.name] == pager.info(a.name).nbytes
         assert stored.layout is pager.layouts[rank_class(a.rank, rank_classes(16))]  # shared per class
-        assert_trees_equal(pager.host_entries(a.name), expected_entries(a, LORA, jnp.bfloat16))
+        assert_trees_equal(pager.host_entries(a.name), expected_entries(a, MODEL, LORA, jnp.bfloat16))
     assert pager.registered_bytes == sum(class_bytes.values()) < len(adapters) * pager.slot_nbytes
     for a in adapters:  # 3 usable slots: later adapters evict earlier ones of other classes
         assert pager.acquire(a.name) is None
         pager.commit()
         slot = pager.is_ready(a.name)
-        assert_trees_equal(bank_slot(pager, slot), expected_entries(a, LORA, jnp.bfloat16))
+        assert_trees_equal(bank_slot(pager, slot), expected_entries(a, MODEL, LORA, jnp.bfloat16))
         pager.release(a.name)
     assert pager.metrics.bytes_moved == sum(class_bytes.values())
     pager.check()
@@ -134,7 +126,7 @@ def test_a_small_class_written_over_a_whole_slot_leaves_no_stale_columns():
         assert pager.acquire(a.name) is None
         pager.commit()
         assert pager.is_ready(a.name) == 1
-        assert_trees_equal(bank_slot(pager, 1), expected_entries(a, pager.lora_config, jnp.float32))
+        assert_trees_equal(bank_slot(pager, 1), expected_entries(a, MODEL, pager.lora_config, jnp.float32))
         pager.release(a.name)
     pager.unregister(small.name)
     pager.commit()
@@ -151,6 +143,9 @@ def test_folder_sources_reserve_a_whole_slot_then_pay_their_class(tmp_path):
     with pytest.raises(CapacityError, match="host adapter memory is full"):
         pager.register("from-folder", folder)  # unread, it might be rank 16: a whole slot is reserved
     assert pager.registered_bytes == small and not pager.has("from-folder")
+    roomy = Pager(MODEL, LORA)
+    roomy.register("from-folder", folder)  # read, it is rank 1: charged its class's bytes, not a slot's
+    assert roomy.registered_bytes == roomy.info("from-folder").nbytes == small
 
 
 def test_mixed_class_page_ins_compile_nothing_after_construction():

@@ -162,3 +162,41 @@ def test_uniform_traffic_keeps_the_all_resident_schedule(setup):
     want = run(resident_engine, [names[i % len(names)] for i in range(len(picks))])
     got = run(paged_engine, [str(n) for n in picks])
     assert got == want
+
+
+def test_adapters_of_every_rank_class_page_in_and_match_solo_runs():
+    """A rank-8 bank (classes 4 and 8) with adapters of ranks 1-8 over 3 slots: every page-in widens
+    its class copy on the device, evictions put small classes over large ones and back, and each
+    request's tokens equal its solo run with the adapter padded straight to R; nothing compiles."""
+    model, tok = tiny_model(), char_tokenizer()
+    lora = tiny_lora(max_slots=4, max_rank=8)
+    pager = Pager(model.config, lora, dtype=model.dtype)
+    adapters = {a.name: a for a in random_adapters(9, model.config, lora, seed=21)}
+    assert {a.rank <= 4 for a in adapters.values()} == {True, False}  # both classes are used
+    for adapter in adapters.values():
+        pager.register(adapter.name, adapter)
+    engine = Engine(model, tok, engine_config(max_batch=4, lora=lora), pager)
+    engine.warmup()
+    rng = np.random.default_rng(5)
+    requests = [
+        GenerationRequest(
+            request_id=f"c{i}",
+            prompt_ids=[int(t) for t in rng.integers(4, 99, PROMPT_LEN)],
+            adapter=f"lora-{i % len(adapters)}",
+            sampling=SamplingParams(max_tokens=MAX_TOKENS),
+        )
+        for i in range(2 * len(adapters))
+    ]
+    with jax.no_tracing():
+        results = engine.generate(requests)
+    assert engine.compiles_after_warmup == 0
+    assert pager.registered_bytes < len(adapters) * pager.slot_nbytes  # the rank-4 class is half a slot
+    eos = set(tok.eos_token_ids)
+    for req, out in zip(requests, results):
+        bank = set_slot(
+            init_bank(model.config, lora), 1, slot_arrays(adapters[req.adapter].weights, model.config, lora)
+        )
+        _, expected = greedy(model, list(req.prompt_ids), MAX_TOKENS, bank=bank, slot=1)
+        got = list(out.token_ids)
+        assert out.error is None, out.error
+        assert got == expected[: len(got)] and (len(got) == MAX_TOKENS or got[-1] in eos), req.request_id

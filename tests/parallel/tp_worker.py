@@ -398,7 +398,7 @@ def check_engine_shape_hlo(result: dict) -> None:
 
 
 def check_pager_rank_classes(result: dict) -> None:
-    """A pager split 2 ways with adapters of three rank classes (R = 8: classes 4 and 8): every
+    """A pager split 2 ways with adapters of both rank classes of R = 8 (4 and 8): every
     page-in's slot, gathered, equals the adapter padded straight to R (`slot_arrays`), and the
     bank keeps its split."""
     from jaxlora.adapters import Pager
