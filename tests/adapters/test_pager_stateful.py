@@ -23,7 +23,9 @@ from jaxlora.errors import AdapterError, AdapterInUseError, UnknownAdapterError
 from tests.factories import random_adapters, tiny_config, tiny_lora
 
 MODEL = tiny_config(num_layers=1)
-LORA = tiny_lora(max_slots=4)  # three usable slots for eight names: plenty of eviction and waiting
+# Three usable slots for eight names: plenty of eviction and waiting; ranks 1-8 span both rank
+# classes of R = 8 (4 and 8), so small host copies are widened over slots that held large ones.
+LORA = tiny_lora(max_slots=4, max_rank=8)
 ADAPTERS = {a.name: a for a in random_adapters(8, MODEL, LORA, seed=3)}
 NAMES = st.sampled_from(sorted(ADAPTERS))
 
