@@ -13,6 +13,7 @@ import pytest
 
 from jaxlora.adapters import HostMemory, Pager
 from jaxlora.adapters.registry import FlatLayout, rank_class, rank_classes, slot_nbytes, widen_flat
+from jaxlora.engine.compiles import backend_compiles
 from jaxlora.errors import CapacityError
 from jaxlora.lora.bank import widen_slot_entries
 from jaxlora.lora.peft_format import save_peft_adapter
@@ -153,22 +154,13 @@ def test_mixed_class_page_ins_compile_nothing_after_construction():
     adapters = mixed_rank_adapters()
     for a in adapters:
         pager.register(a.name, a)
-    compiles = []
-
-    def on_event(event, *_, **__):
-        if "backend_compile" in event:
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
-        with jax.no_tracing():
-            for a in adapters:
-                assert pager.acquire(a.name) is None
-                pager.commit()
-                pager.release(a.name)
-            pager.unregister(adapters[-1].name)
+    before = backend_compiles()
+    with jax.no_tracing():
+        for a in adapters:
+            assert pager.acquire(a.name) is None
             pager.commit()
-            jax.block_until_ready(pager.bank)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
-    assert not compiles
+            pager.release(a.name)
+        pager.unregister(adapters[-1].name)
+        pager.commit()
+        jax.block_until_ready(pager.bank)
+    assert backend_compiles() == before
