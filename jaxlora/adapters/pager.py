@@ -228,7 +228,7 @@ class Pager:
 
     def host_nbytes(self, rank: int) -> int:
         """Host bytes one registered adapter of `rank` takes (its rank class's copy)."""
-        return self.layouts[rank_class(rank, tuple(self.layouts))].nbytes
+        return self.layouts[rank_class(rank, self.layouts)].nbytes
 
     def _bytes_estimate(self, source: str | Path | HostAdapter) -> int:
         """Host bytes to reserve before loading `source`: its rank class's when the rank is known

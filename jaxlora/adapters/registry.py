@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import jax
@@ -37,6 +37,7 @@ from jaxlora.errors import AdapterError, AdapterExistsError, CapacityError
 from jaxlora.lora.bank import (
     Bank,
     bank_groups,
+    check_slot_writes,
     flat_slot_layout,
     init_bank,
     widen_slot_entries,
@@ -59,12 +60,13 @@ def rank_classes(max_rank: int) -> tuple[int, ...]:
     return tuple(reversed(classes))
 
 
-def rank_class(rank: int, classes: tuple[int, ...]) -> int:
-    """The smallest class that holds `rank` (classes ascending, as `rank_classes` returns them)."""
-    for c in classes:
-        if rank <= c:
-            return c
-    raise ValueError(f"rank {rank} exceeds the largest rank class {classes[-1]}")
+def rank_class(rank: int, classes: Iterable[int]) -> int:
+    """The smallest of `classes` that holds `rank`."""
+    classes = tuple(classes)
+    holding = [c for c in classes if rank <= c]
+    if not holding:
+        raise ValueError(f"rank {rank} exceeds every rank class ({sorted(classes)})")
+    return min(holding)
 
 
 class HostMemory(enum.StrEnum):
@@ -211,10 +213,7 @@ def slot_writer(small: FlatLayout, full: FlatLayout) -> Callable[[Bank, np.ndarr
         return write_slots_flat
 
     def write(bank: Bank, slots: np.ndarray, flats: tuple[jax.Array, ...]) -> Bank:
-        slots = np.asarray(slots, np.int32)
-        if slots.shape != (len(flats),) or (slots <= 0).any():
-            raise ValueError(f"slots {slots.tolist()} must be one adapter slot (> 0) per flat buffer")
-        return _widen_and_write(bank, slots, tuple(flats), small=small, full=full)
+        return _widen_and_write(bank, check_slot_writes(slots, len(flats)), tuple(flats), small=small, full=full)
 
     return write
 
@@ -312,7 +311,7 @@ def prepare_adapter(
     adapter = load_host_adapter(name, source, model, lora)
     check_host_adapter(name, adapter, model, lora)
     layouts = layouts or FlatLayout.classes_for_bank(model, lora, dtype)
-    layout = layouts[rank_class(adapter.rank, tuple(sorted(layouts)))]
+    layout = layouts[rank_class(adapter.rank, layouts)]
     flat = layout.pack(adapter.weights, model, lora)
     if sharding is not None:
         flat = jax.block_until_ready(jax.device_put(flat, sharding))

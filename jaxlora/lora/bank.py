@@ -186,9 +186,14 @@ def write_slots_flat(bank: Bank, slots: np.ndarray, flats: tuple[jax.Array, ...]
     flight held the host for about that copy's time (benchmarks/results/pagein_probe.json), so k
     separate writes serialized the host on the copies. Returns the new bank (the old one is donated).
     """
+    return write_slots_flat_jit(bank, check_slot_writes(slots, len(flats)), tuple(flats))
+
+
+def check_slot_writes(slots: np.ndarray, num_flats: int) -> np.ndarray:
+    """`slots` as int32 [num_flats], one adapter slot per flat buffer; ValueError otherwise."""
     slots = np.asarray(slots, np.int32)
-    if slots.shape != (len(flats),):
-        raise ValueError(f"{slots.shape=} must be ({len(flats)},), one slot per flat buffer")
+    if slots.shape != (num_flats,):
+        raise ValueError(f"{slots.shape=} must be ({num_flats},), one slot per flat buffer")
     if (slots <= 0).any():
         raise ValueError("slot 0 is the reserved base-model slot and cannot hold an adapter")
-    return write_slots_flat_jit(bank, slots, tuple(flats))
+    return slots
