@@ -110,41 +110,57 @@ def slot_pattern(batch: int, distinct: int) -> np.ndarray:
     return (1 + np.arange(batch) % distinct).astype(np.int32)
 
 
-def decode_inputs(runner: Runner, slot_ids: np.ndarray, position: int) -> dict:
-    """The step's inputs for a decode-only step: row b's one token at `position`, over its own pages
-    (rows take consecutive pages of the pool), on slot slot_ids[b]. T = max_batch tokens."""
+def decode_inputs(runner: Runner, slot_ids: np.ndarray, position: int, budget: int | None = None) -> dict:
+    """The step's inputs for a decode-only step of n = len(slot_ids) <= max_batch rows: row b's one
+    token at `position`, over its own pages (rows take consecutive pages of the pool), on slot
+    slot_ids[b], padded to `budget` tokens (default max_batch) as the engine pads a step: rows
+    n.. absent, tokens n.. padding (no source, KV writes dropped)."""
     B, page = runner.config.max_batch, runner.config.page_size
+    n = len(slot_ids)
+    T = B if budget is None else budget
+    if not 1 <= n <= min(B, T):
+        raise ValueError(f"{n} rows must be between 1 and min(max_batch={B}, budget={T})")
     pages = (np.arange(B * runner.pages_per_seq, dtype=np.int32) % runner.num_pages).reshape(B, -1)
-    rows = np.arange(B, dtype=np.int32)
+    live = np.arange(B) < n
     batch = RaggedBatch(
-        q_start=rows,
-        q_len=np.ones(B, np.int32),
-        kv_len=np.full(B, position + 1, np.int32),
-        block_tables=pages,
-        write_page=pages[:, position // page].copy(),
-        write_offset=np.full(B, position % page, np.int32),
+        q_start=np.where(live, np.arange(B), 0).astype(np.int32),
+        q_len=live.astype(np.int32),
+        kv_len=np.where(live, position + 1, 0).astype(np.int32),
+        block_tables=np.where(live[:, None], pages, 0).astype(np.int32),
+        write_page=np.full(T, runner.num_pages, np.int32),  # padding tokens write nowhere
+        write_offset=np.zeros(T, np.int32),
     )
-    tokens = np.random.default_rng(0).integers(0, runner.model.config.vocab_size, B, dtype=np.int32)
+    batch.write_page[:n] = pages[:n, position // page]
+    batch.write_offset[:n] = position % page
+    tokens = np.zeros(T, np.int32)
+    tokens[:n] = np.random.default_rng(0).integers(0, runner.model.config.vocab_size, n, dtype=np.int32)
+    slots = np.zeros(T, np.int32)
+    slots[:n] = slot_ids
+    positions = np.zeros(T, np.int32)
+    positions[:n] = position
     return dict(
         tokens=tokens,
-        src=np.full(B, -1, np.int32),
-        positions=np.full(B, position, np.int32),
-        slot_ids=np.asarray(slot_ids, np.int32),
+        src=np.full(T, -1, np.int32),
+        positions=positions,
+        slot_ids=slots,
         batch=batch,
         sampling=sampling_arrays([], B),
     )
 
 
-def time_decode(runner: Runner, bank: Bank, slot_ids: np.ndarray, position: int, steps: int) -> float:
-    """Milliseconds per call of the engine's jitted step on a decode-only batch (every row one token,
-    the engine's call shape at T = max_batch: its packed inputs, placed as the runner places them),
-    `steps` calls back to back."""
+def time_decode(
+    runner: Runner, bank: Bank, slot_ids: np.ndarray, position: int, steps: int, budget: int | None = None
+) -> float:
+    """Milliseconds per call of the engine's jitted step on a decode-only batch of len(slot_ids)
+    rows, one token each, padded to `budget` tokens (default max_batch; the engine's call shape:
+    its packed inputs, placed as the runner places them), `steps` calls back to back."""
     from jaxlora.engine.runner import packed_step
     from jaxlora.engine.step_inputs import StepLayout
 
     B = runner.config.max_batch
-    layout = StepLayout(budget=B, rows=B, pages_per_seq=runner.pages_per_seq)
-    packed = jax.device_put(layout.pack(**decode_inputs(runner, slot_ids, position)), runner.input_sharding)
+    layout = StepLayout(budget=B if budget is None else budget, rows=B, pages_per_seq=runner.pages_per_seq)
+    inputs = decode_inputs(runner, slot_ids, position, layout.budget)
+    packed = jax.device_put(layout.pack(**inputs), runner.input_sharding)
     static = runner.step_static
     # Warm up with the timed loop's own arguments: the second call feeds back the first's ids and
     # pool, as every timed call does (jit compiles one program per argument placement).

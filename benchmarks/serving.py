@@ -71,7 +71,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import LLAMA2_7B, TINY, word_tokenizer
+from benchmarks.common import LLAMA2_7B, TINY, slot_pattern, time_decode, word_tokenizer
 from benchmarks.paging import pool_adapters, register_copies, weight_pool
 from jaxlora.adapters import Pager
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig
@@ -198,7 +198,9 @@ def scale(tiny: bool, model: str) -> Scale:
         output_range=(8, 512),
         max_batch=256,
         max_seq_len=1024,
-        token_budgets=(128, 256, 512, 1024, 2048),
+        # Fine at the small end: a decode-only step pads its rows to the next budget (TPOT at low
+        # load, and the drain of a loaded run); under load prompt chunks fill a budget exactly.
+        token_budgets=(32, 64, 128, 192, 256, 384, 512, 1024, 2048),
         page_size=16,
     )
 
@@ -558,6 +560,8 @@ MD_COLUMNS = [
     "ttft_ms_p99",
     "tpot_ms_p50",
     "tpot_ms_p99",
+    "decode_step_ms",
+    "tpot_over_decode_step",
     "e2e_ms_p50",
     "slo_attainment",
     "unfinished",
@@ -712,6 +716,40 @@ def engine_commit() -> str:
 # -- main -------------------------------------------------------------------------------------------
 
 
+def decode_step_probe(engine: Engine, row: Mapping, slots: int, steps: int) -> dict:
+    """The decode-only step at the run's batch size, timed on the run's own engine and bank: what
+    TPOT is measured against (issue 15: TPOT p50 <= 1.3x this). Rows: the run's mean decode tokens
+    per step, each on its own adapter (up to the slots), at the mean context of a decoding request
+    (prompt + half the output), padded to the budget the engine's scheduler picks for them."""
+    if not steps or not row.get("decode_tokens_per_step") or row.get("tpot_ms_p50") is None:
+        return {}
+    budgets = engine.config.token_budgets
+    rows = min(max(1, round(row["decode_tokens_per_step"])), engine.config.max_batch, budgets[-1])
+    budget = budgets[bisect.bisect_left(budgets, rows)]
+    context = min(round(row["mean_prompt_len"] + row["mean_output_len"] / 2), engine.config.max_seq_len - 1)
+    bank = engine.pager.bank if engine.pager is not None else None
+    ms = time_decode(engine.runner, bank, slot_pattern(rows, min(rows, slots)), context, steps, budget=budget)
+    return {
+        "decode_step_rows": rows,
+        "decode_step_budget": budget,
+        "decode_step_context": context,
+        "decode_step_ms": round(ms, 3),
+        "tpot_over_decode_step": round(row["tpot_ms_p50"] / ms, 3),
+    }
+
+
+def rate_spec(text: str) -> tuple[float, float | None]:
+    """RATE -> (rate, None); RATE@SECONDS -> (rate, seconds): the rate and its own arrival seconds."""
+    rate, at, duration = text.partition("@")
+    try:
+        out = float(rate), float(duration) if at else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not RATE or RATE@SECONDS") from None
+    if out[0] <= 0 or (out[1] is not None and out[1] <= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: the rate and the seconds must be > 0")
+    return out
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy model, sizes and lengths (CPU, seconds)")
@@ -722,7 +760,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="without --tiny: the model under the 7B limits (tiny: a CPU check of the full schedule)",
     )
     p.add_argument("--settings", nargs="+", choices=("s1", "s2", "all"), default=["all", "s1", "s2"])
-    p.add_argument("--rates", type=float, nargs="*", default=[4.0, 10.0, 40.0], help="offered req/s")
+    p.add_argument(
+        "--rates",
+        type=rate_spec,
+        nargs="*",
+        default=[(4.0, None), (10.0, None), (40.0, None)],
+        help="offered req/s; RATE@SECONDS gives that run its own seconds of arrivals (else --duration)",
+    )
     p.add_argument(
         "--sweep",
         type=int,
@@ -747,6 +791,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--alpha", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument(
+        "--probe-steps",
+        type=int,
+        default=20,
+        help="decode-only steps timed after a setting's runs, at each run's batch size (0: no probe)",
+    )
     p.add_argument(
         "--slots",
         type=int,
@@ -815,7 +865,6 @@ def run_setting(
     not_run: list[str],
 ) -> None:
     """One engine for the setting; runs --rates, then the sweep; calls on_row after every run."""
-    run_s = args.duration + args.max_drain_s + 10.0  # arrivals, drain cap, flush
     host = int(args.host_gb * 1e9) if not args.tiny else None
     t0 = time.perf_counter()
     pager, n, reg_s = make_pager(setting, model, size, backend, host)
@@ -839,11 +888,12 @@ def run_setting(
     ]
     slo = {r["rate"]: r["slo_attainment"] for r in same}
     measured = set(slo) if args.skip_measured else set()
+    measured_here: list[dict] = []
     engine.start()
     try:
 
-        def run(rate: float, sweep: bool) -> None:
-            if not clock.fits(run_s):
+        def run(rate: float, sweep: bool, duration: float) -> None:
+            if not clock.fits(duration + args.max_drain_s + 10.0):  # arrivals, drain cap, flush
                 print(f"[{setting.name}] time budget spent: rate {rate} not run", flush=True)
                 not_run.append(f"{setting.name}@{rate:g}")
                 return
@@ -852,7 +902,7 @@ def run_setting(
                 alpha=args.alpha,
                 rate=rate,
                 cv=args.cv,
-                duration_s=args.duration,
+                duration_s=duration,
                 input_range=size.input_range,
                 output_range=size.output_range,
                 seed=args.seed,
@@ -872,7 +922,7 @@ def run_setting(
                 **base_row,
                 **key,
                 "rate": rate,
-                "duration_s": args.duration,
+                "duration_s": duration,
                 "max_drain_s": args.max_drain_s,
                 "seed": args.seed,
                 "input_range": list(size.input_range),
@@ -891,6 +941,7 @@ def run_setting(
                 "note": note,
             }
             slo[rate] = row["slo_attainment"]
+            measured_here.append(row)
             print(
                 json.dumps(
                     {
@@ -916,19 +967,22 @@ def run_setting(
             )
             on_row(row)
 
-        for rate in args.rates:
-            if rate in measured:
+        for rate, duration in args.rates:
+            if rate in measured and duration in (None, args.duration):
                 print(f"[{setting.name}] rate {rate:g} already in the results: skipped", flush=True)
                 continue
-            run(rate, sweep=False)
+            run(rate, sweep=False, duration=args.duration if duration is None else duration)
         sweeps = args.sweep if args.sweep_settings is None or setting.name in args.sweep_settings else 0
         for _ in range(sweeps):
             rate = next_sweep_rate(slo, target=args.slo_target, resolution=args.sweep_resolution)
-            if rate is None or not clock.fits(run_s):
+            if rate is None or not clock.fits(args.duration + args.max_drain_s + 10.0):
                 break
-            run(rate, sweep=True)
+            run(rate, sweep=True, duration=args.duration)
     finally:
         engine.stop(drain=False)
+    for row in measured_here:  # the engine's thread is gone: the probe may use its runner
+        row.update(decode_step_probe(engine, row, setting.slots, args.probe_steps))
+        on_row(row)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -973,7 +1027,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     }
 
     def on_row(row: dict) -> None:  # results after every run: a cut run keeps what it measured
-        new_rows.append(row)
+        if not any(r is row for r in new_rows):  # a row comes again with its decode-step probe
+            new_rows.append(row)
         payload["rows"] = merge_rows(previous, new_rows)
         write_results(payload, args.out, plot=False)
 

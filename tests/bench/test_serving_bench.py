@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.serving import make_trace, merge_rows, next_sweep_rate, num_fitting, row_key
+from benchmarks.serving import make_trace, merge_rows, next_sweep_rate, num_fitting, rate_spec, row_key
 from jaxlora.adapters import Pager
 from jaxlora.config import ATTENTION_MODULES, LoraConfig
 from tests.factories import tiny_config
@@ -156,8 +157,8 @@ def test_host_budget_counts_each_adapter_at_its_rank_class():
 def test_tiny_open_loop_run_accounts_for_every_request(tmp_path):
     payload = _run(
         tmp_path,
-        *("--settings", "s1", "--rates", "8", "--duration", "1.5", "--max-drain-s", "60"),
-        *("--budgets", "32", "8", "16", "--temperature", "0.8"),
+        *("--settings", "s1", "--rates", "8@1.5", "--duration", "9", "--max-drain-s", "60"),
+        *("--budgets", "32", "8", "16", "--temperature", "0.8", "--probe-steps", "2"),
     )
     assert isinstance(payload["device"], str) and isinstance(payload["jax_version"], str)
     assert payload["engine_commit"] == "test"
@@ -174,6 +175,11 @@ def test_tiny_open_loop_run_accounts_for_every_request(tmp_path):
     assert row["served_req_s"] > 0 and row["served_tok_s"] > 0
     assert row["steps"] > 0 and row["decode_tokens_per_step"] > 0 and row["prefill_tokens_per_step"] > 0
     assert 0 < row["padding_share"] < 1 and row["compiles_during_run"] == 0
+    # The decode-only step at the run's batch, on the run's engine, padded as the scheduler pads it.
+    assert row["decode_step_rows"] == min(max(1, round(row["decode_tokens_per_step"])), 8)
+    assert row["decode_step_budget"] == min(b for b in (8, 16, 32) if b >= row["decode_step_rows"])
+    assert row["decode_step_ms"] > 0
+    assert row["tpot_over_decode_step"] == pytest.approx(row["tpot_ms_p50"] / row["decode_step_ms"], rel=1e-2)
     assert (tmp_path / "serving.md").read_text().startswith("# Open-loop serving")
     assert (tmp_path / "serving.png").stat().st_size > 0
 
@@ -181,3 +187,10 @@ def test_tiny_open_loop_run_accounts_for_every_request(tmp_path):
 def test_budget_stops_before_a_setting_and_still_writes(tmp_path):
     payload = _run(tmp_path, "--budget-s", "0")
     assert payload["rows"] == [] and payload["not_run"] == ["all", "s1", "s2"]
+
+
+def test_rate_spec_takes_a_rate_and_optional_seconds():
+    assert rate_spec("10") == (10.0, None) and rate_spec("2.5@120") == (2.5, 120.0)
+    for bad in ("x", "10@", "10@y", "@5", "0", "-1@5", "4@0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            rate_spec(bad)
