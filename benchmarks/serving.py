@@ -198,9 +198,10 @@ def scale(tiny: bool, model: str) -> Scale:
         output_range=(8, 512),
         max_batch=256,
         max_seq_len=1024,
-        # Fine at the small end: a decode-only step pads its rows to the next budget (TPOT at low
-        # load, and the drain of a loaded run); under load prompt chunks fill a budget exactly.
-        token_budgets=(32, 64, 128, 192, 256, 384, 512, 1024, 2048),
+        # From 32: a decode-only step pads its rows to the next budget (TPOT at low load, and the
+        # drain of a loaded run); under load prompt chunks fill a budget exactly. Each budget is a
+        # program compiled at set-up (the 7B step: about a minute, the warm-up's compiles in parallel).
+        token_budgets=(32, 64, 128, 256, 512, 1024, 2048),
         page_size=16,
     )
 

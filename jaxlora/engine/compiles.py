@@ -10,6 +10,7 @@ or other engines, compile theirs).
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import jax
@@ -19,6 +20,7 @@ _lock = threading.Lock()
 _count = 0
 _listening = False
 _thread = threading.local()  # .count: compiles on this thread
+_by_name: collections.Counter[str] = collections.Counter()  # compiles per jitted function's name
 
 
 def _on_duration(event: str, duration_secs: float, **kwargs) -> None:
@@ -27,6 +29,7 @@ def _on_duration(event: str, duration_secs: float, **kwargs) -> None:
         return
     with _lock:
         _count += 1
+        _by_name[str(kwargs.get("fun_name", ""))] += 1
     _thread.count = getattr(_thread, "count", 0) + 1
 
 
@@ -43,6 +46,14 @@ def backend_compiles() -> int:
     """Backend compiles in this process since counting started (the first call starts it)."""
     start_counting()
     return _count
+
+
+def compiles_of(fun_name: str) -> int:
+    """Backend compiles of the jitted Python function named `fun_name` (e.g. "packed_step"; jax
+    reports it as "jit(packed_step)") since counting started (the first call starts it)."""
+    start_counting()
+    with _lock:
+        return _by_name[f"jit({fun_name})"]
 
 
 def thread_backend_compiles() -> int:

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxlora.engine.compiles import start_counting, thread_backend_compiles
 from jaxlora.engine.config import EngineConfig
@@ -191,6 +191,7 @@ class Runner:
         self.params = model.params if self.mesh is None else shard_params(model.params, model.config, self.mesh)
         self.pages_per_seq = pages_for(config.max_seq_len, config.page_size)
         self.num_pages = self._pool_pages()
+        self._device = jax.tree.leaves(self.params)[0].devices().pop()  # the model's (no mesh)
         self.kv: PagedKVCache = self._new_pool()
         self._static = dict(graphdef=Hashed(model.graphdef), runtime=runtime)
         if self.mesh is not None:  # one device: the same jit cache key as callers that never pass a mesh
@@ -234,7 +235,13 @@ class Runner:
     def _new_pool(self) -> PagedKVCache:
         cfg, model = self.config, self.model
         if self.mesh is None:
-            return init_paged_kv_cache(model.config, self.num_pages, cfg.page_size, model.dtype)
+            # Made committed to its device, as the pool every step returns is: jit keys its compiled
+            # programs on that too, so against an uncommitted fresh pool warm-up compiled each step
+            # program once and its first calls on a returned pool compiled it again (measured on the
+            # H200: 9 budgets' set-up took 554 s). Made by a jit with that output placement: the pool
+            # is most of the device's memory, too large to copy.
+            make = functools.partial(init_paged_kv_cache, model.config, self.num_pages, cfg.page_size, model.dtype)
+            return jax.jit(make, out_shardings=SingleDeviceSharding(self._device))()
         return init_sharded_paged_kv_cache(model.config, self.num_pages, cfg.page_size, model.dtype, self.mesh)
 
     def step(
@@ -297,8 +304,10 @@ class Runner:
         self._sent = [None] * InputPacker.NUM_BUFFERS  # copies of the failed steps are not waited for
 
     def _initial_ids(self) -> jax.Array:
-        """Every row's "previous output" before any step: zeros, placed as the step's inputs are."""
-        return jax.device_put(np.zeros(self.config.max_batch, np.int32), self.input_sharding)
+        """Every row's "previous output" before any step: zeros, placed as the step returns them
+        (committed to the device, or replicated over the mesh; see `_new_pool`)."""
+        placement = self.input_sharding if self.mesh is not None else SingleDeviceSharding(self._device)
+        return jax.device_put(np.zeros(self.config.max_batch, np.int32), placement)
 
     def warmup(self, bank: Bank | None, pages: PageTable, progress: WarmupProgress | None = None) -> None:
         """Compiles the step at every token budget, with the bank and without, all tokens padding.

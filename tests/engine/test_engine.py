@@ -542,6 +542,20 @@ def test_warmup_reports_each_shape_it_compiles(engine):
     assert sum("with adapters" in what for what, _, _ in seen) == len(budgets)
 
 
+def test_warmup_compiles_each_step_program_once(parts):
+    """Warm-up compiles the step shapes in parallel, then calls each twice, feeding back the pool and
+    ids the step returns. Those calls must run the programs it compiled: a fresh pool placed unlike
+    a returned one once made every step program compile twice (minutes each on the 7B shape)."""
+    from jaxlora.engine.compiles import compiles_of
+
+    before = compiles_of("packed_step")
+    engine = make_engine(parts, token_budgets=(6, 13))  # budgets no other test compiles (jit's cache is global)
+    shapes = 2 * len(engine.config.token_budgets)  # with the bank and without
+    assert compiles_of("packed_step") - before == shapes
+    engine.generate([GenerationRequest(request_id="a", prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=3))])
+    assert compiles_of("packed_step") - before == shapes and engine.compiles_after_warmup == 0
+
+
 def test_without_bank_free_steps_every_step_runs_with_the_bank(engine, parts):
     """bank_free_steps=False: one compile per budget, and base-only steps still give the same tokens."""
     seen: list[tuple[str, int, int]] = []
