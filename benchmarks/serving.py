@@ -982,7 +982,11 @@ def run_setting(
     finally:
         engine.stop(drain=False)
     for row in measured_here:  # the engine's thread is gone: the probe may use its runner
-        row.update(decode_step_probe(engine, row, setting.slots, args.probe_steps))
+        try:
+            row.update(decode_step_probe(engine, row, setting.slots, args.probe_steps))
+        except Exception as e:  # the rows measured stand; the failure is recorded, not hidden
+            row["decode_step_error"] = f"{type(e).__name__}: {e}"
+            print(f"[{setting.name}] decode-step probe failed: {row['decode_step_error']}", flush=True)
         on_row(row)
 
 
