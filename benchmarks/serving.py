@@ -461,6 +461,7 @@ def summarize(
     start = min((x.arrival for x in lines), default=t_close)
     end = max((x.finished for x in completed), default=t_close)
     window = max(end - start, 1e-9)
+    span = max((x.arrival for x in lines), default=start) - start
     tokens_in_window = bisect.bisect_right(token_times, end) - bisect.bisect_left(token_times, start)
     ttft = [x.first - x.arrival for x in lines if x.first is not None]
     tpot = [(x.last - x.first) / (x.tokens - 1) for x in completed if x.tokens > 1]
@@ -483,6 +484,10 @@ def summarize(
         "served_req_s": round(len(completed) / window, 3),
         "served_tok_s": round(tokens_in_window / window, 1),
         "window_s": round(window, 2),
+        # What the trace's draw offered: requests over the first to the last arrival. Served req/s
+        # cannot exceed it (a Poisson draw of N requests at rate R spans about N / R +- sqrt(N) / R).
+        "arrival_span_s": round(span, 2),
+        "realized_rate": round(len(lines) / span, 3) if span > 0 else None,
         "slo_attainment": round(met / len(lines), 4) if lines else None,
         "slo_ttft_s": SLO_TTFT_S,
         "steps": steps,
@@ -553,6 +558,7 @@ MD_COLUMNS = [
     "n",
     "temperature",
     "rate",
+    "realized_rate",
     "duration_s",
     "requests",
     "served_req_s",
@@ -621,7 +627,8 @@ def write_markdown(payload: dict, out: Path) -> None:
             "S-LoRA's synthetic trace: Gamma arrivals (cv), power-law adapter popularity (alpha), input and "
             "output lengths uniform in [8, 512) (rows' `input_range`, `output_range`), EOS ignored. Served "
             "req/s and tok/s: completed requests and generated tokens over the first arrival to the last "
-            "completion. SLO attainment: share of all "
+            "completion; realized_rate: the requests over the first to the last arrival of the trace's draw, "
+            "the most that can be served. SLO attainment: share of all "
             f"arrived requests with a first token within {SLO_TTFT_S:g} s. unfinished: not done "
             "`max_drain_s` after the last arrival. padding_share: share of the token slots computed by "
             "prefill and decode calls that held no request's token. Times in ms.",

@@ -173,6 +173,7 @@ def test_tiny_open_loop_run_accounts_for_every_request(tmp_path):
     assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_p99"] and 0 < row["tpot_ms_p50"] <= row["tpot_ms_p99"]
     assert row["e2e_ms_p50"] >= row["ttft_ms_p50"]
     assert row["served_req_s"] > 0 and row["served_tok_s"] > 0
+    assert 0 < row["arrival_span_s"] <= row["window_s"] and row["served_req_s"] <= row["realized_rate"]
     assert row["steps"] > 0 and row["decode_tokens_per_step"] > 0 and row["prefill_tokens_per_step"] > 0
     assert 0 < row["padding_share"] < 1 and row["compiles_during_run"] == 0
     # The decode-only step at the run's batch, on the run's engine, padded as the scheduler pads it.
