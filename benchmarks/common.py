@@ -138,9 +138,11 @@ def decode_inputs(runner: Runner, slot_ids: np.ndarray, position: int, budget: i
     slots[:n] = slot_ids
     positions = np.zeros(T, np.int32)
     positions[:n] = position
+    src = np.full(T, -1, np.int32)
+    src[:n] = np.arange(n)  # as the engine's decode tokens: row b's input is its previous output
     return dict(
         tokens=tokens,
-        src=np.full(T, -1, np.int32),
+        src=src,
         positions=positions,
         slot_ids=slots,
         batch=batch,

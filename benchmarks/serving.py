@@ -60,6 +60,7 @@ import bisect
 import dataclasses
 import gc
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -83,7 +84,8 @@ from jaxlora.model.params import LoadedModel, random_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SLO_TTFT_S = 6.0  # S-LoRA's SLO: the first token within 6 s
-KEY_FIELDS = ("engine", "setting", "n", "rate", "cv", "alpha", "temperature")  # what --merge replaces rows by
+# What --merge replaces rows by: a run of another arrival window is another row.
+KEY_FIELDS = ("engine", "setting", "n", "rate", "duration_s", "cv", "alpha", "temperature")
 KEY_DEFAULTS = {"temperature": 0.0}  # rows written before the field existed were greedy
 RESULTS = "serving.json"
 
@@ -753,8 +755,8 @@ def rate_spec(text: str) -> tuple[float, float | None]:
         out = float(rate), float(duration) if at else None
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not RATE or RATE@SECONDS") from None
-    if out[0] <= 0 or (out[1] is not None and out[1] <= 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: the rate and the seconds must be > 0")
+    if not all(math.isfinite(x) and x > 0 for x in out if x is not None):
+        raise argparse.ArgumentTypeError(f"{text!r}: the rate and the seconds must be finite and > 0")
     return out
 
 
@@ -948,7 +950,8 @@ def run_setting(
                 "run_s": round(time.perf_counter() - t_run, 1),
                 "note": note,
             }
-            slo[rate] = row["slo_attainment"]
+            if duration == args.duration:  # the sweep bisects over runs of --duration
+                slo[rate] = row["slo_attainment"]
             measured_here.append(row)
             print(
                 json.dumps(
@@ -993,6 +996,7 @@ def run_setting(
             row.update(decode_step_probe(engine, row, setting.slots, args.probe_steps))
         except Exception as e:  # the rows measured stand; the failure is recorded, not hidden
             row["decode_step_error"] = f"{type(e).__name__}: {e}"
+            engine.runner.reset_pool()  # a failed call may have consumed the donated pool
             print(f"[{setting.name}] decode-step probe failed: {row['decode_step_error']}", flush=True)
         on_row(row)
 

@@ -49,8 +49,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxlora.config import ModelConfig
 from jaxlora.engine.compiles import start_counting, thread_backend_compiles
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.kv_pages import PageTable, pages_for
@@ -191,13 +192,15 @@ class Runner:
         self.params = model.params if self.mesh is None else shard_params(model.params, model.config, self.mesh)
         self.pages_per_seq = pages_for(config.max_seq_len, config.page_size)
         self.num_pages = self._pool_pages()
-        self._device = jax.tree.leaves(self.params)[0].devices().pop()  # the model's (no mesh)
+        # The step's small inputs go whole to every device of the mesh (None: the default device).
+        self.input_sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        # Each row's last sampled id, still on the device (see the module doc). Before the pool: a
+        # fresh pool is placed like them.
+        self.last_ids: jax.Array = self._initial_ids()
         self.kv: PagedKVCache = self._new_pool()
         self._static = dict(graphdef=Hashed(model.graphdef), runtime=runtime)
         if self.mesh is not None:  # one device: the same jit cache key as callers that never pass a mesh
             self._static["mesh"] = self.mesh
-        # The step's small inputs go whole to every device of the mesh (None: the default device).
-        self.input_sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
         self.packer = InputPacker(
             rows=config.max_batch,
             pages_per_seq=self.pages_per_seq,
@@ -206,8 +209,6 @@ class Runner:
             budgets=config.token_budgets,
         )
         self._sent: list[jax.Array | None] = [None] * InputPacker.NUM_BUFFERS  # each buffer's last copy
-        # Each row's last sampled id, still on the device (see the module doc).
-        self.last_ids: jax.Array = self._initial_ids()
         # XLA compiles paid by this runner's step calls, a new placement of an argument included
         # (jit compiles those without retracing, so num_traces misses them).
         self.step_compiles = 0
@@ -235,13 +236,7 @@ class Runner:
     def _new_pool(self) -> PagedKVCache:
         cfg, model = self.config, self.model
         if self.mesh is None:
-            # Made committed to its device, as the pool every step returns is: jit keys its compiled
-            # programs on that too, so against an uncommitted fresh pool warm-up compiled each step
-            # program once and its first calls on a returned pool compiled it again (measured on the
-            # H200: 9 budgets' set-up took 554 s). Made by a jit with that output placement: the pool
-            # is most of the device's memory, too large to copy.
-            make = functools.partial(init_paged_kv_cache, model.config, self.num_pages, cfg.page_size, model.dtype)
-            return jax.jit(make, out_shardings=SingleDeviceSharding(self._device))()
+            return _fresh_pool(model.config, self.num_pages, cfg.page_size, jnp.dtype(model.dtype), self.last_ids)
         return init_sharded_paged_kv_cache(model.config, self.num_pages, cfg.page_size, model.dtype, self.mesh)
 
     def step(
@@ -298,6 +293,7 @@ class Runner:
 
     def reset_pool(self) -> None:
         """A fresh page pool (after a failed step, whose donated pool may be gone)."""
+        self.kv = None  # the old pool goes before the new one takes its memory
         self.kv = self._new_pool()
         self.last_ids = self._initial_ids()
         self.packer.reset()
@@ -305,8 +301,8 @@ class Runner:
 
     def _initial_ids(self) -> jax.Array:
         """Every row's "previous output" before any step: zeros, placed as the step returns them
-        (committed to the device, or replicated over the mesh; see `_new_pool`)."""
-        placement = self.input_sharding if self.mesh is not None else SingleDeviceSharding(self._device)
+        (a jit's output on one device, or replicated over the mesh; see `_fresh_pool`)."""
+        placement = self.input_sharding if self.mesh is not None else _home_device(self.params)
         return jax.device_put(np.zeros(self.config.max_batch, np.int32), placement)
 
     def warmup(self, bank: Bank | None, pages: PageTable, progress: WarmupProgress | None = None) -> None:
@@ -335,9 +331,10 @@ class Runner:
                 budget, lora = jobs[done]
                 if progress is not None:
                     progress(f"step of {budget} tokens{' with adapters' if lora else ''}", k + 1, len(shapes))
-        # Twice: the first call of a shape may see arguments the step never returns (a fresh pool),
-        # and jit's fast dispatch path keys on that too; after round two every call hits it. Each
-        # runs `packed_sample` too (compiled here, on this thread: a small program).
+        # Calls of the compiled programs (they compile nothing: the fresh pool and ids are placed as
+        # the step returns them, see `_fresh_pool`), twice, so that every shape's entry in jit's fast
+        # dispatch path is made from arguments a step returned. Each runs `packed_sample` too
+        # (compiled here, on this thread: a small program).
         for budget, lora in shapes * 2:
             self.step(bank, _empty_plan(budget), pages, lora=lora, sample=True).block_until_ready()
 
@@ -355,6 +352,29 @@ class Runner:
         if lora is None:
             lora = has_adapter or not self.config.bank_free_steps
         return bank if lora else None
+
+
+# The step returns its pool and ids committed to their device (its inputs are), and jit keys its
+# compiled programs on whether an argument is committed. A fresh pool from `jnp.zeros` is not, so
+# warm-up's compiles against it did not serve the calls on a returned pool, which compiled every
+# step program again (the H200: 9 budgets' set-up took 554 s). The first ids are put on the model's
+# device (committed), and the fresh pool comes out of a jit given them: a jit's outputs are
+# committed when an input is, and the pool, most of the device's memory, is made in place, not
+# copied.
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _fresh_pool(model: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype, placed_like: jax.Array):
+    # A zero read from placed_like: an input the outputs do not depend on would be dropped, and then
+    # not place them. XLA fuses the add into the fill.
+    zero = (placed_like[0] * 0).astype(dtype)
+    return jax.tree.map(lambda x: x + zero, init_paged_kv_cache(model, num_pages, page_size, dtype))
+
+
+def _home_device(params) -> jax.Device:
+    """The one device holding every parameter (no mesh)."""
+    devices = set().union(*(leaf.devices() for leaf in jax.tree.leaves(params)))
+    if len(devices) != 1:
+        raise ValueError(f"without a mesh the model's parameters must be on one device, not {len(devices)}")
+    return devices.pop()
 
 
 def _empty_plan(budget: int) -> StepPlan:

@@ -99,6 +99,7 @@ def test_merge_replaces_rows_of_the_same_key():
             "setting": "s1",
             "n": 2000,
             "rate": rate,
+            "duration_s": 25.0,
             "cv": 1.0,
             "alpha": 1.0,
             "value": value,
@@ -107,15 +108,16 @@ def test_merge_replaces_rows_of_the_same_key():
     # A row without "temperature" (written before the field) is a greedy row: temperature 0.
     merged = merge_rows(
         [row("bucketed", 4.0, 1), row("bucketed", 10.0, 2), row("ragged", 4.0, 5, temperature=1.0)],
-        [row("bucketed", 4.0, 3), row("ragged", 4.0, 4, temperature=0.0)],
+        [row("bucketed", 4.0, 3), row("ragged", 4.0, 4, temperature=0.0), row("ragged", 4.0, 6, duration_s=120.0)],
     )
     assert sorted((r["engine"], r["rate"], r["value"]) for r in merged) == [
         ("bucketed", 4.0, 3),
         ("bucketed", 10.0, 2),
         ("ragged", 4.0, 4),
         ("ragged", 4.0, 5),  # a sampled run is not replaced by a greedy one
+        ("ragged", 4.0, 6),  # nor a 25 s run by a 120 s one
     ]
-    assert len({row_key(r) for r in merged}) == 4
+    assert len({row_key(r) for r in merged}) == 5
 
 
 def _run(out: Path, *args: str) -> dict:
@@ -192,6 +194,6 @@ def test_budget_stops_before_a_setting_and_still_writes(tmp_path):
 
 def test_rate_spec_takes_a_rate_and_optional_seconds():
     assert rate_spec("10") == (10.0, None) and rate_spec("2.5@120") == (2.5, 120.0)
-    for bad in ("x", "10@", "10@y", "@5", "0", "-1@5", "4@0"):
+    for bad in ("x", "10@", "10@y", "@5", "0", "-1@5", "4@0", "nan", "inf", "4@inf"):
         with pytest.raises(argparse.ArgumentTypeError):
             rate_spec(bad)

@@ -546,14 +546,20 @@ def test_warmup_compiles_each_step_program_once(parts):
     """Warm-up compiles the step shapes in parallel, then calls each twice, feeding back the pool and
     ids the step returns. Those calls must run the programs it compiled: a fresh pool placed unlike
     a returned one once made every step program compile twice (minutes each on the 7B shape)."""
-    from jaxlora.engine.compiles import compiles_of
+    from jaxlora.engine.compiles import backend_compiles, compiles_of
 
     before = compiles_of("packed_step")
     engine = make_engine(parts, token_budgets=(6, 13))  # budgets no other test compiles (jit's cache is global)
     shapes = 2 * len(engine.config.token_budgets)  # with the bank and without
     assert compiles_of("packed_step") - before == shapes
-    engine.generate([GenerationRequest(request_id="a", prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=3))])
+    request = GenerationRequest(request_id="a", prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=3))
+    (first,) = engine.generate([request])
     assert compiles_of("packed_step") - before == shapes and engine.compiles_after_warmup == 0
+    # A fresh pool after a failed step (reset_pool) is placed the same way: still nothing compiles.
+    compiles = backend_compiles()
+    engine.runner.reset_pool()
+    (again,) = engine.generate([request])
+    assert backend_compiles() == compiles and again.token_ids == first.token_ids
 
 
 def test_without_bank_free_steps_every_step_runs_with_the_bank(engine, parts):
