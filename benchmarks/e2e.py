@@ -760,7 +760,8 @@ def run_benchmark(opts: Options) -> dict:
     )
     hbm = hbm_gbps(1 << 20 if opts.tiny else 1 << 31)
     print(f"HBM copy {hbm:.0f} GB/s", flush=True)
-    dense = random_model(model_cfg, dtype=dtype)
+    # The serving layout on one device (what `jaxlora serve` loads); a tensor-parallel split needs the separate one.
+    dense = random_model(model_cfg, dtype=dtype, fused=opts.tensor_parallel == 1)
     jax.block_until_ready(dense.params)
     models = base_models(dense, opts.weights)
     del dense  # freed unless "bf16" is among the formats

@@ -1,7 +1,10 @@
 """The ragged engine on the GPU, checked end to end before it is timed: the same mixed-adapter
 requests through engines that differ only in kernels (Pallas attention + Pallas LoRA, the GPU
 defaults, against XLA attention + XLA LoRA) give the same greedy tokens, with zero compiles after
-warm-up. A toy model (float32), so the two paths agree to the last token.
+warm-up. A toy model (float32), so the two paths agree to the last token. The shipped engine runs
+the serving layout (q|k|v and gate|up fused, jaxlora.model.fused) with cuBLAS GEMMs; the XLA one the
+separate layout with XLA's GEMM choice, so the check also covers the layout and the fused-output
+LoRA kernel.
 
     python -m benchmarks.engine_gpu_check --out $OUT
 """
@@ -27,7 +30,9 @@ from jaxlora.lora.apply import LoraRuntime
 from jaxlora.model.params import random_model
 
 
-def run(backend: str, attention: str, model, requests) -> tuple[list[tuple[int, ...]], int | None, float]:
+def run(
+    backend: str, attention: str, model, requests, gemm: str = "auto"
+) -> tuple[list[tuple[int, ...]], int | None, float]:
     lora = LoraConfig(max_slots=8, max_rank=8, backend=backend)
     config = EngineConfig(
         max_batch=8,
@@ -41,7 +46,9 @@ def run(backend: str, attention: str, model, requests) -> tuple[list[tuple[int, 
     )
     source = ResidentBank(random_bank(model.config, lora, 6, model.dtype, seed=1), [adapter_name(i) for i in range(6)])
     tokenizer = word_tokenizer(model.config.vocab_size)
-    engine = Engine(model, tokenizer, config, source, runtime=LoraRuntime.for_platform(backend, attention=attention))
+    engine = Engine(
+        model, tokenizer, config, source, runtime=LoraRuntime.for_platform(backend, attention=attention, gemm=gemm)
+    )
     engine.warmup()
     t0 = time.perf_counter()
     outs = engine.generate(requests)
@@ -57,6 +64,7 @@ def main() -> None:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = random_model(TINY, dtype=jnp.float32)
+    fused = random_model(TINY, dtype=jnp.float32, fused=True)  # the same weights, the serving layout
     rng = np.random.default_rng(0)
     requests = [
         GenerationRequest(
@@ -68,8 +76,8 @@ def main() -> None:
         for i, (n, m) in enumerate(zip(rng.integers(1, 70, 14), rng.integers(4, 40, 14)))
     ]
     result = {"device": jax.devices()[0].device_kind}
-    fast, compiles, seconds = run("pallas", "pallas", model, requests)
-    slow, _, _ = run("xla", "xla", model, requests)
+    fast, compiles, seconds = run("pallas", "pallas", fused, requests)
+    slow, _, _ = run("xla", "xla", model, requests, gemm="xla")
     same = sum(a == b for a, b in zip(fast, slow))
     result.update(
         requests=len(requests),

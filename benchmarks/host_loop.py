@@ -431,7 +431,7 @@ def run(opts: Options, out: Path, command: str) -> dict:
     dtype = jnp.float32 if opts.tiny else jnp.bfloat16
     dev = jax.devices()[0]
     print(f"device {dev.device_kind}, jax {jax.__version__}, model {cfg.name}", flush=True)
-    model = random_model(cfg, dtype=dtype, seed=opts.seed)
+    model = random_model(cfg, dtype=dtype, seed=opts.seed, fused=True)  # the serving layout
     jax.block_until_ready(model.params)
     payload = {
         "device": str(dev.device_kind),

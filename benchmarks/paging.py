@@ -739,7 +739,7 @@ def main() -> None:
         flush=True,
     )
     backend = args.backend or ("pallas" if dev.platform == "gpu" else "xla")
-    model = random_model(cfg, dtype=jnp.float32 if small else jnp.bfloat16)
+    model = random_model(cfg, dtype=jnp.float32 if small else jnp.bfloat16, fused=True)  # the serving layout
     jax.block_until_ready(model.params)
     rows: list[dict] = []
     payload = {

@@ -2,6 +2,8 @@
 decode step runs them, per base weight format: time against each format's bytes floor.
 
   bf16          x @ W
+  bf16-fused    x @ [Wq|Wk|Wv] and x @ [Wgate|Wup]: one GEMM per shared input (5 GEMMs a layer, not 7),
+                the fused layout vLLM and SGLang serve with; same bytes, fewer and wider launches
   int8, fp8     (x @ q.astype(bf16)) * scale        jaxlora.model.quant.matmul (what the model runs)
   fp8-native    (e4m3(x / sx) @ q) * sx * scale     the H200's FP8 tensor cores; activations quantized
                                                     per row (W8A8), so not the model's numerics
@@ -26,8 +28,10 @@ after every row, so a run cut short keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import re
 import time
 from collections.abc import Callable
@@ -41,7 +45,7 @@ from jaxlora.config import TARGET_MODULES, ModelConfig
 from jaxlora.model.quant import Quantization, matmul, quantize
 from pallas_kernels.quant_matmul import quant_matmul
 
-FORMATS = ("bf16", "int8", "fp8", "fp8-native", "int8-pallas", "fp8-pallas")
+FORMATS = ("bf16", "bf16-fused", "int8", "fp8", "fp8-native", "int8-pallas", "fp8-pallas")
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # Kernel knob sets `--tune` compares (see pallas_kernels/quant_tuning.py for what each knob does):
 # the table's decode row (wide columns, K split until 132 programs), narrower columns with no split
@@ -56,7 +60,7 @@ TUNE_CANDIDATES: tuple[dict[str, int], ...] = (
 
 def storage(fmt: str) -> str:
     """How a format stores its weights: "bf16", "int8" or "fp8"."""
-    return fmt.removesuffix("-native").removesuffix("-pallas")
+    return fmt.removesuffix("-native").removesuffix("-pallas").removesuffix("-fused")
 
 
 def fp8_native(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
@@ -81,6 +85,17 @@ def projections(fmt: str, knobs: dict[str, int]) -> Callable:
             return quant_matmul(h, *w, layer, interpret=interpret, **knobs)
         return (fp8_native if fmt == "fp8-native" else matmul)(h, *w)
 
+    def one_fused_layer(h, lw, layer):
+        w = lw["fused"]
+        qkv = h @ w["qkv"]
+        q, k, v = jnp.split(qkv, [w["q_size"], w["q_size"] + w["kv_size"]], axis=-1)
+        h = h + (q.at[:, : k.shape[1]].add(k + v)) @ lw["o_proj"]
+        gate, up = jnp.split(h @ w["gate_up"], 2, axis=-1)
+        return (h + (jax.nn.silu(gate) * up) @ lw["down_proj"]).astype(h.dtype)
+
+    if fmt == "bf16-fused":
+        return one_fused_layer
+
     def one_layer(h, lw, layer):
         q = mm(h, lw["q_proj"], layer)
         kv = mm(h, lw["k_proj"], layer) + mm(h, lw["v_proj"], layer)
@@ -100,6 +115,13 @@ def stacked_weights(cfg: ModelConfig, kind: str) -> dict:
         jax.block_until_ready(out[m])
         del w
     return out
+
+
+def fuse(cfg: ModelConfig, w: dict) -> dict:
+    """bf16 stacks -> the same stacks plus "fused": {"qkv": [L, D, q+2kv], "gate_up": [L, D, 2I]} (a copy)."""
+    cat = lambda *ms: jnp.concatenate([w[m] for m in ms], axis=-1)  # noqa: E731
+    fused = {"qkv": cat("q_proj", "k_proj", "v_proj"), "gate_up": cat("gate_proj", "up_proj")}
+    return {**w, "fused": fused}
 
 
 def weight_bytes(cfg: ModelConfig, fmt: str) -> int:
@@ -127,7 +149,10 @@ def unrolled(cfg: ModelConfig, fmt: str, knobs: dict[str, int] | None = None) ->
 
     def run(w, x):
         for i in range(cfg.num_layers):
-            x = layer(x, w if in_place else jax.tree.map(lambda a: a[i], w), i)
+            lw = w if in_place else jax.tree.map(lambda a: a[i], w)
+            if fmt == "bf16-fused":
+                lw = {**lw, "fused": {**lw["fused"], "q_size": cfg.q_size, "kv_size": cfg.kv_size}}
+            x = layer(x, lw, i)
         return x
 
     return jax.jit(run)
@@ -170,16 +195,21 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (a smoke run)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    p.add_argument("--layers", type=int, default=None, help="time the first N layers only (default all)")
     p.add_argument("--tune", type=int, default=None, metavar="M", help="time TUNE_CANDIDATES at batch M")
     p.add_argument("--out", type=Path, default=None, help="folder for quant_gemm.json")
     args = p.parse_args()
     cfg = TINY if args.tiny else LLAMA2_7B
+    if args.layers is not None:
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
     hbm = hbm_gbps(1 << 20 if args.tiny else 1 << 31)
     result = {
         "device": jax.devices()[0].device_kind,
         "jax_version": jax.__version__,
         "model": cfg.name,
         "hbm_GBps": round(hbm, 1),
+        "layers": cfg.num_layers,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "rows": [],
     }
     print(f"{result['device']}, HBM copy {hbm:.0f} GB/s", flush=True)
@@ -192,6 +222,8 @@ def main() -> None:
         if drawn is None or drawn[0] != storage(fmt):
             drawn = None  # free the previous kind before drawing the next
             drawn = (storage(fmt), stacked_weights(cfg, storage(fmt)))
+        if fmt == "bf16-fused" and "fused" not in drawn[1]:
+            drawn = (drawn[0], fuse(cfg, drawn[1]))
         row = measure(cfg, fmt, batch, drawn[1], hbm, knobs)
         if row is None:
             continue

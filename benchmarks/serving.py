@@ -1022,7 +1022,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         flush=True,
     )
     previous = json.loads(path.read_text())["rows"] if args.merge and path.exists() else []
-    model = random_model(size.model, dtype=jnp.dtype(size.dtype))
+    model = random_model(size.model, dtype=jnp.dtype(size.dtype), fused=True)  # the serving layout
     jax.block_until_ready(model.params)
     command = "python -m benchmarks.serving " + " ".join(sys.argv[1:] if argv is None else argv)
     base_row = {

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ from benchmarks.common import LLAMA2_7B, TINY, hbm_gbps, random_bank
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraConfig
 from jaxlora.engine.runner import ragged_step, sampling_arrays
 from jaxlora.engine.static_arg import Hashed
-from jaxlora.lora.apply import LoraRuntime
+from jaxlora.lora.apply import GEMM_COMPILER_OPTIONS, LoraRuntime
 from jaxlora.model import RaggedBatch, init_paged_kv_cache
 from jaxlora.model.params import random_model
 
@@ -125,8 +126,9 @@ def time_step(params, bank, kv, inputs, static, reps: int) -> tuple[float, objec
     return (time.perf_counter() - t0) / reps * 1e3, kv
 
 
-def op_split(fn) -> dict[str, float]:
-    """Device ms per step by kind (attention, gemm, lora, other) from a profiler trace of `fn`."""
+def op_split(fn) -> dict:
+    """Device ms per step by kind (attention, gemm, lora, other) from a profiler trace of `fn`, and
+    the 40 ops with the most time ("top": name, ms per step, launches per step)."""
     from benchmarks.profile_decode import device_op_times
 
     split: dict[str, float] = {"attention": 0.0, "gemm": 0.0, "lora": 0.0, "other": 0.0, "launches": 0}
@@ -145,7 +147,9 @@ def op_split(fn) -> dict[str, float]:
             kind = "other"
         split[kind] += ms
         split["launches"] += n
-    return {k: round(v, 3) for k, v in split.items()}
+    out: dict = {k: round(v, 3) for k, v in split.items()}
+    out["top"] = [[name[:120], round(ms, 4), n] for name, ms, n in ops[:40]]  # name, ms per step, launches
+    return out
 
 
 def main() -> None:
@@ -156,8 +160,20 @@ def main() -> None:
     p.add_argument("--settings", nargs="+", default=["none", "s1", "all"])
     p.add_argument("--backends", nargs="+", default=["pallas", "xla"])
     p.add_argument("--attention", nargs="+", default=["pallas"])
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["fused/" + ("xla" if jax.default_backend() != "gpu" else "cublas")],
+        help="LAYOUT/GEMM pairs to time, e.g. separate/xla fused/xla fused/cublas (projection layout, "
+        "jaxlora.model.fused; the step's GEMM compile options, jaxlora.lora.apply.GemmBackend)",
+    )
     p.add_argument("--mixes", nargs="+", default=None, help="names of the mixes to run (default all)")
-    p.add_argument("--profile", nargs="*", default=None, help="mix names to split by op kind (pallas, s1)")
+    p.add_argument(
+        "--profile",
+        nargs="*",
+        default=None,
+        help="mix names to split by op kind (the pallas backend, and the no-adapter setting)",
+    )
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=None)
     p.add_argument("--out", type=Path, default=None)
@@ -167,7 +183,13 @@ def main() -> None:
     mixes = [m for m in (TINY_MIXES if args.tiny else H200_MIXES) if args.mixes is None or m.name in args.mixes]
     rows = 8 if args.tiny else args.rows
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
-    model = random_model(model_cfg, dtype=dtype)
+    variants = [tuple(v.split("/")) for v in args.variants]
+    if any(len(v) != 2 or v[0] not in ("separate", "fused") or v[1] not in GEMM_COMPILER_OPTIONS for v in variants):
+        p.error(f"--variants take LAYOUT/GEMM with LAYOUT separate|fused and GEMM one of {list(GEMM_COMPILER_OPTIONS)}")
+    # Both layouts from one draw (the same weights): a fused model is the separate one's matrices concatenated.
+    models = {
+        layout: random_model(model_cfg, dtype=dtype, fused=layout == "fused") for layout in {v[0] for v in variants}
+    }
     max_ctx = max(max([3 * m.ctx // 2] + [n + q for n, q in m.chunks]) for m in mixes)
     pages_per_seq = -(-max_ctx // PAGE)
     num_pages = min(rows * pages_per_seq, 64 if args.tiny else 8192)
@@ -183,9 +205,10 @@ def main() -> None:
     for name in args.settings:
         lora = settings(args.tiny)[name]
         bank = None if lora is None else random_bank(model_cfg, lora, lora.max_slots - 1, dtype)
-        for backend in args.backends if lora is not None else ["xla"]:
+        for (layout, gemm), backend in itertools.product(variants, args.backends if lora is not None else ["xla"]):
+            model = models[layout]
             for attention in args.attention:
-                runtime = LoraRuntime.for_platform(backend, attention=attention)
+                runtime = LoraRuntime.for_platform(backend, attention=attention, gemm=gemm)
                 static = dict(graphdef=Hashed(model.graphdef), runtime=runtime)
                 for mix in mixes:
                     if mix.decode + len(mix.chunks) > rows:
@@ -208,6 +231,8 @@ def main() -> None:
                     ms, kv = time_step(model.params, bank, kv, inputs, static, args.reps)
                     case = dict(
                         setting=name,
+                        layout=layout,
+                        gemm=gemm,
                         backend=backend if lora is not None else "none",
                         attention=attention,
                         mix=mix.name,
@@ -217,7 +242,7 @@ def main() -> None:
                         step_ms=round(ms, 3),
                         compile_and_time_s=round(time.perf_counter() - t0, 1),
                     )
-                    if args.profile is not None and mix.name in args.profile and backend == "pallas":
+                    if args.profile is not None and mix.name in args.profile and (backend == "pallas" or lora is None):
 
                         def run(inputs=inputs):
                             nonlocal kv

@@ -243,6 +243,7 @@ def lora_group(
     seg_len: int | None = None,
     plan: LoraPlan | None = None,
     layer: jax.Array | None = None,
+    out_cols: tuple[int, ...] | None = None,
 ) -> tuple[jax.Array, ...]:
     """ys_new[g][t] = ys[g][t] + (x[t] @ a[s])[g*R:(g+1)*R] @ bs[g][s], s = slot_ids[t]: a module group's LoRA term.
 
@@ -254,11 +255,15 @@ def lora_group(
     Args:
       x: [T, D]; a: [S, D, G*R]; ys: G outputs [T, O_g]; bs: G banks [S, R, O_g] (a leading L axis
         on a and bs with `layer`); slot_ids, backend, interpret, seg_len, plan, layer: as in `lora_shrink`.
+      out_cols: None, or G static column offsets: ys is then one fused output (y,) [T, W] and module
+        g's output is its columns out_cols[g] .. out_cols[g] + O_g - 1 (jaxlora.model.fused).
 
     Returns:
-      tuple of G arrays, [T, O_g] in ys[g].dtype.
+      tuple of G arrays, [T, O_g] in ys[g].dtype; with out_cols, the one updated fused output (y_new,).
     """
     _check_backend(backend)
+    if out_cols is not None:
+        return (_group_fused(x, a, ys, bs, slot_ids, backend, interpret, seg_len, plan, layer, tuple(out_cols)),)
     kw = dict(backend=backend, interpret=interpret, seg_len=seg_len, layer=layer)
     if (
         backend == "pallas"
@@ -274,3 +279,41 @@ def lora_group(
         )
     h = lora_shrink(x, a, slot_ids, plan=plan, **kw)
     return lora_expand_multi(tuple(ys), h, tuple(bs), slot_ids, plan=plan, **kw)
+
+
+def _group_fused(x, a, ys, bs, slot_ids, backend, interpret, seg_len, plan, layer, out_cols) -> jax.Array:
+    """`lora_group` into one fused output: y [T, W] with module g in columns out_cols[g] .. + O_g.
+
+    The Pallas decode kernel writes the columns in place (one launch for the group); every other
+    path runs the per-module ops on column slices of y and writes them back (XLA updates in place).
+    """
+    if len(ys) != 1 or len(out_cols) != len(bs) or not bs:
+        raise ValueError(
+            f"a fused output takes one y and one column offset per bank; got {len(ys)} outputs, "
+            f"{len(out_cols)} offsets, {len(bs)} banks"
+        )
+    (y,) = ys
+    spans = [(c, c + b.shape[-1]) for c, b in zip(out_cols, bs)]
+    if y.ndim != 2 or any(lo < 0 or hi > y.shape[1] for lo, hi in spans):
+        raise ValueError(f"column spans {spans} must lie inside y {y.shape} [T, W]")
+    if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
+        raise ValueError(f"column spans {spans} must be in order and must not overlap")
+    if (
+        backend == "pallas"
+        and seg_len is None
+        and x.shape[0]
+        and tuning.lookup("expand", "decode", x.shape[0]).get("impl") == "rows"
+    ):
+        plan = _resolve_plan(
+            plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=x.shape[0], num_slots=a.shape[-3]
+        )
+        (y,) = lora_triton.decode_group(
+            x, a, (y,), tuple(bs), plan.slot_ids, plan.groups, layer=layer, interpret=interpret, out_cols=out_cols
+        )
+        return y
+    views = tuple(y[:, lo:hi] for lo, hi in spans)
+    kw = dict(backend=backend, interpret=interpret, seg_len=seg_len, layer=layer)
+    h = lora_shrink(x, a, slot_ids, plan=plan, **kw)
+    for (lo, _), new in zip(spans, lora_expand_multi(views, h, tuple(bs), slot_ids, plan=plan, **kw)):
+        y = jax.lax.dynamic_update_slice_in_dim(y, new, lo, axis=1)
+    return y

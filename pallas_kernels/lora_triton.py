@@ -338,6 +338,9 @@ def _expand_rows_multi_kernel(
     h_ref,
     *refs,
     num_modules: int,
+    num_outputs: int,
+    output_of: tuple[int, ...],
+    col_offset: tuple[int, ...],
     block_rows: int,
     block_out: int,
     rank_pad: int,
@@ -348,11 +351,14 @@ def _expand_rows_multi_kernel(
     num_tokens: int,
 ):
     # layer_ref: [1] int32; slot_ref: [T] int32; h_ref: [K, T, G*R] f32 split-K partial sums of the
-    # group's shrink (summed here, as they are loaded); refs: G banks b_g [L, S, R, O_g], G base
-    # outputs y_g [T, O_g], then G outputs aliased to the y_g.
+    # group's shrink (summed here, as they are loaded); refs: G banks b_g [L, S, R, O_g], Y base
+    # outputs y_k [T, W_k], then Y outputs aliased to the y_k. Module g writes columns
+    # col_offset[g] .. col_offset[g] + O_g - 1 of output output_of[g] (Y = G with offsets 0: one
+    # output per module; Y = 1: every module in its own columns of one fused output).
     # Program (i, j): rows i*BT .. and column block j of the concatenated outputs; module g owns
     # blocks first_block[g] .. first_block[g+1]-1, so one launch covers every module of the group.
-    b_refs, y_refs, out_refs = refs[:num_modules], refs[num_modules : 2 * num_modules], refs[2 * num_modules :]
+    b_refs = refs[:num_modules]
+    y_refs, out_refs = refs[num_modules : num_modules + num_outputs], refs[num_modules + num_outputs :]
     layer, j = layer_ref[0], pl.program_id(1)
     rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
     slots = pltriton.load(slot_ref.at[rows], mask=rows < num_tokens, other=0)  # [BT]
@@ -375,10 +381,11 @@ def _expand_rows_multi_kernel(
                 b_refs[g].at[layer, slots[:, None, None], r[None, :, None], outs[None, None, :]], mask=b_mask, other=0
             )
             mask = is_used[:, None] & out_ok[None, :]
-            at = (rows[:, None], outs[None, :])
-            y = pltriton.load(y_refs[g].at[at], mask=mask, other=0)
+            at = (rows[:, None], col_offset[g] + outs[None, :])
+            y_ref, out_ref = y_refs[output_of[g]], out_refs[output_of[g]]
+            y = pltriton.load(y_ref.at[at], mask=mask, other=0)
             delta = jnp.sum(h[:, :, None] * b.astype(_F32), axis=1)  # [BT, BO]; h is f32 already
-            pltriton.store(out_refs[g].at[at], (y.astype(_F32) + delta).astype(out_refs[g].dtype), mask=mask)
+            pltriton.store(out_ref.at[at], (y.astype(_F32) + delta).astype(out_ref.dtype), mask=mask)
 
 
 # -- wrappers -----------------------------------------------------------------------------------
@@ -798,6 +805,7 @@ def decode_group(
     *,
     layer: jax.Array | None = None,
     interpret: bool = False,
+    out_cols: tuple[int, ...] | None = None,
 ) -> tuple[jax.Array, ...]:
     """One module group's whole LoRA term in decode, in two launches whatever the module count:
 
@@ -812,26 +820,36 @@ def decode_group(
       x: [T, D]; a: [S, D, G*R] (or [L, S, D, G*R] with `layer`); ys: G outputs [T, O_g];
       bs: G banks [S, R, O_g] (or [L, S, R, O_g]); slot_ids: [T] int32; groups: `make_row_groups`
       of slot_ids (decode) with the shrink's tile height.
+      out_cols: None, or G static column offsets: then ys is one fused output [T, W] and module g
+        updates its columns out_cols[g] .. out_cols[g] + O_g - 1 (the serving layout's q|k|v).
 
     Returns:
-      the G updated outputs, each in its own dtype (f32 accumulation).
+      the updated outputs (G, or the one fused output), each in its own dtype (f32 accumulation).
     """
     _check_shrink(x, a)
-    if len(ys) != len(bs) or not ys:
-        raise ValueError(f"need one bank per output; got {len(ys)} outputs, {len(bs)} banks")
+    if not bs or len(ys) != (1 if out_cols is not None else len(bs)):
+        raise ValueError(f"need one bank per output (or one fused output); got {len(ys)} outputs, {len(bs)} banks")
     rank = bs[0].shape[-2]
     if a.shape[-1] != len(bs) * rank:
         raise ValueError(f"a {a.shape} must stack G={len(bs)} ranks of {rank}")
     ndim = 3 if layer is None else 4
-    for y, b in zip(ys, bs):
+    output_of = tuple(range(len(bs))) if out_cols is None else (0,) * len(bs)
+    col_offset = (0,) * len(bs) if out_cols is None else tuple(out_cols)
+    if len(col_offset) != len(bs):
+        raise ValueError(f"out_cols {out_cols} must give one column offset per bank ({len(bs)})")
+    for g, b in enumerate(bs):
+        y = ys[output_of[g]]
         if (
             y.ndim != 2
             or y.shape[0] != x.shape[0]
             or b.ndim != ndim
             or b.shape[-2] != rank
-            or b.shape[-1] != y.shape[1]
+            or not 0 <= col_offset[g] <= y.shape[1] - b.shape[-1]
+            or (out_cols is None and b.shape[-1] != y.shape[1])
         ):
-            raise ValueError(f"output {y.shape} [T, O] does not fit bank {b.shape} [(L,) S, R={rank}, O]")
+            raise ValueError(
+                f"output {y.shape} [T, O] (columns from {col_offset[g]}) does not fit bank {b.shape} [(L,) S, R={rank}, O]"
+            )
     stacked = layer is not None
     a, layer = _layered(a, layer)
     bs = tuple(b if stacked else b[None] for b in bs)
@@ -844,7 +862,7 @@ def decode_group(
     parts = _shrink_call(x, a, layer, groups.order, items, interpret=interpret, keep_partials=True, **shrink)
     expand = _knobs("expand", "decode", num_tokens, {})
     rank_pad = _pad_pow2(rank)
-    out_dims = tuple(y.shape[1] for y in ys)
+    out_dims = tuple(b.shape[-1] for b in bs)
     block_rows = expand["block_rows"] if expand.get("impl") == "rows" else 1
     block_out = _product_block_out(expand["block_out"], min(block_rows, MIN_DOT // 2), rank_pad, max(out_dims))
     _check_pow2(min_rows=1, block_rows=block_rows, block_out=block_out)
@@ -852,7 +870,10 @@ def decode_group(
     first_block = tuple(int(sum(blocks[:g])) for g in range(len(blocks) + 1))
     kernel = functools.partial(
         _expand_rows_multi_kernel,
-        num_modules=len(ys),
+        num_modules=len(bs),
+        num_outputs=len(ys),
+        output_of=output_of,
+        col_offset=col_offset,
         block_rows=block_rows,
         block_out=block_out,
         rank_pad=rank_pad,

@@ -122,7 +122,10 @@ def engine_from_args(args: argparse.Namespace, extra_adapters: dict[str, str] | 
 
     adapters = {**(extra_adapters or {}), **args.adapter}
     config = engine_config(args, adapters)
-    model, tokenizer = load_model(args.model, dtype=DTYPES[config.dtype], quantization=args.quantize)
+    # The serving layout (q|k|v, gate|up fused: fewer, wider GEMMs) on one device; a tensor-parallel
+    # split needs the separate matrices (jaxlora.model.fused).
+    fused = not config.mesh.is_sharded
+    model, tokenizer = load_model(args.model, dtype=DTYPES[config.dtype], quantization=args.quantize, fused=fused)
     capacity = _host_capacity(args, config, slot_nbytes(model.config, config.lora, model.dtype))
     config = dataclasses.replace(config, host_capacity_bytes=capacity)
     return build_engine(config, model, tokenizer, adapters)

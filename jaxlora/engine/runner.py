@@ -60,7 +60,7 @@ from jaxlora.engine.sampling import SamplingArrays, greedy, sample
 from jaxlora.engine.scheduler import StepPlan
 from jaxlora.engine.static_arg import Hashed
 from jaxlora.engine.step_inputs import HostInputs, InputPacker, StepLayout
-from jaxlora.lora.apply import LoraRuntime
+from jaxlora.lora.apply import GEMM_COMPILER_OPTIONS, LoraRuntime
 from jaxlora.lora.bank import Bank
 from jaxlora.model import PagedKVCache, RaggedBatch, init_paged_kv_cache
 from jaxlora.model.kv_cache import kv_bytes_per_position
@@ -112,7 +112,36 @@ def _step(params, bank, kv, tokens, src, positions, slot_ids, batch, last_ids, *
     return ids, kv, logits
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "graphdef", "runtime", "mesh"), donate_argnames=("kv",))
+class _ByGemm:
+    """A step function jitted once per `GemmBackend`, each with that choice's XLA compile options
+    (compiler options are not a static argument of one jit); a call, `lower` or `trace` goes to the
+    jit its `runtime=` keyword names."""
+
+    def __init__(self, fun: Callable, **jit_kw) -> None:
+        self._jits = {g: jax.jit(fun, compiler_options=GEMM_COMPILER_OPTIONS[g] or None, **jit_kw) for g in GEMMS}
+        functools.update_wrapper(self, fun)
+
+    def jit_for(self, runtime: LoraRuntime):
+        return self._jits[runtime.gemm.value]
+
+    def __call__(self, *args, **kwargs):
+        return self._jits[kwargs["runtime"].gemm.value](*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self._jits[kwargs["runtime"].gemm.value].lower(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+        return self._jits[kwargs["runtime"].gemm.value].trace(*args, **kwargs)
+
+
+GEMMS = tuple(g for g in GEMM_COMPILER_OPTIONS)
+
+
+def by_gemm(**jit_kw) -> Callable[[Callable], _ByGemm]:
+    return lambda fun: _ByGemm(fun, **jit_kw)
+
+
+@by_gemm(static_argnames=("layout", "graphdef", "runtime", "mesh"), donate_argnames=("kv",))
 def packed_step(params, bank, kv, packed, last_ids, *, layout: StepLayout, graphdef: Hashed, runtime, mesh=None):
     """The engine's step: its inputs as one int32 array `packed` [layout.size] (one host->device
     copy; `jaxlora.engine.step_inputs`), unpacked here at static offsets.
@@ -139,7 +168,7 @@ def packed_sample(logits, ids, packed, *, layout: StepLayout):
     return jnp.where(ids >= 0, sample(logits, sampling), ids)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "mesh"), donate_argnames=("kv",))
+@by_gemm(static_argnames=("graphdef", "runtime", "mesh"), donate_argnames=("kv",))
 def ragged_step(
     params,
     bank,
@@ -185,6 +214,11 @@ class Runner:
         self, model: LoadedModel, config: EngineConfig, *, runtime: LoraRuntime, mesh: jax.sharding.Mesh | None = None
     ) -> None:
         check_mesh(config.mesh, mesh)  # the mesh is made once, by jaxlora.engine.build
+        if mesh is not None and model.fused:
+            raise ValueError(
+                "a tensor-parallel engine needs the separate projection layout: load the model with fused=False "
+                "(a column split of the fused q|k|v matrix would cut across q, k and v)"
+            )
         self.model = model
         self.config = config
         self.runtime = runtime

@@ -17,7 +17,11 @@ __all__ = ["default_model_path", "load_model"]
 
 
 def load_model(
-    source: str | Path | None = None, *, dtype: jnp.dtype = jnp.float32, quantization: Quantization | str | None = None
+    source: str | Path | None = None,
+    *,
+    dtype: jnp.dtype = jnp.float32,
+    quantization: Quantization | str | None = None,
+    fused: bool = False,
 ) -> tuple[LoadedModel, Tokenizer]:
     """Loads a base model and its tokenizer.
 
@@ -28,6 +32,8 @@ def load_model(
       quantization: "fp8" or "int8" stores the seven projections weight-only quantized
         (jaxlora.model.quant); None keeps them dense, except that a checkpoint converted with a
         quantization loads in its own format.
+      fused: hold q|k|v and gate|up as one projection each, the serving layout (jaxlora.model.fused:
+        fewer, wider GEMMs per decode step); tensor-parallel engines need False.
     """
     quantization = parse_quantization(quantization)
     path = default_model_path() if source is None else Path(source)
@@ -35,18 +41,18 @@ def load_model(
         from jaxlora.loading.orbax_ckpt import is_converted, load_converted
 
         if is_converted(path):
-            return load_converted(path, dtype=dtype, quantization=quantization)
+            return load_converted(path, dtype=dtype, quantization=quantization, fused=fused)
         from jaxlora.loading.hf_folder import load_hf_arrays
 
         config, arrays = load_hf_arrays(path)
-        model = build_model(config, arrays, dtype=dtype, quantization=quantization, source=str(path))
+        model = build_model(config, arrays, dtype=dtype, quantization=quantization, fused=fused, source=str(path))
         return model, tokenizer_from_folder(path, eos_token_ids=config.eos_token_ids)
     if path.suffix == ".gguf" or path.is_file():
         from jaxlora.loading.gguf_file import load_gguf_arrays, metadata
         from jaxlora.loading.gguf_tokenizer import tokenizer_from_gguf
 
         config, arrays, reader = load_gguf_arrays(path, quantization=quantization)
-        model = build_model(config, arrays, dtype=dtype, quantization=quantization, source=str(path))
+        model = build_model(config, arrays, dtype=dtype, quantization=quantization, fused=fused, source=str(path))
         return model, tokenizer_from_gguf(reader, metadata(reader), source=str(path))
     raise ModelLoadError(f"{path}: no such model file or folder")
 

@@ -59,9 +59,10 @@ def _config_from_dict(d: dict) -> ModelConfig:
 
 
 def load_converted(
-    folder: Path, *, dtype: jnp.dtype | None = None, quantization: Quantization | None = None
+    folder: Path, *, dtype: jnp.dtype | None = None, quantization: Quantization | None = None, fused: bool = False
 ) -> tuple[LoadedModel, Tokenizer]:
-    """The checkpoint's model in `dtype` (default: the saved one).
+    """The checkpoint's model in `dtype` (default: the saved one); fused: in the serving layout
+    (jaxlora.model.fused; checkpoints always hold the canonical one).
 
     quantization: quantize a dense checkpoint's projections at load; for a quantized checkpoint it
     must be None or its own format (re-quantizing quantized weights would compound two errors).
@@ -88,6 +89,11 @@ def load_converted(
     except Exception as e:
         raise ModelLoadError(f"{folder}: cannot restore params ({type(e).__name__}: {e})") from None
     model = build_model(
-        config, arrays, dtype=dtype or saved, quantization=quantization or saved_quantization, source=str(folder)
+        config,
+        arrays,
+        dtype=dtype or saved,
+        quantization=quantization or saved_quantization,
+        fused=fused,
+        source=str(folder),
     )
     return model, tokenizer_from_folder(folder, eos_token_ids=config.eos_token_ids)

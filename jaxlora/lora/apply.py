@@ -32,6 +32,21 @@ class QuantMatmul(enum.StrEnum):
     PALLAS = "pallas"  # pallas_kernels.quant_matmul: converts tiles in registers, reads a layer in place
 
 
+class GemmBackend(enum.StrEnum):
+    """Who runs the step's dense GEMMs on GPU (an XLA compile option of the step program; same math)."""
+
+    AUTO = "auto"  # CUBLAS on GPU, XLA elsewhere (resolved by `LoraRuntime.for_platform`)
+    XLA = "xla"  # XLA's own choice per GEMM: autotuned Triton fusions or cuBLAS
+    CUBLAS = "cublas"  # Triton GEMM fusions off: every GEMM a cuBLAS call (faster decode GEMMs, H200)
+
+
+# The XLA compile options of each choice (jax.jit(compiler_options=...)); none change the math.
+GEMM_COMPILER_OPTIONS: dict[str, dict[str, bool]] = {
+    "xla": {},
+    "cublas": {"xla_gpu_enable_triton_gemm": False},
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraRuntime:
     """Static kernel choices for one jitted model step (hashable, never traced).
@@ -50,6 +65,8 @@ class LoraRuntime:
     quant_matmul: how quantized projections multiply, in every step (unrolled or scanned). With
       PALLAS the model hands each quantized projection its whole stack [L, in, out] and the layer
       index (see `Llama.__call__`). Never AUTO here: `for_platform` resolves it.
+    gemm: the XLA compile options of the engine's step programs for their dense GEMMs
+      (GEMM_COMPILER_OPTIONS; read by jaxlora.engine.runner). Never AUTO here.
     """
 
     backend: LoraBackend = LoraBackend.XLA
@@ -58,10 +75,11 @@ class LoraRuntime:
     unroll_layers: bool = False
     unroll_max_tokens: int = 512
     quant_matmul: QuantMatmul = QuantMatmul.XLA
+    gemm: GemmBackend = GemmBackend.XLA
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", LoraBackend(self.backend))  # accept the string form too
-        for name, kind in (("attention", AttentionBackend), ("quant_matmul", QuantMatmul)):
+        for name, kind in (("attention", AttentionBackend), ("quant_matmul", QuantMatmul), ("gemm", GemmBackend)):
             resolved = tuple(a.value for a in kind if a.value != "auto")
             if getattr(self, name) not in resolved:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {resolved}")
@@ -76,6 +94,7 @@ class LoraRuntime:
         attention: AttentionBackend | str = AttentionBackend.AUTO,
         unroll_layers: bool | None = None,
         quant_matmul: QuantMatmul | str = QuantMatmul.AUTO,
+        gemm: GemmBackend | str = GemmBackend.AUTO,
     ) -> LoraRuntime:
         """Pallas runs natively on GPU and TPU; on CPU the only way to run it is the interpreter.
 
@@ -85,7 +104,9 @@ class LoraRuntime:
         quantized-GEMM kernel has passed interpret-mode and CUDA-lowering tests but has not been
         timed (or compiled to machine code) on a GPU yet; choose it explicitly with "pallas"
         (`benchmarks/quant_gemm.py` measures both). The kernel is Triton only, so PALLAS on a TPU
-        raises ValueError.
+        raises ValueError. gemm="auto" picks CUBLAS on GPU (the fused serving-layout projections
+        stream their weights faster through cuBLAS at decode sizes: benchmarks/NOTES.md) and XLA
+        elsewhere.
         """
         platform = platform or jax.default_backend()
         if unroll_layers is None:
@@ -97,6 +118,9 @@ class LoraRuntime:
         quant_matmul = QuantMatmul(quant_matmul)
         if quant_matmul is QuantMatmul.AUTO:
             quant_matmul = QuantMatmul.XLA
+        gemm = GemmBackend(gemm)
+        if gemm is GemmBackend.AUTO:
+            gemm = GemmBackend.CUBLAS if platform == "gpu" else GemmBackend.XLA
         if quant_matmul is QuantMatmul.PALLAS and platform not in ("gpu", "cpu"):
             raise ValueError(
                 f"quant_matmul=pallas is a Triton kernel: it runs on GPU (or interpreted on CPU), not {platform}"
@@ -110,6 +134,7 @@ class LoraRuntime:
             attention=attention,
             unroll_layers=unroll_layers,
             quant_matmul=quant_matmul,
+            gemm=gemm,
         )
 
 
@@ -155,6 +180,42 @@ def apply_group(
         **kw,
     )
     return {**outputs, **dict(zip(modules, ys))}
+
+
+def apply_group_fused(
+    group: str,
+    group_bank: dict | None,
+    x: jax.Array,
+    y: jax.Array,
+    columns: tuple[int, ...],
+    token_slots: jax.Array,
+    runtime: LoraRuntime,
+    seg_len: int | None,
+    *,
+    plan: pallas_kernels.LoraPlan | None = None,
+    layer: jax.Array | None = None,
+) -> jax.Array:
+    """`apply_group` for a fused projection (jaxlora.model.fused): y [N, W] holds every module of the
+    group, module GROUP_MODULES[group][i] in the columns from columns[i]; the LoRA term of each
+    module the bank holds is added in those columns. Returns the updated y."""
+    if group_bank is None:
+        return y
+    modules = GROUP_MODULES[group]
+    held = [i for i, m in enumerate(modules) if m in group_bank["b"]]
+    (y,) = pallas_kernels.lora_group(
+        x,
+        group_bank["a"],
+        (y,),
+        tuple(group_bank["b"][modules[i]] for i in held),
+        token_slots,
+        backend=runtime.backend.value,
+        interpret=runtime.interpret,
+        seg_len=seg_len,
+        plan=plan,
+        layer=layer,
+        out_cols=tuple(columns[i] for i in held),
+    )
+    return y
 
 
 def step_plan(

@@ -24,13 +24,16 @@ from flax import nnx
 
 import pallas_kernels
 from jaxlora.config import AttentionBackend, ModelConfig
-from jaxlora.lora.apply import LoraRuntime, QuantMatmul, apply_group, step_plan, token_slots_for
+from jaxlora.lora.apply import LoraRuntime, QuantMatmul, apply_group, apply_group_fused, step_plan, token_slots_for
+from jaxlora.model.fused import module_columns
 from jaxlora.model.kv_cache import KVCache, PagedKVCache
 from jaxlora.model.quant import Quantization, QuantLinear, project
 from jaxlora.model.rope import apply_rope, inverse_frequencies
 from jaxlora.parallel import layers as tp
 
 _NEG_INF = -1e30
+_QKV = ("q_proj", "k_proj", "v_proj")
+_GATE_UP = ("gate_proj", "up_proj")
 
 
 class RMSNorm(nnx.Module):
@@ -118,12 +121,54 @@ class StepInputs:
     ragged: RaggedBatch | None = None
 
 
+def _check_unfused(fused: bool, s: StepInputs) -> None:
+    if fused and s.tensor_axis is not None:
+        raise ValueError("tensor parallelism needs the separate projection layout (build the model with fused=False)")
+
+
+def _fused_projection(
+    linear, group: str, modules: tuple[str, ...], cfg: ModelConfig, x2, layer, lora: dict, s: StepInputs
+) -> dict[str, jax.Array]:
+    """One GEMM for the modules sharing x2 (jaxlora.model.fused), their LoRA terms added in place in
+    its columns, then split: module -> [N, out_m]."""
+    y = _apply_linear(linear, x2, layer, s.runtime)  # [N, sum of the modules' widths]
+    y = apply_group_fused(
+        group,
+        lora.get(group),
+        x2,
+        y,
+        module_columns(cfg, modules),
+        s.token_slots,
+        s.runtime,
+        s.seg_len,
+        plan=s.lora_plan,
+        layer=layer,
+    )
+    cols = module_columns(cfg, modules) + (y.shape[1],)
+    return {m: y[:, cols[i] : cols[i + 1]] for i, m in enumerate(modules)}
+
+
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, quantization: Quantization | None = None):
+    """fused: q|k|v as one projection `qkv_proj` (the serving layout, jaxlora.model.fused)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        quantization: Quantization | None = None,
+        fused: bool = False,
+    ):
         self.cfg = cfg
-        self.q_proj = _linear(cfg.hidden_size, cfg.q_size, cfg.attention_bias, dtype, rngs, quantization)
-        self.k_proj = _linear(cfg.hidden_size, cfg.kv_size, cfg.attention_bias, dtype, rngs, quantization)
-        self.v_proj = _linear(cfg.hidden_size, cfg.kv_size, cfg.attention_bias, dtype, rngs, quantization)
+        self.fused = fused
+        if fused:
+            width = cfg.q_size + 2 * cfg.kv_size
+            self.qkv_proj = _linear(cfg.hidden_size, width, cfg.attention_bias, dtype, rngs, quantization)
+        else:
+            self.q_proj = _linear(cfg.hidden_size, cfg.q_size, cfg.attention_bias, dtype, rngs, quantization)
+            self.k_proj = _linear(cfg.hidden_size, cfg.kv_size, cfg.attention_bias, dtype, rngs, quantization)
+            self.v_proj = _linear(cfg.hidden_size, cfg.kv_size, cfg.attention_bias, dtype, rngs, quantization)
         self.o_proj = _linear(cfg.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, rngs, quantization)
 
     def __call__(self, x: jax.Array, kv: KVCache, layer: jax.Array, lora: dict, s: StepInputs):
@@ -131,10 +176,14 @@ class Attention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         x2 = x.reshape(b * t, -1)
-        qkv = {m: _apply_linear(getattr(self, m), x2, layer, s.runtime) for m in ("q_proj", "k_proj", "v_proj")}
-        qkv = apply_group(
-            "qkv", lora.get("qkv"), x2, qkv, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan, layer=layer
-        )
+        _check_unfused(self.fused, s)
+        if self.fused:
+            qkv = _fused_projection(self.qkv_proj, "qkv", _QKV, cfg, x2, layer, lora, s)
+        else:
+            qkv = {m: _apply_linear(getattr(self, m), x2, layer, s.runtime) for m in _QKV}
+            qkv = apply_group(
+                "qkv", lora.get("qkv"), x2, qkv, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan, layer=layer
+            )
         # -1 heads: under tensor parallelism this shard holds num_heads / n of them.
         q = qkv["q_proj"].reshape(b, t, -1, cfg.head_dim)
         k = qkv["k_proj"].reshape(b, t, -1, cfg.head_dim)
@@ -226,18 +275,45 @@ def _attend(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Arr
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, quantization: Quantization | None = None):
-        self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs, quantization)
-        self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs, quantization)
+    """fused: gate|up as one projection `gate_up_proj` (the serving layout, jaxlora.model.fused)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        quantization: Quantization | None = None,
+        fused: bool = False,
+    ):
+        self.cfg = cfg
+        self.fused = fused
+        if fused:
+            self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, rngs, quantization)
+        else:
+            self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs, quantization)
+            self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs, quantization)
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, rngs, quantization)
 
     def __call__(self, x: jax.Array, layer: jax.Array, lora: dict, s: StepInputs) -> jax.Array:
         b, t, _ = x.shape
         x2 = x.reshape(b * t, -1)
-        gu = {m: _apply_linear(getattr(self, m), x2, layer, s.runtime) for m in ("gate_proj", "up_proj")}
-        gu = apply_group(
-            "gate_up", lora.get("gate_up"), x2, gu, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan, layer=layer
-        )
+        _check_unfused(self.fused, s)
+        if self.fused:
+            gu = _fused_projection(self.gate_up_proj, "gate_up", _GATE_UP, self.cfg, x2, layer, lora, s)
+        else:
+            gu = {m: _apply_linear(getattr(self, m), x2, layer, s.runtime) for m in _GATE_UP}
+            gu = apply_group(
+                "gate_up",
+                lora.get("gate_up"),
+                x2,
+                gu,
+                s.token_slots,
+                s.runtime,
+                s.seg_len,
+                plan=s.lora_plan,
+                layer=layer,
+            )
         hidden = jax.nn.silu(gu["gate_proj"]) * gu["up_proj"]
         out = {"down_proj": _apply_linear(self.down_proj, hidden, layer, s.runtime)}
         out = apply_group(
@@ -248,11 +324,19 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, quantization: Quantization | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        quantization: Quantization | None = None,
+        fused: bool = False,
+    ):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=dtype)
-        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, quantization=quantization)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, quantization=quantization, fused=fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=dtype)
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, quantization=quantization)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, quantization=quantization, fused=fused)
 
     def __call__(self, x, kv: KVCache, layer: jax.Array, lora: dict, s: StepInputs):
         attn, kv = self.self_attn(self.input_layernorm(x), kv, layer, lora, s)
@@ -266,6 +350,7 @@ class Llama(nnx.Module):
 
     quantization: store the seven projections of every layer weight-only quantized
     (jaxlora.model.quant); embeddings, norms and the LM head stay in `dtype`.
+    fused: q|k|v and gate|up as one projection each (the serving layout, jaxlora.model.fused).
     """
 
     def __init__(
@@ -275,8 +360,10 @@ class Llama(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
         quantization: Quantization | None = None,
+        fused: bool = False,
     ):
         self.cfg = cfg
+        self.fused = fused
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -289,7 +376,7 @@ class Llama(nnx.Module):
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(cfg, dtype=dtype, rngs=rngs, quantization=quantization)
+            return DecoderLayer(cfg, dtype=dtype, rngs=rngs, quantization=quantization, fused=fused)
 
         self.layers = make_layers(rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=dtype)

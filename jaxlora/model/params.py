@@ -5,6 +5,8 @@ Flat names are the NNX state paths joined by dots, e.g. `layers.self_attn.q_proj
 ([num_layers, in, out]) or `embed_tokens.embedding` ([vocab, hidden]). Loaders produce this mapping;
 `build_model` checks it against the architecture (names and shapes) before any array is used. With a
 quantization the seven projections hold `qkernel` + `qscale` instead of `kernel` (jaxlora.model.quant).
+A model built with fused=True holds q|k|v and gate|up as one projection each (jaxlora.model.fused);
+its `flat_params()` still gives the canonical names.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from flax import nnx
 
 from jaxlora.config import ModelConfig
 from jaxlora.errors import ModelLoadError
+from jaxlora.model.fused import fuse_arrays, is_fused_name, split_arrays
 from jaxlora.model.llama import Llama
 from jaxlora.model.quant import Quantization, parse_quantization, quantize_arrays
 
@@ -28,7 +31,7 @@ class LoadedModel:
     """A base model ready to run: config, the static graph and the parameter state (a pytree).
 
     dtype: activations and every dense parameter; quantization: how the projections are stored
-    (None: dense, in `dtype`).
+    (None: dense, in `dtype`); fused: q|k|v and gate|up stored as one projection each.
     """
 
     config: ModelConfig
@@ -36,13 +39,16 @@ class LoadedModel:
     params: nnx.State
     dtype: jnp.dtype
     quantization: Quantization | None = None
+    fused: bool = False
 
     def module(self) -> Llama:
         """A Llama module bound to the params (cheap: use inside jit, or for eager tests)."""
         return nnx.merge(self.graphdef, self.params)
 
     def flat_params(self) -> dict[str, jax.Array]:
-        return {".".join(map(str, path)): leaf for path, leaf in _flat(self.params)}
+        """name -> array in the canonical layout (a fused model's matrices cut back into modules)."""
+        flat = {".".join(map(str, path)): leaf for path, leaf in _flat(self.params)}
+        return split_arrays(flat, self.config) if self.fused else flat
 
 
 def _flat(state: nnx.State) -> list[tuple[tuple, jax.Array]]:
@@ -50,16 +56,17 @@ def _flat(state: nnx.State) -> list[tuple[tuple, jax.Array]]:
 
 
 def _abstract_state(
-    config: ModelConfig, dtype: jnp.dtype, quantization: Quantization | None
+    config: ModelConfig, dtype: jnp.dtype, quantization: Quantization | None, fused: bool = False
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    return nnx.split(nnx.eval_shape(lambda: Llama(config, dtype=dtype, quantization=quantization, rngs=nnx.Rngs(0))))
+    make = lambda: Llama(config, dtype=dtype, quantization=quantization, fused=fused, rngs=nnx.Rngs(0))  # noqa: E731
+    return nnx.split(nnx.eval_shape(make))
 
 
 def abstract_model(
-    config: ModelConfig, dtype: jnp.dtype, quantization: Quantization | str | None = None
+    config: ModelConfig, dtype: jnp.dtype, quantization: Quantization | str | None = None, fused: bool = False
 ) -> tuple[nnx.GraphDef, dict[str, jax.ShapeDtypeStruct]]:
     """The graph and the expected name -> (shape, dtype) of every parameter, without allocating."""
-    graphdef, state = _abstract_state(config, dtype, parse_quantization(quantization))
+    graphdef, state = _abstract_state(config, dtype, parse_quantization(quantization), fused)
     return graphdef, {".".join(map(str, p)): v for p, v in _flat(state)}
 
 
@@ -69,18 +76,29 @@ def build_model(
     *,
     dtype: jnp.dtype = jnp.float32,
     quantization: Quantization | str | None = None,
+    fused: bool = False,
     source: str = "<arrays>",
 ) -> LoadedModel:
-    """Validates names and shapes of `arrays` against `config` and places them on the device.
+    """Validates names and shapes of `arrays` (canonical names) against `config` and places them on
+    the device.
 
     With a quantization, dense projection kernels among `arrays` are quantized here (on the default
     device, one tensor at a time); projections given already quantized must have the format's dtype.
+    fused=True builds the serving layout (jaxlora.model.fused): q|k|v and gate|up are concatenated
+    here, after quantizing (each scale stays with its column).
     Raises ModelLoadError naming `source` and the offending tensor.
     """
     quantization = parse_quantization(quantization)
     if quantization is not None:
         arrays = quantize_arrays(arrays, quantization)
-    graphdef, state = _abstract_state(config, dtype, quantization)
+    if fused:
+        if any(is_fused_name(n) for n in arrays):
+            raise ModelLoadError(f"{source}: give the canonical (unfused) tensors; fused ones are made here")
+        try:
+            arrays = fuse_arrays(arrays)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{source}: {e}") from None
+    graphdef, state = _abstract_state(config, dtype, quantization, fused)
     expected = {".".join(map(str, p)): v for p, v in _flat(state)}
     missing = sorted(set(expected) - set(arrays))
     if missing:
@@ -102,7 +120,12 @@ def build_model(
         # The expected dtype: `dtype` for dense parameters, the storage dtype / float32 for quantized ones.
         var.set_value(jnp.asarray(arrays[".".join(map(str, path))], dtype=var.get_value().dtype))
     return LoadedModel(
-        config=config, graphdef=graphdef, params=state, dtype=jnp.dtype(dtype), quantization=quantization
+        config=config,
+        graphdef=graphdef,
+        params=state,
+        dtype=jnp.dtype(dtype),
+        quantization=quantization,
+        fused=fused,
     )
 
 
@@ -118,8 +141,10 @@ def random_model(
     seed: int = 0,
     std: float = 0.02,
     quantization: Quantization | str | None = None,
+    fused: bool = False,
 ) -> LoadedModel:
-    """A model with random weights (tests and benchmarks).
+    """A model with random weights (tests and benchmarks); fused=True in the serving layout, with
+    the same values as the separate layout drawn from the same seed.
 
     Matrices are N(0, std); norm scales are 1 + N(0, 0.1) so that a norm applied with the wrong
     weight cannot go unnoticed. Drawn as `draw_params` says (small models on the host, large ones
@@ -131,6 +156,7 @@ def random_model(
         draw_params(config, dtype=dtype, seed=seed, std=std),
         dtype=dtype,
         quantization=quantization,
+        fused=fused,
         source="random",
     )
 
@@ -186,7 +212,12 @@ def quantized_model(model: LoadedModel, quantization: Quantization | str) -> Loa
     if model.quantization is not None:
         raise ValueError(f"the model is already quantized ({model.quantization}); quantize a dense model")
     return build_model(
-        model.config, model.flat_params(), dtype=model.dtype, quantization=quantization, source="quantized_model"
+        model.config,
+        model.flat_params(),
+        dtype=model.dtype,
+        quantization=quantization,
+        fused=model.fused,
+        source="quantized_model",
     )
 
 

@@ -154,6 +154,81 @@ def test_fused_decode_group_matches_the_loop_reference(rng, stacked, dtype):
         np.testing.assert_array_equal(np.asarray(g)[base_rows], np.asarray(y)[base_rows])
 
 
+def _fused_reference(x, a, y, bs, slots, out_cols):
+    """numpy, row by row: y[t, c_g:c_g+O_g] += (x[t] @ a[s])[g*R:(g+1)*R] @ bs[g][s], in float64."""
+    x, a, y = (np.asarray(v, np.float64) for v in (x, a, y))
+    bs = [np.asarray(b, np.float64) for b in bs]
+    rank = bs[0].shape[1]
+    out = y.copy()
+    for t, s in enumerate(np.asarray(slots)):
+        if s == 0:
+            continue
+        h = x[t] @ a[s]
+        for g, (c, b) in enumerate(zip(out_cols, bs)):
+            out[t, c : c + b.shape[2]] += h[g * rank : (g + 1) * rank] @ b[s]
+    return out
+
+
+@pytest.mark.parametrize("seg_len", [None, 3])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_group_into_one_fused_output_matches_numpy(rng, seg_len, dtype):
+    """lora_group with out_cols (the serving layout's q|k|v in one matrix) on every backend against a
+    numpy loop: modules of unequal, awkward widths; a module of the fused matrix the bank does not hold
+    (its columns must stay exactly as they were); base rows unchanged; a stacked bank read at a traced
+    layer whose other layers are NaN."""
+    tokens, hidden, rank, slots_n, layers = 21, 72, 5, 7, 2
+    widths = (40, 9, 24)  # q, k, v; the bank holds q and v only
+    held, cols = (0, 2), (0, 40, 49)
+    x = random_array(rng, (tokens, hidden), dtype)
+    a = random_array(rng, (layers, slots_n, hidden, 2 * rank), dtype, 0.2).at[:, 0].set(0)
+    bs = tuple(random_array(rng, (layers, slots_n, rank, widths[g]), dtype, 0.3).at[:, 0].set(0) for g in held)
+    y = random_array(rng, (tokens, sum(widths)), dtype)
+    units = tokens if seg_len is None else tokens // seg_len
+    slots = jnp.asarray(np.repeat(rng.choice([0, 1, 3, 3, 4, 6], units), tokens // units).astype(np.int32))
+    layer = 1
+    poison = lambda arr: arr.at[jnp.arange(layers) != layer].set(jnp.nan)  # noqa: E731
+    out_cols = tuple(cols[g] for g in held)
+    want = _fused_reference(x, a[layer], y, [b[layer] for b in bs], slots, out_cols)
+    for backend, interpret in [("pallas", True), ("xla", False), ("ragged", False), ("onehot", False), ("loop", False)]:
+
+        @jax.jit
+        def run(x, a, y, bs, layer):
+            return pk.lora_group(
+                x,
+                a,
+                (y,),
+                bs,
+                slots,
+                backend=backend,
+                interpret=interpret,
+                seg_len=seg_len,
+                layer=layer,
+                out_cols=out_cols,
+            )
+
+        (got,) = run(x, poison(a), y, tuple(poison(b) for b in bs), jnp.int32(layer))
+        assert got.dtype == y.dtype and got.shape == y.shape
+        assert_close(got, jnp.asarray(want, dtype), dtype, err_msg=backend)
+        k_cols = slice(cols[1], cols[2])  # not held: bit for bit
+        np.testing.assert_array_equal(np.asarray(got)[:, k_cols], np.asarray(y)[:, k_cols], err_msg=backend)
+        base_rows = np.asarray(slots) == 0
+        np.testing.assert_array_equal(np.asarray(got)[base_rows], np.asarray(y)[base_rows], err_msg=backend)
+
+
+def test_fused_output_bad_columns_raise(rng):
+    x = random_array(rng, (8, 16), jnp.float32)
+    a = random_array(rng, (3, 16, 8), jnp.float32)
+    bs = tuple(random_array(rng, (3, 4, 10), jnp.float32) for _ in range(2))
+    y = random_array(rng, (8, 20), jnp.float32)
+    slots = jnp.zeros(8, jnp.int32)
+    with pytest.raises(ValueError, match="inside y"):
+        pk.lora_group(x, a, (y,), bs, slots, backend="xla", out_cols=(0, 11))
+    with pytest.raises(ValueError, match="overlap"):
+        pk.lora_group(x, a, (y,), bs, slots, backend="xla", out_cols=(5, 0))
+    with pytest.raises(ValueError, match="one y"):
+        pk.lora_group(x, a, (y, y), bs, slots, backend="xla", out_cols=(0, 10))
+
+
 def test_backend_names_are_listed_once():
     """The model's backends are a subset of the kernels' ones; loop and onehot are test references."""
     from jaxlora.config import LoraBackend

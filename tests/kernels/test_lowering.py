@@ -85,6 +85,21 @@ def test_fused_decode_group_on_a_stacked_bank_lowers_for_cuda():
     assert text.count("__gpu$xla.gpu.triton") == 2
 
 
+def test_decode_group_into_one_fused_output_lowers_for_cuda():
+    """The serving layout's decode path: q|k|v in one output [T, 960], still two Triton launches."""
+    sd = jax.ShapeDtypeStruct
+    x, slots = sd((64, 576), jnp.bfloat16), sd((64,), jnp.int32)
+    a = sd((3, 5, 576, 48), jnp.bfloat16)
+    bs = tuple(sd((3, 5, 16, o), jnp.bfloat16) for o in (576, 192, 192))
+    y = sd((64, 960), jnp.bfloat16)
+
+    def step(x, a, y, bs, slots, layer):
+        return pk.lora_group(x, a, (y,), bs, slots, backend="pallas", layer=layer, out_cols=(0, 576, 768))
+
+    text = _lower_for_cuda(step, x, a, y, bs, slots, sd((), jnp.int32))
+    assert text.count("__gpu$xla.gpu.triton") == 2
+
+
 def test_non_power_of_two_block_is_rejected_before_lowering():
     s = _specs(jnp.bfloat16, 32, 576, 16, 576)
     with pytest.raises(ValueError, match="power of two"):

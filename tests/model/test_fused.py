@@ -1,0 +1,147 @@
+"""The serving layout (q|k|v and gate|up fused, jaxlora.model.fused) computes what the separate
+layout computes: the same canonical parameters, the same logits on every LoRA backend, dense or
+quantized, and the same greedy tokens through the engine."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxlora.config import TARGET_MODULES, LoraBackend, LoraConfig
+from jaxlora.errors import ModelLoadError
+from jaxlora.lora.apply import LoraRuntime
+from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
+from jaxlora.model import init_kv_cache
+from jaxlora.model.forward import forward_logits
+from jaxlora.model.fused import fuse_arrays, split_arrays
+from jaxlora.model.params import build_model, random_model
+from tests.factories import tiny_config
+from tests.tolerances import assert_close
+
+CFG = tiny_config(num_layers=2, attention_bias=True)
+
+
+def _adapter(seed: int, modules, rank: int) -> dict:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for m in modules:
+        d_in, d_out = CFG.module_shape(m)
+        out[m] = (
+            rng.standard_normal((CFG.num_layers, d_in, rank), np.float32) * 0.3,
+            rng.standard_normal((CFG.num_layers, rank, d_out), np.float32) * 0.3,
+        )
+    return out
+
+
+def _bank(target_modules=TARGET_MODULES):
+    lora = LoraConfig(max_slots=4, max_rank=4, target_modules=target_modules)
+    bank = init_bank(CFG, lora)
+    for slot, (seed, rank) in {1: (1, 4), 2: (2, 1), 3: (3, 3)}.items():
+        weights = _adapter(seed, target_modules, rank)
+        bank = set_slot(bank, slot, slot_arrays(weights, CFG, lora))
+    return bank
+
+
+def _names(model) -> set[str]:
+    return {".".join(map(str, p)) for p, _ in nnx.to_flat_state(model.params)}
+
+
+def test_fused_model_holds_one_matrix_per_group_and_gives_canonical_params():
+    separate = random_model(CFG, seed=4)
+    fused = random_model(CFG, seed=4, fused=True)
+    assert fused.fused and not separate.fused
+    names = _names(fused)
+    assert {
+        "layers.self_attn.qkv_proj.kernel",
+        "layers.self_attn.qkv_proj.bias",
+        "layers.mlp.gate_up_proj.kernel",
+    } <= names
+    assert not any(f".{m}." in n for n in names for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    qkv = fused.params["layers"]["self_attn"]["qkv_proj"]["kernel"][...]
+    assert qkv.shape == (CFG.num_layers, CFG.hidden_size, CFG.q_size + 2 * CFG.kv_size)
+    a, b = separate.flat_params(), fused.flat_params()
+    assert set(a) == set(b)
+    for name in a:
+        np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]), err_msg=name)
+    back = split_arrays(fuse_arrays(a), CFG)
+    assert set(back) == set(a)
+
+
+def test_partial_group_and_fused_input_names_are_refused():
+    arrays = random_model(CFG, seed=4).flat_params()
+    del arrays["layers.self_attn.k_proj.kernel"]
+    with pytest.raises(ModelLoadError, match="k_proj.kernel.*qkv_proj"):
+        build_model(CFG, arrays, fused=True)
+    fused_names = fuse_arrays(random_model(CFG, seed=4).flat_params())
+    with pytest.raises(ModelLoadError, match="canonical"):
+        build_model(CFG, fused_names, fused=True)
+
+
+def _logits(model, bank, slots, backend, quant_matmul="xla"):
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (4, 5)), jnp.int32)
+    kv = init_kv_cache(CFG, 4, 16)
+    pos = jnp.broadcast_to(jnp.arange(5), (4, 5))
+    runtime = LoraRuntime.for_platform(backend, quant_matmul=quant_matmul)
+    slots = jnp.asarray(slots, jnp.int32)
+    prefill, kv = forward_logits(
+        model.graphdef, model.params, tokens[:, :4], pos[:, :4], kv, bank, slots, runtime=runtime
+    )
+    decode, _ = forward_logits(
+        model.graphdef, model.params, tokens[:, 4:], pos[:, 4:], kv, bank, slots, runtime=runtime
+    )
+    return np.asarray(prefill), np.asarray(decode)
+
+
+@pytest.mark.parametrize("backend", [LoraBackend.XLA, LoraBackend.PALLAS, LoraBackend.RAGGED])
+@pytest.mark.parametrize("targets", [TARGET_MODULES, ("q_proj", "v_proj", "up_proj")])
+def test_fused_logits_equal_separate_on_mixed_adapters(backend, targets):
+    """Prefill (segments) and a decode step (one token per row: the Pallas fused-output kernel),
+    rows on three adapters and the base, all modules or a subset of each group."""
+    bank = _bank(targets)
+    slots = [2, 0, 1, 3]
+    want = _logits(random_model(CFG, seed=6), bank, slots, backend)
+    got = _logits(random_model(CFG, seed=6, fused=True), bank, slots, backend)
+    for g, w in zip(got, want):
+        assert_close(g, w, "float32")
+
+
+@pytest.mark.parametrize("quant_matmul", ["xla", "pallas"])
+def test_fused_quantized_logits_equal_separate(quant_matmul):
+    """int8 weights: per-column scales travel with their columns (quantized before fusing)."""
+    bank = _bank()
+    slots = [1, 3, 0, 2]
+    want = _logits(random_model(CFG, seed=7, quantization="int8"), bank, slots, "pallas", quant_matmul)
+    fused = random_model(CFG, seed=7, quantization="int8", fused=True)
+    assert fused.params["layers"]["mlp"]["gate_up_proj"]["qscale"][...].shape == (
+        CFG.num_layers,
+        2 * CFG.intermediate_size,
+    )
+    got = _logits(fused, bank, slots, "pallas", quant_matmul)
+    for g, w in zip(got, want):
+        assert_close(g, w, "float32")
+
+
+def test_engine_greedy_tokens_equal_separate_layout_with_zero_compiles():
+    """The engine's ragged paged step (decode rows and prompt chunks in one flat batch) on the
+    fused model: the same greedy tokens as on the separate one, and nothing compiles after warm-up."""
+    from tests.engine.conftest import ADAPTERS, make_engine
+    from tests.engine.test_engine import traffic
+    from tests.factories import char_tokenizer, random_adapter, tiny_model
+
+    separate = tiny_model()
+    fused = build_model(separate.config, separate.flat_params(), fused=True)
+    tok = char_tokenizer()
+    lora = LoraConfig(max_slots=4, max_rank=4)
+    adapters = {
+        n: random_adapter(n, separate.config, modules=lora.target_modules, rng=i + 1) for i, n in enumerate(ADAPTERS)
+    }
+    requests = traffic(8, seed=3)
+    outputs = {}
+    for name, model in (("separate", separate), ("fused", fused)):
+        engine = make_engine((model, tok, adapters))
+        outputs[name] = [r.token_ids for r in engine.generate(requests)]
+        assert engine.compiles_after_warmup == 0, name
+    assert outputs["fused"] == outputs["separate"]
+    assert any(r.adapter for r in requests) and any(not r.adapter for r in requests)
