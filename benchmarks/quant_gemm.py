@@ -7,6 +7,9 @@ decode step runs them, per base weight format: time against each format's bytes 
   int8, fp8     (x @ q.astype(bf16)) * scale        jaxlora.model.quant.matmul (what the model runs)
   fp8-native    (e4m3(x / sx) @ q) * sx * scale     the H200's FP8 tensor cores; activations quantized
                                                     per row (W8A8), so not the model's numerics
+  fp8-kmajor,   W8A8 as fp8-native (int8: x rounded     the weights stored [out, in] (K-major, the
+  int8-kmajor   to int8 per row, s8 x s8 -> s32)      layout cuBLASLt's FP8 / int8 GEMMs read) and
+                                                    q|k|v, gate|up fused as the engine serves them
   int8-pallas,  pallas_kernels.quant_matmul           the model's GPU path: the Triton kernel converts
   fp8-pallas                                        weight tiles in registers and reads layer i of
                                                     the stacked weights in place (never sliced)
@@ -45,7 +48,7 @@ from jaxlora.config import TARGET_MODULES, ModelConfig
 from jaxlora.model.quant import Quantization, matmul, quantize
 from pallas_kernels.quant_matmul import quant_matmul
 
-FORMATS = ("bf16", "bf16-fused", "int8", "fp8", "fp8-native", "int8-pallas", "fp8-pallas")
+FORMATS = ("bf16", "bf16-fused", "int8", "fp8", "fp8-native", "int8-pallas", "fp8-pallas", "fp8-kmajor", "int8-kmajor")
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # Kernel knob sets `--tune` compares (see pallas_kernels/quant_tuning.py for what each knob does):
 # the table's decode row (wide columns, K split until 132 programs), narrower columns with no split
@@ -60,7 +63,9 @@ TUNE_CANDIDATES: tuple[dict[str, int], ...] = (
 
 def storage(fmt: str) -> str:
     """How a format stores its weights: "bf16", "int8" or "fp8"."""
-    return fmt.removesuffix("-native").removesuffix("-pallas").removesuffix("-fused")
+    for suffix in ("-native", "-pallas", "-fused", "-kmajor"):
+        fmt = fmt.removesuffix(suffix)
+    return fmt
 
 
 def fp8_native(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
@@ -69,6 +74,29 @@ def fp8_native(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     xq = (x.astype(jnp.float32) / sx).astype(FP8)
     y = jax.lax.dot(xq, q, preferred_element_type=jnp.float32)
     return (y * sx * scale).astype(x.dtype)
+
+
+def w8a8_kmajor(x: jax.Array, qt: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [n, in] bf16 quantized per row to qt's dtype (e4m3, or int8 rounded), times qt [out, in]
+    (K-major) on the tensor cores with a 32-bit accumulator; the scales multiply the output."""
+    limit = 448.0 if qt.dtype == FP8 else 127.0
+    xf = x.astype(jnp.float32)
+    sx = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True), 1e-12) / limit
+    xs = xf / sx
+    xq = (xs if qt.dtype == FP8 else jnp.round(xs)).astype(qt.dtype)
+    acc = jnp.float32 if qt.dtype == FP8 else jnp.int32
+    y = jax.lax.dot_general(xq, qt, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+    return (y.astype(jnp.float32) * sx * scale).astype(x.dtype)
+
+
+def one_kmajor_layer(h, lw, layer):
+    """One layer in the serving layout (q|k|v and gate|up fused) with K-major W8A8 weights."""
+    q_size, kv_size = lw["q_size"], lw["kv_size"]
+    qkv = w8a8_kmajor(h, *lw["qkv"])
+    q, k, v = jnp.split(qkv, [q_size, q_size + kv_size], axis=-1)
+    h = h + w8a8_kmajor(q.at[:, : k.shape[1]].add(k + v), *lw["o_proj"])
+    gate, up = jnp.split(w8a8_kmajor(h, *lw["gate_up"]), 2, axis=-1)
+    return (h + w8a8_kmajor(jax.nn.silu(gate) * up, *lw["down_proj"])).astype(h.dtype)
 
 
 def projections(fmt: str, knobs: dict[str, int]) -> Callable:
@@ -95,6 +123,8 @@ def projections(fmt: str, knobs: dict[str, int]) -> Callable:
 
     if fmt == "bf16-fused":
         return one_fused_layer
+    if fmt.endswith("-kmajor"):
+        return one_kmajor_layer
 
     def one_layer(h, lw, layer):
         q = mm(h, lw["q_proj"], layer)
@@ -124,6 +154,22 @@ def fuse(cfg: ModelConfig, w: dict) -> dict:
     return {**w, "fused": fused}
 
 
+def kmajor(cfg: ModelConfig, w: dict) -> dict:
+    """Quantized stacks -> the serving layout, K-major: {"qkv", "o_proj", "gate_up", "down_proj"} ->
+    (q [L, out, in], scale [L, out]) (a copy; the canonical stacks are dropped)."""
+
+    def cat(*ms):
+        q = jnp.concatenate([w[m][0] for m in ms], axis=-1)
+        return jnp.swapaxes(q, 1, 2), jnp.concatenate([w[m][1] for m in ms], axis=-1)
+
+    return {
+        "qkv": cat("q_proj", "k_proj", "v_proj"),
+        "o_proj": cat("o_proj"),
+        "gate_up": cat("gate_proj", "up_proj"),
+        "down_proj": cat("down_proj"),
+    }
+
+
 def weight_bytes(cfg: ModelConfig, fmt: str) -> int:
     n = sum(math.prod(cfg.module_shape(m)) for m in TARGET_MODULES)
     scales = sum(cfg.module_shape(m)[1] for m in TARGET_MODULES)
@@ -135,6 +181,7 @@ def weight_buffers(hlo: str, cfg: ModelConfig) -> dict[str, int]:
     entry = hlo[hlo.index("ENTRY") :]
     entry = entry[: entry.index("\n}")]
     shapes = {f"{a},{b}" for m in TARGET_MODULES for a, b in [cfg.module_shape(m)]}
+    shapes |= {f"{b},{a}" for m in TARGET_MODULES for a, b in [cfg.module_shape(m)]}  # K-major copies
     shapes |= {f"{cfg.num_layers},{s}" for s in shapes}
     out: dict[str, int] = {}
     for dtype, dims, op in re.findall(r"= (\w+)\[([\d,]+)\]\S* (\w[\w-]*)\(", entry):
@@ -152,6 +199,8 @@ def unrolled(cfg: ModelConfig, fmt: str, knobs: dict[str, int] | None = None) ->
             lw = w if in_place else jax.tree.map(lambda a: a[i], w)
             if fmt == "bf16-fused":
                 lw = {**lw, "fused": {**lw["fused"], "q_size": cfg.q_size, "kv_size": cfg.kv_size}}
+            if fmt.endswith("-kmajor"):
+                lw = {**lw, "q_size": cfg.q_size, "kv_size": cfg.kv_size}
             x = layer(x, lw, i)
         return x
 
@@ -224,6 +273,8 @@ def main() -> None:
             drawn = (storage(fmt), stacked_weights(cfg, storage(fmt)))
         if fmt == "bf16-fused" and "fused" not in drawn[1]:
             drawn = (drawn[0], fuse(cfg, drawn[1]))
+        if fmt.endswith("-kmajor") and "qkv" not in drawn[1]:
+            drawn = (drawn[0], kmajor(cfg, drawn[1]))
         row = measure(cfg, fmt, batch, drawn[1], hbm, knobs)
         if row is None:
             continue
