@@ -155,19 +155,20 @@ def fuse(cfg: ModelConfig, w: dict) -> dict:
 
 
 def kmajor(cfg: ModelConfig, w: dict) -> dict:
-    """Quantized stacks -> the serving layout, K-major: {"qkv", "o_proj", "gate_up", "down_proj"} ->
-    (q [L, out, in], scale [L, out]) (a copy; the canonical stacks are dropped)."""
+    """Quantized stacks -> the same stacks plus "kmajor", the serving layout stored K-major:
+    {"qkv", "o_proj", "gate_up", "down_proj"} -> (q [L, out, in], scale [L, out]) (a copy)."""
 
     def cat(*ms):
         q = jnp.concatenate([w[m][0] for m in ms], axis=-1)
         return jnp.swapaxes(q, 1, 2), jnp.concatenate([w[m][1] for m in ms], axis=-1)
 
-    return {
+    kmajor = {
         "qkv": cat("q_proj", "k_proj", "v_proj"),
         "o_proj": cat("o_proj"),
         "gate_up": cat("gate_proj", "up_proj"),
         "down_proj": cat("down_proj"),
     }
+    return {**w, "kmajor": kmajor}
 
 
 def weight_bytes(cfg: ModelConfig, fmt: str) -> int:
@@ -200,7 +201,7 @@ def unrolled(cfg: ModelConfig, fmt: str, knobs: dict[str, int] | None = None) ->
             if fmt == "bf16-fused":
                 lw = {**lw, "fused": {**lw["fused"], "q_size": cfg.q_size, "kv_size": cfg.kv_size}}
             if fmt.endswith("-kmajor"):
-                lw = {**lw, "q_size": cfg.q_size, "kv_size": cfg.kv_size}
+                lw = {**lw["kmajor"], "q_size": cfg.q_size, "kv_size": cfg.kv_size}
             x = layer(x, lw, i)
         return x
 
@@ -273,7 +274,7 @@ def main() -> None:
             drawn = (storage(fmt), stacked_weights(cfg, storage(fmt)))
         if fmt == "bf16-fused" and "fused" not in drawn[1]:
             drawn = (drawn[0], fuse(cfg, drawn[1]))
-        if fmt.endswith("-kmajor") and "qkv" not in drawn[1]:
+        if fmt.endswith("-kmajor") and "kmajor" not in drawn[1]:
             drawn = (drawn[0], kmajor(cfg, drawn[1]))
         row = measure(cfg, fmt, batch, drawn[1], hbm, knobs)
         if row is None:
