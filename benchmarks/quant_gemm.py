@@ -10,6 +10,8 @@ decode step runs them, per base weight format: time against each format's bytes 
   fp8-kmajor,   W8A8 as fp8-native (int8: x rounded     the weights stored [out, in] (K-major, the
   int8-kmajor   to int8 per row, s8 x s8 -> s32)      layout cuBLASLt's FP8 / int8 GEMMs read) and
                                                     q|k|v, gate|up fused as the engine serves them
+  fp8-kmajor-layers,                                the same, each layer's weights an array of its
+  int8-kmajor-layers                                own (no slice of a stack before the GEMM)
   int8-pallas,  pallas_kernels.quant_matmul           the model's GPU path: the Triton kernel converts
   fp8-pallas                                        weight tiles in registers and reads layer i of
                                                     the stacked weights in place (never sliced)
@@ -48,7 +50,19 @@ from jaxlora.config import TARGET_MODULES, ModelConfig
 from jaxlora.model.quant import Quantization, matmul, quantize
 from pallas_kernels.quant_matmul import quant_matmul
 
-FORMATS = ("bf16", "bf16-fused", "int8", "fp8", "fp8-native", "int8-pallas", "fp8-pallas", "fp8-kmajor", "int8-kmajor")
+FORMATS = (
+    "bf16",
+    "bf16-fused",
+    "int8",
+    "fp8",
+    "fp8-native",
+    "int8-pallas",
+    "fp8-pallas",
+    "fp8-kmajor",
+    "int8-kmajor",
+    "fp8-kmajor-layers",
+    "int8-kmajor-layers",
+)
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # Kernel knob sets `--tune` compares (see pallas_kernels/quant_tuning.py for what each knob does):
 # the table's decode row (wide columns, K split until 132 programs), narrower columns with no split
@@ -63,7 +77,7 @@ TUNE_CANDIDATES: tuple[dict[str, int], ...] = (
 
 def storage(fmt: str) -> str:
     """How a format stores its weights: "bf16", "int8" or "fp8"."""
-    for suffix in ("-native", "-pallas", "-fused", "-kmajor"):
+    for suffix in ("-native", "-pallas", "-fused", "-layers", "-kmajor"):
         fmt = fmt.removesuffix(suffix)
     return fmt
 
@@ -123,7 +137,7 @@ def projections(fmt: str, knobs: dict[str, int]) -> Callable:
 
     if fmt == "bf16-fused":
         return one_fused_layer
-    if fmt.endswith("-kmajor"):
+    if "-kmajor" in fmt:
         return one_kmajor_layer
 
     def one_layer(h, lw, layer):
@@ -168,7 +182,9 @@ def kmajor(cfg: ModelConfig, w: dict) -> dict:
         "gate_up": cat("gate_proj", "up_proj"),
         "down_proj": cat("down_proj"),
     }
-    return {**w, "kmajor": kmajor}
+    # One array per layer, sliced here once: a GEMM then reads its operand without a slice.
+    layers = [jax.tree.map(lambda a, i=i: a[i].copy(), kmajor) for i in range(cfg.num_layers)]
+    return {**w, "kmajor": kmajor, "kmajor_layers": layers}
 
 
 def weight_bytes(cfg: ModelConfig, fmt: str) -> int:
@@ -182,7 +198,8 @@ def weight_buffers(hlo: str, cfg: ModelConfig) -> dict[str, int]:
     entry = hlo[hlo.index("ENTRY") :]
     entry = entry[: entry.index("\n}")]
     shapes = {f"{a},{b}" for m in TARGET_MODULES for a, b in [cfg.module_shape(m)]}
-    shapes |= {f"{b},{a}" for m in TARGET_MODULES for a, b in [cfg.module_shape(m)]}  # K-major copies
+    fused = {f"{cfg.hidden_size},{cfg.q_size + 2 * cfg.kv_size}", f"{cfg.hidden_size},{2 * cfg.intermediate_size}"}
+    shapes |= fused | {",".join(s.split(",")[::-1]) for s in shapes | fused}  # fused, and K-major copies
     shapes |= {f"{cfg.num_layers},{s}" for s in shapes}
     out: dict[str, int] = {}
     for dtype, dims, op in re.findall(r"= (\w+)\[([\d,]+)\]\S* (\w[\w-]*)\(", entry):
@@ -197,10 +214,17 @@ def unrolled(cfg: ModelConfig, fmt: str, knobs: dict[str, int] | None = None) ->
 
     def run(w, x):
         for i in range(cfg.num_layers):
-            lw = w if in_place else jax.tree.map(lambda a: a[i], w)
+            if fmt.endswith("-kmajor-layers"):
+                lw = {"kmajor": w["kmajor_layers"][i]}
+            else:
+                lw = (
+                    w
+                    if in_place
+                    else jax.tree.map(lambda a: a[i], {k: v for k, v in w.items() if k != "kmajor_layers"})
+                )
             if fmt == "bf16-fused":
                 lw = {**lw, "fused": {**lw["fused"], "q_size": cfg.q_size, "kv_size": cfg.kv_size}}
-            if fmt.endswith("-kmajor"):
+            if "-kmajor" in fmt:
                 lw = {**lw["kmajor"], "q_size": cfg.q_size, "kv_size": cfg.kv_size}
             x = layer(x, lw, i)
         return x
@@ -274,7 +298,7 @@ def main() -> None:
             drawn = (storage(fmt), stacked_weights(cfg, storage(fmt)))
         if fmt == "bf16-fused" and "fused" not in drawn[1]:
             drawn = (drawn[0], fuse(cfg, drawn[1]))
-        if fmt.endswith("-kmajor") and "kmajor" not in drawn[1]:
+        if "-kmajor" in fmt and "kmajor" not in drawn[1]:
             drawn = (drawn[0], kmajor(cfg, drawn[1]))
         row = measure(cfg, fmt, batch, drawn[1], hbm, knobs)
         if row is None:
