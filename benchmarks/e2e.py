@@ -135,7 +135,7 @@ class Group:
 
 
 def h200_plan() -> list[Group]:
-    """Priority order: each issue-8 target first, then the breadth of the matrix.
+    """Priority order: the cells the targets read first, then the breadth of the matrix.
 
     Step-only groups (no engine run) cover the backend comparison at every batch size; a new batch
     size pays XLA's GEMM autotuning (~35 s on the H200), later groups of that size reuse it.
@@ -453,8 +453,10 @@ def hf_rows(peer: dict, model: ModelConfig, hbm: float, itemsize: int) -> list[d
 
 
 def targets_summary(rows: list[dict]) -> list[dict]:
-    """Each issue-8 target (dense rows) and issue-20 target (quantized against dense rows) with its
-    measured figure (None where a needed cell did not run)."""
+    """Each decode-floor target (dense rows) and quantized-base target (quantized against dense rows)
+    with its measured figure (None where a needed cell did not run). A d = 0 row times the bank-free
+    step, the same program for every LoRA backend, so it counts against the base-only bar and is
+    left out of the backend comparison."""
     jl = [r for r in rows if r["system"] == "jaxlora" and r["weights"] not in QUANTIZED]
     out = []
 
@@ -462,15 +464,14 @@ def targets_summary(rows: list[dict]) -> list[dict]:
         return next((r for r in jl if all(r[k] == v for k, v in kw.items())), None)
 
     pallas = [r for r in jl if r["backend"] == "pallas" and r["batch"] >= 16]
-    worst = max(pallas, key=lambda r: r["step_ms"] / r["floor_step_ms"], default=None)
-    out.append(
-        {
-            "target": "every pallas decode case at batch >= 16 within 1.6x of its floor",
-            "measured": None if worst is None else round(worst["step_ms"] / worst["floor_step_ms"], 2),
-            "met": None if worst is None else all(r["step_ms"] <= 1.6 * r["floor_step_ms"] for r in pallas),
-            "detail": None if worst is None else _cell(worst) + " is the worst",
-        }
-    )
+    with_lora = [r for r in pallas if r["distinct_adapters"] > 0]
+    base_only = [r for r in pallas if r["distinct_adapters"] == 0]
+    out += [
+        _floor_target("every pallas decode step with adapters at batch >= 16 within 1.4x of its floor", with_lora, 1.4),
+        _floor_target(
+            "every base-only (bank-free) decode step at batch >= 16 within 1.25x of its floor", base_only, 1.25
+        ),
+    ]
     lora = find(backend="pallas", batch=64, distinct_adapters=64, rank=8, targets="qkvo", prompt_len=128)
     base = find(backend="pallas", batch=64, distinct_adapters=0, rank=8, targets="qkvo", prompt_len=128)
     ratio = (
@@ -499,7 +500,7 @@ def targets_summary(rows: list[dict]) -> list[dict]:
     )
     losses = []
     compared = 0
-    for r in pallas:
+    for r in with_lora:
         key = {k: r[k] for k in ("batch", "distinct_adapters", "rank", "targets", "prompt_len")}
         for other in (LoraBackend.XLA, LoraBackend.RAGGED):
             o = find(backend=other, **key)
@@ -509,7 +510,7 @@ def targets_summary(rows: list[dict]) -> list[dict]:
                     losses.append(f"{other} {o['step_ms']} <= pallas {r['step_ms']} ms at {_cell(r)}")
     out.append(
         {
-            "target": "pallas faster than xla and ragged at every batch >= 16 (decode step)",
+            "target": "pallas faster than xla and ragged at every batch >= 16 with adapters (decode step)",
             "measured": f"{compared - len(losses)}/{compared} comparisons won" if compared else None,
             "met": None if not compared else not losses,
             "detail": "; ".join(losses) or None,
@@ -518,8 +519,19 @@ def targets_summary(rows: list[dict]) -> list[dict]:
     return out + quantized_targets(rows)
 
 
+def _floor_target(target: str, rows: list[dict], bar: float) -> dict:
+    """The worst step / floor among `rows` against `bar`."""
+    worst = max(rows, key=lambda r: r["step_ms"] / r["floor_step_ms"], default=None)
+    return {
+        "target": target,
+        "measured": None if worst is None else round(worst["step_ms"] / worst["floor_step_ms"], 2),
+        "met": None if worst is None else all(r["step_ms"] <= bar * r["floor_step_ms"] for r in rows),
+        "detail": None if worst is None else _cell(worst) + " is the worst",
+    }
+
+
 def quantized_targets(rows: list[dict]) -> list[dict]:
-    """Issue 20: 7B shape, B=64, 64 distinct rank-16 adapters on all seven modules: each quantized
+    """Quantized bases: 7B shape, B=64, 64 distinct rank-16 adapters on all seven modules: each quantized
     decode step <= 0.6x the bf16 step; every quantized step within 1.5x its own bytes floor."""
     jl = [r for r in rows if r["system"] == "jaxlora"]
     cell = dict(batch=64, distinct_adapters=64, rank=16, targets="all", prompt_len=128)

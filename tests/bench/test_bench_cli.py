@@ -143,6 +143,36 @@ def test_quantized_targets_compare_with_the_bf16_step():
     assert floor["measured"] == 1.56 and not floor["met"] and floor["detail"].startswith("int8")
 
 
+def test_floor_targets_split_adapter_steps_from_bank_free_steps():
+    # A d = 0 row times the bank-free step, the same program for every LoRA backend: it is held to
+    # the base-only bar (1.25x) and is no backend comparison; rows with adapters are held to 1.4x.
+    cell = {
+        "system": "jaxlora",
+        "weights": "bf16",
+        "batch": 64,
+        "rank": 16,
+        "targets": "all",
+        "prompt_len": 128,
+        "gen_len": 128,
+        "tokens_per_s": None,
+        "ttft_ms": None,
+    }
+    rows = [
+        {**cell, "backend": "pallas", "distinct_adapters": 64, "step_ms": 8.3, "floor_step_ms": 6.0},  # 1.38x
+        {**cell, "backend": "xla", "distinct_adapters": 64, "step_ms": 9.0, "floor_step_ms": 6.0},
+        {**cell, "backend": "pallas", "distinct_adapters": 0, "step_ms": 6.5, "floor_step_ms": 5.0},  # 1.30x
+        {**cell, "backend": "xla", "distinct_adapters": 0, "step_ms": 6.4, "floor_step_ms": 5.0},  # faster: ignored
+        {**cell, "backend": "pallas", "batch": 8, "distinct_adapters": 8, "step_ms": 9.0, "floor_step_ms": 3.0},
+    ]
+    targets = {t["target"].split(" (")[0].split(" within")[0]: t for t in e2e.targets_summary(rows)}
+    lora = targets["every pallas decode step with adapters at batch >= 16"]
+    assert lora["measured"] == 1.38 and lora["met"] and lora["detail"].startswith("B=64 d=64")
+    base = targets["every base-only"]
+    assert base["measured"] == 1.3 and not base["met"] and base["detail"].startswith("B=64 d=0")
+    versus = targets["pallas faster than xla and ragged at every batch >= 16 with adapters"]
+    assert versus["measured"] == "1/1 comparisons won" and versus["met"]
+
+
 @pytest.mark.parametrize(
     "bad",
     [

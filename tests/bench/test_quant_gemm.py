@@ -14,12 +14,12 @@ def test_quant_gemm_smoke(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads((tmp_path / "quant_gemm.json").read_text())["rows"]
     # Grouped by how the weights are stored (each kind drawn once); the --tune rows follow int8's.
-    formats = ["bf16", "bf16-fused", "int8", "int8-pallas", "int8-kmajor"] + ["int8-pallas"] * 3
-    formats += ["fp8", "fp8-native", "fp8-pallas", "fp8-kmajor"]
+    formats = ["bf16", "bf16-fused", "int8", "int8-pallas", "int8-kmajor", "int8-kmajor-layers"]
+    formats += ["int8-pallas"] * 3 + ["fp8", "fp8-native", "fp8-pallas", "fp8-kmajor", "fp8-kmajor-layers"]
     assert [r["format"] for r in rows] == formats
-    assert [r["batch"] for r in rows] == [2] * 5 + [3] * 3 + [2] * 4
-    assert [r.get("knobs") is not None for r in rows] == [False] * 5 + [True] * 3 + [False] * 4
+    assert [r["batch"] for r in rows] == [2] * 6 + [3] * 3 + [2] * 5
+    assert [r.get("knobs") is not None for r in rows] == [False] * 6 + [True] * 3 + [False] * 5
     assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in rows)
     # TINY: 2 layers x 30,720 projection weights (hidden 64, k/v 32 wide, intermediate 96) and 448 output
     # channels: bf16 2 x 30,720 x 2 = 122,880 bytes; quantized 2 x (30,720 + 448 x 4) = 65,024 bytes.
-    assert [r["weight_bytes"] for r in rows] == [122_880] * 2 + [65_024] * 10
+    assert [r["weight_bytes"] for r in rows] == [122_880] * 2 + [65_024] * 12
