@@ -314,7 +314,7 @@ def run_group(
         dtype=jnp.dtype(model.dtype).name,
         mesh=MeshConfig(tensor=tensor_parallel),
     )
-    runtime = LoraRuntime.for_platform(group.backend)
+    runtime = LoraRuntime.for_platform(group.backend, fused_projections=model.fused)
     t0 = time.perf_counter()
     mesh = engine_mesh(config.mesh, cfg)  # one mesh for the bank and the runner
     # Only the source holds the bank: splitting it over the mesh frees the one-device copy.

@@ -387,7 +387,9 @@ def build_engine(model, tokenizer, case: Case, opts: Options) -> Engine:
     )
     bank = random_bank(cfg, lora, num_adapters, model.dtype, seed=opts.seed)
     source = ResidentBank(bank, [adapter_name(i) for i in range(num_adapters)])
-    return Engine(model, tokenizer, config, source, runtime=LoraRuntime.for_platform(opts.backend))
+    return Engine(
+        model, tokenizer, config, source, runtime=LoraRuntime.for_platform(opts.backend, fused_projections=model.fused)
+    )
 
 
 def run_case(model, tokenizer, case: Case, opts: Options) -> dict:

@@ -77,9 +77,7 @@ TUNE_CANDIDATES: tuple[dict[str, int], ...] = (
 
 def storage(fmt: str) -> str:
     """How a format stores its weights: "bf16", "int8" or "fp8"."""
-    for suffix in ("-native", "-pallas", "-fused", "-layers", "-kmajor"):
-        fmt = fmt.removesuffix(suffix)
-    return fmt
+    return fmt.split("-")[0]
 
 
 def fp8_native(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
@@ -273,6 +271,8 @@ def main() -> None:
     p.add_argument("--tune", type=int, default=None, metavar="M", help="time TUNE_CANDIDATES at batch M")
     p.add_argument("--out", type=Path, default=None, help="folder for quant_gemm.json")
     args = p.parse_args()
+    if args.layers is not None and args.layers < 1:
+        p.error(f"--layers {args.layers} must be >= 1")
     cfg = TINY if args.tiny else LLAMA2_7B
     if args.layers is not None:
         cfg = dataclasses.replace(cfg, num_layers=args.layers)

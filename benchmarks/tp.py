@@ -339,7 +339,7 @@ def run_case(
     runner = Runner(
         model,
         engine_config(case, backend, jnp.dtype(models.dtype).name),
-        runtime=LoraRuntime.for_platform(backend),
+        runtime=LoraRuntime.for_platform(backend, fused_projections=model.fused),
         mesh=models.mesh if case.tensor > 1 else None,  # the model's own mesh, not a second one
     )
     bank = None

@@ -287,17 +287,11 @@ def _group_fused(x, a, ys, bs, slot_ids, backend, interpret, seg_len, plan, laye
     The Pallas decode kernel writes the columns in place (one launch for the group); every other
     path runs the per-module ops on column slices of y and writes them back (XLA updates in place).
     """
-    if len(ys) != 1 or len(out_cols) != len(bs) or not bs:
-        raise ValueError(
-            f"a fused output takes one y and one column offset per bank; got {len(ys)} outputs, "
-            f"{len(out_cols)} offsets, {len(bs)} banks"
-        )
+    if len(ys) != 1 or not bs:
+        raise ValueError(f"a fused output takes one y and at least one bank; got {len(ys)} outputs, {len(bs)} banks")
     (y,) = ys
+    lora_triton.check_column_spans(out_cols, tuple(b.shape[-1] for b in bs), y.shape)
     spans = [(c, c + b.shape[-1]) for c, b in zip(out_cols, bs)]
-    if y.ndim != 2 or any(lo < 0 or hi > y.shape[1] for lo, hi in spans):
-        raise ValueError(f"column spans {spans} must lie inside y {y.shape} [T, W]")
-    if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
-        raise ValueError(f"column spans {spans} must be in order and must not overlap")
     if (
         backend == "pallas"
         and seg_len is None

@@ -391,6 +391,19 @@ def _expand_rows_multi_kernel(
 # -- wrappers -----------------------------------------------------------------------------------
 
 
+def check_column_spans(out_cols: tuple[int, ...], widths: tuple[int, ...], y_shape: tuple[int, ...]) -> None:
+    """Module g of a fused output y [T, W] owns columns out_cols[g] .. out_cols[g] + widths[g] - 1:
+    raises ValueError unless the spans are one per module, inside y, in order and disjoint (modules
+    write their columns in place, so an overlap would race)."""
+    if len(out_cols) != len(widths):
+        raise ValueError(f"out_cols {out_cols} must give one column offset per bank ({len(widths)})")
+    spans = [(c, c + w) for c, w in zip(out_cols, widths)]
+    if len(y_shape) != 2 or any(lo < 0 or hi > y_shape[1] for lo, hi in spans):
+        raise ValueError(f"column spans {spans} must lie inside y {tuple(y_shape)} [T, W]")
+    if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
+        raise ValueError(f"column spans {spans} must be in order and must not overlap")
+
+
 def _check_pow2(min_rows: int = MIN_DOT, **knobs: int) -> None:
     for name, value in knobs.items():
         if not _is_pow2(value):
@@ -835,8 +848,8 @@ def decode_group(
     ndim = 3 if layer is None else 4
     output_of = tuple(range(len(bs))) if out_cols is None else (0,) * len(bs)
     col_offset = (0,) * len(bs) if out_cols is None else tuple(out_cols)
-    if len(col_offset) != len(bs):
-        raise ValueError(f"out_cols {out_cols} must give one column offset per bank ({len(bs)})")
+    if out_cols is not None:
+        check_column_spans(col_offset, tuple(b.shape[-1] for b in bs), ys[0].shape)
     for g, b in enumerate(bs):
         y = ys[output_of[g]]
         if (
@@ -844,7 +857,6 @@ def decode_group(
             or y.shape[0] != x.shape[0]
             or b.ndim != ndim
             or b.shape[-2] != rank
-            or not 0 <= col_offset[g] <= y.shape[1] - b.shape[-1]
             or (out_cols is None and b.shape[-1] != y.shape[1])
         ):
             raise ValueError(

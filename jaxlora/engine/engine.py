@@ -176,7 +176,8 @@ class Engine:
         self.runner = Runner(
             model,
             config,
-            runtime=runtime or LoraRuntime.for_platform(config.lora.backend, attention=config.attention),
+            runtime=runtime
+            or LoraRuntime.for_platform(config.lora.backend, attention=config.attention, fused_projections=model.fused),
             mesh=mesh,
         )
         self.pages = PageTable(self.runner.num_pages, config.page_size, self.runner.pages_per_seq)

@@ -118,23 +118,25 @@ class _ByGemm:
     jit its `runtime=` keyword names."""
 
     def __init__(self, fun: Callable, **jit_kw) -> None:
-        self._jits = {g: jax.jit(fun, compiler_options=GEMM_COMPILER_OPTIONS[g] or None, **jit_kw) for g in GEMMS}
+        self._jits = {
+            g: jax.jit(fun, compiler_options=options or None, **jit_kw) for g, options in GEMM_COMPILER_OPTIONS.items()
+        }
         functools.update_wrapper(self, fun)
 
-    def jit_for(self, runtime: LoraRuntime):
+    def _jit(self, kwargs: dict):
+        runtime = kwargs.get("runtime")
+        if not isinstance(runtime, LoraRuntime):
+            raise TypeError(f"{self.__name__} takes its LoraRuntime as the keyword argument runtime=, got {runtime!r}")
         return self._jits[runtime.gemm.value]
 
     def __call__(self, *args, **kwargs):
-        return self._jits[kwargs["runtime"].gemm.value](*args, **kwargs)
+        return self._jit(kwargs)(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
-        return self._jits[kwargs["runtime"].gemm.value].lower(*args, **kwargs)
+        return self._jit(kwargs).lower(*args, **kwargs)
 
     def trace(self, *args, **kwargs):
-        return self._jits[kwargs["runtime"].gemm.value].trace(*args, **kwargs)
-
-
-GEMMS = tuple(g for g in GEMM_COMPILER_OPTIONS)
+        return self._jit(kwargs).trace(*args, **kwargs)
 
 
 def by_gemm(**jit_kw) -> Callable[[Callable], _ByGemm]:

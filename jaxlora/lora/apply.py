@@ -95,6 +95,7 @@ class LoraRuntime:
         unroll_layers: bool | None = None,
         quant_matmul: QuantMatmul | str = QuantMatmul.AUTO,
         gemm: GemmBackend | str = GemmBackend.AUTO,
+        fused_projections: bool = True,
     ) -> LoraRuntime:
         """Pallas runs natively on GPU and TPU; on CPU the only way to run it is the interpreter.
 
@@ -104,9 +105,11 @@ class LoraRuntime:
         quantized-GEMM kernel has passed interpret-mode and CUDA-lowering tests but has not been
         timed (or compiled to machine code) on a GPU yet; choose it explicitly with "pallas"
         (`benchmarks/quant_gemm.py` measures both). The kernel is Triton only, so PALLAS on a TPU
-        raises ValueError. gemm="auto" picks CUBLAS on GPU (the fused serving-layout projections
-        stream their weights faster through cuBLAS at decode sizes: benchmarks/NOTES.md) and XLA
-        elsewhere.
+        raises ValueError. gemm="auto" picks CUBLAS on GPU for a model in the serving layout
+        (`fused_projections`, jaxlora.model.fused: its wide q|k|v and gate|up GEMMs stream their
+        weights faster through cuBLAS at decode sizes) and XLA otherwise: with one matrix per module
+        cuBLAS was the slower choice at 64 rows (8 layers of the 7B projections: 1.31 against 1.23 ms,
+        benchmarks/results/floor_probe_s8/).
         """
         platform = platform or jax.default_backend()
         if unroll_layers is None:
@@ -120,7 +123,7 @@ class LoraRuntime:
             quant_matmul = QuantMatmul.XLA
         gemm = GemmBackend(gemm)
         if gemm is GemmBackend.AUTO:
-            gemm = GemmBackend.CUBLAS if platform == "gpu" else GemmBackend.XLA
+            gemm = GemmBackend.CUBLAS if platform == "gpu" and fused_projections else GemmBackend.XLA
         if quant_matmul is QuantMatmul.PALLAS and platform not in ("gpu", "cpu"):
             raise ValueError(
                 f"quant_matmul=pallas is a Triton kernel: it runs on GPU (or interpreted on CPU), not {platform}"

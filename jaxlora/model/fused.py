@@ -30,11 +30,13 @@ import numpy as np
 
 from jaxlora.config import ModelConfig
 from jaxlora.errors import ModelLoadError
+from jaxlora.lora.bank import GROUPS
 
-# (parent, fused module, the modules it concatenates in column order)
+# (parent, fused module, the modules it concatenates in column order). The order is the LoRA bank's
+# group order, in which the fused output's columns receive their LoRA terms (jaxlora.lora.apply).
 FUSED_GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("layers.self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
-    ("layers.mlp", "gate_up_proj", ("gate_proj", "up_proj")),
+    ("layers.self_attn", "qkv_proj", dict(GROUPS)["qkv"]),
+    ("layers.mlp", "gate_up_proj", dict(GROUPS)["gate_up"]),
 )
 # The parameters a projection may hold; each is concatenated along its last (output) axis.
 LEAVES = ("kernel", "bias", "qkernel", "qscale")

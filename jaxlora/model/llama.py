@@ -24,7 +24,15 @@ from flax import nnx
 
 import pallas_kernels
 from jaxlora.config import AttentionBackend, ModelConfig
-from jaxlora.lora.apply import LoraRuntime, QuantMatmul, apply_group, apply_group_fused, step_plan, token_slots_for
+from jaxlora.lora.apply import (
+    GROUP_MODULES,
+    LoraRuntime,
+    QuantMatmul,
+    apply_group,
+    apply_group_fused,
+    step_plan,
+    token_slots_for,
+)
 from jaxlora.model.fused import module_columns
 from jaxlora.model.kv_cache import KVCache, PagedKVCache
 from jaxlora.model.quant import Quantization, QuantLinear, project
@@ -32,8 +40,8 @@ from jaxlora.model.rope import apply_rope, inverse_frequencies
 from jaxlora.parallel import layers as tp
 
 _NEG_INF = -1e30
-_QKV = ("q_proj", "k_proj", "v_proj")
-_GATE_UP = ("gate_proj", "up_proj")
+_QKV = GROUP_MODULES["qkv"]
+_GATE_UP = GROUP_MODULES["gate_up"]
 
 
 class RMSNorm(nnx.Module):
@@ -132,19 +140,11 @@ def _fused_projection(
     """One GEMM for the modules sharing x2 (jaxlora.model.fused), their LoRA terms added in place in
     its columns, then split: module -> [N, out_m]."""
     y = _apply_linear(linear, x2, layer, s.runtime)  # [N, sum of the modules' widths]
+    starts = module_columns(cfg, modules)
     y = apply_group_fused(
-        group,
-        lora.get(group),
-        x2,
-        y,
-        module_columns(cfg, modules),
-        s.token_slots,
-        s.runtime,
-        s.seg_len,
-        plan=s.lora_plan,
-        layer=layer,
+        group, lora.get(group), x2, y, starts, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan, layer=layer
     )
-    cols = module_columns(cfg, modules) + (y.shape[1],)
+    cols = starts + (y.shape[1],)
     return {m: y[:, cols[i] : cols[i + 1]] for i, m in enumerate(modules)}
 
 

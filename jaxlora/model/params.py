@@ -62,12 +62,43 @@ def _abstract_state(
     return nnx.split(nnx.eval_shape(make))
 
 
+def _expected(state: nnx.State) -> dict[str, jax.ShapeDtypeStruct]:
+    """name -> (shape, dtype) of every parameter of an abstract state."""
+    return {".".join(map(str, p)): v for p, v in _flat(state)}
+
+
+def _check_arrays(
+    expected: Mapping[str, jax.ShapeDtypeStruct],
+    arrays: Mapping[str, np.ndarray | jax.Array],
+    quantization: Quantization | None,
+    source: str,
+) -> None:
+    """Raises ModelLoadError naming `source` unless `arrays` has exactly the expected names, shapes
+    and (for quantized storage) dtypes."""
+    missing = sorted(set(expected) - set(arrays))
+    if missing:
+        raise ModelLoadError(f"{source}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    unexpected = sorted(set(arrays) - set(expected))
+    if unexpected:
+        raise ModelLoadError(f"{source}: unexpected tensor(s) {unexpected[:5]} for this architecture")
+    for name, spec in expected.items():
+        if tuple(arrays[name].shape) != tuple(spec.shape):
+            raise ModelLoadError(
+                f"{source}: tensor {name} has shape {tuple(arrays[name].shape)}, expected {tuple(spec.shape)}"
+            )
+        if not _is_float(spec.dtype) and arrays[name].dtype != spec.dtype:
+            raise ModelLoadError(
+                f"{source}: tensor {name} has dtype {arrays[name].dtype}, expected {spec.dtype} "
+                f"({quantization} weights are never cast from another format)"
+            )
+
+
 def abstract_model(
     config: ModelConfig, dtype: jnp.dtype, quantization: Quantization | str | None = None, fused: bool = False
 ) -> tuple[nnx.GraphDef, dict[str, jax.ShapeDtypeStruct]]:
     """The graph and the expected name -> (shape, dtype) of every parameter, without allocating."""
     graphdef, state = _abstract_state(config, dtype, parse_quantization(quantization), fused)
-    return graphdef, {".".join(map(str, p)): v for p, v in _flat(state)}
+    return graphdef, _expected(state)
 
 
 def build_model(
@@ -94,28 +125,12 @@ def build_model(
     if fused:
         if any(is_fused_name(n) for n in arrays):
             raise ModelLoadError(f"{source}: give the canonical (unfused) tensors; fused ones are made here")
-        try:
-            arrays = fuse_arrays(arrays)
-        except ModelLoadError as e:
-            raise ModelLoadError(f"{source}: {e}") from None
+        # Each piece is checked before the concatenation: a fused width that adds up can still hide
+        # swapped pieces (q as wide as k|v), and a misshapen one would fail inside the concatenate.
+        _check_arrays(_expected(_abstract_state(config, dtype, quantization)[1]), arrays, quantization, source)
+        arrays = fuse_arrays(arrays)
     graphdef, state = _abstract_state(config, dtype, quantization, fused)
-    expected = {".".join(map(str, p)): v for p, v in _flat(state)}
-    missing = sorted(set(expected) - set(arrays))
-    if missing:
-        raise ModelLoadError(f"{source}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    unexpected = sorted(set(arrays) - set(expected))
-    if unexpected:
-        raise ModelLoadError(f"{source}: unexpected tensor(s) {unexpected[:5]} for this architecture")
-    for name, spec in expected.items():
-        if tuple(arrays[name].shape) != tuple(spec.shape):
-            raise ModelLoadError(
-                f"{source}: tensor {name} has shape {tuple(arrays[name].shape)}, expected {tuple(spec.shape)}"
-            )
-        if not _is_float(spec.dtype) and arrays[name].dtype != spec.dtype:
-            raise ModelLoadError(
-                f"{source}: tensor {name} has dtype {arrays[name].dtype}, expected {spec.dtype} "
-                f"({quantization} weights are never cast from another format)"
-            )
+    _check_arrays(_expected(state), arrays, quantization, source)
     for path, var in nnx.to_flat_state(state):
         # The expected dtype: `dtype` for dense parameters, the storage dtype / float32 for quantized ones.
         var.set_value(jnp.asarray(arrays[".".join(map(str, path))], dtype=var.get_value().dtype))

@@ -67,16 +67,43 @@ def test_fused_model_holds_one_matrix_per_group_and_gives_canonical_params():
         np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]), err_msg=name)
     back = split_arrays(fuse_arrays(a), CFG)
     assert set(back) == set(a)
+    for name in a:
+        np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(a[name]), err_msg=name)
 
 
 def test_partial_group_and_fused_input_names_are_refused():
     arrays = random_model(CFG, seed=4).flat_params()
     del arrays["layers.self_attn.k_proj.kernel"]
-    with pytest.raises(ModelLoadError, match="k_proj.kernel.*qkv_proj"):
+    with pytest.raises(ModelLoadError, match=r"missing tensor.*k_proj.kernel"):
         build_model(CFG, arrays, fused=True)
     fused_names = fuse_arrays(random_model(CFG, seed=4).flat_params())
     with pytest.raises(ModelLoadError, match="canonical"):
         build_model(CFG, fused_names, fused=True)
+
+
+def test_misshapen_pieces_are_refused_before_fusing():
+    # CFG has grouped-query attention (q 32 wide, k and v 16): q and k swapped still add up to the
+    # fused width, so each piece must be checked against its own module's shape.
+    arrays = random_model(CFG, seed=4).flat_params()
+    q, k = "layers.self_attn.q_proj.kernel", "layers.self_attn.k_proj.kernel"
+    swapped = {**arrays, q: arrays[k], k: arrays[q]}
+    with pytest.raises(ModelLoadError, match=r"src: tensor layers.self_attn.[qk]_proj.kernel has shape"):
+        build_model(CFG, swapped, fused=True, source="src")
+    up = "layers.mlp.up_proj.kernel"
+    wide_input = {**arrays, up: np.concatenate([arrays[up], arrays[up][:, :1]], axis=1)}
+    with pytest.raises(ModelLoadError, match="up_proj.kernel has shape"):
+        build_model(CFG, wide_input, fused=True, source="src")
+
+
+def test_cublas_gemms_follow_the_projection_layout():
+    pick = lambda platform, fused: (
+        LoraRuntime.for_platform(  # noqa: E731
+            "xla", platform, fused_projections=fused
+        ).gemm.value
+    )
+    assert pick("gpu", True) == "cublas"
+    assert pick("gpu", False) == "xla"  # one matrix per module: cuBLAS measured slower
+    assert pick("cpu", True) == "xla"
 
 
 def _logits(model, bank, slots, backend, quant_matmul="xla"):
@@ -139,9 +166,12 @@ def test_engine_greedy_tokens_equal_separate_layout_with_zero_compiles():
     }
     requests = traffic(8, seed=3)
     outputs = {}
-    for name, model in (("separate", separate), ("fused", fused)):
-        engine = make_engine((model, tok, adapters))
+    # The cuBLAS choice is the step programs' other jit (an XLA compile option, accepted on CPU too):
+    # warm-up must compile it, and calls must reach it, with nothing compiled while serving.
+    cublas = LoraRuntime.for_platform(LoraBackend.XLA, gemm="cublas")
+    for name, model, runtime in (("separate", separate, None), ("fused", fused, None), ("cublas", fused, cublas)):
+        engine = make_engine((model, tok, adapters), runtime=runtime)
         outputs[name] = [r.token_ids for r in engine.generate(requests)]
         assert engine.compiles_after_warmup == 0, name
-    assert outputs["fused"] == outputs["separate"]
+    assert outputs["fused"] == outputs["separate"] == outputs["cublas"]
     assert any(r.adapter for r in requests) and any(not r.adapter for r in requests)
