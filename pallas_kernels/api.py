@@ -265,12 +265,7 @@ def lora_group(
     if out_cols is not None:
         return (_group_fused(x, a, ys, bs, slot_ids, backend, interpret, seg_len, plan, layer, tuple(out_cols)),)
     kw = dict(backend=backend, interpret=interpret, seg_len=seg_len, layer=layer)
-    if (
-        backend == "pallas"
-        and seg_len is None
-        and x.shape[0]
-        and tuning.lookup("expand", "decode", x.shape[0]).get("impl") == "rows"
-    ):
+    if _decode_group_applies(backend, seg_len, x.shape[0]):
         plan = _resolve_plan(
             plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=x.shape[0], num_slots=a.shape[-3]
         )
@@ -279,6 +274,17 @@ def lora_group(
         )
     h = lora_shrink(x, a, slot_ids, plan=plan, **kw)
     return lora_expand_multi(tuple(ys), h, tuple(bs), slot_ids, plan=plan, **kw)
+
+
+def _decode_group_applies(backend: str, seg_len: int | None, num_tokens: int) -> bool:
+    """Whether a group's LoRA term runs as `lora_triton.decode_group` (two launches for the group):
+    Pallas, one token per row, and the decode expand tuned to its per-row impl at this T."""
+    return (
+        backend == "pallas"
+        and seg_len is None
+        and num_tokens > 0
+        and tuning.lookup("expand", "decode", num_tokens).get("impl") == "rows"
+    )
 
 
 def _group_fused(x, a, ys, bs, slot_ids, backend, interpret, seg_len, plan, layer, out_cols) -> jax.Array:
@@ -292,12 +298,7 @@ def _group_fused(x, a, ys, bs, slot_ids, backend, interpret, seg_len, plan, laye
     (y,) = ys
     lora_triton.check_column_spans(out_cols, tuple(b.shape[-1] for b in bs), y.shape)
     spans = [(c, c + b.shape[-1]) for c, b in zip(out_cols, bs)]
-    if (
-        backend == "pallas"
-        and seg_len is None
-        and x.shape[0]
-        and tuning.lookup("expand", "decode", x.shape[0]).get("impl") == "rows"
-    ):
+    if _decode_group_applies(backend, seg_len, x.shape[0]):
         plan = _resolve_plan(
             plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=x.shape[0], num_slots=a.shape[-3]
         )
