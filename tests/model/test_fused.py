@@ -17,29 +17,17 @@ from jaxlora.model import init_kv_cache
 from jaxlora.model.forward import forward_logits
 from jaxlora.model.fused import fuse_arrays, split_arrays
 from jaxlora.model.params import build_model, random_model
-from tests.factories import tiny_config
+from tests.factories import random_adapter, tiny_config
 from tests.tolerances import assert_close
 
 CFG = tiny_config(num_layers=2, attention_bias=True)
-
-
-def _adapter(seed: int, modules, rank: int) -> dict:
-    rng = np.random.default_rng(seed)
-    out = {}
-    for m in modules:
-        d_in, d_out = CFG.module_shape(m)
-        out[m] = (
-            rng.standard_normal((CFG.num_layers, d_in, rank), np.float32) * 0.3,
-            rng.standard_normal((CFG.num_layers, rank, d_out), np.float32) * 0.3,
-        )
-    return out
 
 
 def _bank(target_modules=TARGET_MODULES):
     lora = LoraConfig(max_slots=4, max_rank=4, target_modules=target_modules)
     bank = init_bank(CFG, lora)
     for slot, (seed, rank) in {1: (1, 4), 2: (2, 1), 3: (3, 3)}.items():
-        weights = _adapter(seed, target_modules, rank)
+        weights = random_adapter(f"a{slot}", CFG, modules=target_modules, rank=rank, rng=seed, scale=0.3).weights
         bank = set_slot(bank, slot, slot_arrays(weights, CFG, lora))
     return bank
 
@@ -155,7 +143,7 @@ def test_engine_greedy_tokens_equal_separate_layout_with_zero_compiles():
     fused model: the same greedy tokens as on the separate one, and nothing compiles after warm-up."""
     from tests.engine.conftest import ADAPTERS, make_engine
     from tests.engine.test_engine import traffic
-    from tests.factories import char_tokenizer, random_adapter, tiny_model
+    from tests.factories import char_tokenizer, tiny_model
 
     separate = tiny_model()
     fused = build_model(separate.config, separate.flat_params(), fused=True)
