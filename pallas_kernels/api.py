@@ -36,7 +36,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import lora_tpu, lora_triton, reference, tuning, xla_backends
+from pallas_kernels import lora_fused, lora_tpu, lora_triton, reference, tuning, xla_backends
 from pallas_kernels.plan import BACKENDS, Backend, LoraPlan, check_plan, lora_plan
 
 
@@ -247,8 +247,9 @@ def lora_group(
 ) -> tuple[jax.Array, ...]:
     """ys_new[g][t] = ys[g][t] + (x[t] @ a[s])[g*R:(g+1)*R] @ bs[g][s], s = slot_ids[t]: a module group's LoRA term.
 
-    The same as `lora_shrink` followed by `lora_expand_multi`. On "pallas" in decode (seg_len None)
-    with the per-row expand, it runs as two launches for the whole group
+    The same as `lora_shrink` followed by `lora_expand_multi`. On "pallas" where tuning.py's group
+    impl is "fused", it runs as one launch for the whole group (`lora_fused`); otherwise in decode
+    (seg_len None) with the per-row expand, as two launches for the whole group
     (`lora_triton.decode_group`: the shrink's float32 split-K partials go straight to one expand
     launch over every module), and h is not rounded to x.dtype in between.
 
@@ -262,6 +263,15 @@ def lora_group(
       tuple of G arrays, [T, O_g] in ys[g].dtype; with out_cols, the one updated fused output (y_new,).
     """
     _check_backend(backend)
+    if _fused_group_applies(backend, seg_len, x.shape[0], bs[0].shape[-2] if bs else 0):
+        plan = _resolve_plan(
+            plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=x.shape[0], num_slots=a.shape[-3]
+        )
+        mode = "decode" if seg_len is None else "prefill"
+        out_cols = None if out_cols is None else tuple(out_cols)
+        return lora_fused.fused_group(
+            x, a, tuple(ys), tuple(bs), plan.groups, mode=mode, layer=layer, out_cols=out_cols, interpret=interpret
+        )
     if out_cols is not None:
         return (_group_fused(x, a, ys, bs, slot_ids, backend, interpret, seg_len, plan, layer, tuple(out_cols)),)
     kw = dict(backend=backend, interpret=interpret, seg_len=seg_len, layer=layer)
@@ -274,6 +284,15 @@ def lora_group(
         )
     h = lora_shrink(x, a, slot_ids, plan=plan, **kw)
     return lora_expand_multi(tuple(ys), h, tuple(bs), slot_ids, plan=plan, **kw)
+
+
+def _fused_group_applies(backend: str, seg_len: int | None, num_tokens: int, rank: int) -> bool:
+    """Whether a group's LoRA term runs as one launch (`lora_fused.fused_group`): Pallas, and
+    tuning.py's group impl at this T and bank rank is "fused"."""
+    if backend != "pallas" or num_tokens <= 0 or rank <= 0:
+        return False
+    mode = "decode" if seg_len is None else "prefill"
+    return tuning.lookup_group(mode, num_tokens, rank)["impl"] == "fused"
 
 
 def _decode_group_applies(backend: str, seg_len: int | None, num_tokens: int) -> bool:

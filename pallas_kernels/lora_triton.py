@@ -808,6 +808,44 @@ def grouped_expand(
     return _expand_call(y, h, b, layer, groups.order, items, h_col=h_col, interpret=interpret, **knobs)
 
 
+def check_group(
+    x: jax.Array,
+    a: jax.Array,
+    ys: tuple[jax.Array, ...],
+    bs: tuple[jax.Array, ...],
+    layer: jax.Array | None,
+    out_cols: tuple[int, ...] | None,
+) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """Checks one module group's operands (`decode_group`'s Args); raises ValueError on a mismatch.
+
+    Returns (rank, output_of, col_offset): module g writes columns col_offset[g] .. of ys[output_of[g]].
+    """
+    _check_shrink(x, a)
+    if not bs or len(ys) != (1 if out_cols is not None else len(bs)):
+        raise ValueError(f"need one bank per output (or one fused output); got {len(ys)} outputs, {len(bs)} banks")
+    rank = bs[0].shape[-2]
+    if a.shape[-1] != len(bs) * rank:
+        raise ValueError(f"a {a.shape} must stack G={len(bs)} ranks of {rank}")
+    ndim = 3 if layer is None else 4
+    output_of = tuple(range(len(bs))) if out_cols is None else (0,) * len(bs)
+    col_offset = (0,) * len(bs) if out_cols is None else tuple(out_cols)
+    if out_cols is not None:
+        check_column_spans(col_offset, tuple(b.shape[-1] for b in bs), ys[0].shape)
+    for g, b in enumerate(bs):
+        y = ys[output_of[g]]
+        if (
+            y.ndim != 2
+            or y.shape[0] != x.shape[0]
+            or b.ndim != ndim
+            or b.shape[-2] != rank
+            or (out_cols is None and b.shape[-1] != y.shape[1])
+        ):
+            raise ValueError(
+                f"output {y.shape} [T, O] (columns from {col_offset[g]}) does not fit bank {b.shape} [(L,) S, R={rank}, O]"
+            )
+    return rank, output_of, col_offset
+
+
 def decode_group(
     x: jax.Array,
     a: jax.Array,
@@ -839,29 +877,7 @@ def decode_group(
     Returns:
       the updated outputs (G, or the one fused output), each in its own dtype (f32 accumulation).
     """
-    _check_shrink(x, a)
-    if not bs or len(ys) != (1 if out_cols is not None else len(bs)):
-        raise ValueError(f"need one bank per output (or one fused output); got {len(ys)} outputs, {len(bs)} banks")
-    rank = bs[0].shape[-2]
-    if a.shape[-1] != len(bs) * rank:
-        raise ValueError(f"a {a.shape} must stack G={len(bs)} ranks of {rank}")
-    ndim = 3 if layer is None else 4
-    output_of = tuple(range(len(bs))) if out_cols is None else (0,) * len(bs)
-    col_offset = (0,) * len(bs) if out_cols is None else tuple(out_cols)
-    if out_cols is not None:
-        check_column_spans(col_offset, tuple(b.shape[-1] for b in bs), ys[0].shape)
-    for g, b in enumerate(bs):
-        y = ys[output_of[g]]
-        if (
-            y.ndim != 2
-            or y.shape[0] != x.shape[0]
-            or b.ndim != ndim
-            or b.shape[-2] != rank
-            or (out_cols is None and b.shape[-1] != y.shape[1])
-        ):
-            raise ValueError(
-                f"output {y.shape} [T, O] (columns from {col_offset[g]}) does not fit bank {b.shape} [(L,) S, R={rank}, O]"
-            )
+    rank, output_of, col_offset = check_group(x, a, ys, bs, layer, out_cols)
     stacked = layer is not None
     a, layer = _layered(a, layer)
     bs = tuple(b if stacked else b[None] for b in bs)

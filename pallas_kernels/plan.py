@@ -58,6 +58,7 @@ def _tile_heights(num_tokens: int, seg_len: int | None) -> tuple[int, ...]:
     expand = tuning.lookup("expand", mode, num_tokens)
     if expand.get("impl", "grouped") == "grouped":
         heights.append(expand["block_rows"])
+    heights.extend(tuning.group_tile_heights(mode, num_tokens))
     return tuple(heights)
 
 

@@ -47,6 +47,57 @@ EXPAND_PREFILL: dict[int, dict[str, int | str]] = {
     1 << 30: dict(block_rows=64, block_out=128, out_split=8, num_warps=4, num_stages=3),
 }
 
+# A module group's whole LoRA term (`api.lora_group` on "pallas"): impl "fused" runs it as one launch
+# (`lora_fused`: each work item's shrink computed in the program that expands it), "split" as the
+# shrink and expand launches above (decode: `lora_triton.decode_group`, two launches a group). Keys
+# besides impl are `lora_fused`'s knobs: block_rows (work-item height, >= 16 for the tensor-core
+# dots), block_k (shrink depth per loop step), block_out (output columns per step), col_split (runs
+# of each module's column blocks, one program each; each run recomputes its item's shrink).
+#
+# Keyed by the bank's rank, then T (smallest bucket >= each wins). Measured on the H200
+# (`benchmarks/group_kernels.py`, the four groups of a 7B layer, 8 layers; summed over 1, T/4 and T
+# distinct adapters, and 400-token prompt chunks at T >= 512; results/group_probe_s10/): the fused
+# launch is latency-bound below ~1,000 rows (its shrink is a serial loop over D in few programs:
+# rank 16, T=64, one adapter: 111 us a layer against 55 for the split launches), and wins where
+# the split form's per-row expand re-reads B for every row: rank 16 at T=1024 (747 against 953 us
+# summed), rank 64 from T=256 (1,151 against 1,478) and T=512 (1,590 against 2,331).
+_SPLIT = dict(impl="split", block_rows=16, block_k=128, block_out=256, col_split=1, num_warps=4, num_stages=3)
+_FUSED = dict(impl="fused", block_rows=16, block_k=256, block_out=256, col_split=1, num_warps=4, num_stages=3)
+GROUP_DECODE: dict[int, dict[int, dict[str, int | str]]] = {
+    32: {512: _SPLIT, 1 << 30: _FUSED},
+    1 << 30: {64: _SPLIT, 1 << 30: _FUSED},
+}
+GROUP_PREFILL: dict[int, dict[int, dict[str, int | str]]] = {
+    1 << 30: {1 << 30: dict(_SPLIT, block_rows=32)},
+}
+GROUP_TABLES = {"decode": GROUP_DECODE, "prefill": GROUP_PREFILL}
+
+
+def _bucket(table: dict, key: int):
+    for bucket in sorted(table):
+        if key <= bucket:
+            return table[bucket]
+    return table[max(table)]
+
+
+def lookup_group(mode: str, num_tokens: int, rank: int) -> dict[str, int | str]:
+    """Knobs (and impl) of a module group's LoRA term in `mode` at `num_tokens` rows, bank rank `rank`."""
+    return dict(_bucket(_bucket(GROUP_TABLES[mode], rank), num_tokens))
+
+
+def group_tile_heights(mode: str, num_tokens: int) -> tuple[int, ...]:
+    """The work-item heights the fused group launch may use at this T, over every rank bucket."""
+    return tuple(
+        sorted(
+            {
+                int(r["block_rows"])
+                for r in (_bucket(t, num_tokens) for t in GROUP_TABLES[mode].values())
+                if r["impl"] == "fused"
+            }
+        )  # fmt: skip
+    )
+
+
 TABLES: dict[tuple[str, str], dict[int, dict[str, int | str]]] = {
     ("shrink", "decode"): SHRINK_DECODE,
     ("expand", "decode"): EXPAND_DECODE,
@@ -57,8 +108,4 @@ TABLES: dict[tuple[str, str], dict[int, dict[str, int | str]]] = {
 
 def lookup(op: str, mode: str, num_tokens: int) -> dict[str, int | str]:
     """Knobs for `op` ("shrink" | "expand") in `mode` ("decode" | "prefill") at `num_tokens` rows."""
-    table = TABLES[(op, mode)]
-    for bucket in sorted(table):
-        if num_tokens <= bucket:
-            return dict(table[bucket])
-    return dict(table[max(table)])
+    return dict(_bucket(TABLES[(op, mode)], num_tokens))

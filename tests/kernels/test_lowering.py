@@ -106,3 +106,29 @@ def test_non_power_of_two_block_is_rejected_before_lowering():
         _lower_for_cuda(lambda x, a, sl: pk.bgmv_shrink(x, a, sl, block_k=96), s["x"], s["a"], s["slots"])
     with pytest.raises(ValueError, match="block_rows"):
         _lower_for_cuda(lambda x, a, sl: pk.bgmv_shrink(x, a, sl, block_rows=8), s["x"], s["a"], s["slots"])
+
+
+@pytest.mark.parametrize(
+    "hidden, rank, dtype", [(2049, 16, jnp.bfloat16), (2049, 5, jnp.float32), (4096, 64, jnp.bfloat16)]
+)
+def test_one_launch_group_lowers_for_cuda(hidden, rank, dtype):
+    """The fused group kernel (shrink and expand in one program): one Triton launch for three modules
+    of a fused q|k|v output, the layer index traced, awkward widths; at hidden 4096 and a power-of-two
+    rank the A tiles load unmasked (Triton then takes no fill value)."""
+    from pallas_kernels import lora_fused, lora_triton
+
+    sd = jax.ShapeDtypeStruct
+    x, slots = sd((37, hidden), dtype), sd((37,), jnp.int32)
+    a = sd((3, 5, hidden, 3 * rank), dtype)
+    bs = tuple(sd((3, 5, rank, o), dtype) for o in (576, 192, 300))
+    y = sd((37, 1068), dtype)
+
+    def step(x, a, y, bs, slots, layer):
+        groups = lora_triton.make_row_groups(slots, num_slots=5, seg_len=None, block_rows=(16,))
+        knobs = dict(block_rows=16, block_k=128, block_out=256, col_split=2, num_warps=4, num_stages=3)
+        return lora_fused.fused_group(
+            x, a, (y,), bs, groups, mode="decode", layer=layer, out_cols=(0, 576, 768), **knobs
+        )
+
+    text = _lower_for_cuda(step, x, a, y, bs, slots, sd((), jnp.int32))
+    assert text.count("__gpu$xla.gpu.triton") == 1
