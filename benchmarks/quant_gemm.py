@@ -15,19 +15,33 @@ decode step runs them, per base weight format: time against each format's bytes 
   int8-pallas,  pallas_kernels.quant_matmul           the model's GPU path: the Triton kernel converts
   fp8-pallas                                        weight tiles in registers and reads layer i of
                                                     the stacked weights in place (never sliced)
+  int8-magic-pallas                                 the same with convert="magic": int8 -> bf16 by
+                                                    integer / FP32 bit arithmetic, no I2F / F2F
+  int8-w8a8-pallas,                                 the kernel's W8A8: x quantized per row by XLA,
+  fp8-w8a8-pallas                                   8-bit tiles multiplied as they are (no convert)
 
 floor = weight bytes (1 byte per quantized weight + float32 scales; 2 per bf16 weight) over the
-device-to-device copy bandwidth of this run. `weight_buffers` counts, per dtype, the weight-shaped
+device-to-device copy bandwidth of this run. On a known device (H100 SXM, H200) mma_floor_ms is the
+step's FLOPs (2 * M * weights) at the tensor cores' dense peak (bf16, or 8-bit for the W8A8 formats)
+and x_bound = ms / max(floor, mma floor): weight-only at M = 256 turns compute-bound on bf16 MMAs
+before it reaches the bytes floor. `weight_buffers` counts, per dtype, the weight-shaped
 buffers the compiled step's entry computation writes (parameters excluded): none means every GEMM
 reads its layer's weights straight out of the stack; a bf16 / f32 count for int8 or fp8 means XLA
 wrote a dequantized copy first instead of fusing the convert into the GEMM (the bytes the format
 saves are then spent again); s8 / f8e4m3fn counts are copies of a layer's slice.
 
-`--tune M` then times the kernel (int8 weights) at batch M with each knob set of TUNE_CANDIDATES,
-to pick the rows of pallas_kernels/quant_tuning.py by measurement. quant_gemm.json is rewritten
-after every row, so a run cut short keeps what it measured.
+`--tune FORMAT ...` sweeps the kernel's knobs: each listed -pallas format is timed at every --batch
+with each candidate of SWEEP for its variant and batch bucket (the first candidate is the tuning
+table's row). A candidate may set k_major: the kernel then reads a transposed copy of the stacks
+[L, out, in]. Each row records the knobs it ran with; `best` holds, per (format, batch), the fastest
+row's ms and knobs (paste them into pallas_kernels/quant_tuning.py). quant_gemm.json is rewritten
+after every case, and before each case it names the case it is running: `--resume` with the same
+--out skips the cases already recorded, and records the case a dead run was in as crashed (a Triton
+compile can take the process down), so re-running the same command finishes a sweep.
+`--time-budget S` starts no case after S seconds (the cases left are listed under "left").
 
-    python -m benchmarks.quant_gemm [--tiny] [--batch 1 16 64 256] [--formats ...] [--tune 64] [--out DIR]
+    python -m benchmarks.quant_gemm [--tiny] [--batch 1 16 64 256] [--formats ...] [--layers N]
+        [--tune FORMAT ...] [--time-budget S] [--resume] [--out DIR]
 """
 
 from __future__ import annotations
@@ -48,6 +62,7 @@ import jax.numpy as jnp
 from benchmarks.common import LLAMA2_7B, TINY, hbm_gbps
 from jaxlora.config import TARGET_MODULES, ModelConfig
 from jaxlora.model.quant import Quantization, matmul, quantize
+from pallas_kernels import quant_tuning
 from pallas_kernels.quant_matmul import quant_matmul
 
 FORMATS = (
@@ -62,17 +77,70 @@ FORMATS = (
     "int8-kmajor",
     "fp8-kmajor-layers",
     "int8-kmajor-layers",
+    "int8-magic-pallas",
+    "int8-w8a8-pallas",
+    "fp8-w8a8-pallas",
 )
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
-# Kernel knob sets `--tune` compares (see pallas_kernels/quant_tuning.py for what each knob does):
-# the table's decode row (wide columns, K split until 132 programs), narrower columns with no split
-# (no partial sums, x re-read more), and 16-row tiles with no split (rows give the parallelism; each
-# weight tile is read by M / 16 programs, mostly from L2).
-TUNE_CANDIDATES: tuple[dict[str, int], ...] = (
-    dict(block_m=64, block_n=128, block_k=128, min_programs=132, num_warps=4, num_stages=4),
-    dict(block_m=64, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
-    dict(block_m=16, block_n=128, block_k=256, split_k=1, num_warps=4, num_stages=4),
-)
+# The kernel's variant flags per -pallas format.
+PALLAS_FLAGS: dict[str, dict] = {
+    "int8-pallas": {},
+    "fp8-pallas": {},
+    "int8-magic-pallas": dict(convert="magic"),
+    "int8-w8a8-pallas": dict(w8a8=True),
+    "fp8-w8a8-pallas": dict(w8a8=True),
+}
+# Candidates `--tune` times, per (variant, tuning-table bucket): knobs over the table's row (see
+# pallas_kernels/quant_tuning.py), {} being the row itself. Few enough that a sweep of four formats
+# at M = 16, 64, 256 compiles ~45 steps. What each tries:
+#   swap_ab       wgmma at 16 rows, and (weight-only) the converted tile fed from registers
+#   block_n 256   x re-read half as often (2 * M / block_n of the weight bytes for bf16 x)
+#   min 264       two programs per SM: more weight bytes in flight
+#   block_m 128   M = 256 in two row tiles: each weight tile read twice instead of four times
+#   k_major       (W8A8) the weights [L, N, K]: Hopper's 8-bit wgmma reads only K-major operands
+#                 from shared memory; an [L, K, N] tile is transposed through registers first
+# Shared memory stays under the H200's 227 KB: (x tile + weight tile) * num_stages.
+SWEEP: dict[tuple[str, int], tuple[dict, ...]] = {
+    ("weight_only", 16): (
+        {},
+        dict(swap_ab=True),
+        dict(swap_ab=True, block_n=256, block_k=128, num_warps=8),
+        dict(min_programs=264),
+    ),
+    ("weight_only", 64): (
+        {},
+        dict(swap_ab=True),
+        dict(block_n=256, num_warps=8, num_stages=3),
+        dict(min_programs=264, num_stages=5),
+    ),
+    ("weight_only", 256): (
+        {},
+        dict(block_m=128, num_warps=8, num_stages=3),
+        dict(block_m=128, swap_ab=True, num_warps=8, num_stages=3),
+    ),
+    ("w8a8", 16): (
+        {},
+        dict(k_major=True, swap_ab=True),
+        dict(k_major=True, swap_ab=True, block_n=256, num_warps=8, num_stages=3),
+        dict(k_major=True),
+    ),
+    ("w8a8", 64): (
+        {},
+        dict(k_major=True),
+        dict(k_major=True, block_n=256, block_k=128, num_warps=8, num_stages=3),
+        dict(k_major=True, block_k=128, min_programs=264, num_stages=5),
+    ),
+    ("w8a8", 256): (
+        {},
+        dict(k_major=True, block_m=128, num_warps=8, num_stages=3),
+        dict(k_major=True, block_m=128, block_n=256, num_warps=8, num_stages=3),
+    ),
+}
+# Dense tensor-core peaks, TFLOP/s (spec sheets; FP8 and int8 alike), by device kind.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "NVIDIA H200": {"bf16": 989.4, "8-bit": 1978.9},
+    "NVIDIA H100 80GB HBM3": {"bf16": 989.4, "8-bit": 1978.9},
+}
 
 
 def storage(fmt: str) -> str:
@@ -111,18 +179,19 @@ def one_kmajor_layer(h, lw, layer):
     return (h + w8a8_kmajor(jax.nn.silu(gate) * up, *lw["down_proj"])).astype(h.dtype)
 
 
-def projections(fmt: str, knobs: dict[str, int]) -> Callable:
+def projections(fmt: str, knobs: dict) -> Callable:
     """(h [n, D], weights, layer) -> h after the seven projections of one layer, in format `fmt`.
 
     weights: that layer's (sliced) for XLA formats; the whole stacks for the kernel, which reads
-    layer `layer` of them in place."""
+    layer `layer` of them in place (the transposed stacks if knobs has k_major)."""
     interpret = jax.default_backend() == "cpu"
+    flags = PALLAS_FLAGS.get(fmt, {})
 
     def mm(h, w, layer):
         if fmt == "bf16":
             return h @ w
         if fmt.endswith("-pallas"):
-            return quant_matmul(h, *w, layer, interpret=interpret, **knobs)
+            return quant_matmul(h, *w, layer, interpret=interpret, **flags, **knobs)
         return (fp8_native if fmt == "fp8-native" else matmul)(h, *w)
 
     def one_fused_layer(h, lw, layer):
@@ -185,6 +254,12 @@ def kmajor(cfg: ModelConfig, w: dict) -> dict:
     return {**w, "kmajor": kmajor, "kmajor_layers": layers}
 
 
+def transposed(w: dict) -> dict:
+    """Quantized stacks -> the same stacks plus "transposed": module -> (q [L, out, in], scale [L, out]),
+    the kernel's k_major operands (a copy)."""
+    return {**w, "transposed": {m: (jnp.swapaxes(w[m][0], 1, 2), w[m][1]) for m in TARGET_MODULES}}
+
+
 def weight_bytes(cfg: ModelConfig, fmt: str) -> int:
     n = sum(math.prod(cfg.module_shape(m)) for m in TARGET_MODULES)
     scales = sum(cfg.module_shape(m)[1] for m in TARGET_MODULES)
@@ -206,20 +281,19 @@ def weight_buffers(hlo: str, cfg: ModelConfig) -> dict[str, int]:
     return out
 
 
-def unrolled(cfg: ModelConfig, fmt: str, knobs: dict[str, int] | None = None) -> Callable:
-    layer = projections(fmt, knobs or {})
+def unrolled(cfg: ModelConfig, fmt: str, knobs: dict | None = None) -> Callable:
+    knobs = knobs or {}
+    layer = projections(fmt, knobs)
     in_place = fmt.endswith("-pallas")
 
     def run(w, x):
         for i in range(cfg.num_layers):
             if fmt.endswith("-kmajor-layers"):
                 lw = {"kmajor": w["kmajor_layers"][i]}
+            elif in_place:
+                lw = w["transposed"] if knobs.get("k_major") else w
             else:
-                lw = (
-                    w
-                    if in_place
-                    else jax.tree.map(lambda a: a[i], {k: v for k, v in w.items() if k != "kmajor_layers"})
-                )
+                lw = jax.tree.map(lambda a: a[i], {k: v for k, v in w.items() if k != "kmajor_layers"})
             if fmt == "bf16-fused":
                 lw = {**lw, "fused": {**lw["fused"], "q_size": cfg.q_size, "kv_size": cfg.kv_size}}
             if "-kmajor" in fmt:
@@ -230,7 +304,7 @@ def unrolled(cfg: ModelConfig, fmt: str, knobs: dict[str, int] | None = None) ->
     return jax.jit(run)
 
 
-def timed(fn, *args, reps: int = 10) -> float:
+def timed(fn, *args, reps: int = 20) -> float:
     jax.block_until_ready(fn(*args))
     t0 = time.perf_counter()
     outs = [fn(*args) for _ in range(reps)]
@@ -238,45 +312,140 @@ def timed(fn, *args, reps: int = 10) -> float:
     return (time.perf_counter() - t0) / reps * 1e3
 
 
-def measure(cfg: ModelConfig, fmt: str, batch: int, w: dict, hbm: float, knobs: dict | None = None) -> dict | None:
-    """One row: the unrolled step's time against the format's bytes floor (None if it fails)."""
-    fn = unrolled(cfg, fmt, knobs)
-    x = jax.random.normal(jax.random.key(99), (batch, cfg.hidden_size), jnp.bfloat16)
-    label = f"{fmt} B={batch}" + (f" {knobs}" if knobs else "")
-    try:
-        buffers = weight_buffers(fn.lower(w, x).compile().as_text(), cfg)
-        ms = timed(fn, w, x)
-    except Exception as e:  # a probe: report the format that does not compile and go on
-        print(f"{label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+def is_8bit_mma(fmt: str) -> bool:
+    """Whether a format multiplies on the 8-bit tensor cores (W8A8) rather than bf16 ones."""
+    return "w8a8" in fmt or "-kmajor" in fmt or fmt == "fp8-native"
+
+
+def mma_floor_ms(cfg: ModelConfig, fmt: str, batch: int, device_kind: str) -> float | None:
+    """The step's 2 * M * weights FLOPs at the dense tensor-core peak; None on an unknown device."""
+    peak = PEAK_TFLOPS.get(device_kind, {}).get("8-bit" if is_8bit_mma(fmt) else "bf16")
+    if peak is None:
         return None
+    weights = cfg.num_layers * sum(math.prod(cfg.module_shape(m)) for m in TARGET_MODULES)
+    return 2 * batch * weights / (peak * 1e12) * 1e3
+
+
+def candidates(fmt: str, batch: int) -> tuple[dict, ...]:
+    """SWEEP's candidates for a -pallas format at `batch` rows ({} alone past the last bucket)."""
+    family = "w8a8" if PALLAS_FLAGS[fmt].get("w8a8") else "weight_only"
+    bucket = quant_tuning.bucket(batch)
+    return SWEEP.get((family, bucket), ({},))
+
+
+def knobs_of(fmt: str, batch: int, candidate: dict) -> dict:
+    """The full knob set a candidate runs with: the tuning table's row, the candidate over it."""
+    return quant_tuning.lookup(batch, bool(PALLAS_FLAGS[fmt].get("w8a8"))) | {"k_major": False} | candidate
+
+
+def measure(cfg: ModelConfig, fmt: str, batch: int, w: dict, hbm: float, candidate: dict | None = None) -> dict:
+    """One row: the unrolled step's time against the format's floors (an "error" row if it fails).
+    candidate: a -pallas format's knobs over the tuning table's (None for other formats)."""
+    fn = unrolled(cfg, fmt, candidate)
+    x = jax.random.normal(jax.random.key(99), (batch, cfg.hidden_size), jnp.bfloat16)
+    row: dict = {"case": case_key(fmt, batch, candidate), "format": fmt, "batch": batch}
+    if candidate is not None:
+        row |= {"candidate": candidate, "knobs": knobs_of(fmt, batch, candidate)}
+    try:
+        compiled = fn.lower(w, x).compile()  # timed as compiled here: one compile per case
+        buffers = weight_buffers(compiled.as_text(), cfg)
+        ms = timed(compiled, w, x)
+    except Exception as e:  # a probe: report the case that does not compile or run, and go on
+        return row | {"error": f"{type(e).__name__}: {str(e)[:500]}"}
     floor = weight_bytes(cfg, fmt) / (hbm * 1e9) * 1e3
-    row = {
-        "format": fmt,
-        "batch": batch,
+    mma = mma_floor_ms(cfg, fmt, batch, jax.devices()[0].device_kind)
+    return row | {
         "weight_bytes": weight_bytes(cfg, fmt),
         "ms": round(ms, 3),
         "floor_ms": round(floor, 4),
         "x_floor": round(ms / floor, 2),
+        "mma_floor_ms": None if mma is None else round(mma, 4),
+        "x_bound": round(ms / max(floor, mma or 0.0), 2),
         "weight_buffers": buffers,
     }
-    return row if knobs is None else {**row, "knobs": knobs}
+
+
+# -- the sweep: cases, resuming, the fastest row per (format, batch) --------------------------------
+
+
+def case_key(fmt: str, batch: int, candidate: dict | None) -> str:
+    return f"{fmt} B={batch} {json.dumps(candidate, sort_keys=True)}"
+
+
+def plan_cases(formats: list[str], tune: list[str], batches: list[int]) -> list[tuple[str, int, dict | None]]:
+    """(format, batch, candidate) to run, grouped by storage kind (each kind's weights drawn once);
+    within a kind, every format's table row first, then the other candidates in SWEEP's order (a run
+    cut short has the baselines). A -pallas format's table row is candidate {} whether listed in
+    --formats or --tune; other formats have None."""
+    cases: dict[str, tuple[int, str, int, dict | None]] = {}  # key -> (rank in its SWEEP, fmt, batch, cand)
+    for fmt in dict.fromkeys([*formats, *tune]):
+        for batch in batches:
+            cands = candidates(fmt, batch) if fmt in tune else ({} if fmt in PALLAS_FLAGS else None,)
+            for rank, cand in enumerate(cands):
+                cases.setdefault(case_key(fmt, batch, cand), (rank, fmt, batch, cand))
+    kinds = list(dict.fromkeys(storage(fmt) for fmt in [*formats, *tune]))
+    ordered = sorted(cases.values(), key=lambda c: (kinds.index(storage(c[1])), c[0]))
+    return [(fmt, batch, cand) for _, fmt, batch, cand in ordered]
+
+
+def fastest(rows: list[dict]) -> dict[str, dict]:
+    """Per "FORMAT B=M": the fastest measured row's ms, x_floor, x_bound and knobs."""
+    best: dict[str, dict] = {}
+    for r in rows:
+        key = f"{r['format']} B={r['batch']}"
+        if "ms" in r and (key not in best or r["ms"] < best[key]["ms"]):
+            best[key] = {k: r.get(k) for k in ("ms", "x_floor", "x_bound", "knobs")}
+    return best
+
+
+def resumed_rows(path: Path) -> list[dict]:
+    """The rows of an earlier run's quant_gemm.json, plus a "crashed" row for the case it was running
+    when it died."""
+    if not path.exists():
+        return []
+    before = json.loads(path.read_text())
+    rows = before["rows"]
+    if before.get("running"):
+        rows.append({**before["running"], "error": "crashed: the process died during this case"})
+    return rows
+
+
+def draw(cfg: ModelConfig, drawn: tuple[str, dict] | None, fmt: str, candidate: dict | None) -> tuple[str, dict]:
+    """The weights a case needs: its storage kind's stacks (drawn once per kind, the previous kind
+    freed first) and the copies its format or candidate reads."""
+    if drawn is None:  # the caller dropped the previous kind's weights first
+        drawn = (storage(fmt), stacked_weights(cfg, storage(fmt)))
+    kind, w = drawn
+    if fmt == "bf16-fused" and "fused" not in w:
+        w = fuse(cfg, w)
+    if "-kmajor" in fmt and "kmajor" not in w:
+        w = kmajor(cfg, w)
+    if (candidate or {}).get("k_major") and "transposed" not in w:
+        w = transposed(w)
+    return kind, w
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (a smoke run)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
-    p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS), help="at the table's knobs")
     p.add_argument("--layers", type=int, default=None, help="time the first N layers only (default all)")
-    p.add_argument("--tune", type=int, default=None, metavar="M", help="time TUNE_CANDIDATES at batch M")
+    p.add_argument("--tune", nargs="+", choices=list(PALLAS_FLAGS), default=[], metavar="FORMAT")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S", help="start no case after S seconds")
+    p.add_argument("--resume", action="store_true", help="skip the cases --out's quant_gemm.json holds")
     p.add_argument("--out", type=Path, default=None, help="folder for quant_gemm.json")
     args = p.parse_args()
     if args.layers is not None and args.layers < 1:
         p.error(f"--layers {args.layers} must be >= 1")
+    if args.resume and args.out is None:
+        p.error("--resume reads and extends --out's quant_gemm.json: give --out")
+    started = time.perf_counter()
     cfg = TINY if args.tiny else LLAMA2_7B
     if args.layers is not None:
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
     hbm = hbm_gbps(1 << 20 if args.tiny else 1 << 31)
+    path = None if args.out is None else args.out / "quant_gemm.json"
     result = {
         "device": jax.devices()[0].device_kind,
         "jax_version": jax.__version__,
@@ -284,30 +453,38 @@ def main() -> None:
         "hbm_GBps": round(hbm, 1),
         "layers": cfg.num_layers,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "rows": [],
+        "rows": resumed_rows(path) if args.resume else [],
     }
     print(f"{result['device']}, HBM copy {hbm:.0f} GB/s", flush=True)
-    cases = [(fmt, batch, None) for fmt in args.formats for batch in args.batch]
-    cases += [("int8-pallas", args.tune, knobs) for knobs in TUNE_CANDIDATES] if args.tune else []
-    kinds = list(dict.fromkeys(storage(fmt) for fmt, _, _ in cases))
-    cases.sort(key=lambda case: kinds.index(storage(case[0])))  # stable: each kind's weights drawn once
+
+    def write() -> None:
+        if path is not None:
+            result["best"] = fastest(result["rows"])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=1))
+
+    done = {r["case"] for r in result["rows"]}
+    cases = [c for c in plan_cases(args.formats, args.tune, args.batch) if case_key(*c) not in done]
     drawn: tuple[str, dict] | None = None  # one storage kind's weights at a time (7B: 6.7-13.5 GB)
-    for fmt, batch, knobs in cases:
-        if drawn is None or drawn[0] != storage(fmt):
+    for n, (fmt, batch, candidate) in enumerate(cases):
+        if args.time_budget is not None and time.perf_counter() - started > args.time_budget:
+            result["left"] = [case_key(*c) for c in cases[n:]]
+            print(f"time budget spent: {len(cases) - n} cases left (listed under 'left')", flush=True)
+            break
+        if drawn is not None and drawn[0] != storage(fmt):
             drawn = None  # free the previous kind before drawing the next
-            drawn = (storage(fmt), stacked_weights(cfg, storage(fmt)))
-        if fmt == "bf16-fused" and "fused" not in drawn[1]:
-            drawn = (drawn[0], fuse(cfg, drawn[1]))
-        if "-kmajor" in fmt and "kmajor" not in drawn[1]:
-            drawn = (drawn[0], kmajor(cfg, drawn[1]))
-        row = measure(cfg, fmt, batch, drawn[1], hbm, knobs)
-        if row is None:
-            continue
+        drawn = draw(cfg, drawn, fmt, candidate)
+        result["running"] = {"case": case_key(fmt, batch, candidate), "format": fmt, "batch": batch}
+        result["running"] |= {} if candidate is None else {"candidate": candidate}
+        write()
+        row = measure(cfg, fmt, batch, drawn[1], hbm, candidate)
+        del result["running"]
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "quant_gemm.json").write_text(json.dumps(result, indent=1))
+        write()
+    write()
+    for key, best in fastest(result["rows"]).items():  # the summary a log tail shows
+        print(f"best {key}: {best['ms']} ms, {best['x_floor']}x floor, {best['x_bound']}x bound, {best['knobs']}")
 
 
 if __name__ == "__main__":
