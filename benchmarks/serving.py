@@ -81,6 +81,7 @@ from jaxlora.engine.engine import Engine
 from jaxlora.engine.request import FinishReason, GenerationRequest, RequestOutput, SamplingParams
 from jaxlora.errors import JaxloraError
 from jaxlora.model.params import LoadedModel, random_model
+from pallas_kernels import tuning
 
 ROOT = Path(__file__).resolve().parents[1]
 SLO_TTFT_S = 6.0  # S-LoRA's SLO: the first token within 6 s
@@ -827,6 +828,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="LoRA backend (default: pallas on GPU, xla elsewhere)",
     )
     p.add_argument(
+        "--lora-groups",
+        choices=("tuned", "split"),
+        default="tuned",
+        help="pallas module groups: tuning.py's rule (tuned), or the split shrink + expand launches everywhere "
+        "(the engine before the one-launch kernel; an A/B in the same tree)",
+    )
+    p.add_argument(
         "--budget-s", type=float, default=None, help="start no run (or setting) that could end after this many seconds"
     )
     p.add_argument(
@@ -1001,6 +1009,13 @@ def run_setting(
         on_row(row)
 
 
+def split_every_group() -> None:
+    """Makes every pallas module group run as split shrink + expand launches in this process."""
+    for table in tuning.GROUP_TABLES.values():
+        for rank_bucket, rows in table.items():
+            table[rank_bucket] = {t: dict(knobs, impl="split") for t, knobs in rows.items()}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     path = args.out / RESULTS
@@ -1016,6 +1031,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         size = dataclasses.replace(size, token_budgets=tuple(sorted(set(args.budgets))))
     dev = jax.devices()[0]
     backend = args.backend or ("pallas" if dev.platform == "gpu" else "xla")
+    if args.lora_groups == "split":
+        split_every_group()
     print(
         f"device {dev.device_kind}, jax {jax.__version__}, engine {ENGINE_KIND} at {commit}, "
         f"model {size.model.name}, LoRA backend {backend}",
@@ -1030,6 +1047,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "engine_commit": commit,
         "model": size.model.name,
         "lora_backend": backend,
+        "lora_groups": args.lora_groups,
         "command": command,
     }
     new_rows: list[dict] = []
