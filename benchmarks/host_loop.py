@@ -294,7 +294,7 @@ class DecodeCapture:
 
         def capturing(plan, pages):
             inputs = pack(plan, pages)
-            if plan.num_decode_tokens == batch == len(plan.chunks):
+            if plan.num_decode_tokens == batch == plan.num_tokens:  # decode tokens only
                 self.inputs = dataclasses.replace(inputs, buffer=inputs.buffer.copy())
             return inputs
 

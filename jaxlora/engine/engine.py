@@ -286,8 +286,9 @@ class Engine:
         c = self._counters
         c.steps += 1
         self._times.steps += 1
-        c.decode_tokens += plan.num_decode_tokens
-        c.prefill_tokens += plan.num_tokens - plan.num_decode_tokens
+        num_tokens, num_decode = plan.num_tokens, plan.num_decode_tokens
+        c.decode_tokens += num_decode
+        c.prefill_tokens += num_tokens - num_decode
         c.padded_tokens += plan.budget
 
     def _read_inflight(self, outputs: list[RequestOutput]) -> None:
@@ -295,12 +296,48 @@ class Engine:
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return
-        next_ids = jax.device_get(inflight.next_ids).tolist()
+        next_ids = jax.device_get(inflight.next_ids)
         self._times.lap("wait")
-        for chunk in inflight.plan.chunks:
+        plan = inflight.plan
+        self._take_decode_tokens(plan.decode.requests, next_ids[plan.decode.rows].tolist(), outputs)
+        for chunk in plan.prompt_chunks:
             if chunk.samples:
-                self._take_token(chunk.request, next_ids[chunk.row], outputs)
+                self._take_token(chunk.request, int(next_ids[chunk.row]), outputs)
         self._times.lap("stream")
+
+    def _take_decode_tokens(self, requests: list[Request], tokens: list[int], outputs: list[RequestOutput]) -> None:
+        """`_take_token` for each decode row of a step, its common case inlined: a token that neither
+        fails nor ends its request is read, detokenized and emitted here. This loop runs for every
+        running row on every step, so it avoids per-token calls and keyword arguments."""
+        live_of, finished = self._live, Phase.FINISHED
+        token_read = self.scheduler.token_read
+        append = outputs.append
+        read = 0
+        for req, token in zip(requests, tokens):
+            if req.phase is finished:  # stopped (or cancelled) after this step was dispatched
+                continue
+            live = live_of[req.request_id]
+            if token < 0 or token in live.stop_ids:
+                self._take_token(req, token, outputs)
+                continue
+            token_read(req, token)
+            read += 1
+            text, hit_stop = live.detokenizer.add(token)
+            num_output = len(req.output_ids)
+            if hit_stop or num_output >= req.sampling.max_tokens:
+                reason = FinishReason.STOP if hit_stop else FinishReason.LENGTH
+                self._finish(req, reason, outputs, text=text, token=token)
+                continue
+            # RequestOutput's fields in order, built as the tuple it is: its generated __new__ with
+            # keywords costs several times more, per token.
+            out = _new_tuple(
+                RequestOutput, (req.request_id, text, (token,), False, None, len(req.prompt_ids), num_output, None)
+            )
+            append(out)
+            live.handle._publish(out)
+            if req.callback is not None:
+                _call_back(req.callback, out)
+        self._counters.generated_tokens += read
 
     def _take_token(self, req: Request, token: int, outputs: list[RequestOutput]) -> None:
         if req.is_finished:  # stopped (or cancelled) after this step was dispatched: a wasted token
@@ -606,10 +643,7 @@ class Engine:
         outputs.append(out)
         live.handle._publish(out)
         if live.request.callback is not None:
-            try:
-                live.request.callback(out)
-            except Exception:  # a broken consumer must not stop the batch
-                log.exception("callback of request %s raised", out.request_id)
+            _call_back(live.request.callback, out)
 
     def _fail_all(self, message: str) -> None:
         self._inflight = None  # its ids may never arrive; its requests fail below
@@ -628,6 +662,16 @@ class _Inflight:
 
     plan: StepPlan
     next_ids: jax.Array
+
+
+_new_tuple = tuple.__new__
+
+
+def _call_back(callback: Callback, out: RequestOutput) -> None:
+    try:
+        callback(out)
+    except Exception:  # a broken consumer must not stop the batch
+        log.exception("callback of request %s raised", out.request_id)
 
 
 def _prompt_bytes(request: GenerationRequest, limit: int) -> int:

@@ -12,6 +12,8 @@ Memory follows actual lengths: admission asks `can_grow`, not whether a `max_seq
 
 from __future__ import annotations
 
+import numpy as np
+
 
 def pages_for(num_positions: int, page_size: int) -> int:
     """Pages needed to hold positions [0, num_positions)."""
@@ -33,6 +35,9 @@ class PageTable:
         # Handing out the most recently freed page first keeps the working set of the pool small.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}
+        # Pages held per sequence id, for reading many sequences at once (`held`): the packer checks
+        # every row of a step for new pages, and a numpy gather does that without a loop over rows.
+        self._held = np.zeros(0, np.int32)
 
     # Queries.
     @property
@@ -41,6 +46,12 @@ class PageTable:
 
     def pages_of(self, seq: int) -> list[int]:
         return self._pages.get(seq, [])
+
+    def held(self, seqs: np.ndarray) -> np.ndarray:
+        """Pages held by each of `seqs` (sequence ids >= 0, an int array), as an int32 array."""
+        if len(seqs) and int(seqs.max()) >= len(self._held):
+            self._resize_held(int(seqs.max()) + 1)
+        return self._held[seqs]
 
     def capacity(self, seq: int) -> int:
         """Positions the sequence can hold without taking another page."""
@@ -70,12 +81,25 @@ class PageTable:
         pages = self._pages.setdefault(seq, [])
         for _ in range(need):
             pages.append(self._free.pop())
+        self._set_held(seq, len(pages))
 
     def free(self, seq: int) -> int:
         """Returns every page of the sequence to the pool; returns how many."""
         pages = self._pages.pop(seq, [])
         self._free.extend(reversed(pages))
+        if pages:
+            self._set_held(seq, 0)
         return len(pages)
+
+    def _set_held(self, seq: int, count: int) -> None:
+        if seq >= len(self._held):
+            self._resize_held(max(seq + 1, 2 * len(self._held)))
+        self._held[seq] = count
+
+    def _resize_held(self, size: int) -> None:
+        held = np.zeros(size, np.int32)
+        held[: len(self._held)] = self._held
+        self._held = held
 
     def check(self) -> None:
         """Raises RuntimeError if a page is lost, shared or out of range. A RuntimeError, not an
@@ -88,3 +112,6 @@ class PageTable:
             )
         if any(len(pages) > self.max_pages_per_seq for pages in self._pages.values()):
             raise RuntimeError("a sequence holds more pages than its block table")
+        counted = {seq: int(n) for seq, n in enumerate(self._held.tolist()) if n}
+        if counted != {seq: len(pages) for seq, pages in self._pages.items() if pages}:
+            raise RuntimeError("page table corrupt: the per-sequence page counts disagree with the pages held")

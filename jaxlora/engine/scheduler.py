@@ -1,4 +1,4 @@
-"""Who runs next, and which tokens each step computes. Plain Python, no JAX.
+"""Who runs next, and which tokens each step computes. Plain Python and numpy, no JAX.
 
 Every step is one flat batch of at most `max(token_budgets)` tokens (vLLM V1's policy):
   1. decode tokens first: one for every decoding request, oldest first. A decode token that needs
@@ -36,10 +36,14 @@ from __future__ import annotations
 
 import bisect
 import collections
-import dataclasses
+import functools
 import heapq
+import operator
 import typing
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from jaxlora.engine.kv_pages import PageTable
 from jaxlora.engine.request import Phase, Request
@@ -49,6 +53,7 @@ if TYPE_CHECKING:  # the scheduler stays importable without JAX
     from jaxlora.adapters.source import AdapterSource
 
 BASE_SLOT = 0
+_ARRIVAL = operator.attrgetter("arrival")
 # The most of a step left empty when the work could instead fill a smaller budget exactly and
 # defer prompt tokens to the next step (see the module doc).
 MAX_PADDING = 0.1
@@ -56,8 +61,8 @@ MAX_PADDING = 0.1
 
 class Chunk(typing.NamedTuple):
     """Positions [start, start + length) of one request, computed in one step on batch row `row`.
-    (A NamedTuple: the host makes one per running row every step, and a frozen dataclass costs
-    several times more to build.)
+    (A NamedTuple: cheaper to build than a frozen dataclass. A step's decode tokens are not chunks
+    but arrays, `DecodeRows`; `StepPlan.chunks` builds chunks of them on demand.)
 
     samples: the chunk ends the tokens the request knows, so the token sampled after its last
       position is the request's next output (a decode token, or the end of a prompt).
@@ -74,21 +79,75 @@ class Chunk(typing.NamedTuple):
     is_decode: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
-    """One step: chunks in the order the runner packs them, padded to `budget` tokens."""
+class DecodeRows(typing.NamedTuple):
+    """A step's decode tokens, one per decoding row, oldest request first: token i is row `rows[i]`'s
+    token at `positions[i]`, and it samples. Under load they are nearly every token of every step,
+    so they travel as arrays (packed, counted and read back with numpy) rather than as a `Chunk`
+    each, whose building and reading cost the host microseconds per row per step.
 
-    chunks: tuple[Chunk, ...]
-    budget: int
-    needs_commit: bool  # a chunk reads an adapter slot that the pager's coming commit writes
+    from_device: the token's input is the request's previous output, still on the device.
+    """
+
+    requests: list[Request]
+    rows: np.ndarray  # [D] int32
+    positions: np.ndarray  # [D] int32
+    from_device: np.ndarray  # [D] bool
+
+    @classmethod
+    def of(cls, requests: list[Request], rows: list[int], positions: list[int], from_device: list[bool]) -> DecodeRows:
+        return cls(requests, np.array(rows, np.int32), np.array(positions, np.int32), np.array(from_device, np.bool_))
+
+
+NO_DECODE = DecodeRows.of([], [], [], [])
+
+
+class StepPlan:
+    """One step: its decode tokens (`decode`), then its other chunks (`prompt_chunks`: prompt chunks
+    from the scheduler; a tool may put any chunk there), in the order the runner packs them, padded
+    to `budget` tokens. Read-only once built.
+
+    needs_commit: a chunk reads an adapter slot that the pager's coming commit writes.
+    """
+
+    def __init__(
+        self,
+        *,
+        chunks: Sequence[Chunk] = (),
+        budget: int,
+        needs_commit: bool,
+        decode: DecodeRows = NO_DECODE,
+    ) -> None:
+        self.decode = decode
+        self.prompt_chunks = tuple(chunks)
+        self.budget = budget
+        self.needs_commit = needs_commit
+
+    @functools.cached_property
+    def chunks(self) -> tuple[Chunk, ...]:
+        """Every chunk of the step in packing order, the decode tokens as chunks of one token (built
+        on first use, for tests and tools: the engine's loop reads `decode` and `prompt_chunks`)."""
+        d = self.decode
+        decode = (
+            Chunk(req, row, position, 1, samples=True, from_device=on_device, is_decode=True)
+            for req, row, position, on_device in zip(
+                d.requests, d.rows.tolist(), d.positions.tolist(), d.from_device.tolist()
+            )
+        )
+        return (*decode, *self.prompt_chunks)
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.length for c in self.chunks)
+        return len(self.decode.requests) + sum(c.length for c in self.prompt_chunks)
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(c.is_decode for c in self.chunks)
+        return len(self.decode.requests) + sum(c.is_decode for c in self.prompt_chunks)
+
+    def __repr__(self) -> str:
+        return (
+            f"StepPlan(decode={len(self.decode.requests)} rows, prompt_chunks={self.prompt_chunks}, "
+            f"budget={self.budget}, needs_commit={self.needs_commit})"
+        )
 
 
 class Scheduler:
@@ -128,6 +187,17 @@ class Scheduler:
         self.reserve_pages = reserve_pages  # kept free at admission, so running requests can grow
         self.waiting: list[Request] = []  # arrival order
         self.running: dict[int, Request] = {}  # row -> request
+        # The running requests by phase, each list in arrival order (the order steps take them in),
+        # kept as they change, so that planning a step neither filters nor sorts every row.
+        self._prefilling: list[Request] = []
+        self._decoding: list[Request] = []
+        # Per row, while its request decodes (set when it starts decoding, `_start_decode`): the
+        # position of its next decode token, which each dispatched decode token advances, and the
+        # position past which it has no token to produce (num_prompt + max_tokens - 1). Decode
+        # planning reads them for every decoding row at once.
+        self._next_position = np.zeros(max_batch, np.int32)
+        self._end_position = np.zeros(max_batch, np.int32)
+        self._decoding_rows: np.ndarray | None = None  # rows of _decoding, in order (None: stale)
         self._free_rows = list(range(max_batch))  # a heap
         self._adapter_users: collections.Counter[str] = collections.Counter()  # pins per adapter
         self._enqueued: dict[str, int] = {}  # request_id -> step it joined the queue
@@ -165,26 +235,32 @@ class Scheduler:
         """Plans the next step (None: nothing to run). Call `pin_adapters` first, then stage the
         pager's copies, so that requests whose adapters those copies bring can be admitted."""
         self.num_steps += 1
+        decode = self._plan_decode()
+        num_decode = len(decode.requests)
+        budget = self._step_size(num_decode, num_decode + self._prompt_demand()) - num_decode
         chunks: list[Chunk] = []
-        decode = self._plan_decode(chunks)
-        budget = self._step_size(decode, decode + self._prompt_demand()) - decode
-        budget -= self._plan_prefill(chunks, budget)
+        budget -= self._plan_prefill(chunks, budget, alone=not num_decode)
         needs_commit = self._admit(chunks, budget)
-        if not chunks:
+        if not num_decode and not chunks:
             return None
-        num_tokens = sum(c.length for c in chunks)
+        num_tokens = num_decode + sum(c.length for c in chunks)
         padded = next(b for b in self.token_budgets if b >= num_tokens)
-        return StepPlan(chunks=tuple(chunks), budget=padded, needs_commit=needs_commit)
+        return StepPlan(chunks=chunks, budget=padded, needs_commit=needs_commit, decode=decode)
 
     def dispatched(self, plan: StepPlan) -> None:
         """Records that the plan's step was dispatched: its positions are computed, and each sampling
         chunk has one more output in flight."""
-        for c in plan.chunks:
+        d = plan.decode
+        for req, position in zip(d.requests, d.positions.tolist()):  # already decoding
+            req.num_computed = position + 1
+            req.num_pending += 1
+        self._next_position[d.rows] += 1
+        for c in plan.prompt_chunks:
             req = c.request
             req.num_computed = c.start + c.length
             if c.samples:
                 req.num_pending += 1
-                req.phase = Phase.DECODE
+                self._start_decode(req)
 
     def token_read(self, req: Request, token: int) -> None:
         """A sampled token of the request came back to the host."""
@@ -211,7 +287,7 @@ class Scheduler:
         """Prompt tokens this step could take if the budget were unbounded: the rest of every running
         prefill, plus the prompts of the waiting requests the free rows could admit now (pages are
         not counted: the planners stop at them anyway)."""
-        demand = sum(r.num_known - r.num_computed for r in self.running.values() if r.phase is Phase.PREFILL)
+        demand = sum(r.num_known - r.num_computed for r in self._prefilling)
         rows = len(self._free_rows)
         for req in self.waiting:
             if rows <= 0:
@@ -235,26 +311,42 @@ class Scheduler:
             return filled[-1]
         return fits
 
-    def _plan_decode(self, chunks: list[Chunk]) -> int:
-        """One token for each decoding request that still has tokens to produce, oldest first."""
-        decoding = sorted(
-            (r for r in self.running.values() if r.phase is Phase.DECODE and r.num_dispatched < r.sampling.max_tokens),
-            key=lambda r: r.arrival,
-        )
-        used = 0
-        for req in decoding:
-            if req.phase is not Phase.DECODE:  # preempted by an older request in this loop
-                continue
-            position = req.next_position
-            if position >= self.pages.capacity(req.row):  # its next position needs another page
-                if not self._make_room(req, position + 1):
-                    continue
-                self.pages.grow(req.row, position + 1)
-            chunks.append(
-                Chunk(req, req.row, position, 1, samples=True, from_device=req.num_pending > 0, is_decode=True)
-            )
-            used += 1
-        return used
+    def _plan_decode(self) -> DecodeRows:
+        """One token for each decoding request that still has tokens to produce, oldest first. Over
+        arrays of the decoding rows: only rows whose next position needs another page loop."""
+        if not self._decoding:
+            return NO_DECODE
+        order = list(self._decoding)  # a copy: making room preempts newer requests
+        rows = self._rows_decoding()
+        positions = self._next_position[rows]
+        wanted = positions < self._end_position[rows]
+        preemptions = self.num_preemptions
+        short = wanted & (positions >= self.pages.held(rows) * self.pages.page_size)
+        for i in np.flatnonzero(short).tolist():
+            req, end = order[i], int(positions[i]) + 1
+            if req.phase is Phase.DECODE and self._make_room(req, end):  # not preempted, in this loop or now
+                self.pages.grow(req.row, end)
+        if self.num_preemptions != preemptions:
+            wanted &= np.fromiter((r.phase is Phase.DECODE for r in order), np.bool_, len(order))
+        keep = np.flatnonzero(wanted)
+        requests = order if len(keep) == len(order) else [order[i] for i in keep.tolist()]
+        from_device = np.fromiter((r.num_pending > 0 for r in requests), np.bool_, len(requests))
+        return DecodeRows(requests, rows[keep], positions[keep], from_device)
+
+    def _rows_decoding(self) -> np.ndarray:
+        if self._decoding_rows is None:
+            self._decoding_rows = np.array([r.row for r in self._decoding], np.int32)
+        return self._decoding_rows
+
+    def _start_decode(self, req: Request) -> None:
+        """The request's prompt is computed and its first output sampled: from now on it decodes."""
+        if req.phase is Phase.PREFILL:
+            self._prefilling.remove(req)
+            bisect.insort(self._decoding, req, key=_ARRIVAL)
+            self._decoding_rows = None
+        req.phase = Phase.DECODE
+        self._next_position[req.row] = req.next_position
+        self._end_position[req.row] = req.num_prompt + req.sampling.max_tokens - 1
 
     def _make_room(self, req: Request, num_positions: int) -> bool:
         """Preempts the newest running requests until `req` can hold num_positions; False if `req`
@@ -266,16 +358,17 @@ class Scheduler:
                 return False
         return True
 
-    def _plan_prefill(self, chunks: list[Chunk], budget: int) -> int:
-        """Next chunks of requests already prefilling, oldest first, within the budget and free pages."""
+    def _plan_prefill(self, chunks: list[Chunk], budget: int, *, alone: bool) -> int:
+        """Next chunks of requests already prefilling, oldest first, within the budget and free pages.
+        alone: the step has no decode token."""
         used = 0
-        for req in sorted((r for r in self.running.values() if r.phase is Phase.PREFILL), key=lambda r: r.arrival):
+        for req in list(self._prefilling):  # a copy: making room preempts newer requests
             if budget - used <= 0:
                 break
             if req.phase is not Phase.PREFILL:  # preempted to make room for an older request
                 continue
             length = self._chunk_length(req, budget - used, reserve=0)
-            if not length and not chunks and req.phase is Phase.PREFILL:
+            if not length and alone and not chunks and req.phase is Phase.PREFILL:
                 # Nothing else progresses this step: free pages from newer requests (or this one).
                 if self._make_room(req, req.num_computed + min(req.num_known - req.num_computed, budget - used)):
                     length = self._chunk_length(req, budget - used, reserve=0)
@@ -392,8 +485,14 @@ class Scheduler:
         req.phase = Phase.PREFILL
         req.num_computed = 0
         self.running[req.row] = req
+        bisect.insort(self._prefilling, req, key=_ARRIVAL)
 
     def _release_row(self, req: Request) -> None:
+        if req.phase is Phase.DECODE:
+            self._decoding.remove(req)
+            self._decoding_rows = None
+        else:
+            self._prefilling.remove(req)
         self.pages.free(req.row)
         del self.running[req.row]
         heapq.heappush(self._free_rows, req.row)

@@ -136,7 +136,8 @@ class HostInputs:
 
 class InputPacker:
     """Builds each step's packed inputs in preallocated host buffers, with numpy over whole fields
-    and a Python loop over the step's chunks only (the per-token work is vectorised).
+    and a Python loop over the step's prompt chunks only (the decode rows come as arrays, and the
+    per-token work is vectorised).
 
     Buffers: NUM_BUFFERS of them, used in turn. A host->device copy may read its source after
     `jax.device_put` returns (on CPU it runs when the device gets to it, behind the work queued
@@ -168,7 +169,7 @@ class InputPacker:
         self.next_buffer = 0  # the buffer the next pack writes
         # Per row, for the request on it (class doc).
         self._tables = np.zeros((rows, pages_per_seq), np.int32)  # block table
-        self._pages_seen = [0] * rows  # entries of _tables written
+        self._pages_seen = np.zeros(rows, np.int32)  # entries of _tables written
         self._slot = np.zeros(rows, np.int32)
         self._num_prompt = np.zeros(rows, np.int32)
         self._sampling = {  # the sampling fields but the counter
@@ -180,7 +181,7 @@ class InputPacker:
 
     def reset(self) -> None:
         """Forgets every row's block table (the page pool was replaced)."""
-        self._pages_seen = [0] * len(self._pages_seen)
+        self._pages_seen.fill(0)
 
     def pack(self, plan: StepPlan, pages: PageTable) -> HostInputs:
         """The plan's inputs, written into buffer `next_buffer` (whose previous copy must be done)."""
@@ -190,17 +191,13 @@ class InputPacker:
         f = self._fields[k][plan.budget]
         buffer = self.buffers[k][: layout.size]
         self._clear(f)
-        chunks = plan.chunks
-        if not chunks:
+        if not len(plan.decode.requests) and not plan.prompt_chunks:
             return HostInputs(layout=layout, buffer=buffer, index=k, has_adapter=False, samples=False)
-        self._sync_rows(chunks, pages)
-        # [C, 5] per chunk: row, start, length, from_device, samples.
-        meta = np.array([(c.row, c.start, c.length, c.from_device, c.samples) for c in chunks], np.int32)
-        row, start, length = meta[:, 0], meta[:, 1], meta[:, 2]
-        on_device, samples = meta[:, 3].astype(bool), meta[:, 4].astype(bool)
+        row, start, length, on_device, samples = _chunk_arrays(plan)
+        self._sync_rows(row, plan.prompt_chunks, pages)
         offset = np.cumsum(length) - length  # first flat index of each chunk's tokens
         n = int(offset[-1] + length[-1])
-        of_token = np.repeat(np.arange(len(chunks)), length)  # [n] chunk of each token
+        of_token = np.repeat(np.arange(len(row)), length)  # [n] chunk of each token
         pos = np.arange(n, dtype=np.int32) - offset[of_token] + start[of_token]
         slot = self._slot[row]
         f["positions"][:n] = pos
@@ -208,9 +205,7 @@ class InputPacker:
         f["write_page"][:n] = self._tables[row[of_token], pos // self.page_size]
         f["write_offset"][:n] = pos % self.page_size
         f["src"][offset[on_device]] = row[on_device]
-        for c, o in zip(chunks, offset.tolist()):
-            if not c.from_device:
-                f["tokens"][o : o + c.length] = c.request.tokens(c.start, c.start + c.length)
+        self._host_tokens(f["tokens"], plan, offset)
         f["q_start"][row], f["q_len"][row], f["kv_len"][row] = offset, length, start + length
         f["block_tables"][row] = self._tables[row]
         sampled = row[samples]
@@ -227,6 +222,18 @@ class InputPacker:
             samples=bool((f["temperature"][sampled] > 0).any()),
         )
 
+    @staticmethod
+    def _host_tokens(tokens: np.ndarray, plan: StepPlan, offset: np.ndarray) -> None:
+        """Writes the input ids the host holds: prompt chunks, and decode tokens whose input is not
+        on the device (rare: a request whose previous output was read before the step)."""
+        decode = plan.decode
+        for i in np.flatnonzero(~decode.from_device).tolist():  # decode token i sits at index i
+            position = int(decode.positions[i])
+            tokens[i] = decode.requests[i].tokens(position, position + 1)[0]
+        for c, o in zip(plan.prompt_chunks, offset[len(decode.requests) :].tolist()):
+            if not c.from_device:
+                tokens[o : o + c.length] = c.request.tokens(c.start, c.start + c.length)
+
     def _clear(self, f: dict[str, np.ndarray]) -> None:
         """Every row absent and greedy, every token padding (module doc of jaxlora.engine.runner)."""
         for name in ("block_tables", "q_start", "q_len", "kv_len", "temperature", "top_k", "seed", "counter"):
@@ -237,21 +244,24 @@ class InputPacker:
         f["src"].fill(-1)
         f["write_page"].fill(self.num_pages)
 
-    def _sync_rows(self, chunks: tuple[Chunk, ...], pages: PageTable) -> None:
-        """Brings the host state of every row in the step up to its request (class doc)."""
-        seen = self._pages_seen
+    def _sync_rows(self, rows: np.ndarray, chunks: tuple[Chunk, ...], pages: PageTable) -> None:
+        """Brings the host state of every row in the step (`rows`, one entry each) up to its request
+        (class doc); `chunks` are the step's chunks other than its decode tokens, which never start a
+        row. The rows' page counts are compared at once: only rows with new pages loop."""
         for c in chunks:
             if c.start == 0:
                 self._start_row(c.row, c.request)
-            owned = pages.pages_of(c.row)
-            if len(owned) < seen[c.row]:
-                raise RuntimeError(
-                    f"row {c.row} holds {len(owned)} pages but its block table has {seen[c.row]}: its pages "
-                    "changed without a chunk starting at position 0"
-                )
-            if len(owned) > seen[c.row]:
-                self._tables[c.row, seen[c.row] : len(owned)] = owned[seen[c.row] :]
-                seen[c.row] = len(owned)
+        held, seen = pages.held(rows), self._pages_seen[rows]
+        if (held < seen).any():
+            i = int(np.argmax(held < seen))
+            raise RuntimeError(
+                f"row {rows[i]} holds {held[i]} pages but its block table has {seen[i]}: its pages "
+                "changed without a chunk starting at position 0"
+            )
+        grown = held > seen
+        for row, old, new in zip(rows[grown].tolist(), seen[grown].tolist(), held[grown].tolist()):
+            self._tables[row, old:new] = pages.pages_of(row)[old:new]
+        self._pages_seen[rows] = held
 
     def _start_row(self, row: int, req: Request) -> None:
         self._pages_seen[row] = 0
@@ -263,6 +273,20 @@ class InputPacker:
             p.top_p,
             req.seed,
         )
+
+
+def _chunk_arrays(plan: StepPlan) -> tuple[np.ndarray, ...]:
+    """Per chunk of the plan in packing order, decode tokens first: row, start, length (int32),
+    from_device, samples (bool). The decode tokens come as arrays already (`DecodeRows`)."""
+    decode, chunks = plan.decode, plan.prompt_chunks
+    ones = np.ones(len(decode.requests), np.int32)
+    if not chunks:
+        return decode.rows, decode.positions, ones, decode.from_device, ones.astype(bool)
+    meta = np.array([(c.row, c.start, c.length, c.from_device, c.samples) for c in chunks], np.int32)
+    row, start, length = (np.concatenate([d, meta[:, i]]) for i, d in enumerate((decode.rows, decode.positions, ones)))
+    on_device = np.concatenate([decode.from_device, meta[:, 3].astype(bool)])
+    samples = np.concatenate([ones.astype(bool), meta[:, 4].astype(bool)])
+    return row, start, length, on_device, samples
 
 
 def _views(buffer: np.ndarray, layout: StepLayout) -> dict[str, np.ndarray]:
