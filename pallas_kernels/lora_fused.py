@@ -199,7 +199,9 @@ def _call(x, a, ys, bs, layer, order, items, rank, output_of, col_offset, interp
     num_tokens, hidden = x.shape
     rank_pad = lora_triton._pad_pow2(rank)
     out_dims = tuple(b.shape[-1] for b in bs)
-    block_out = min(knobs["block_out"], lora_triton._pad_pow2(max(out_dims)))
+    # The B tile [rank_pad, block_out] is staged in shared memory per pipeline stage: bound it as
+    # the A tile is (rank 256 at block_out 256 asked the H200 for 268 KB of its 227).
+    block_out = min(knobs["block_out"], lora_triton._pad_pow2(max(out_dims)), max(MIN_DOT, 32768 // rank_pad))
     block_k = min(knobs["block_k"], lora_triton._pad_pow2(hidden), max(MIN_DOT, 16384 // rank_pad))
     col_split = max(1, min(knobs["col_split"], max(pl.cdiv(o, block_out) for o in out_dims)))
     steps = tuple(pl.cdiv(pl.cdiv(o, block_out), col_split) for o in out_dims)

@@ -59,13 +59,18 @@ EXPAND_PREFILL: dict[int, dict[str, int | str]] = {
 # distinct adapters, and 400-token prompt chunks at T >= 512; results/group_probe_s10/): the fused
 # launch is latency-bound below ~1,000 rows (its shrink is a serial loop over D in few programs:
 # rank 16, T=64, one adapter: 111 us a layer against 55 for the split launches), and wins where
-# the split form's per-row expand re-reads B for every row: rank 16 at T=1024 (747 against 953 us
-# summed), rank 64 from T=256 (1,151 against 1,478) and T=512 (1,590 against 2,331).
+# the split form's per-row expand re-reads B for every row: ranks 8 and 16 at T=1024 (rank 16: 747
+# against 953 us summed), rank 64 at T=256 (1,151 against 1,478) and T=512 (1,590 against 2,331).
+# Only measured cells take the fused launch: rank 32 was measured on the split form only, T=128
+# not at all (so rank 64 switches after 128 rows: the engine's budgets are powers of two), ranks
+# above 64 not at all (and the fused kernel's B tile grows with the rank).
 _SPLIT = dict(impl="split", block_rows=16, block_k=128, block_out=256, col_split=1, num_warps=4, num_stages=3)
 _FUSED = dict(impl="fused", block_rows=16, block_k=256, block_out=256, col_split=1, num_warps=4, num_stages=3)
 GROUP_DECODE: dict[int, dict[int, dict[str, int | str]]] = {
-    32: {512: _SPLIT, 1 << 30: _FUSED},
-    1 << 30: {64: _SPLIT, 1 << 30: _FUSED},
+    16: {512: _SPLIT, 1 << 30: _FUSED},
+    32: {1 << 30: _SPLIT},
+    64: {128: _SPLIT, 1 << 30: _FUSED},
+    1 << 30: {1 << 30: _SPLIT},
 }
 GROUP_PREFILL: dict[int, dict[int, dict[str, int | str]]] = {
     1 << 30: {1 << 30: dict(_SPLIT, block_rows=32)},

@@ -283,6 +283,23 @@ class Scheduler:
         req.phase = Phase.FINISHED
 
     # Planning.
+    def check(self) -> None:
+        """Raises RuntimeError unless the state kept for planning (the phase lists, the per-row decode
+        positions, the cached decode rows) agrees with the running requests themselves. For tests
+        and debugging: planning reads only the kept state."""
+        for phase, kept in ((Phase.PREFILL, self._prefilling), (Phase.DECODE, self._decoding)):
+            want = sorted((r for r in self.running.values() if r.phase is phase), key=_ARRIVAL)
+            if [r.request_id for r in kept] != [r.request_id for r in want]:
+                raise RuntimeError(f"kept {phase.name} list {[r.request_id for r in kept]} != running {want}")
+        for req in self._decoding:
+            got = (int(self._next_position[req.row]), int(self._end_position[req.row]))
+            want = (req.next_position, req.num_prompt + req.sampling.max_tokens - 1)
+            if got != want:
+                raise RuntimeError(f"row {req.row} ({req.request_id}): kept (next, end) {got} != {want}")
+        rows = self._decoding_rows
+        if rows is not None and rows.tolist() != [r.row for r in self._decoding]:
+            raise RuntimeError(f"cached decode rows {rows.tolist()} are stale")
+
     def _prompt_demand(self) -> int:
         """Prompt tokens this step could take if the budget were unbounded: the rest of every running
         prefill, plus the prompts of the waiting requests the free rows could admit now (pages are

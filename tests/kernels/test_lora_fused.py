@@ -153,7 +153,7 @@ def test_bad_knobs_raise(rng):
         lora_fused.fused_group(x, a[0][..., :-1], ys, tuple(b[0] for b in bs), groups, mode="decode", interpret=True)
 
 
-@pytest.mark.parametrize("rank, tokens", [(16, 64), (16, 1100), (64, 64), (64, 300)])
+@pytest.mark.parametrize("rank, tokens", [(16, 64), (16, 1100), (64, 64), (64, 300), (128, 1100)])
 def test_the_shipped_table_picks_the_launch_by_rank_and_rows(rng, monkeypatch, rank, tokens):
     """lora_group on pallas decode takes the one-launch kernel exactly where tuning.py's measured
     table says fused for (rank, T), and the step plan already holds that kernel's work items."""
