@@ -65,8 +65,8 @@ MIN_DOT_8BIT = 32  # 8-bit MMAs (mma.sync m16n8k32, wgmma k32) step K by 32.
 WEIGHT_DTYPES = (_INT8, _FP8)
 X_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(_F32))
 CONVERTS = ("cast", "magic")
-# int8 W8A8 accumulates in int32: |sum_k xq * q| <= K * 127^2 must stay below 2^31.
-MAX_INT8_W8A8_DEPTH = (2**31 - 1) // (127 * 127)
+# int8 W8A8 accumulates in int32: |sum_k xq * q| <= K * 127 * 128 (q may be -128) must stay below 2^31.
+MAX_INT8_W8A8_DEPTH = (2**31 - 1) // (127 * 128)
 # The magic numbers: float32 2^23 + 128 (bits 0x4B000080), float16 2^10 + 128 (bits 0x6480). The
 # spacing of floats there is 1, so adding the sign-extended q to the bits adds q to the value.
 _MAGIC_F32_BITS, _MAGIC_F32 = 0x4B000080, 8388736.0
