@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 from pathlib import Path
 
+import jax
 import pytest
 
 # `jaxlora` commands run in-process here must not write into the user's compilation cache; tests that
@@ -15,6 +17,18 @@ os.environ["JAXLORA_COMPILATION_CACHE"] = "off"
 from tests.reference.client import SETUP_COMMAND, ref_python, run_reference  # noqa: E402
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """Drops every compiled executable after each test module. Each XLA CPU executable keeps memory
+    mappings of its code, and the whole suite in one process compiles enough of them to reach the
+    kernel's limit on a process's mappings (vm.max_map_count, 65,530): the next compile then failed
+    inside LLVM with a segfault, ~95% of the way through the suite (the kernel tests alone map
+    ~7,400 regions in their first 100 s)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def _unavailable(message: str) -> None:
