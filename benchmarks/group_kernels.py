@@ -1,5 +1,6 @@
 """A 7B layer's four LoRA module groups on the GPU: one launch a group (`lora_fused`) against the
-split shrink + expand launches (`lora_triton.decode_group`, shipped before) and XLA, per slot pattern.
+split shrink + expand launches (`lora_triton.decode_group`, per-row expand or tile expand) and XLA,
+per slot pattern.
 
 Each variant runs what a model layer runs: q|k|v into one fused output, o, gate|up into one fused
 output, down, for `--layers` layers in a `fori_loop` (the layer index traced, the bank stacked over
@@ -10,7 +11,8 @@ and "chunk" patterns (a prompt chunk of one adapter beside decode rows), which i
 step runs through these kernels.
 
     python -m benchmarks.group_kernels --out DIR [--layers 8] [--tokens 64 16 256 512 1024]
-        [--ranks 16 64] [--check-ranks 8 32] [--budget-s S]
+        [--ranks 16 64] [--check-ranks 8 32] [--families split xla tiles fused] [--max-fused N]
+        [--budget-s S]
     python -m benchmarks.group_kernels --smoke        # tiny shapes in interpret mode (CPU)
 
 Writes DIR/group_kernels.json after every case: rows (variant, knobs, T, pattern, rank, us per
@@ -53,6 +55,15 @@ CANDIDATES = [
         (1024, 512, 8, 8, 2),
     )
 ]
+
+
+# The split form with the tile expand (`decode_group(tiles=...)`): (block_out, num_warps). The shrink
+# is the split form's; the expand reads each b column block once per 16-row work item.
+TILE_CANDIDATES = [
+    dict(impl="split_tiles", block_rows=16, block_out=bo, num_warps=w, num_stages=1)
+    for bo, w in ((64, 4), (128, 4), (256, 4), (512, 8))
+]
+FAMILIES = ("split", "xla", "tiles", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +232,8 @@ def main() -> None:
         default=[8, 32],
         help="ranks that run the split form, xla and the first rank's best",
     )
+    p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="variant families to run")
+    p.add_argument("--max-fused", type=int, default=len(CANDIDATES), help="run only the first N fused candidates")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=float("inf"))
     p.add_argument("--out", type=Path, default=None)
@@ -230,9 +243,12 @@ def main() -> None:
     if args.smoke:
         args.layers, args.reps = min(args.layers, 2), 1
     hbm = 1.0 if args.smoke else hbm_gbps()
-    variants = [("split", None), ("xla", None)] + [(f"fused{i}", c) for i, c in enumerate(CANDIDATES)]
+    variants = [("split", None), ("xla", None)]
+    variants += [(f"tiles{i}", c) for i, c in enumerate(TILE_CANDIDATES)]
+    variants += [(f"fused{i}", c) for i, c in enumerate(CANDIDATES[: args.max_fused])]
+    variants = [(n, c) for n, c in variants if n.rstrip("0123456789") in args.families]
     if args.smoke:
-        variants = variants[:3]
+        variants = [v for v in variants if v[0] in ("split", "xla", "tiles0", "fused0")]
     rows: list[dict] = []
     rng, key = np.random.default_rng(0), jax.random.key(0)
     for rank in args.ranks + args.check_ranks:

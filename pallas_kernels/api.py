@@ -249,9 +249,9 @@ def lora_group(
 
     The same as `lora_shrink` followed by `lora_expand_multi`. On "pallas" where tuning.py's group
     impl is "fused", it runs as one launch for the whole group (`lora_fused`); otherwise in decode
-    (seg_len None) with the per-row expand, as two launches for the whole group
-    (`lora_triton.decode_group`: the shrink's float32 split-K partials go straight to one expand
-    launch over every module), and h is not rounded to x.dtype in between.
+    (seg_len None) as two launches for the whole group (`lora_triton.decode_group`: the shrink's
+    float32 split-K partials go straight to one expand launch over every module): per row, with h
+    not rounded to x.dtype in between, or per work item where the impl is "split_tiles".
 
     Args:
       x: [T, D]; a: [S, D, G*R]; ys: G outputs [T, O_g]; bs: G banks [S, R, O_g] (a leading L axis
@@ -279,8 +279,9 @@ def lora_group(
         plan = _resolve_plan(
             plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=x.shape[0], num_slots=a.shape[-3]
         )
+        tiles = _tile_knobs(backend, seg_len, x.shape[0], bs[0].shape[-2])
         return lora_triton.decode_group(
-            x, a, tuple(ys), tuple(bs), plan.slot_ids, plan.groups, layer=layer, interpret=interpret
+            x, a, tuple(ys), tuple(bs), plan.slot_ids, plan.groups, layer=layer, interpret=interpret, tiles=tiles
         )
     h = lora_shrink(x, a, slot_ids, plan=plan, **kw)
     return lora_expand_multi(tuple(ys), h, tuple(bs), slot_ids, plan=plan, **kw)
@@ -306,6 +307,17 @@ def _decode_group_applies(backend: str, seg_len: int | None, num_tokens: int) ->
     )
 
 
+def _tile_knobs(backend: str, seg_len: int | None, num_tokens: int, rank: int) -> dict[str, int] | None:
+    """The tile expand's knobs where tuning.py's decode group impl at this T and bank rank is
+    "split_tiles" (`lora_triton.decode_group` with b read once per work item), else None (per row)."""
+    if backend != "pallas" or seg_len is not None or num_tokens <= 0 or rank <= 0:
+        return None
+    row = tuning.lookup_group("decode", num_tokens, rank)
+    if row["impl"] != "split_tiles":
+        return None
+    return {k: int(row[k]) for k in lora_triton.TILE_KNOBS}
+
+
 def _group_fused(x, a, ys, bs, slot_ids, backend, interpret, seg_len, plan, layer, out_cols) -> jax.Array:
     """`lora_group` into one fused output: y [T, W] with module g in columns out_cols[g] .. + O_g.
 
@@ -321,8 +333,18 @@ def _group_fused(x, a, ys, bs, slot_ids, backend, interpret, seg_len, plan, laye
         plan = _resolve_plan(
             plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=x.shape[0], num_slots=a.shape[-3]
         )
+        tiles = _tile_knobs(backend, seg_len, x.shape[0], bs[0].shape[-2])
         (y,) = lora_triton.decode_group(
-            x, a, (y,), tuple(bs), plan.slot_ids, plan.groups, layer=layer, interpret=interpret, out_cols=out_cols
+            x,
+            a,
+            (y,),
+            tuple(bs),
+            plan.slot_ids,
+            plan.groups,
+            layer=layer,
+            interpret=interpret,
+            out_cols=out_cols,
+            tiles=tiles,
         )
         return y
     views = tuple(y[:, lo:hi] for lo, hi in spans)

@@ -388,6 +388,75 @@ def _expand_rows_multi_kernel(
             pltriton.store(out_ref.at[at], (y.astype(_F32) + delta).astype(out_ref.dtype), mask=mask)
 
 
+def _expand_tiles_multi_kernel(
+    layer_ref,
+    tile_ref,
+    lo_ref,
+    hi_ref,
+    slot_ref,
+    order_ref,
+    h_ref,
+    *refs,
+    num_modules: int,
+    num_outputs: int,
+    output_of: tuple[int, ...],
+    col_offset: tuple[int, ...],
+    block_rows: int,
+    block_out: int,
+    rank_pad: int,
+    rank: int,
+    out_dims: tuple[int, ...],
+    first_block: tuple[int, ...],
+    num_parts: int,
+    num_tokens: int,
+    has_order: bool,
+):
+    # The tile form of `_expand_rows_multi_kernel`: program (item, j) adds, for the rows of work item
+    # `item` (rows grouped by slot, one slot per item), column block j of the concatenated outputs.
+    # tile/lo/hi/slot_ref: [I] int32 work items; order_ref: [T] int32 grouped position -> row;
+    # h_ref: [K, T, G*R] f32 split-K partials (summed here, then rounded to the bank's dtype: the
+    # contract's h, as `lora_shrink` returns it); refs: G banks b_g [L, S, R, O_g], Y outputs y_k
+    # [T, W_k], then Y outputs aliased to them. Why: each b[slot] column block is read once per
+    # item (up to block_rows rows) instead of once per row, a tensor-core dot instead of a
+    # multiply-and-sum; it pays when rows share adapters.
+    b_refs = refs[:num_modules]
+    y_refs, out_refs = refs[num_modules : num_modules + num_outputs], refs[num_modules + num_outputs :]
+    item, j = pl.program_id(0), pl.program_id(1)  # read outside pl.when (interpret mode)
+    slot, layer = slot_ref[item], layer_ref[0]
+    r = jnp.arange(rank_pad, dtype=jnp.int32)
+    r_ok = r < rank
+    for g in range(num_modules):
+
+        @pl.when((slot != 0) & (j >= first_block[g]) & (j < first_block[g + 1]))
+        def _(g=g):
+            rows, in_item = _item_rows(
+                item,
+                tile_ref,
+                lo_ref,
+                hi_ref,
+                order_ref,
+                block_rows=block_rows,
+                num_tokens=num_tokens,
+                has_order=has_order,
+            )
+            outs = (j - first_block[g]) * block_out + jnp.arange(block_out, dtype=jnp.int32)
+            out_ok = outs < out_dims[g]
+            h_at = (rows[:, None], g * rank + r[None, :])
+            h_mask = in_item[:, None] & r_ok[None, :]
+            h = pltriton.load(h_ref.at[(0,) + h_at], mask=h_mask, other=0)
+            for k in range(1, num_parts):
+                h = h + pltriton.load(h_ref.at[(k,) + h_at], mask=h_mask, other=0)
+            b = pltriton.load(
+                b_refs[g].at[layer, slot, r[:, None], outs[None, :]], mask=r_ok[:, None] & out_ok[None, :], other=0
+            )
+            at = (rows[:, None], col_offset[g] + outs[None, :])
+            mask = in_item[:, None] & out_ok[None, :]
+            y_ref, out_ref = y_refs[output_of[g]], out_refs[output_of[g]]
+            y = pltriton.load(y_ref.at[at], mask=mask, other=0)
+            delta = _dot(h.astype(b.dtype), b)  # [BT, BO] f32
+            pltriton.store(out_ref.at[at], (y.astype(_F32) + delta).astype(out_ref.dtype), mask=mask)
+
+
 # -- wrappers -----------------------------------------------------------------------------------
 
 
@@ -857,6 +926,7 @@ def decode_group(
     layer: jax.Array | None = None,
     interpret: bool = False,
     out_cols: tuple[int, ...] | None = None,
+    tiles: dict[str, int] | None = None,
 ) -> tuple[jax.Array, ...]:
     """One module group's whole LoRA term in decode, in two launches whatever the module count:
 
@@ -873,6 +943,9 @@ def decode_group(
       of slot_ids (decode) with the shrink's tile height.
       out_cols: None, or G static column offsets: then ys is one fused output [T, W] and module g
         updates its columns out_cols[g] .. out_cols[g] + O_g - 1 (the serving layout's q|k|v).
+      tiles: None for the per-row expand (tuning.EXPAND_DECODE's knobs; h stays float32), or the
+        tile expand's knobs {block_out, num_warps, num_stages}: program (work item, column block)
+        over the shrink's work items, b read once per item, h rounded to the bank's dtype.
 
     Returns:
       the updated outputs (G, or the one fused output), each in its own dtype (f32 accumulation).
@@ -888,6 +961,21 @@ def decode_group(
     _check_pow2(block_rows=shrink["block_rows"], block_k=shrink["block_k"])
     items = _items_for(groups, num_tokens, shrink["block_rows"])
     parts = _shrink_call(x, a, layer, groups.order, items, interpret=interpret, keep_partials=True, **shrink)
+    if tiles is not None:
+        return _expand_tiles_call(
+            parts,
+            bs,
+            ys,
+            layer,
+            groups.order,
+            items,
+            rank,
+            output_of,
+            col_offset,
+            shrink["block_rows"],
+            interpret,
+            **tiles,
+        )
     expand = _knobs("expand", "decode", num_tokens, {})
     rank_pad = _pad_pow2(rank)
     out_dims = tuple(b.shape[-1] for b in bs)
@@ -922,6 +1010,54 @@ def decode_group(
             interpret=interpret,
             name="lora_decode_expand_group",
         )(layer, slot_ids.astype(jnp.int32), parts, *bs, *ys)
+    )
+
+
+TILE_KNOBS = ("block_out", "num_warps", "num_stages")
+
+
+def _expand_tiles_call(
+    parts, bs, ys, layer, order, items, rank, output_of, col_offset, block_rows, interpret, **knobs
+) -> tuple[jax.Array, ...]:
+    """`decode_group`'s tile expand: parts [K, T, G*R] f32 into the G modules' columns of ys."""
+    if set(knobs) != set(TILE_KNOBS):
+        raise ValueError(f"tile expand knobs must be exactly {TILE_KNOBS}; got {sorted(knobs)}")
+    rank_pad = _pad_pow2(rank)
+    out_dims = tuple(b.shape[-1] for b in bs)
+    # The b tile [rank_pad, block_out] is a dot operand: bound it like the shrink's a tile.
+    block_out = min(knobs["block_out"], _pad_pow2(max(out_dims)), max(MIN_DOT, 16384 // rank_pad))
+    _check_pow2(block_rows=block_rows, block_out=block_out)
+    blocks = [pl.cdiv(o, block_out) for o in out_dims]
+    first_block = tuple(int(sum(blocks[:g])) for g in range(len(blocks) + 1))
+    has_order = order is not None
+    order = order if has_order else jnp.zeros((1,), jnp.int32)  # placeholder operand, never read
+    kernel = functools.partial(
+        _expand_tiles_multi_kernel,
+        num_modules=len(bs),
+        num_outputs=len(ys),
+        output_of=output_of,
+        col_offset=col_offset,
+        block_rows=block_rows,
+        block_out=block_out,
+        rank_pad=rank_pad,
+        rank=rank,
+        out_dims=out_dims,
+        first_block=first_block,
+        num_parts=parts.shape[0],
+        num_tokens=parts.shape[1],
+        has_order=has_order,
+    )
+    first_y = 7 + len(bs)  # operands: layer, 4 work-item arrays, order, partials, banks, outputs
+    return tuple(
+        pl.pallas_call(
+            kernel,
+            out_shape=tuple(jax.ShapeDtypeStruct(y.shape, y.dtype) for y in ys),
+            grid=(items[0].shape[0], first_block[-1]),
+            input_output_aliases={first_y + g: g for g in range(len(ys))},  # rows without an adapter keep y
+            compiler_params=pltriton.CompilerParams(num_warps=knobs["num_warps"], num_stages=knobs["num_stages"]),
+            interpret=interpret,
+            name="lora_decode_expand_tiles",
+        )(layer, *items, order, parts, *bs, *ys)
     )
 
 

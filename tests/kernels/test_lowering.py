@@ -85,8 +85,14 @@ def test_fused_decode_group_on_a_stacked_bank_lowers_for_cuda():
     assert text.count("__gpu$xla.gpu.triton") == 2
 
 
-def test_decode_group_into_one_fused_output_lowers_for_cuda():
-    """The serving layout's decode path: q|k|v in one output [T, 960], still two Triton launches."""
+@pytest.mark.parametrize("expand", ["rows", "tiles"])
+def test_decode_group_into_one_fused_output_lowers_for_cuda(monkeypatch, expand):
+    """The serving layout's decode path: q|k|v in one output [T, 960], still two Triton launches,
+    with the per-row expand or the tile expand (b once per work item)."""
+    if expand == "tiles":
+        row = dict(impl="split_tiles", block_rows=16, block_out=128, num_warps=4, num_stages=1)
+        for rank_bucket in list(pk.tuning.GROUP_DECODE):
+            monkeypatch.setitem(pk.tuning.GROUP_DECODE, rank_bucket, {1 << 30: row})
     sd = jax.ShapeDtypeStruct
     x, slots = sd((64, 576), jnp.bfloat16), sd((64,), jnp.int32)
     a = sd((3, 5, 576, 48), jnp.bfloat16)
@@ -98,6 +104,7 @@ def test_decode_group_into_one_fused_output_lowers_for_cuda():
 
     text = _lower_for_cuda(step, x, a, y, bs, slots, sd((), jnp.int32))
     assert text.count("__gpu$xla.gpu.triton") == 2
+    assert ("lora_decode_expand_tiles" in text) == (expand == "tiles")
 
 
 def test_non_power_of_two_block_is_rejected_before_lowering():
