@@ -28,6 +28,8 @@ Per case, over `--steps` steps after `--warmup-steps`:
                      consecutive steps, plus the host->device copies per step. Needs a GPU plane
                      in the trace: on CPU the entry says it is not available.
 The loop must compile nothing after warm-up (`compiles_after_warmup` is recorded and checked).
+`token_digest` hashes every token id the loop streamed (warm-up and measured steps): two runs of
+the same case and seed that compute the same agree on it (e.g. under different XLA_FLAGS).
 
     python -m benchmarks.host_loop --tiny --out /tmp/host_loop       # CPU, seconds
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python -m benchmarks.host_loop \\
@@ -42,6 +44,7 @@ import argparse
 import dataclasses
 import gc
 import glob
+import hashlib
 import json
 import shlex
 import sys
@@ -116,6 +119,9 @@ class ClosedLoop:
         self.rng = np.random.default_rng(opts.seed)
         self.submitted = 0
         self.in_flight = 0
+        # Every streamed token id, in step order: runs that must compute the same (the same seed
+        # under different XLA flags) compare digests.
+        self.digest = hashlib.sha256()
 
     def fill(self) -> None:
         while self.in_flight < self.case.batch:
@@ -142,6 +148,8 @@ class ClosedLoop:
         until = self.engine.stats()["steps"] + steps
         while self.engine.stats()["steps"] < until:
             outputs = self.engine.step()
+            for o in sorted(outputs, key=lambda o: o.request_id):
+                self.digest.update(f"{o.request_id}:{o.token_ids};".encode())
             self.in_flight -= sum(o.finished for o in outputs)
             self.fill()
 
@@ -405,6 +413,7 @@ def run_case(model, tokenizer, case: Case, opts: Options) -> dict:
     result.update(measure_loop(loop, opts.steps))
     if opts.profile_steps:
         result["profile"] = profile_loop(loop, opts.profile_steps)
+    result["token_digest"] = loop.digest.hexdigest()[:16]
     result["compiles_after_warmup"] = engine.compiles_after_warmup
     if engine.compiles_after_warmup:
         raise RuntimeError(f"{case.label}: the loop compiled {engine.compiles_after_warmup} program(s) after warm-up")
