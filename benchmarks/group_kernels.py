@@ -91,7 +91,9 @@ def groups_of(s: Shape) -> list[tuple[str, int, tuple[int, ...]]]:
 def patterns(tokens: int, rng: np.random.Generator, slots: int) -> dict[str, np.ndarray]:
     """Slot patterns at T rows: distinct adapters spread over rows, and prompt chunks beside decode rows."""
     out = {}
-    for distinct in sorted({1, max(1, tokens // 4), min(tokens, slots - 1)}):
+    # At most slots - 1 adapters: a slot id past the bank is not a valid input (the first H200 run of
+    # T=2048 on a 257-slot bank asked for 512 and every family read past the bank, results/probe_s11b).
+    for distinct in sorted({1, min(max(1, tokens // 4), slots - 1), min(tokens, slots - 1)}):
         out[f"d{distinct}"] = (1 + rng.permutation(np.arange(tokens) % distinct)).astype(np.int32)
     if tokens >= 512:  # ragged steps: 400-token chunks of one adapter each, the rest decode rows on 64 adapters
         chunks = [np.full(400, 1 + c, np.int32) for c in range(tokens // 512)]

@@ -831,8 +831,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--lora-groups",
         choices=("tuned", "split"),
         default="tuned",
-        help="pallas module groups: tuning.py's rule (tuned), or the split shrink + expand launches everywhere "
-        "(the engine before the one-launch kernel; an A/B in the same tree)",
+        help="pallas module groups: tuning.py's rule (tuned), or the split shrink + per-row expand launches "
+        "everywhere (the engine before the one-launch kernel and the tile expand; an A/B in the same tree)",
     )
     p.add_argument(
         "--budget-s", type=float, default=None, help="start no run (or setting) that could end after this many seconds"
@@ -1010,7 +1010,7 @@ def run_setting(
 
 
 def split_every_group() -> None:
-    """Makes every pallas module group run as split shrink + expand launches in this process."""
+    """Makes every pallas module group run as split shrink + per-row expand launches in this process."""
     for table in tuning.GROUP_TABLES.values():
         for rank_bucket, rows in table.items():
             table[rank_bucket] = {t: dict(knobs, impl="split") for t, knobs in rows.items()}

@@ -49,26 +49,36 @@ EXPAND_PREFILL: dict[int, dict[str, int | str]] = {
 
 # A module group's whole LoRA term (`api.lora_group` on "pallas"): impl "fused" runs it as one launch
 # (`lora_fused`: each work item's shrink computed in the program that expands it), "split" as the
-# shrink and expand launches above (decode: `lora_triton.decode_group`, two launches a group). Keys
-# besides impl are `lora_fused`'s knobs: block_rows (work-item height, >= 16 for the tensor-core
-# dots), block_k (shrink depth per loop step), block_out (output columns per step), col_split (runs
-# of each module's column blocks, one program each; each run recomputes its item's shrink).
+# shrink and expand launches above (decode: `lora_triton.decode_group`, two launches a group, the
+# expand per row), "split_tiles" as the same shrink and a tile expand (`decode_group(tiles=...)`:
+# program (16-row work item, column block), each b column block read once per item, a tensor-core
+# dot). Keys besides impl: `lora_fused`'s knobs for "fused" (block_rows: work-item height, >= 16 for
+# the tensor-core dots; block_k: shrink depth per loop step; block_out: output columns per step;
+# col_split: runs of each module's column blocks, one program each, each recomputing its item's
+# shrink), the tile expand's for "split_tiles" (block_out, num_warps, num_stages; its items are the
+# shrink's).
 #
-# Keyed by the bank's rank, then T (smallest bucket >= each wins). Measured on the H200
-# (`benchmarks/group_kernels.py`, the four groups of a 7B layer, 8 layers; summed over 1, T/4 and T
-# distinct adapters, and 400-token prompt chunks at T >= 512; results/group_probe_s10/): the fused
-# launch is latency-bound below ~1,000 rows (its shrink is a serial loop over D in few programs:
-# rank 16, T=64, one adapter: 111 us a layer against 55 for the split launches), and wins where
-# the split form's per-row expand re-reads B for every row: ranks 8 and 16 at T=1024 (rank 16: 747
-# against 953 us summed), rank 64 at T=256 (1,151 against 1,478) and T=512 (1,590 against 2,331).
-# Only measured cells take the fused launch: rank 32 was measured on the split form only, T=128
-# not at all (so rank 64 switches after 128 rows: the engine's budgets are powers of two), ranks
-# above 64 not at all (and the fused kernel's B tile grows with the rank).
+# Keyed by the bank's rank, then T (smallest bucket >= each wins). Measured with
+# `benchmarks/group_kernels.py` (the four groups of a 7B layer, 8 layers; summed over 1, T/4 and T
+# distinct adapters, and 400-token prompt chunks at T >= 512). Rank 16, us per layer summed:
+#   T = 512 / 1,024 / 2,048 (H200, results/probe_s11b/g): split 867 / 931 / 1,548, tiles 799 / 658 /
+#   829, fused 877 / 722 / 924. The per-row expand re-reads b for every row, the tile one once per
+#   16 rows: it wins wherever items hold several rows (one adapter at 1,024 rows: 272 -> 159 us).
+#   T <= 256 (H100, results/group_probe_s11/g): split wins (T=256: 576 against 612 for tiles; at
+#   T distinct adapters an item holds one row, 15 of 16 tile rows are padding: 301 against 374).
+#   Rank 32: tiles 1,060 / 917 / 1,135 against split 1,338 / 1,524 / 2,505 at T = 512 / 1,024 /
+#   2,048; rank 8 at 512 (H100): a tie (718 / 723). Rank 64 at T = 512 / 1,024 / 2,048: fused
+#   1,586 / 1,302 / 1,588, tiles 1,686 / 1,406 / 1,717, split 2,347 / 2,735 / 4,698 (H200); at
+#   T = 256 fused 1,151 against split 1,478 (H200, results/group_probe_s10/), tiles 1,790 against
+#   split 1,755 (H100).
+# The fused launch is latency-bound below ~1,000 rows (its shrink is a serial loop over D in few
+# programs). Ranks above 64 are unmeasured and stay split (the fused kernel's B tile grows with
+# the rank).
 _SPLIT = dict(impl="split", block_rows=16, block_k=128, block_out=256, col_split=1, num_warps=4, num_stages=3)
+_TILES = dict(impl="split_tiles", block_rows=16, block_out=256, num_warps=4, num_stages=1)
 _FUSED = dict(impl="fused", block_rows=16, block_k=256, block_out=256, col_split=1, num_warps=4, num_stages=3)
 GROUP_DECODE: dict[int, dict[int, dict[str, int | str]]] = {
-    16: {512: _SPLIT, 1 << 30: _FUSED},
-    32: {1 << 30: _SPLIT},
+    32: {256: _SPLIT, 1 << 30: _TILES},
     64: {128: _SPLIT, 1 << 30: _FUSED},
     1 << 30: {1 << 30: _SPLIT},
 }

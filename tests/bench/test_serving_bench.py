@@ -200,7 +200,8 @@ def test_rate_spec_takes_a_rate_and_optional_seconds():
 
 
 def test_split_every_group_runs_every_module_group_as_two_launches(monkeypatch):
-    """--lora-groups split: the A/B arm without the one-launch kernel, whatever the rank and rows."""
+    """--lora-groups split: the A/B arm without the one-launch kernel or the tile expand, whatever
+    the rank and rows."""
     from benchmarks.serving import split_every_group
     from pallas_kernels import tuning
 
@@ -209,5 +210,6 @@ def test_split_every_group_runs_every_module_group_as_two_launches(monkeypatch):
             monkeypatch.setitem(table, key, dict(table[key]))
     cells = [(mode, t, r) for mode in tuning.GROUP_TABLES for t in (16, 256, 1024, 4096) for r in (8, 16, 64)]
     assert any(tuning.lookup_group(*c)["impl"] == "fused" for c in cells)
+    assert any(tuning.lookup_group(*c)["impl"] == "split_tiles" for c in cells)
     split_every_group()
     assert all(tuning.lookup_group(*c)["impl"] == "split" for c in cells)

@@ -98,3 +98,22 @@ def test_tile_knobs_must_be_complete(rng):
         lora_triton.decode_group(*args, interpret=True, tiles=dict(TILES, split_k=2))
     with pytest.raises(ValueError, match="power of two"):
         lora_triton.decode_group(*args, interpret=True, tiles=dict(TILES, block_out=24))
+
+
+@pytest.mark.parametrize("rank, tokens", [(16, 64), (16, 600), (32, 300), (8, 2048), (64, 600)])
+def test_the_shipped_table_picks_the_expand_by_rank_and_rows(rng, monkeypatch, rank, tokens):
+    """lora_group on pallas decode takes the tile expand exactly where tuning.py's measured table
+    says split_tiles for (rank, T), with the plan's work items (none rebuilt per op)."""
+    calls = []
+    tiles_call = lora_triton._expand_tiles_call
+    monkeypatch.setattr(lora_triton, "_expand_tiles_call", lambda *a, **k: calls.append(1) or tiles_call(*a, **k))
+    hidden, out = 32, 24
+    x = random_array(rng, (tokens, hidden), jnp.bfloat16)
+    a = random_array(rng, (SLOTS, hidden, rank), jnp.bfloat16, 0.1).at[0].set(0)
+    b = random_array(rng, (SLOTS, rank, out), jnp.bfloat16, 0.1).at[0].set(0)
+    y = random_array(rng, (tokens, out), jnp.bfloat16)
+    slots = jnp.asarray(rng.choice([0, 1, 5], tokens).astype(np.int32))
+    plan = pk.lora_plan(slots, num_slots=SLOTS, backend="pallas")
+    jax.eval_shape(lambda: pk.lora_group(x, a, (y,), (b,), None, backend="pallas", interpret=True, plan=plan))
+    assert len(calls) == (tuning.lookup_group("decode", tokens, rank)["impl"] == "split_tiles")
+    assert (rank, tokens) not in ((16, 600), (32, 300), (8, 2048)) or calls  # the measured wins
