@@ -274,15 +274,9 @@ def lora_group(
         )
     if out_cols is not None:
         return (_group_fused(x, a, ys, bs, slot_ids, backend, interpret, seg_len, plan, layer, tuple(out_cols)),)
-    kw = dict(backend=backend, interpret=interpret, seg_len=seg_len, layer=layer)
     if _decode_group_applies(backend, seg_len, x.shape[0]):
-        plan = _resolve_plan(
-            plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=x.shape[0], num_slots=a.shape[-3]
-        )
-        tiles = _tile_knobs(backend, seg_len, x.shape[0], bs[0].shape[-2])
-        return lora_triton.decode_group(
-            x, a, tuple(ys), tuple(bs), plan.slot_ids, plan.groups, layer=layer, interpret=interpret, tiles=tiles
-        )
+        return _decode_group(x, a, tuple(ys), tuple(bs), slot_ids, plan, backend, interpret, layer, None)
+    kw = dict(backend=backend, interpret=interpret, seg_len=seg_len, layer=layer)
     h = lora_shrink(x, a, slot_ids, plan=plan, **kw)
     return lora_expand_multi(tuple(ys), h, tuple(bs), slot_ids, plan=plan, **kw)
 
@@ -304,6 +298,16 @@ def _decode_group_applies(backend: str, seg_len: int | None, num_tokens: int) ->
         and seg_len is None
         and num_tokens > 0
         and tuning.lookup("expand", "decode", num_tokens).get("impl") == "rows"
+    )
+
+
+def _decode_group(x, a, ys, bs, slot_ids, plan, backend, interpret, layer, out_cols) -> tuple[jax.Array, ...]:
+    """`lora_triton.decode_group` with the step's plan (built here if not given) and tuning.py's
+    expand for this T and bank rank: per row, or per work item ("split_tiles")."""
+    plan = _resolve_plan(plan, slot_ids, backend=backend, seg_len=None, num_tokens=x.shape[0], num_slots=a.shape[-3])
+    tiles = _tile_knobs(backend, None, x.shape[0], bs[0].shape[-2])
+    return lora_triton.decode_group(
+        x, a, ys, bs, plan.slot_ids, plan.groups, layer=layer, interpret=interpret, out_cols=out_cols, tiles=tiles
     )
 
 
@@ -330,22 +334,7 @@ def _group_fused(x, a, ys, bs, slot_ids, backend, interpret, seg_len, plan, laye
     lora_triton.check_column_spans(out_cols, tuple(b.shape[-1] for b in bs), y.shape)
     spans = [(c, c + b.shape[-1]) for c, b in zip(out_cols, bs)]
     if _decode_group_applies(backend, seg_len, x.shape[0]):
-        plan = _resolve_plan(
-            plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=x.shape[0], num_slots=a.shape[-3]
-        )
-        tiles = _tile_knobs(backend, seg_len, x.shape[0], bs[0].shape[-2])
-        (y,) = lora_triton.decode_group(
-            x,
-            a,
-            (y,),
-            tuple(bs),
-            plan.slot_ids,
-            plan.groups,
-            layer=layer,
-            interpret=interpret,
-            out_cols=out_cols,
-            tiles=tiles,
-        )
+        (y,) = _decode_group(x, a, (y,), tuple(bs), slot_ids, plan, backend, interpret, layer, out_cols)
         return y
     views = tuple(y[:, lo:hi] for lo, hi in spans)
     kw = dict(backend=backend, interpret=interpret, seg_len=seg_len, layer=layer)
