@@ -183,6 +183,14 @@ def _rank_product(h: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.sum(h.astype(_F32)[:, :, None] * b.astype(_F32)[None, :, :], axis=1)
 
 
+def _summed_partials(h_ref, at: tuple, mask: jax.Array, num_parts: int) -> jax.Array:
+    """sum over k of h_ref[k][at] (f32 split-K partials of a shrink), masked loads summed as loaded."""
+    h = pltriton.load(h_ref.at[(0,) + at], mask=mask, other=0)
+    for k in range(1, num_parts):
+        h = h + pltriton.load(h_ref.at[(k,) + at], mask=mask, other=0)
+    return h
+
+
 def _shrink_kernel(
     layer_ref,
     tile_ref,
@@ -373,9 +381,7 @@ def _expand_rows_multi_kernel(
             out_ok = outs < out_dims[g]
             h_at = (rows[:, None], g * rank + r[None, :])
             h_mask = is_used[:, None] & r_ok[None, :]
-            h = pltriton.load(h_ref.at[(0,) + h_at], mask=h_mask, other=0)
-            for k in range(1, num_parts):
-                h = h + pltriton.load(h_ref.at[(k,) + h_at], mask=h_mask, other=0)
+            h = _summed_partials(h_ref, h_at, h_mask, num_parts)
             b_mask = is_used[:, None, None] & r_ok[None, :, None] & out_ok[None, None, :]
             b = pltriton.load(
                 b_refs[g].at[layer, slots[:, None, None], r[None, :, None], outs[None, None, :]], mask=b_mask, other=0
@@ -443,9 +449,7 @@ def _expand_tiles_multi_kernel(
             out_ok = outs < out_dims[g]
             h_at = (rows[:, None], g * rank + r[None, :])
             h_mask = in_item[:, None] & r_ok[None, :]
-            h = pltriton.load(h_ref.at[(0,) + h_at], mask=h_mask, other=0)
-            for k in range(1, num_parts):
-                h = h + pltriton.load(h_ref.at[(k,) + h_at], mask=h_mask, other=0)
+            h = _summed_partials(h_ref, h_at, h_mask, num_parts)
             b = pltriton.load(
                 b_refs[g].at[layer, slot, r[:, None], outs[None, :]], mask=r_ok[:, None] & out_ok[None, :], other=0
             )
