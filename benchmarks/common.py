@@ -64,6 +64,21 @@ def hbm_gbps(num_bytes: int = 1 << 31, reps: int = 10) -> float:
     return best
 
 
+def matmul_tflops(n: int = 8192, dtype: jnp.dtype = jnp.bfloat16, reps: int = 10) -> float:
+    """Dense matmul rate in TFLOP/s: `reps` jitted [n, n] @ [n, n] products back to back, best of 3."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    mm = jax.jit(lambda x: x @ x)
+    mm(a).block_until_ready()
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        outs = [mm(a) for _ in range(reps)]
+        jax.block_until_ready(outs)
+        best = max(best, 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12)
+        del outs
+    return best
+
+
 def random_bank(
     model: ModelConfig, lora: LoraConfig, num_adapters: int, dtype, seed: int = 0, mesh: Mesh | None = None
 ) -> Bank:

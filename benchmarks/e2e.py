@@ -26,6 +26,11 @@ what the LoRA launches cost with no adapter bytes to read. Per cell:
   floor_step_ms  (base weight bytes + KV bytes read at that context + distinct adapter bytes) over
                  the device-to-device copy bandwidth measured in the same run (bytes read + written);
                  a quantized base counts 1 byte per projection weight plus its float32 scales;
+  roofline_step_ms  the floor with the GEMMs' arithmetic counted: max(base weight bytes / bandwidth,
+                 2 * batch * GEMM weights / the bf16 matmul rate measured in the same run) + the KV
+                 and adapter bytes / bandwidth. From about 160 rows on the H200 a decode step's GEMMs
+                 are bound by the tensor cores, not by streaming their weights, so the bytes floor
+                 alone is out of reach there (x_roofline = step_ms / roofline_step_ms);
   tokens_per_s   end to end: `batch` requests submitted at once to the engine, prompt_len random
                  tokens each, gen_len greedy tokens each; generated tokens over wall time
                  (prefill, scheduling, detokenizing and the per-step readback included);
@@ -59,6 +64,7 @@ from benchmarks.common import (
     TINY,
     adapter_name,
     hbm_gbps,
+    matmul_tflops,
     random_bank,
     slot_pattern,
     time_decode,
@@ -216,13 +222,32 @@ def adapter_bytes(model: ModelConfig, rank: int, targets: Sequence[str], itemsiz
 
 
 def floor_ms(model: ModelConfig, group: Group, distinct: int, hbm_gbps: float, itemsize: int) -> float:
-    context = group.prompt_len + group.gen_len / 2
-    total = (
-        base_weight_bytes(model, itemsize, group.quantization)
-        + kv_bytes(model, group.batch, context, itemsize)
-        + distinct * adapter_bytes(model, group.rank, TARGETS[group.targets], itemsize)
-    )
+    total = base_weight_bytes(model, itemsize, group.quantization) + _streamed_bytes(model, group, distinct, itemsize)
     return total / (hbm_gbps * 1e9) * 1e3
+
+
+def _streamed_bytes(model: ModelConfig, group: Group, distinct: int, itemsize: int) -> float:
+    """What a decode step reads besides the base weights: the KV at the mean context, the adapters."""
+    context = group.prompt_len + group.gen_len / 2
+    adapters = distinct * adapter_bytes(model, group.rank, TARGETS[group.targets], itemsize)
+    return kv_bytes(model, group.batch, context, itemsize) + adapters
+
+
+def gemm_flops(model: ModelConfig, batch: int) -> float:
+    """A decode step's GEMM arithmetic: 2 * batch * (every layer's projection weights + the LM head)."""
+    projections = sum(math.prod(model.module_shape(m)) for m in TARGET_MODULES)
+    return 2.0 * batch * (model.num_layers * projections + model.hidden_size * model.vocab_size)
+
+
+def roofline_ms(
+    model: ModelConfig, group: Group, distinct: int, hbm_gbps: float, tflops: float, itemsize: int
+) -> float:
+    """The floor with the GEMMs' arithmetic counted (module doc): the GEMMs take the longer of
+    streaming their weights and their FLOPs at the measured matmul rate; the KV and adapter reads
+    are bandwidth-bound (their arithmetic is a few percent of the GEMMs')."""
+    weights_ms = base_weight_bytes(model, itemsize, group.quantization) / (hbm_gbps * 1e9) * 1e3
+    gemm_ms = gemm_flops(model, group.batch) / (tflops * 1e12) * 1e3
+    return max(weights_ms, gemm_ms) + _streamed_bytes(model, group, distinct, itemsize) / (hbm_gbps * 1e9) * 1e3
 
 
 # -- one group --------------------------------------------------------------------------------------
@@ -289,6 +314,7 @@ def run_group(
     tokenizer,
     *,
     hbm: float,
+    tflops: float,
     steps: int,
     emit: Callable[[dict, dict], None],
     tensor_parallel: int = 1,
@@ -375,6 +401,7 @@ def run_group(
             "step_ms": round(step, 3),
             "floor_step_ms": round(floor, 3),
             "ttft_ms": _round(ttft, 2),
+            "roofline_step_ms": round(roofline_ms(cfg, group, distinct, hbm, tflops, itemsize), 3),
         }
         emit(row, details)
     del engine, runner, source, bank
@@ -567,12 +594,17 @@ def quantized_targets(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _ratio(step: float | None, floor: float | None) -> float | None:
+    return None if not step or not floor else round(step / floor, 2)
+
+
 def _cell(r: dict) -> str:
     return f"B={r['batch']} d={r['distinct_adapters']} r{r['rank']}/{r['targets']} P={r['prompt_len']}"
 
 
 def write_markdown(payload: dict, out: Path) -> None:
-    cols = [*ROW_KEYS[: ROW_KEYS.index("floor_step_ms") + 1], "x_floor", *ROW_KEYS[ROW_KEYS.index("ttft_ms") :]]
+    cols = [*ROW_KEYS[: ROW_KEYS.index("floor_step_ms") + 1], "x_floor", "x_roofline"]
+    cols += list(ROW_KEYS[ROW_KEYS.index("ttft_ms") :])
     lines = [
         f"# End to end, {payload.get('model', 'llama-2-7b-shape')} ({payload['device']}, jax {payload['jax_version']})",
         "",
@@ -587,7 +619,10 @@ def write_markdown(payload: dict, out: Path) -> None:
         + ".",
         "tokens_per_s: end to end through the engine (all requests submitted at once, prefill included); "
         "step_ms: the jitted decode step at the mean context; ttft_ms: one prefill call on an idle engine. "
-        "x_floor = step_ms / floor_step_ms.",
+        "x_floor = step_ms / floor_step_ms; x_roofline = step_ms / roofline_step_ms, the floor with the GEMMs'"
+        " FLOPs at the measured matmul rate"
+        + (f" ({payload['matmul_TFLOPs']:.0f} TFLOP/s bf16 in this run)" if payload.get("matmul_TFLOPs") else "")
+        + " (benchmarks/e2e.py's doc).",
         "",
     ]
     if payload.get("weights_bytes"):
@@ -603,11 +638,12 @@ def write_markdown(payload: dict, out: Path) -> None:
         lines.append("")
     lines += ["## Cells", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in payload["rows"]:
-        x = None if not r["step_ms"] or not r["floor_step_ms"] else round(r["step_ms"] / r["floor_step_ms"], 2)
+        ratios = {
+            "x_floor": _ratio(r["step_ms"], r["floor_step_ms"]),
+            "x_roofline": _ratio(r["step_ms"], r.get("roofline_step_ms")),
+        }
         lines.append(
-            "| "
-            + " | ".join("-" if v is None else str(v) for v in (x if c == "x_floor" else r[c] for c in cols))
-            + " |"
+            "| " + " | ".join("-" if v is None else str(v) for v in (ratios.get(c, r.get(c)) for c in cols)) + " |"
         )
     if payload.get("not_run"):
         lines += ["", "## Not run", ""]
@@ -775,7 +811,8 @@ def run_benchmark(opts: Options) -> dict:
         f"device {dev.device_kind}, jax {jax.__version__}, {len(plan)} groups, budget {opts.budget_s:.0f} s", flush=True
     )
     hbm = hbm_gbps(1 << 20 if opts.tiny else 1 << 31)
-    print(f"HBM copy {hbm:.0f} GB/s", flush=True)
+    tflops = matmul_tflops(256 if opts.tiny else 8192, dtype)
+    print(f"HBM copy {hbm:.0f} GB/s, matmul {tflops:.1f} TFLOP/s", flush=True)
     # The serving layout on one device (what `jaxlora serve` loads); a tensor-parallel split needs the separate one.
     dense = random_model(model_cfg, dtype=dtype, fused=opts.tensor_parallel == 1)
     jax.block_until_ready(dense.params)
@@ -788,6 +825,7 @@ def run_benchmark(opts: Options) -> dict:
         "device": str(dev.device_kind),
         "jax_version": jax.__version__,
         "hbm_GBps": round(hbm, 1),
+        "matmul_TFLOPs": round(tflops, 1),
         "tensor_parallel": opts.tensor_parallel,
         "weights_bytes": weights_bytes,
         "model": model_cfg.name,
@@ -835,6 +873,7 @@ def run_benchmark(opts: Options) -> dict:
                 models[group.quantization],
                 tokenizer,
                 hbm=hbm,
+                tflops=tflops,
                 steps=opts.steps,
                 emit=emit,
                 tensor_parallel=opts.tensor_parallel,

@@ -4,7 +4,9 @@ decode step runs them, per base weight format: time against each format's bytes 
   bf16          x @ W
   bf16-fused    x @ [Wq|Wk|Wv] and x @ [Wgate|Wup]: one GEMM per shared input (5 GEMMs a layer, not 7),
                 the fused layout vLLM and SGLang serve with; same bytes, fewer and wider launches
-  int8, fp8     (x @ q.astype(bf16)) * scale        jaxlora.model.quant.matmul (what the model runs)
+  int8, fp8     (x @ q.astype(bf16)) * scale        jaxlora.model.quant.matmul (the model's XLA path)
+  int8-fused,   the same in the serving layout        (q|k|v and gate|up one GEMM each, as the engine
+  fp8-fused                                          holds a one-device quantized model)
   fp8-native    (e4m3(x / sx) @ q) * sx * scale     the H200's FP8 tensor cores; activations quantized
                                                     per row (W8A8), so not the model's numerics
   fp8-kmajor,   W8A8 as fp8-native (int8: x rounded     the weights stored [out, in] (K-major, the
@@ -15,6 +17,8 @@ decode step runs them, per base weight format: time against each format's bytes 
   int8-pallas,  pallas_kernels.quant_matmul           the model's GPU path: the Triton kernel converts
   fp8-pallas                                        weight tiles in registers and reads layer i of
                                                     the stacked weights in place (never sliced)
+  int8-fused-pallas,                                the kernel on the serving layout: what the
+  fp8-fused-pallas                                  engine runs on GPU for steps of few tokens
   int8-magic-pallas                                 the same with convert="magic": int8 -> bf16 by
                                                     integer / FP32 bit arithmetic, no I2F / F2F
   int8-w8a8-pallas,                                 the kernel's W8A8: x quantized per row by XLA,
@@ -70,9 +74,13 @@ FORMATS = (
     "bf16-fused",
     "int8",
     "fp8",
+    "int8-fused",
+    "fp8-fused",
     "fp8-native",
     "int8-pallas",
     "fp8-pallas",
+    "int8-fused-pallas",
+    "fp8-fused-pallas",
     "fp8-kmajor",
     "int8-kmajor",
     "fp8-kmajor-layers",
@@ -86,6 +94,8 @@ FP8 = jnp.dtype(jnp.float8_e4m3fn)
 PALLAS_FLAGS: dict[str, dict] = {
     "int8-pallas": {},
     "fp8-pallas": {},
+    "int8-fused-pallas": {},
+    "fp8-fused-pallas": {},
     "int8-magic-pallas": dict(convert="magic"),
     "int8-w8a8-pallas": dict(w8a8=True),
     "fp8-w8a8-pallas": dict(w8a8=True),
@@ -196,13 +206,13 @@ def projections(fmt: str, knobs: dict) -> Callable:
 
     def one_fused_layer(h, lw, layer):
         w = lw["fused"]
-        qkv = h @ w["qkv"]
-        q, k, v = jnp.split(qkv, [w["q_size"], w["q_size"] + w["kv_size"]], axis=-1)
-        h = h + (q.at[:, : k.shape[1]].add(k + v)) @ lw["o_proj"]
-        gate, up = jnp.split(h @ w["gate_up"], 2, axis=-1)
-        return (h + (jax.nn.silu(gate) * up) @ lw["down_proj"]).astype(h.dtype)
+        gemm = (lambda a, b: a @ b) if fmt == "bf16-fused" else (lambda a, b: mm(a, b, layer))  # noqa: E731
+        q, k, v = jnp.split(gemm(h, w["qkv"]), [w["q_size"], w["q_size"] + w["kv_size"]], axis=-1)
+        h = h + gemm(q.at[:, : k.shape[1]].add(k + v), lw["o_proj"])
+        gate, up = jnp.split(gemm(h, w["gate_up"]), 2, axis=-1)
+        return (h + gemm(jax.nn.silu(gate) * up, lw["down_proj"])).astype(h.dtype)
 
-    if fmt == "bf16-fused":
+    if "fused" in fmt:
         return one_fused_layer
     if "-kmajor" in fmt:
         return one_kmajor_layer
@@ -229,8 +239,9 @@ def stacked_weights(cfg: ModelConfig, kind: str) -> dict:
 
 
 def fuse(cfg: ModelConfig, w: dict) -> dict:
-    """bf16 stacks -> the same stacks plus "fused": {"qkv": [L, D, q+2kv], "gate_up": [L, D, 2I]} (a copy)."""
-    cat = lambda *ms: jnp.concatenate([w[m] for m in ms], axis=-1)  # noqa: E731
+    """Stacks -> the same stacks plus "fused": {"qkv": [L, D, q+2kv], "gate_up": [L, D, 2I]} (a copy;
+    a quantized stack's scales [L, out] go along with their columns)."""
+    cat = lambda *ms: jax.tree.map(lambda *a: jnp.concatenate(a, axis=-1), *[w[m] for m in ms])  # noqa: E731
     fused = {"qkv": cat("q_proj", "k_proj", "v_proj"), "gate_up": cat("gate_proj", "up_proj")}
     return {**w, "fused": fused}
 
@@ -294,7 +305,7 @@ def unrolled(cfg: ModelConfig, fmt: str, knobs: dict | None = None) -> Callable:
                 lw = w["transposed"] if knobs.get("k_major") else w
             else:
                 lw = jax.tree.map(lambda a: a[i], {k: v for k, v in w.items() if k != "kmajor_layers"})
-            if fmt == "bf16-fused":
+            if "fused" in fmt:
                 lw = {**lw, "fused": {**lw["fused"], "q_size": cfg.q_size, "kv_size": cfg.kv_size}}
             if "-kmajor" in fmt:
                 lw = {**lw["kmajor"], "q_size": cfg.q_size, "kv_size": cfg.kv_size}
@@ -416,7 +427,7 @@ def draw(cfg: ModelConfig, drawn: tuple[str, dict] | None, fmt: str, candidate: 
     if drawn is None:  # the caller dropped the previous kind's weights first
         drawn = (storage(fmt), stacked_weights(cfg, storage(fmt)))
     kind, w = drawn
-    if fmt == "bf16-fused" and "fused" not in w:
+    if "fused" in fmt and "fused" not in w:
         w = fuse(cfg, w)
     if "-kmajor" in fmt and "kmajor" not in w:
         w = kmajor(cfg, w)

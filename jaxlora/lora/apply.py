@@ -53,6 +53,14 @@ GEMM_COMPILER_OPTIONS: dict[str, dict[str, bool | str]] = {
     "cublas": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
 }
 
+# quant_matmul="auto" on GPU: the Pallas kernel for steps of at most this many tokens, XLA above.
+# H200, the seven projections of 8 Llama-2-7B layers in the serving layout, ms at 16 / 64 / 128 /
+# 256 rows (benchmarks/results/decode_floor_probe/q): the kernel 1.21 / 1.43 / 1.76 / 2.87 (int8)
+# and 1.59 / 1.90 / 2.07 / 3.35 (fp8); XLA, which writes a dequantized bf16 copy of every weight
+# before its GEMM, 2.90 / 2.95 / 3.03 / 3.38 (int8). Neither beats bf16 through cuBLAS (0.96 at 64,
+# 1.38 at 256 rows): the flag saves memory, not time. Prefill steps (more tokens) were not measured.
+QUANT_KERNEL_MAX_TOKENS = 256
+
 
 @dataclasses.dataclass(frozen=True)
 class LoraRuntime:
@@ -69,9 +77,12 @@ class LoraRuntime:
     unroll_max_tokens: unroll only steps of at most this many tokens (one token per row). Small
       steps are bound by reading the weights, where the scan's per-layer weight copy costs most;
       large ones are compute-bound and keep the scan's short compile.
-    quant_matmul: how quantized projections multiply, in every step (unrolled or scanned). With
-      PALLAS the model hands each quantized projection its whole stack [L, in, out] and the layer
-      index (see `Llama.__call__`). Never AUTO here: `for_platform` resolves it.
+    quant_matmul: how quantized projections multiply (unrolled or scanned). With PALLAS the model
+      hands each quantized projection its whole stack [L, in, out] and the layer index (see
+      `Llama.__call__`). Never AUTO here: `for_platform` resolves it.
+    quant_kernel_max_tokens: PALLAS runs steps of at most this many tokens; larger steps take XLA's
+      path (None: every step). On the H200 the kernel beat XLA's dequantize-then-GEMM at every
+      decode size measured (QUANT_KERNEL_MAX_TOKENS says by how much).
     gemm: the XLA compile options of the engine's step programs for their dense GEMMs
       (GEMM_COMPILER_OPTIONS; read by jaxlora.engine.runner). Never AUTO here.
     """
@@ -82,6 +93,7 @@ class LoraRuntime:
     unroll_layers: bool = False
     unroll_max_tokens: int = 512
     quant_matmul: QuantMatmul = QuantMatmul.XLA
+    quant_kernel_max_tokens: int | None = None
     gemm: GemmBackend = GemmBackend.XLA
 
     def __post_init__(self) -> None:
@@ -91,6 +103,14 @@ class LoraRuntime:
             if getattr(self, name) not in resolved:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {resolved}")
             object.__setattr__(self, name, kind(getattr(self, name)))
+        limit = self.quant_kernel_max_tokens
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(f"quant_kernel_max_tokens={limit!r} must be a positive int or None")
+
+    def uses_quant_kernel(self, num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` tokens runs its quantized GEMMs in the Pallas kernel."""
+        limit = self.quant_kernel_max_tokens
+        return self.quant_matmul is QuantMatmul.PALLAS and (limit is None or num_tokens <= limit)
 
     @classmethod
     def for_platform(
@@ -108,11 +128,10 @@ class LoraRuntime:
 
         attention="auto" picks the Pallas decode-attention kernel on GPU and XLA elsewhere;
         unroll_layers=None unrolls decode steps on GPU (see `Llama.__call__`) and scans elsewhere,
-        where compile time matters more. quant_matmul="auto" picks XLA everywhere for now: the
-        quantized-GEMM kernel has passed interpret-mode and CUDA-lowering tests but has not been
-        timed (or compiled to machine code) on a GPU yet; choose it explicitly with "pallas"
-        (`benchmarks/quant_gemm.py` measures both). The kernel is Triton only, so PALLAS on a TPU
-        raises ValueError. gemm="auto" picks CUBLAS on GPU for a model in the serving layout
+        where compile time matters more. quant_matmul="auto" picks, on GPU, the Pallas kernel for
+        steps of at most QUANT_KERNEL_MAX_TOKENS tokens and XLA above (where each was measured
+        faster), and XLA elsewhere; "pallas" runs the kernel in every step. The kernel is Triton
+        only, so PALLAS on a TPU raises ValueError. gemm="auto" picks CUBLAS on GPU for a model in the serving layout
         (`fused_projections`, jaxlora.model.fused: its wide q|k|v and gate|up GEMMs stream their
         weights faster through cuBLAS at decode sizes) and XLA otherwise: with one matrix per module
         cuBLAS was the slower choice at 64 rows (8 layers of the 7B projections: 1.31 against 1.23 ms,
@@ -126,8 +145,10 @@ class LoraRuntime:
         if attention is AttentionBackend.AUTO:
             attention = AttentionBackend.PALLAS if platform == "gpu" else AttentionBackend.XLA
         quant_matmul = QuantMatmul(quant_matmul)
+        quant_kernel_max_tokens = None
         if quant_matmul is QuantMatmul.AUTO:
-            quant_matmul = QuantMatmul.XLA
+            quant_matmul = QuantMatmul.PALLAS if platform == "gpu" else QuantMatmul.XLA
+            quant_kernel_max_tokens = QUANT_KERNEL_MAX_TOKENS if platform == "gpu" else None
         gemm = GemmBackend(gemm)
         if gemm is GemmBackend.AUTO:
             gemm = GemmBackend.CUBLAS if platform == "gpu" and fused_projections else GemmBackend.XLA
@@ -144,6 +165,7 @@ class LoraRuntime:
             attention=attention,
             unroll_layers=unroll_layers,
             quant_matmul=quant_matmul,
+            quant_kernel_max_tokens=quant_kernel_max_tokens,
             gemm=gemm,
         )
 

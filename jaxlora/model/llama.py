@@ -27,7 +27,6 @@ from jaxlora.config import AttentionBackend, ModelConfig
 from jaxlora.lora.apply import (
     GROUP_MODULES,
     LoraRuntime,
-    QuantMatmul,
     apply_group,
     apply_group_fused,
     step_plan,
@@ -440,7 +439,7 @@ class Llama(nnx.Module):
         # the kernels read that layer in place (a slice before a kernel call copies every slot). With
         # the quantized-GEMM kernel the quantized projections' weights stay whole the same way; every
         # other parameter is sliced (unrolled) or scanned over.
-        in_place = _IN_PLACE_WEIGHTS if runtime.quant_matmul is QuantMatmul.PALLAS else nnx.Nothing
+        in_place = _IN_PLACE_WEIGHTS if runtime.uses_quant_kernel(b * t) else nnx.Nothing
         graphdef, whole, layer_state = nnx.split(self.layers, in_place, ...)
 
         def body(carry, xs):

@@ -3,6 +3,7 @@ a dense and an int8 base in one run (issue 20's "weights" column)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -54,6 +55,7 @@ def test_json_has_the_issue_format(results):
         assert ROW_KEYS <= set(row)
         assert row["system"] == "jaxlora" and row["backend"] == "xla" and row["targets"] in ("all", "qkvo")
         assert row["step_ms"] > 0 and row["floor_step_ms"] > 0
+        assert row["roofline_step_ms"] >= row["floor_step_ms"]  # the same bytes, FLOPs counted too
     e2e_rows = [r for r in payload["rows"] if r["tokens_per_s"] is not None]
     assert {(r["weights"], r["distinct_adapters"]) for r in e2e_rows} == {
         ("f32", 0),
@@ -95,6 +97,21 @@ def test_floor_counts_base_kv_and_adapters():
     group = e2e.Group(backend="pallas", rank=16, targets="all", batch=64, prompt_len=128, gen_len=128, distinct=(64,))
     expected = (13_214_687_232 + 64 * 192 * 524_288 + 64 * 79_953_920) / 4000e9 * 1e3
     assert math.isclose(e2e.floor_ms(model, group, 64, 4000.0, 2), expected)
+
+
+def test_roofline_counts_the_gemm_flops_where_they_bound_the_step():
+    # GEMM weights: 32 x 202,375,168 projections + 4096 x 32000 LM head = 6,607,077,376; x 2 FLOPs a
+    # row: 13,214,154,752 at B=1. At 500 TFLOP/s B=256 takes 6.766 ms of arithmetic, more than the
+    # 3.304 ms the bf16 weights take to stream at 4 TB/s; B=1 takes 0.026 ms, far less.
+    model = e2e.LLAMA2_7B
+    assert e2e.gemm_flops(model, 1) == 13_214_154_752
+    streamed = 256 * 192 * 524_288 + 64 * 79_953_920  # KV at the mean context + 64 adapters
+    big = e2e.Group(backend="pallas", rank=16, targets="all", batch=256, prompt_len=128, gen_len=128, distinct=(64,))
+    want = 256 * 13_214_154_752 / 500e12 * 1e3 + streamed / 4000e9 * 1e3
+    assert math.isclose(e2e.roofline_ms(model, big, 64, 4000.0, 500.0, 2), want)
+    assert e2e.roofline_ms(model, big, 64, 4000.0, 500.0, 2) > e2e.floor_ms(model, big, 64, 4000.0, 2)
+    one = dataclasses.replace(big, batch=1, distinct=(1,))
+    assert math.isclose(e2e.roofline_ms(model, one, 1, 4000.0, 500.0, 2), e2e.floor_ms(model, one, 1, 4000.0, 2))
 
 
 def test_quantized_floor_counts_one_byte_weights_and_their_scales():

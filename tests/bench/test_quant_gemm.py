@@ -30,8 +30,10 @@ def test_quant_gemm_smoke(tmp_path):
     assert not [r for r in rows if "error" in r], [r["error"] for r in rows if "error" in r]
     # Grouped by how the weights are stored (each kind drawn once); a kind's table rows first, then the
     # other candidates of the --tune format (its {} row is the one --formats has too).
-    int8 = ["int8", "int8-pallas", "int8-kmajor", "int8-kmajor-layers", "int8-magic-pallas", "int8-w8a8-pallas"]
-    fp8 = ["fp8", "fp8-native", "fp8-pallas", "fp8-kmajor", "fp8-kmajor-layers", "fp8-w8a8-pallas"]
+    int8 = ["int8", "int8-fused", "int8-pallas", "int8-fused-pallas", "int8-kmajor", "int8-kmajor-layers"]
+    int8 += ["int8-magic-pallas", "int8-w8a8-pallas"]
+    fp8 = ["fp8", "fp8-fused", "fp8-native", "fp8-pallas", "fp8-fused-pallas", "fp8-kmajor", "fp8-kmajor-layers"]
+    fp8 += ["fp8-w8a8-pallas"]
     tuned = len(SWEEP[("w8a8", 16)]) - 1
     assert [r["format"] for r in rows] == ["bf16", "bf16-fused", *int8, *["int8-w8a8-pallas"] * tuned, *fp8]
     assert len(rows) == len(FORMATS) + tuned and all(r["batch"] == 2 for r in rows)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxlora.errors import ModelLoadError
-from jaxlora.lora.apply import LoraRuntime, QuantMatmul
+from jaxlora.lora.apply import QUANT_KERNEL_MAX_TOKENS, LoraRuntime, QuantMatmul
 from jaxlora.lora.merge import merged_params
 from jaxlora.model import init_kv_cache
 from jaxlora.model.forward import forward_logits
@@ -159,8 +159,12 @@ def test_kernel_path_gives_the_greedy_tokens_of_the_xla_path(quantization, unrol
 
 
 def test_quant_matmul_choice_is_resolved_per_platform():
-    assert LoraRuntime.for_platform("xla", "gpu").quant_matmul is QuantMatmul.XLA  # until timed on a GPU
-    assert LoraRuntime.for_platform("xla", "gpu", quant_matmul="pallas").quant_matmul is QuantMatmul.PALLAS
+    gpu = LoraRuntime.for_platform("xla", "gpu")
+    assert gpu.quant_matmul is QuantMatmul.PALLAS and gpu.quant_kernel_max_tokens == QUANT_KERNEL_MAX_TOKENS
+    assert gpu.uses_quant_kernel(QUANT_KERNEL_MAX_TOKENS) and not gpu.uses_quant_kernel(QUANT_KERNEL_MAX_TOKENS + 1)
+    explicit = LoraRuntime.for_platform("xla", "gpu", quant_matmul="pallas")
+    assert explicit.quant_matmul is QuantMatmul.PALLAS and explicit.uses_quant_kernel(1 << 20)
+    assert not LoraRuntime.for_platform("xla", "gpu", quant_matmul="xla").uses_quant_kernel(1)
     cpu = LoraRuntime.for_platform("xla", "cpu")
     assert cpu.quant_matmul is QuantMatmul.XLA and not cpu.interpret
     assert LoraRuntime.for_platform("xla", "cpu", quant_matmul="pallas").interpret
@@ -168,6 +172,24 @@ def test_quant_matmul_choice_is_resolved_per_platform():
         LoraRuntime.for_platform("xla", "tpu", quant_matmul="pallas")
     with pytest.raises(ValueError, match="quant_matmul='auto' must be one of"):
         LoraRuntime(quant_matmul="auto")
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="quant_kernel_max_tokens"):
+            LoraRuntime(quant_matmul="pallas", quant_kernel_max_tokens=bad)
+
+
+def test_quant_kernel_runs_only_steps_within_its_token_limit():
+    """With a token limit the kernel takes the small steps and XLA the large ones, and both give the
+    XLA path's greedy tokens (a prompt of 5 tokens is a step of 5 tokens; decode steps have 1 a row)."""
+    model = quantized_model(random_model(tiny_config(head_dim=16, num_layers=2), seed=5), "int8")
+    limited = LoraRuntime(quant_matmul="pallas", interpret=True, quant_kernel_max_tokens=1)
+    assert _runs_quant_kernel(model, limited)  # the one-token step of _runs_quant_kernel
+    kv = init_kv_cache(model.config, 1, 8)
+    tokens, positions = jnp.zeros((1, 4), jnp.int32), jnp.arange(4, dtype=jnp.int32)[None]
+    prefill = jax.make_jaxpr(lambda p, kv: forward_logits(model.graphdef, p, tokens, positions, kv, runtime=limited))
+    assert "quant_matmul" not in str(prefill(model.params, kv))
+    prompts = [[5, 6, 7, 8, 9], [11, 3]]
+    want = batched_greedy(model, prompts, [0, 0], 4, runtime=LoraRuntime())
+    assert batched_greedy(model, prompts, [0, 0], 4, runtime=limited) == want
 
 
 def test_a_stacked_quant_linear_needs_its_layer():
