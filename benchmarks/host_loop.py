@@ -66,7 +66,7 @@ from jaxlora.engine.host_timing import per_step
 from jaxlora.engine.request import GenerationRequest, SamplingParams
 from jaxlora.engine.runner import ragged_step
 from jaxlora.engine.step_inputs import HostInputs
-from jaxlora.lora.apply import LoraRuntime
+from jaxlora.lora.apply import CONCURRENT_MIN_TOKENS, LoraRuntime
 from jaxlora.model.params import random_model
 
 PAGE_SIZE = 16
@@ -106,6 +106,7 @@ class Options:
     probe_reps: int
     one_budget: bool = False
     seed: int = 0
+    concurrent_min_tokens: int = CONCURRENT_MIN_TOKENS
 
 
 # -- the closed loop ------------------------------------------------------------------------------
@@ -395,9 +396,10 @@ def build_engine(model, tokenizer, case: Case, opts: Options) -> Engine:
     )
     bank = random_bank(cfg, lora, num_adapters, model.dtype, seed=opts.seed)
     source = ResidentBank(bank, [adapter_name(i) for i in range(num_adapters)])
-    return Engine(
-        model, tokenizer, config, source, runtime=LoraRuntime.for_platform(opts.backend, fused_projections=model.fused)
+    runtime = LoraRuntime.for_platform(
+        opts.backend, fused_projections=model.fused, concurrent_min_tokens=opts.concurrent_min_tokens
     )
+    return Engine(model, tokenizer, config, source, runtime=runtime)
 
 
 def run_case(model, tokenizer, case: Case, opts: Options) -> dict:
@@ -489,6 +491,12 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path]:
     p.add_argument(
         "--one-budget", action="store_true", help="compile one token budget, batch + prompt_len (CPU smoke runs)"
     )
+    p.add_argument(
+        "--concurrent-min-tokens",
+        type=int,
+        default=CONCURRENT_MIN_TOKENS,
+        help="step programs of fewer tokens compile without CONCURRENT command-buffer scheduling (LoraRuntime)",
+    )
     a = p.parse_args(argv)
 
     def pick(value, gpu, tiny):
@@ -508,6 +516,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path]:
         profile_steps=pick(a.profile_steps, 30, 4),
         probe_reps=pick(a.probe_reps, 20, 3),
         one_budget=a.one_budget,
+        concurrent_min_tokens=a.concurrent_min_tokens,
     )
     if min(opts.steps, opts.replay_steps) < 1 or min(opts.warmup_steps, opts.profile_steps, opts.probe_reps) < 0:
         p.error("--steps and --replay-steps must be >= 1; --warmup-steps, --profile-steps, --probe-reps >= 0")

@@ -60,7 +60,7 @@ from jaxlora.engine.sampling import SamplingArrays, greedy, sample
 from jaxlora.engine.scheduler import StepPlan
 from jaxlora.engine.static_arg import Hashed
 from jaxlora.engine.step_inputs import HostInputs, InputPacker, StepLayout
-from jaxlora.lora.apply import GEMM_COMPILER_OPTIONS, LoraRuntime
+from jaxlora.lora.apply import GemmBackend, LoraRuntime, gemm_compiler_options
 from jaxlora.lora.bank import Bank
 from jaxlora.model import PagedKVCache, RaggedBatch, init_paged_kv_cache
 from jaxlora.model.kv_cache import kv_bytes_per_position
@@ -113,37 +113,48 @@ def _step(params, bank, kv, tokens, src, positions, slot_ids, batch, last_ids, *
 
 
 class _ByGemm:
-    """A step function jitted once per `GemmBackend`, each with that choice's XLA compile options
-    (compiler options are not a static argument of one jit); a call, `lower` or `trace` goes to the
-    jit its `runtime=` keyword names."""
+    """A step function jitted once per set of XLA compile options (compiler options are not a static
+    argument of one jit): its `runtime=` keyword's `compiler_options` for the step's token count,
+    which `tokens_of(args, kwargs)` reads. A call, `lower` or `trace` goes to that jit."""
 
-    def __init__(self, fun: Callable, **jit_kw) -> None:
-        self._jits = {
-            g: jax.jit(fun, compiler_options=options or None, **jit_kw) for g, options in GEMM_COMPILER_OPTIONS.items()
-        }
+    def __init__(self, fun: Callable, tokens_of: Callable[[tuple, dict], int], **jit_kw) -> None:
+        # Every option set made up front: warm-up compiles from several threads at once.
+        choices = [
+            gemm_compiler_options(g, concurrent=c) for g in GemmBackend if g.value != "auto" for c in (True, False)
+        ]
+        self._jits = {_key(o): jax.jit(fun, compiler_options=o or None, **jit_kw) for o in choices}
+        self._tokens_of = tokens_of
         functools.update_wrapper(self, fun)
 
-    def _jit(self, kwargs: dict):
+    def _jit(self, args: tuple, kwargs: dict):
         runtime = kwargs.get("runtime")
         if not isinstance(runtime, LoraRuntime):
             raise TypeError(f"{self.__name__} takes its LoraRuntime as the keyword argument runtime=, got {runtime!r}")
-        return self._jits[runtime.gemm.value]
+        return self._jits[_key(runtime.compiler_options(self._tokens_of(args, kwargs)))]
 
     def __call__(self, *args, **kwargs):
-        return self._jit(kwargs)(*args, **kwargs)
+        return self._jit(args, kwargs)(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
-        return self._jit(kwargs).lower(*args, **kwargs)
+        return self._jit(args, kwargs).lower(*args, **kwargs)
 
     def trace(self, *args, **kwargs):
-        return self._jit(kwargs).trace(*args, **kwargs)
+        return self._jit(args, kwargs).trace(*args, **kwargs)
 
 
-def by_gemm(**jit_kw) -> Callable[[Callable], _ByGemm]:
-    return lambda fun: _ByGemm(fun, **jit_kw)
+def _key(options: dict) -> tuple:
+    return tuple(sorted(options.items()))
 
 
-@by_gemm(static_argnames=("layout", "graphdef", "runtime", "mesh"), donate_argnames=("kv",))
+def by_gemm(tokens_of: Callable[[tuple, dict], int], **jit_kw) -> Callable[[Callable], _ByGemm]:
+    return lambda fun: _ByGemm(fun, tokens_of, **jit_kw)
+
+
+@by_gemm(
+    lambda args, kwargs: kwargs["layout"].budget,
+    static_argnames=("layout", "graphdef", "runtime", "mesh"),
+    donate_argnames=("kv",),
+)
 def packed_step(params, bank, kv, packed, last_ids, *, layout: StepLayout, graphdef: Hashed, runtime, mesh=None):
     """The engine's step: its inputs as one int32 array `packed` [layout.size] (one host->device
     copy; `jaxlora.engine.step_inputs`), unpacked here at static offsets.
@@ -170,7 +181,11 @@ def packed_sample(logits, ids, packed, *, layout: StepLayout):
     return jnp.where(ids >= 0, sample(logits, sampling), ids)
 
 
-@by_gemm(static_argnames=("graphdef", "runtime", "mesh"), donate_argnames=("kv",))
+@by_gemm(
+    lambda args, kwargs: (args[3] if len(args) > 3 else kwargs["tokens"]).shape[0],
+    static_argnames=("graphdef", "runtime", "mesh"),
+    donate_argnames=("kv",),
+)
 def ragged_step(
     params,
     bank,

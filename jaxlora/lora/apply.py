@@ -52,6 +52,18 @@ GEMM_COMPILER_OPTIONS: dict[str, dict[str, bool | str]] = {
     "xla": {},
     "cublas": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
 }
+_SCHEDULING_OPTION = "xla_gpu_command_buffer_scheduling_mode"
+# Steps of fewer tokens compile without CONCURRENT scheduling (LoraRuntime.concurrent_min_tokens).
+CONCURRENT_MIN_TOKENS = 1
+
+
+def gemm_compiler_options(gemm: GemmBackend | str, *, concurrent: bool) -> dict[str, bool | str]:
+    """The compile options of a step program on `gemm`; without CONCURRENT scheduling unless `concurrent`."""
+    options = dict(GEMM_COMPILER_OPTIONS[GemmBackend(gemm).value])
+    if not concurrent:
+        options.pop(_SCHEDULING_OPTION, None)
+    return options
+
 
 # quant_matmul="auto" on GPU: the Pallas kernel for steps of at most this many tokens, XLA above.
 # H200, the seven projections of 8 Llama-2-7B layers in the serving layout, ms at 16 / 64 / 128 /
@@ -85,6 +97,10 @@ class LoraRuntime:
       decode size measured (QUANT_KERNEL_MAX_TOKENS says by how much).
     gemm: the XLA compile options of the engine's step programs for their dense GEMMs
       (GEMM_COMPILER_OPTIONS; read by jaxlora.engine.runner). Never AUTO here.
+    concurrent_min_tokens: step programs of fewer tokens compile without the choice's CONCURRENT
+      command-buffer scheduling (`gemm_compiler_options`): the command buffer of such a step is
+      updated on the host at every dispatch, and where the device step is short that update is
+      what the step waits for.
     """
 
     backend: LoraBackend = LoraBackend.XLA
@@ -95,6 +111,7 @@ class LoraRuntime:
     quant_matmul: QuantMatmul = QuantMatmul.XLA
     quant_kernel_max_tokens: int | None = None
     gemm: GemmBackend = GemmBackend.XLA
+    concurrent_min_tokens: int = CONCURRENT_MIN_TOKENS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", LoraBackend(self.backend))  # accept the string form too
@@ -103,9 +120,14 @@ class LoraRuntime:
             if getattr(self, name) not in resolved:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {resolved}")
             object.__setattr__(self, name, kind(getattr(self, name)))
-        limit = self.quant_kernel_max_tokens
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-            raise ValueError(f"quant_kernel_max_tokens={limit!r} must be a positive int or None")
+        for name in ("quant_kernel_max_tokens", "concurrent_min_tokens"):
+            value = getattr(self, name)
+            if (value is not None or name == "concurrent_min_tokens") and not _is_positive_int(value):
+                raise ValueError(f"{name}={value!r} must be a positive int" + (" or None" if name[0] == "q" else ""))
+
+    def compiler_options(self, num_tokens: int) -> dict[str, bool | str]:
+        """The XLA compile options of a step program of `num_tokens` tokens."""
+        return gemm_compiler_options(self.gemm, concurrent=num_tokens >= self.concurrent_min_tokens)
 
     def uses_quant_kernel(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` tokens runs its quantized GEMMs in the Pallas kernel."""
@@ -123,6 +145,7 @@ class LoraRuntime:
         quant_matmul: QuantMatmul | str = QuantMatmul.AUTO,
         gemm: GemmBackend | str = GemmBackend.AUTO,
         fused_projections: bool = True,
+        concurrent_min_tokens: int = CONCURRENT_MIN_TOKENS,
     ) -> LoraRuntime:
         """Pallas runs natively on GPU and TPU; on CPU the only way to run it is the interpreter.
 
@@ -167,7 +190,12 @@ class LoraRuntime:
             quant_matmul=quant_matmul,
             quant_kernel_max_tokens=quant_kernel_max_tokens,
             gemm=gemm,
+            concurrent_min_tokens=concurrent_min_tokens,
         )
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def apply_group(

@@ -4,6 +4,8 @@ quantized, and the same greedy tokens through the engine."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -157,9 +159,18 @@ def test_engine_greedy_tokens_equal_separate_layout_with_zero_compiles():
     # The cuBLAS choice is the step programs' other jit (an XLA compile option, accepted on CPU too):
     # warm-up must compile it, and calls must reach it, with nothing compiled while serving.
     cublas = LoraRuntime.for_platform(LoraBackend.XLA, gemm="cublas")
-    for name, model, runtime in (("separate", separate, None), ("fused", fused, None), ("cublas", fused, cublas)):
+    # And with the smallest budget's program compiled without CONCURRENT scheduling, the others with it.
+    split = dataclasses.replace(cublas, concurrent_min_tokens=16)
+    variants = (
+        ("separate", separate, None),
+        ("fused", fused, None),
+        ("cublas", fused, cublas),
+        ("split", fused, split),
+    )
+    for name, model, runtime in variants:
         engine = make_engine((model, tok, adapters), runtime=runtime)
         outputs[name] = [r.token_ids for r in engine.generate(requests)]
         assert engine.compiles_after_warmup == 0, name
-    assert outputs["fused"] == outputs["separate"] == outputs["cublas"]
+    assert len({tuple(split.compiler_options(b)) for b in engine.config.token_budgets}) == 2
+    assert outputs["fused"] == outputs["separate"] == outputs["cublas"] == outputs["split"]
     assert any(r.adapter for r in requests) and any(not r.adapter for r in requests)

@@ -175,6 +175,8 @@ def test_quant_matmul_choice_is_resolved_per_platform():
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="quant_kernel_max_tokens"):
             LoraRuntime(quant_matmul="pallas", quant_kernel_max_tokens=bad)
+        with pytest.raises(ValueError, match="concurrent_min_tokens"):
+            LoraRuntime(concurrent_min_tokens=bad)
 
 
 def test_quant_kernel_runs_only_steps_within_its_token_limit():
