@@ -24,8 +24,9 @@ column tiles (x is re-read once per column tile, 2 * M / block_n of the weight b
 fill the SMs; prefill (M > 256) is compute-bound: square 128 tiles, no split.
 
 `python -m benchmarks.quant_gemm --tune FORMAT ...` times candidate rows per batch on the GPU over
-the 7B projections and records the fastest per (format, batch); paste those here. The rows below are
-the starting point, not yet measured.
+the 7B projections and records the fastest per (format, batch); paste those here. The weight-only rows
+were swept on the H200 (benchmarks/results/quant_probe_s10/: no candidate beat them by more than 3%,
+so they stay); the W8A8 rows were not: its best candidates stored the weights K-major.
 """
 
 from __future__ import annotations
