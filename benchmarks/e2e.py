@@ -28,7 +28,7 @@ what the LoRA launches cost with no adapter bytes to read. Per cell:
                  a quantized base counts 1 byte per projection weight plus its float32 scales;
   roofline_step_ms  the floor with the GEMMs' arithmetic counted: max(base weight bytes / bandwidth,
                  2 * batch * GEMM weights / the bf16 matmul rate measured in the same run) + the KV
-                 and adapter bytes / bandwidth. From about 160 rows on the H200 a decode step's GEMMs
+                 and adapter bytes / bandwidth. From about 190 rows on the H200 a decode step's GEMMs
                  are bound by the tensor cores, not by streaming their weights, so the bytes floor
                  alone is out of reach there (x_roofline = step_ms / roofline_step_ms);
   tokens_per_s   end to end: `batch` requests submitted at once to the engine, prompt_len random

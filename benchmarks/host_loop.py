@@ -518,6 +518,8 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path]:
         one_budget=a.one_budget,
         concurrent_min_tokens=a.concurrent_min_tokens,
     )
+    if opts.concurrent_min_tokens < 1:
+        p.error(f"--concurrent-min-tokens {opts.concurrent_min_tokens} must be >= 1")
     if min(opts.steps, opts.replay_steps) < 1 or min(opts.warmup_steps, opts.profile_steps, opts.probe_reps) < 0:
         p.error("--steps and --replay-steps must be >= 1; --warmup-steps, --profile-steps, --probe-reps >= 0")
     return opts, a.out

@@ -24,9 +24,12 @@ column tiles (x is re-read once per column tile, 2 * M / block_n of the weight b
 fill the SMs; prefill (M > 256) is compute-bound: square 128 tiles, no split.
 
 `python -m benchmarks.quant_gemm --tune FORMAT ...` times candidate rows per batch on the GPU over
-the 7B projections and records the fastest per (format, batch); paste those here. The weight-only rows
-were swept on the H200 (benchmarks/results/quant_probe_s10/: no candidate beat them by more than 3%,
-so they stay); the W8A8 rows were not: its best candidates stored the weights K-major.
+the 7B projections and records the fastest per (format, batch); paste those here. For weight-only
+int8 the sweep ran with the bit-trick convert (benchmarks/results/quant_probe_s10/): at 16 and 256
+rows no candidate beat these rows by more than 2%; at 64 rows the best (min_programs 264, 5 stages)
+took 1.52 ms against 1.64 at these knobs with the same convert and 1.57 with the plain cast, and was
+not adopted (never run with the plain cast, which the model uses). FP8 was not swept. W8A8's best
+candidates stored the weights K-major (not the default layout).
 """
 
 from __future__ import annotations

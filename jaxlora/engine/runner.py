@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import inspect
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -112,17 +113,21 @@ def _step(params, bank, kv, tokens, src, positions, slot_ids, batch, last_ids, *
     return ids, kv, logits
 
 
-class _ByGemm:
+class _ByCompilerOptions:
     """A step function jitted once per set of XLA compile options (compiler options are not a static
-    argument of one jit): its `runtime=` keyword's `compiler_options` for the step's token count,
-    which `tokens_of(args, kwargs)` reads. A call, `lower` or `trace` goes to that jit."""
+    argument of one jit). A call, `lower` or `trace` goes to the jit of its `runtime=` keyword's
+    `compiler_options` for the step's token count, the size of its `tokens_arg` (`tokens_of`)."""
 
-    def __init__(self, fun: Callable, tokens_of: Callable[[tuple, dict], int], **jit_kw) -> None:
+    def __init__(self, fun: Callable, tokens_of: Callable[[dict], int], **jit_kw) -> None:
         # Every option set made up front: warm-up compiles from several threads at once.
         choices = [
-            gemm_compiler_options(g, concurrent=c) for g in GemmBackend if g.value != "auto" for c in (True, False)
+            gemm_compiler_options(g, concurrent=c)
+            for g in GemmBackend
+            if g is not GemmBackend.AUTO
+            for c in (True, False)
         ]
         self._jits = {_key(o): jax.jit(fun, compiler_options=o or None, **jit_kw) for o in choices}
+        self._signature = inspect.signature(fun)
         self._tokens_of = tokens_of
         functools.update_wrapper(self, fun)
 
@@ -130,7 +135,8 @@ class _ByGemm:
         runtime = kwargs.get("runtime")
         if not isinstance(runtime, LoraRuntime):
             raise TypeError(f"{self.__name__} takes its LoraRuntime as the keyword argument runtime=, got {runtime!r}")
-        return self._jits[_key(runtime.compiler_options(self._tokens_of(args, kwargs)))]
+        num_tokens = self._tokens_of(self._signature.bind(*args, **kwargs).arguments)
+        return self._jits[_key(runtime.compiler_options(num_tokens))]
 
     def __call__(self, *args, **kwargs):
         return self._jit(args, kwargs)(*args, **kwargs)
@@ -146,12 +152,13 @@ def _key(options: dict) -> tuple:
     return tuple(sorted(options.items()))
 
 
-def by_gemm(tokens_of: Callable[[tuple, dict], int], **jit_kw) -> Callable[[Callable], _ByGemm]:
-    return lambda fun: _ByGemm(fun, tokens_of, **jit_kw)
+def by_compiler_options(tokens_of: Callable[[dict], int], **jit_kw) -> Callable[[Callable], _ByCompilerOptions]:
+    """Decorator: `_ByCompilerOptions`; `tokens_of(bound arguments)` is the step's token count."""
+    return lambda fun: _ByCompilerOptions(fun, tokens_of, **jit_kw)
 
 
-@by_gemm(
-    lambda args, kwargs: kwargs["layout"].budget,
+@by_compiler_options(
+    lambda arguments: arguments["layout"].budget,
     static_argnames=("layout", "graphdef", "runtime", "mesh"),
     donate_argnames=("kv",),
 )
@@ -181,8 +188,8 @@ def packed_sample(logits, ids, packed, *, layout: StepLayout):
     return jnp.where(ids >= 0, sample(logits, sampling), ids)
 
 
-@by_gemm(
-    lambda args, kwargs: (args[3] if len(args) > 3 else kwargs["tokens"]).shape[0],
+@by_compiler_options(
+    lambda arguments: arguments["tokens"].shape[0],
     static_argnames=("graphdef", "runtime", "mesh"),
     donate_argnames=("kv",),
 )

@@ -27,7 +27,7 @@ GROUP_MODULES: dict[str, tuple[str, ...]] = dict(GROUPS)
 class QuantMatmul(enum.StrEnum):
     """How the GEMM of a weight-only quantized projection runs (jaxlora.model.quant; same math)."""
 
-    AUTO = "auto"  # PALLAS on GPU, XLA elsewhere (resolved by `LoraRuntime.for_platform`)
+    AUTO = "auto"  # PALLAS for small steps of the serving layout on GPU, else XLA (`LoraRuntime.for_platform`)
     XLA = "xla"  # (x @ q.astype(x.dtype)) * scale: XLA writes a dequantized copy of the weight first
     PALLAS = "pallas"  # pallas_kernels.quant_matmul: converts tiles in registers, reads a layer in place
 
@@ -54,6 +54,10 @@ GEMM_COMPILER_OPTIONS: dict[str, dict[str, bool | str]] = {
 }
 _SCHEDULING_OPTION = "xla_gpu_command_buffer_scheduling_mode"
 # Steps of fewer tokens compile without CONCURRENT scheduling (LoraRuntime.concurrent_min_tokens).
+# 1: every step has it, as measured at 64 and 256 rows. At one row the engine's dispatch took 8.5 ms
+# against a 4.8 ms device step in the first run under it, 4.7 against 5.2 ms in the run before
+# (benchmarks/results/e2e_formats_probe/, e2e_probe_s9/); whether CONCURRENT causes that is not
+# measured yet: `benchmarks.host_loop --concurrent-min-tokens` is that A/B.
 CONCURRENT_MIN_TOKENS = 1
 
 
@@ -69,8 +73,9 @@ def gemm_compiler_options(gemm: GemmBackend | str, *, concurrent: bool) -> dict[
 # H200, the seven projections of 8 Llama-2-7B layers in the serving layout, ms at 16 / 64 / 128 /
 # 256 rows (benchmarks/results/decode_floor_probe/q): the kernel 1.21 / 1.43 / 1.76 / 2.87 (int8)
 # and 1.59 / 1.90 / 2.07 / 3.35 (fp8); XLA, which writes a dequantized bf16 copy of every weight
-# before its GEMM, 2.90 / 2.95 / 3.03 / 3.38 (int8). Neither beats bf16 through cuBLAS (0.96 at 64,
-# 1.38 at 256 rows): the flag saves memory, not time. Prefill steps (more tokens) were not measured.
+# before its GEMM, 2.90 / 2.95 / 3.03 / 3.38 (int8; fp8 through XLA was not run in this layout, and
+# was within 1% of int8 in the separate one). Neither beats bf16 through cuBLAS (0.96 at 64, 1.38 at
+# 256 rows): the flag saves memory, not time. Larger steps were not measured and keep XLA.
 QUANT_KERNEL_MAX_TOKENS = 256
 
 
@@ -92,9 +97,9 @@ class LoraRuntime:
     quant_matmul: how quantized projections multiply (unrolled or scanned). With PALLAS the model
       hands each quantized projection its whole stack [L, in, out] and the layer index (see
       `Llama.__call__`). Never AUTO here: `for_platform` resolves it.
-    quant_kernel_max_tokens: PALLAS runs steps of at most this many tokens; larger steps take XLA's
-      path (None: every step). On the H200 the kernel beat XLA's dequantize-then-GEMM at every
-      decode size measured (QUANT_KERNEL_MAX_TOKENS says by how much).
+    quant_kernel_max_tokens: PALLAS runs step programs of at most this many tokens (a step's
+      budget, padding included); larger ones take XLA's path (None: every step). See
+      QUANT_KERNEL_MAX_TOKENS for what was measured.
     gemm: the XLA compile options of the engine's step programs for their dense GEMMs
       (GEMM_COMPILER_OPTIONS; read by jaxlora.engine.runner). Never AUTO here.
     concurrent_min_tokens: step programs of fewer tokens compile without the choice's CONCURRENT
@@ -120,10 +125,10 @@ class LoraRuntime:
             if getattr(self, name) not in resolved:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {resolved}")
             object.__setattr__(self, name, kind(getattr(self, name)))
-        for name in ("quant_kernel_max_tokens", "concurrent_min_tokens"):
-            value = getattr(self, name)
-            if (value is not None or name == "concurrent_min_tokens") and not _is_positive_int(value):
-                raise ValueError(f"{name}={value!r} must be a positive int" + (" or None" if name[0] == "q" else ""))
+        if self.quant_kernel_max_tokens is not None and not _is_positive_int(self.quant_kernel_max_tokens):
+            raise ValueError(f"quant_kernel_max_tokens={self.quant_kernel_max_tokens!r} must be a positive int or None")
+        if not _is_positive_int(self.concurrent_min_tokens):
+            raise ValueError(f"concurrent_min_tokens={self.concurrent_min_tokens!r} must be a positive int")
 
     def compiler_options(self, num_tokens: int) -> dict[str, bool | str]:
         """The XLA compile options of a step program of `num_tokens` tokens."""
@@ -151,9 +156,11 @@ class LoraRuntime:
 
         attention="auto" picks the Pallas decode-attention kernel on GPU and XLA elsewhere;
         unroll_layers=None unrolls decode steps on GPU (see `Llama.__call__`) and scans elsewhere,
-        where compile time matters more. quant_matmul="auto" picks, on GPU, the Pallas kernel for
-        steps of at most QUANT_KERNEL_MAX_TOKENS tokens and XLA above (where each was measured
-        faster), and XLA elsewhere; "pallas" runs the kernel in every step. The kernel is Triton
+        where compile time matters more. quant_matmul="auto" picks, on GPU and for a model in the
+        serving layout, the Pallas kernel for steps of at most QUANT_KERNEL_MAX_TOKENS tokens (where
+        it was measured faster than XLA's path) and XLA for larger steps (not measured); XLA for the
+        separate layout (tensor parallelism: the kernel was not run on shards) and elsewhere.
+        "pallas" runs the kernel in every step. The kernel is Triton
         only, so PALLAS on a TPU raises ValueError. gemm="auto" picks CUBLAS on GPU for a model in the serving layout
         (`fused_projections`, jaxlora.model.fused: its wide q|k|v and gate|up GEMMs stream their
         weights faster through cuBLAS at decode sizes) and XLA otherwise: with one matrix per module
@@ -170,8 +177,9 @@ class LoraRuntime:
         quant_matmul = QuantMatmul(quant_matmul)
         quant_kernel_max_tokens = None
         if quant_matmul is QuantMatmul.AUTO:
-            quant_matmul = QuantMatmul.PALLAS if platform == "gpu" else QuantMatmul.XLA
-            quant_kernel_max_tokens = QUANT_KERNEL_MAX_TOKENS if platform == "gpu" else None
+            measured = platform == "gpu" and fused_projections
+            quant_matmul = QuantMatmul.PALLAS if measured else QuantMatmul.XLA
+            quant_kernel_max_tokens = QUANT_KERNEL_MAX_TOKENS if measured else None
         gemm = GemmBackend(gemm)
         if gemm is GemmBackend.AUTO:
             gemm = GemmBackend.CUBLAS if platform == "gpu" and fused_projections else GemmBackend.XLA

@@ -9,6 +9,7 @@ import jax
 import pytest
 
 from jaxlora.engine.request import GenerationRequest, SamplingParams
+from jaxlora.lora.apply import LoraRuntime
 from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
 from jaxlora.model.params import build_model, quantized_model
 from jaxlora.model.quant import dequantize_arrays
@@ -42,15 +43,23 @@ def _until_eos(ids: list[int]) -> list[int]:
     return ids[: ids.index(EOS) + 1] if EOS in ids else ids
 
 
-@pytest.mark.parametrize("quantization", ["int8", "fp8"])
-def test_mixed_batch_on_quantized_base_equals_dequantized_weights(parts, quantization):
+# The engine's budgets are 8 and 16 tokens (tests.engine.conftest): with the kernel's limit at 8 the
+# 8-token step programs run the Pallas 8-bit GEMM (interpreted) and the 16-token ones XLA's.
+SPLIT = LoraRuntime(quant_matmul="pallas", interpret=True, quant_kernel_max_tokens=8)
+
+
+@pytest.mark.parametrize(("quantization", "runtime"), [("int8", None), ("fp8", None), ("int8", SPLIT)])
+def test_mixed_batch_on_quantized_base_equals_dequantized_weights(parts, quantization, runtime):
     model, tok, adapters = parts
     quantized = quantized_model(model, quantization)
     dequantized = build_model(model.config, dequantize_arrays(quantized.flat_params()), source="dequantized")
     expected = [_until_eos(ids) for ids in _reference(dequantized, adapters)]
     assert len({tuple(ids) for ids in expected}) == len(BATCH), "a swapped row must not go unnoticed"
 
-    engine = make_engine((quantized, tok, adapters))
+    engine = make_engine((quantized, tok, adapters), runtime=runtime)
+    budgets = engine.config.token_budgets
+    if runtime is not None:
+        assert [runtime.uses_quant_kernel(b) for b in budgets] == [True, False], budgets
     requests = [
         GenerationRequest(
             request_id=f"q{i}", prompt_ids=prompt, adapter=adapter, sampling=SamplingParams(max_tokens=NEW_TOKENS)

@@ -162,6 +162,8 @@ def test_quant_matmul_choice_is_resolved_per_platform():
     gpu = LoraRuntime.for_platform("xla", "gpu")
     assert gpu.quant_matmul is QuantMatmul.PALLAS and gpu.quant_kernel_max_tokens == QUANT_KERNEL_MAX_TOKENS
     assert gpu.uses_quant_kernel(QUANT_KERNEL_MAX_TOKENS) and not gpu.uses_quant_kernel(QUANT_KERNEL_MAX_TOKENS + 1)
+    # The kernel was measured in the serving layout only; the separate one (tensor parallelism) keeps XLA.
+    assert not LoraRuntime.for_platform("xla", "gpu", fused_projections=False).uses_quant_kernel(1)
     explicit = LoraRuntime.for_platform("xla", "gpu", quant_matmul="pallas")
     assert explicit.quant_matmul is QuantMatmul.PALLAS and explicit.uses_quant_kernel(1 << 20)
     assert not LoraRuntime.for_platform("xla", "gpu", quant_matmul="xla").uses_quant_kernel(1)
@@ -181,14 +183,20 @@ def test_quant_matmul_choice_is_resolved_per_platform():
 
 def test_quant_kernel_runs_only_steps_within_its_token_limit():
     """With a token limit the kernel takes the small steps and XLA the large ones, and both give the
-    XLA path's greedy tokens (a prompt of 5 tokens is a step of 5 tokens; decode steps have 1 a row)."""
+    XLA path's greedy tokens. The limit counts a step's tokens, rows x tokens a row: two rows
+    decoding are a step of 2, a prompt of 4 a step of 4."""
     model = quantized_model(random_model(tiny_config(head_dim=16, num_layers=2), seed=5), "int8")
-    limited = LoraRuntime(quant_matmul="pallas", interpret=True, quant_kernel_max_tokens=1)
-    assert _runs_quant_kernel(model, limited)  # the one-token step of _runs_quant_kernel
-    kv = init_kv_cache(model.config, 1, 8)
-    tokens, positions = jnp.zeros((1, 4), jnp.int32), jnp.arange(4, dtype=jnp.int32)[None]
-    prefill = jax.make_jaxpr(lambda p, kv: forward_logits(model.graphdef, p, tokens, positions, kv, runtime=limited))
-    assert "quant_matmul" not in str(prefill(model.params, kv))
+    limited = LoraRuntime(quant_matmul="pallas", interpret=True, quant_kernel_max_tokens=2)
+
+    def traces_kernel(rows: int, tokens_per_row: int) -> bool:
+        kv = init_kv_cache(model.config, rows, 8)
+        tokens = jnp.zeros((rows, tokens_per_row), jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(tokens_per_row, dtype=jnp.int32), (rows, tokens_per_row))
+        step = lambda p, kv: forward_logits(model.graphdef, p, tokens, positions, kv, runtime=limited)  # noqa: E731
+        return "quant_matmul" in str(jax.make_jaxpr(step)(model.params, kv))
+
+    assert traces_kernel(2, 1) and traces_kernel(1, 1)
+    assert not traces_kernel(1, 4) and not traces_kernel(2, 2)
     prompts = [[5, 6, 7, 8, 9], [11, 3]]
     want = batched_greedy(model, prompts, [0, 0], 4, runtime=LoraRuntime())
     assert batched_greedy(model, prompts, [0, 0], 4, runtime=limited) == want
