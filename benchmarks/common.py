@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -49,34 +50,31 @@ TINY = ModelConfig(
 )
 
 
+def _best_rate(fn: Callable[[jax.Array], jax.Array], x: jax.Array, work: float, reps: int) -> float:
+    """work / seconds of one fn(x) call, from `reps` calls back to back (dispatch overlaps the device
+    work), the best of 3 rounds after one warm-up call."""
+    fn(x).block_until_ready()
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        outs = [fn(x) for _ in range(reps)]
+        jax.block_until_ready(outs)
+        best = max(best, work * reps / (time.perf_counter() - t0))
+        del outs
+    return best
+
+
 def hbm_gbps(num_bytes: int = 1 << 31, reps: int = 10) -> float:
     """Device-to-device copy bandwidth (bytes read + written): `reps` jitted copies back to back."""
     x = jnp.ones((num_bytes // 2,), jnp.bfloat16)
     copy = jax.jit(lambda v: v + jnp.bfloat16(0))  # one fused read + write pass
-    copy(x).block_until_ready()
-    best = 0.0
-    for _ in range(3):
-        t0 = time.perf_counter()
-        outs = [copy(x) for _ in range(reps)]
-        jax.block_until_ready(outs)
-        best = max(best, 2 * x.nbytes * reps / (time.perf_counter() - t0) / 1e9)
-        del outs
-    return best
+    return _best_rate(copy, x, 2 * x.nbytes, reps) / 1e9
 
 
 def matmul_tflops(n: int = 8192, dtype: jnp.dtype = jnp.bfloat16, reps: int = 10) -> float:
     """Dense matmul rate in TFLOP/s: `reps` jitted [n, n] @ [n, n] products back to back, best of 3."""
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-    mm = jax.jit(lambda x: x @ x)
-    mm(a).block_until_ready()
-    best = 0.0
-    for _ in range(3):
-        t0 = time.perf_counter()
-        outs = [mm(a) for _ in range(reps)]
-        jax.block_until_ready(outs)
-        best = max(best, 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12)
-        del outs
-    return best
+    return _best_rate(jax.jit(lambda x: x @ x), a, 2 * n**3, reps) / 1e12
 
 
 def random_bank(
