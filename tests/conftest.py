@@ -20,16 +20,14 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_code(request):
+def _release_compiled_code():
     """Drops every compiled executable after each test module. Each XLA CPU executable keeps memory
     mappings of its code, and the whole suite in one process compiles enough of them to reach the
     kernel's limit on a process's mappings (vm.max_map_count, 65,530): the next compile then failed
     inside LLVM with a segfault, ~95% of the way through the suite (the kernel tests alone map
-    ~7,400 regions in their first 100 s). Not after tests/serving modules: they share a session-wide
-    warmed-up engine whose tests check that nothing compiles after warm-up."""
+    ~7,400 regions in their first 100 s). A directory whose modules share compiled code overrides
+    this fixture in its conftest.py (tests/serving)."""
     yield
-    if "serving" in Path(str(request.node.path)).parent.parts[-1:]:
-        return
     jax.clear_caches()
     gc.collect()
 

@@ -16,6 +16,13 @@ from tests.factories import char_tokenizer, tiny_model
 from tests.serving.support import ADAPTERS, ENGINE_CONFIG, LORA, SPARE_ADAPTERS, connect, running_server, write_adapter
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """Keeps compiled code between modules (overrides tests/conftest.py's): every module here shares
+    the session's warmed-up engine, and its tests check that nothing compiles after warm-up."""
+    yield
+
+
 @pytest.fixture(scope="session")
 def adapter_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("adapter_root")
