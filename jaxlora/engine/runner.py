@@ -116,9 +116,9 @@ def _step(params, bank, kv, tokens, src, positions, slot_ids, batch, last_ids, *
 class _ByCompilerOptions:
     """A step function jitted once per set of XLA compile options (compiler options are not a static
     argument of one jit). A call, `lower` or `trace` goes to the jit of its `runtime=` keyword's
-    `compiler_options` for the step's token count, the size of its `tokens_arg` (`tokens_of`)."""
+    `compiler_options` for the step's token count, `count(argument tokens_arg)`."""
 
-    def __init__(self, fun: Callable, tokens_of: Callable[[dict], int], **jit_kw) -> None:
+    def __init__(self, fun: Callable, tokens_arg: str, count: Callable[[object], int], **jit_kw) -> None:
         # Every option set made up front: warm-up compiles from several threads at once.
         choices = [
             gemm_compiler_options(g, concurrent=c)
@@ -127,16 +127,17 @@ class _ByCompilerOptions:
             for c in (True, False)
         ]
         self._jits = {_key(o): jax.jit(fun, compiler_options=o or None, **jit_kw) for o in choices}
-        self._signature = inspect.signature(fun)
-        self._tokens_of = tokens_of
+        # Where the argument sits when passed by position: found once, not per dispatch (a hot path).
+        self._tokens_arg, self._tokens_at = tokens_arg, list(inspect.signature(fun).parameters).index(tokens_arg)
+        self._count = count
         functools.update_wrapper(self, fun)
 
     def _jit(self, args: tuple, kwargs: dict):
         runtime = kwargs.get("runtime")
         if not isinstance(runtime, LoraRuntime):
             raise TypeError(f"{self.__name__} takes its LoraRuntime as the keyword argument runtime=, got {runtime!r}")
-        num_tokens = self._tokens_of(self._signature.bind(*args, **kwargs).arguments)
-        return self._jits[_key(runtime.compiler_options(num_tokens))]
+        value = kwargs[self._tokens_arg] if self._tokens_arg in kwargs else args[self._tokens_at]
+        return self._jits[_key(runtime.compiler_options(self._count(value)))]
 
     def __call__(self, *args, **kwargs):
         return self._jit(args, kwargs)(*args, **kwargs)
@@ -152,13 +153,16 @@ def _key(options: dict) -> tuple:
     return tuple(sorted(options.items()))
 
 
-def by_compiler_options(tokens_of: Callable[[dict], int], **jit_kw) -> Callable[[Callable], _ByCompilerOptions]:
-    """Decorator: `_ByCompilerOptions`; `tokens_of(bound arguments)` is the step's token count."""
-    return lambda fun: _ByCompilerOptions(fun, tokens_of, **jit_kw)
+def by_compiler_options(
+    tokens_arg: str, count: Callable[[object], int], **jit_kw
+) -> Callable[[Callable], _ByCompilerOptions]:
+    """Decorator: `_ByCompilerOptions`; `count(argument tokens_arg)` is the step's token count."""
+    return lambda fun: _ByCompilerOptions(fun, tokens_arg, count, **jit_kw)
 
 
 @by_compiler_options(
-    lambda arguments: arguments["layout"].budget,
+    "layout",
+    lambda layout: layout.budget,
     static_argnames=("layout", "graphdef", "runtime", "mesh"),
     donate_argnames=("kv",),
 )
@@ -189,7 +193,8 @@ def packed_sample(logits, ids, packed, *, layout: StepLayout):
 
 
 @by_compiler_options(
-    lambda arguments: arguments["tokens"].shape[0],
+    "tokens",
+    lambda tokens: tokens.shape[0],
     static_argnames=("graphdef", "runtime", "mesh"),
     donate_argnames=("kv",),
 )
