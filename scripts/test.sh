@@ -6,4 +6,6 @@ make_venv test
 bash "$ROOT/scripts/setup_ref_env.sh" "$ROOT/.venv-ref"
 cd "$ROOT"
 export JAXLORA_REF_PYTHON="$ROOT/.venv-ref/bin/python"
-exec "$VENV/bin/python" -m pytest -q "$@"
+# Two workers (the CI machine has two cores); tests/conftest.py's scheduler sends each module, and each
+# directory whose modules share a session fixture, whole to one worker. `-n 0` after it runs serially.
+exec "$VENV/bin/python" -m pytest -q -n 2 --dist loadscope "$@"

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import jax
 import pytest
+from xdist.remote import Producer
+from xdist.scheduler import LoadScopeScheduling
+from xdist.workermanage import WorkerController
 
 # `jaxlora` commands run in-process here must not write into the user's compilation cache; tests that
 # want the cache give their subprocesses a folder of their own.
@@ -17,6 +20,50 @@ os.environ["JAXLORA_COMPILATION_CACHE"] = "off"
 from tests.reference.client import SETUP_COMMAND, ref_python, run_reference  # noqa: E402
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# Directories whose modules share a session fixture too costly to build twice: under pytest-xdist
+# each runs whole on one worker, its modules in order (ModuleScheduling). tests/serving: one
+# warmed-up engine, whose tests check that nothing compiles after warm-up.
+SHARED_SESSION_DIRS = ("tests/serving",)
+
+# The longest scopes, serial seconds on a 2-core CPU machine (`pytest --durations=0`), go out first
+# so that no worker is left alone with one of them at the end. A stale list costs balance, never
+# correctness.
+LONGEST_SCOPES = (
+    "tests/serving",  # 182
+    "tests/train/test_train.py",  # 147
+    "tests/lora/test_vs_peft.py",  # 134
+    "tests/test_readme.py",  # 123
+    "tests/model/test_fused.py",  # 115
+    "tests/parallel/test_tensor_parallel.py",  # 99
+    "tests/model/test_vs_transformers.py",  # 92
+    "tests/bench/test_bench_cli.py",  # 83
+    "tests/train/test_demo_adapters.py",  # 78
+    "tests/reference/test_reference_tool.py",  # 67
+)
+
+
+class ModuleScheduling(LoadScopeScheduling):
+    """xdist's `--dist loadscope` (scripts/test.sh), with whole modules as scopes, so that each
+    module's fixtures (a warmed-up engine, a worker subprocess's results) are built once, and each
+    directory of SHARED_SESSION_DIRS as one scope. (Not `--dist loadgroup` with `xdist_group` marks:
+    xdist 3.8 groups them by renaming node ids, which pytest 9 ignores, so each test goes out alone.)"""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        return next((d for d in SHARED_SESSION_DIRS if path.startswith(f"{d}/")), path)
+
+    def _assign_work_unit(self, node: WorkerController) -> None:
+        for scope in reversed(LONGEST_SCOPES):
+            if scope in self.workqueue:
+                self.workqueue.move_to_end(scope, last=False)
+        super()._assign_work_unit(node)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadScopeScheduling | None:
+    return ModuleScheduling(config, log) if config.getvalue("dist") == "loadscope" else None
 
 
 @pytest.fixture(autouse=True, scope="module")
