@@ -779,6 +779,7 @@ class Options:
     command: str = ""
     tensor_parallel: int = 1
     skip_groups: int = 0  # start at this index of the plan (a second device call continues the first)
+    groups: tuple[int, ...] = ()  # run only these indices of the plan (after the backend filter); () all
     merge_json: Path | None = None  # an earlier part's e2e.json: its rows are kept and written again
     weights: tuple[str, ...] = ("bf16",)  # "bf16" (dense in the model dtype), "fp8", "int8"; in this order
 
@@ -806,6 +807,10 @@ def run_benchmark(opts: Options) -> dict:
     model_cfg = TINY if opts.tiny else LLAMA2_7B
     dtype = jnp.float32 if opts.tiny else jnp.bfloat16
     plan = tiny_plan(opts.backends) if opts.tiny else [g for g in h200_plan() if g.backend in opts.backends]
+    if opts.groups:
+        if not all(0 <= i < len(plan) for i in opts.groups):
+            raise ValueError(f"--groups {list(opts.groups)}: the plan has groups 0..{len(plan) - 1}")
+        plan = [plan[i] for i in opts.groups]
     plan = with_weights(plan, opts.weights)
     print(
         f"device {dev.device_kind}, jax {jax.__version__}, {len(plan)} groups, budget {opts.budget_s:.0f} s", flush=True
@@ -922,6 +927,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="start at this index of the GPU plan (continue an earlier, budget-limited run)",
     )
     p.add_argument(
+        "--groups",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="I",
+        help="run only these plan groups (indices after the --backend filter, in the given order)",
+    )
+    p.add_argument(
         "--merge-json",
         type=Path,
         default=None,
@@ -955,6 +968,7 @@ def run(args: argparse.Namespace) -> int:
         plots=not args.no_plots,
         tensor_parallel=args.tensor_parallel or 1,
         skip_groups=args.skip_groups,
+        groups=tuple(args.groups),
         merge_json=args.merge_json,
         weights=tuple(dict.fromkeys(args.quantize)),
         command="jaxlora bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),

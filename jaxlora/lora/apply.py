@@ -27,9 +27,11 @@ GROUP_MODULES: dict[str, tuple[str, ...]] = dict(GROUPS)
 class QuantMatmul(enum.StrEnum):
     """How the GEMM of a weight-only quantized projection runs (jaxlora.model.quant; same math)."""
 
-    AUTO = "auto"  # PALLAS for small steps of the serving layout on GPU, else XLA (`LoraRuntime.for_platform`)
+    AUTO = "auto"  # BEST for small steps of the serving layout on GPU, else XLA (`LoraRuntime.for_platform`)
     XLA = "xla"  # (x @ q.astype(x.dtype)) * scale: XLA writes a dequantized copy of the weight first
-    PALLAS = "pallas"  # pallas_kernels.quant_matmul: converts tiles in registers, reads a layer in place
+    PALLAS = "pallas"  # pallas_kernels.quant_matmul (Triton): converts tiles in registers, reads a layer in place
+    MGPU = "mgpu"  # pallas_kernels.quant_matmul_mgpu (Mosaic GPU, Hopper): TMA-fed wgmma, K-major weights
+    BEST = "best"  # per format, the kernel measured fastest and checked on the GPU (jaxlora.model.quant.BEST_KERNEL)
 
 
 class GemmBackend(enum.StrEnum):
@@ -69,14 +71,16 @@ def gemm_compiler_options(gemm: GemmBackend | str, *, concurrent: bool) -> dict[
     return options
 
 
-# quant_matmul="auto" on GPU: the Pallas kernel for steps of at most this many tokens, XLA above.
-# H200, the seven projections of 8 Llama-2-7B layers in the serving layout, ms at 16 / 64 / 128 /
-# 256 rows (benchmarks/results/decode_floor_probe/q): the kernel 1.21 / 1.43 / 1.76 / 2.87 (int8)
-# and 1.59 / 1.90 / 2.07 / 3.35 (fp8); XLA, which writes a dequantized bf16 copy of every weight
-# before its GEMM, 2.90 / 2.95 / 3.03 / 3.38 (int8; fp8 through XLA was not run in this layout, and
-# was within 1% of int8 in the separate one). Neither beats bf16 through cuBLAS (0.96 at 64, 1.38 at
-# 256 rows): the flag saves memory, not time. Larger steps were not measured and keep XLA.
+# quant_matmul="auto" on GPU: the per-format kernel (BEST) for steps of at most this many tokens
+# (the Mosaic kernel's limit: wgmma's N), XLA above. H200, the seven projections of 8 Llama-2-7B
+# layers in the serving layout, ms at 16 / 64 / 128 / 256 rows (benchmarks/results/mgpu_probe/,
+# one process): bf16 cuBLAS 0.93 / 0.95 / 1.04 / 1.31; int8 on the Mosaic kernel 0.72 / 1.04 /
+# 1.29 / 2.00, on the Triton kernel 1.21 / 1.37 / 1.76 / 2.86 (an earlier run); XLA's
+# dequantize-then-GEMM 2.90 / 2.95 / 3.03 / 3.38 (decode_floor_probe/q). Each format's kernel is the
+# fastest 8-bit path at every size it takes; int8 beats bf16 up to about 32 rows.
 QUANT_KERNEL_MAX_TOKENS = 256
+_QUANT_KERNELS = {"pallas": "triton", "mgpu": "mgpu", "best": "best"}  # QuantMatmul -> model.quant.QuantKernel
+_KERNEL_CHOICES = ("pallas", "mgpu", "best")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +98,12 @@ class LoraRuntime:
     unroll_max_tokens: unroll only steps of at most this many tokens (one token per row). Small
       steps are bound by reading the weights, where the scan's per-layer weight copy costs most;
       large ones are compute-bound and keep the scan's short compile.
-    quant_matmul: how quantized projections multiply (unrolled or scanned). With PALLAS the model
-      hands each quantized projection its whole stack [L, in, out] and the layer index (see
+    quant_matmul: how quantized projections multiply (unrolled or scanned). With PALLAS or MGPU
+      the model hands each quantized projection its whole stack and the layer index (see
       `Llama.__call__`). Never AUTO here: `for_platform` resolves it.
-    quant_kernel_max_tokens: PALLAS runs step programs of at most this many tokens (a step's
-      budget, padding included); larger ones take XLA's path (None: every step). See
+    quant_kernel_max_tokens: PALLAS / MGPU run step programs of at most this many tokens (a step's
+      budget, padding included); larger ones take XLA's path (None: every step; MGPU takes at most
+      256 rows, and a larger step of an MGPU runtime without a limit runs the Triton kernel). See
       QUANT_KERNEL_MAX_TOKENS for what was measured.
     gemm: the XLA compile options of the engine's step programs for their dense GEMMs
       (GEMM_COMPILER_OPTIONS; read by jaxlora.engine.runner). Never AUTO here.
@@ -135,9 +140,14 @@ class LoraRuntime:
         return gemm_compiler_options(self.gemm, concurrent=num_tokens >= self.concurrent_min_tokens)
 
     def uses_quant_kernel(self, num_tokens: int) -> bool:
-        """Whether a step of `num_tokens` tokens runs its quantized GEMMs in the Pallas kernel."""
+        """Whether a step of `num_tokens` tokens runs its quantized GEMMs in a Pallas kernel."""
         limit = self.quant_kernel_max_tokens
-        return self.quant_matmul is QuantMatmul.PALLAS and (limit is None or num_tokens <= limit)
+        return self.quant_matmul.value in _KERNEL_CHOICES and (limit is None or num_tokens <= limit)
+
+    @property
+    def quant_kernel(self) -> str:
+        """The kernel a quantized projection holding its stack runs (jaxlora.model.quant.QuantKernel)."""
+        return _QUANT_KERNELS.get(self.quant_matmul.value, "triton")
 
     @classmethod
     def for_platform(
@@ -178,18 +188,17 @@ class LoraRuntime:
         quant_kernel_max_tokens = None
         if quant_matmul is QuantMatmul.AUTO:
             measured = platform == "gpu" and fused_projections
-            quant_matmul = QuantMatmul.PALLAS if measured else QuantMatmul.XLA
+            quant_matmul = QuantMatmul.BEST if measured else QuantMatmul.XLA
             quant_kernel_max_tokens = QUANT_KERNEL_MAX_TOKENS if measured else None
         gemm = GemmBackend(gemm)
         if gemm is GemmBackend.AUTO:
             gemm = GemmBackend.CUBLAS if platform == "gpu" and fused_projections else GemmBackend.XLA
-        if quant_matmul is QuantMatmul.PALLAS and platform not in ("gpu", "cpu"):
+        quant_kernel = quant_matmul.value in _KERNEL_CHOICES
+        if quant_kernel and platform not in ("gpu", "cpu"):
             raise ValueError(
-                f"quant_matmul=pallas is a Triton kernel: it runs on GPU (or interpreted on CPU), not {platform}"
+                f"quant_matmul={quant_matmul.value} is a GPU kernel: it runs on GPU (or interpreted on CPU), not {platform}"
             )
-        uses_pallas = (
-            backend is LoraBackend.PALLAS or attention is AttentionBackend.PALLAS or quant_matmul is QuantMatmul.PALLAS
-        )
+        uses_pallas = backend is LoraBackend.PALLAS or attention is AttentionBackend.PALLAS or quant_kernel
         return cls(
             backend=backend,
             interpret=uses_pallas and platform == "cpu",

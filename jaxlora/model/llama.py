@@ -56,24 +56,31 @@ class RMSNorm(nnx.Module):
 
 
 def _linear(
-    d_in: int, d_out: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs, quantization: Quantization | None = None
+    d_in: int,
+    d_out: int,
+    bias: bool,
+    dtype: jnp.dtype,
+    rngs: nnx.Rngs,
+    quantization: Quantization | None = None,
+    fused: bool = False,
 ) -> nnx.Linear | QuantLinear:
-    """A projection, `layer(x) = x @ W (+ b)`: dense in `dtype`, or weight-only quantized."""
+    """A projection, `layer(x) = x @ W (+ b)`: dense in `dtype`, or weight-only quantized (stored
+    K-major in the serving layout, `fused`: jaxlora.model.quant's module doc)."""
     if quantization is not None:
-        return QuantLinear(d_in, d_out, quantization=quantization, use_bias=bias, dtype=dtype)
+        return QuantLinear(d_in, d_out, quantization=quantization, use_bias=bias, dtype=dtype, k_major=fused)
     return nnx.Linear(
         d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs, kernel_init=nnx.initializers.normal(0.02)
     )
 
 
 # The parameters a quantized projection keeps stacked over layers on the kernel path (see `Llama.__call__`).
-_IN_PLACE_WEIGHTS = nnx.Any(nnx.PathContains("qkernel"), nnx.PathContains("qscale"))
+_IN_PLACE_WEIGHTS = nnx.Any(nnx.PathContains("qkernel"), nnx.PathContains("qkernel_t"), nnx.PathContains("qscale"))
 
 
 def _apply_linear(linear: nnx.Linear | QuantLinear, x: jax.Array, layer: jax.Array, runtime: LoraRuntime) -> jax.Array:
     """linear(x) with its bias; a quantized projection holding the whole stack multiplies by layer `layer`."""
     if isinstance(linear, QuantLinear):
-        return linear(x, layer=layer, interpret=runtime.interpret)
+        return linear(x, layer=layer, kernel=runtime.quant_kernel, interpret=runtime.interpret)
     return linear(x)
 
 
@@ -163,12 +170,12 @@ class Attention(nnx.Module):
         self.fused = fused
         if fused:
             width = cfg.q_size + 2 * cfg.kv_size
-            self.qkv_proj = _linear(cfg.hidden_size, width, cfg.attention_bias, dtype, rngs, quantization)
+            self.qkv_proj = _linear(cfg.hidden_size, width, cfg.attention_bias, dtype, rngs, quantization, fused)
         else:
             self.q_proj = _linear(cfg.hidden_size, cfg.q_size, cfg.attention_bias, dtype, rngs, quantization)
             self.k_proj = _linear(cfg.hidden_size, cfg.kv_size, cfg.attention_bias, dtype, rngs, quantization)
             self.v_proj = _linear(cfg.hidden_size, cfg.kv_size, cfg.attention_bias, dtype, rngs, quantization)
-        self.o_proj = _linear(cfg.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, rngs, quantization)
+        self.o_proj = _linear(cfg.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, rngs, quantization, fused)
 
     def __call__(self, x: jax.Array, kv: KVCache, layer: jax.Array, lora: dict, s: StepInputs):
         """x [b, t, D]; kv: every layer's cache; layer: this layer's index -> (out [b, t, D], kv)."""
@@ -205,7 +212,11 @@ class Attention(nnx.Module):
         if s.tensor_axis is None:
             out = {"o_proj": _apply_linear(self.o_proj, a2, layer, s.runtime)}
         else:  # row-parallel: the bias joins after the all-reduce, or every shard would add it
-            out = {"o_proj": project(self.o_proj, a2, layer=layer, interpret=s.runtime.interpret)}
+            out = {
+                "o_proj": project(
+                    self.o_proj, a2, layer=layer, kernel=s.runtime.quant_kernel, interpret=s.runtime.interpret
+                )
+            }
         out = apply_group(
             "o", lora.get("o"), a2, out, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan, layer=layer
         )
@@ -288,11 +299,12 @@ class MLP(nnx.Module):
         self.cfg = cfg
         self.fused = fused
         if fused:
-            self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, rngs, quantization)
+            width = 2 * cfg.intermediate_size
+            self.gate_up_proj = _linear(cfg.hidden_size, width, False, dtype, rngs, quantization, fused)
         else:
             self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs, quantization)
             self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs, quantization)
-        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, rngs, quantization)
+        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, rngs, quantization, fused)
 
     def __call__(self, x: jax.Array, layer: jax.Array, lora: dict, s: StepInputs) -> jax.Array:
         b, t, _ = x.shape

@@ -23,7 +23,13 @@ from jaxlora.config import ModelConfig
 from jaxlora.errors import ModelLoadError
 from jaxlora.model.fused import fuse_arrays, is_fused_name, split_arrays
 from jaxlora.model.llama import Llama
-from jaxlora.model.quant import Quantization, parse_quantization, quantize_arrays
+from jaxlora.model.quant import (
+    Quantization,
+    from_kmajor_arrays,
+    parse_quantization,
+    quantize_arrays,
+    to_kmajor_arrays,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +54,7 @@ class LoadedModel:
     def flat_params(self) -> dict[str, jax.Array]:
         """name -> array in the canonical layout (a fused model's matrices cut back into modules)."""
         flat = {".".join(map(str, path)): leaf for path, leaf in _flat(self.params)}
-        return split_arrays(flat, self.config) if self.fused else flat
+        return split_arrays(from_kmajor_arrays(flat), self.config) if self.fused else flat
 
 
 def _flat(state: nnx.State) -> list[tuple[tuple, jax.Array]]:
@@ -116,7 +122,8 @@ def build_model(
     With a quantization, dense projection kernels among `arrays` are quantized here (on the default
     device, one tensor at a time); projections given already quantized must have the format's dtype.
     fused=True builds the serving layout (jaxlora.model.fused): q|k|v and gate|up are concatenated
-    here, after quantizing (each scale stays with its column).
+    here, after quantizing (each scale stays with its column), and quantized weights are stored
+    K-major (`qkernel_t`, jaxlora.model.quant).
     Raises ModelLoadError naming `source` and the offending tensor.
     """
     quantization = parse_quantization(quantization)
@@ -128,7 +135,7 @@ def build_model(
         # Each piece is checked before the concatenation: a fused width that adds up can still hide
         # swapped pieces (q as wide as k|v), and a misshapen one would fail inside the concatenate.
         _check_arrays(_expected(_abstract_state(config, dtype, quantization)[1]), arrays, quantization, source)
-        arrays = fuse_arrays(arrays)
+        arrays = to_kmajor_arrays(fuse_arrays(arrays))
     graphdef, state = _abstract_state(config, dtype, quantization, fused)
     _check_arrays(_expected(state), arrays, quantization, source)
     for path, var in nnx.to_flat_state(state):

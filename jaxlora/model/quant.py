@@ -23,6 +23,13 @@ Only the seven projections of every layer are quantized (jaxlora.config.TARGET_M
 norms and the LM head keep the model's dtype. A quantized projection's parameters are named
 `qkernel` ([L, in, out], stacked over layers like `kernel`) and `qscale` ([L, out]), so that code
 reading a dense `kernel` fails loudly instead of multiplying by raw integers.
+
+The serving layout (jaxlora.model.fused) stores the 8-bit weights K-major instead, as `qkernel_t`
+([L, out, in]: each output column's weights contiguous), the layout the Hopper GEMM kernel
+`pallas_kernels.quant_matmul_mgpu` reads (wgmma takes its register operand, the widened weight tile,
+from the [out, in] side). A different name again, so that code expecting [in, out] fails loudly
+rather than reading a square matrix transposed. `to_kmajor_arrays` / `from_kmajor_arrays` convert;
+`LoadedModel.flat_params()` always returns the canonical `qkernel`.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ from flax import nnx
 
 from jaxlora.config import TARGET_MODULES
 from pallas_kernels.quant_matmul import quant_matmul
+from pallas_kernels.quant_matmul_mgpu import X_DTYPES as MGPU_X_DTYPES
+from pallas_kernels.quant_matmul_mgpu import quant_matmul_mgpu
+from pallas_kernels.quant_tuning import mgpu_knobs
 
 
 class Quantization(enum.StrEnum):
@@ -89,12 +99,35 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype = jnp.float32) -
     return (q.astype(jnp.float32) * scale.astype(jnp.float32)[..., None, :]).astype(dtype)
 
 
-def matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+def matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *, k_major: bool = False) -> jax.Array:
     """x [n, in] @ the quantized w -> [n, out] in x's dtype. Accumulates and scales in float32.
+    q is [in, out], or [out, in] with k_major (contracted on its last axis: no transposed copy).
 
     Plain XLA, and the reference `pallas_kernels.quant_matmul` is tested against."""
-    y = jnp.dot(x, q.astype(x.dtype), preferred_element_type=jnp.float32)
+    dims = (((1,), (1 if k_major else 0,)), ((), ()))
+    y = jax.lax.dot_general(x, q.astype(x.dtype), dims, preferred_element_type=jnp.float32)
     return (y * scale).astype(x.dtype)
+
+
+class QuantKernel(enum.StrEnum):
+    """Which kernel multiplies a quantized projection that holds the whole stack (`project`)."""
+
+    TRITON = "triton"  # pallas_kernels.quant_matmul: any shape, either layout
+    MGPU = "mgpu"  # pallas_kernels.quant_matmul_mgpu: Hopper, K-major, <= 256 rows, widths of 64
+    BEST = "best"  # per format, the fastest kernel checked on the GPU: BEST_KERNEL
+
+
+# QuantKernel.BEST by storage dtype. H200, the seven projections of 8 Llama-2-7B layers in the
+# serving layout at 16 / 64 / 128 / 256 rows (benchmarks/results/mgpu_probe/): int8 on the Mosaic
+# kernel 0.72 / 1.04 / 1.29 / 2.00 ms against the Triton one's 1.21 / 1.37 / 1.76 / 2.86, its
+# output checked against a float64 product on the GPU. e4m3 on the Mosaic kernel timed 0.69 / 0.92
+# / 1.22 / 1.93 ms, but its GPU check did not run (the probe skipped it; the interpreter checks its
+# math on the CPU), so e4m3 stays on the Triton kernel, checked on the GPU in earlier sessions, until
+# it does: `quant_matmul="mgpu"` opts in.
+BEST_KERNEL: dict[jnp.dtype, QuantKernel] = {
+    jnp.dtype(jnp.int8): QuantKernel.MGPU,
+    jnp.dtype(jnp.float8_e4m3fn): QuantKernel.TRITON,
+}
 
 
 class QuantLinear(nnx.Module):
@@ -102,44 +135,87 @@ class QuantLinear(nnx.Module):
 
     The parameters start as placeholders (zeros, scale 1): quantized models are built from dense or
     already quantized arrays by jaxlora.model.params.build_model, never trained from an init.
+
+    k_major: the weights are stored [out, in] as `qkernel_t` (the serving layout, module doc), not
+    [in, out] as `qkernel`.
     """
 
     def __init__(
-        self, in_features: int, out_features: int, *, quantization: Quantization, use_bias: bool, dtype: jnp.dtype
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        quantization: Quantization,
+        use_bias: bool,
+        dtype: jnp.dtype,
+        k_major: bool = False,
     ):
-        self.qkernel = nnx.Param(jnp.zeros((in_features, out_features), quantization.storage_dtype))  # [in, out]
+        self.k_major = k_major
+        if k_major:
+            self.qkernel_t = nnx.Param(jnp.zeros((out_features, in_features), quantization.storage_dtype))  # [out, in]
+        else:
+            self.qkernel = nnx.Param(jnp.zeros((in_features, out_features), quantization.storage_dtype))  # [in, out]
         self.qscale = nnx.Param(jnp.ones((out_features,), jnp.float32))  # [out]
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None  # [out]
         self.dtype = dtype
 
-    def __call__(self, x: jax.Array, *, layer: jax.Array | None = None, interpret: bool = False) -> jax.Array:
-        """x [n, in] -> [n, out]; `layer` and `interpret` as in `project`."""
-        y = project(self, x, layer=layer, interpret=interpret)
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        layer: jax.Array | None = None,
+        kernel: QuantKernel | str = QuantKernel.TRITON,
+        interpret: bool = False,
+    ) -> jax.Array:
+        """x [n, in] -> [n, out]; `layer`, `kernel` and `interpret` as in `project`."""
+        y = project(self, x, layer=layer, kernel=kernel, interpret=interpret)
         return y if self.bias is None else y + self.bias[...]
 
 
 def project(
-    linear: nnx.Linear | QuantLinear, x: jax.Array, *, layer: jax.Array | None = None, interpret: bool = False
+    linear: nnx.Linear | QuantLinear,
+    x: jax.Array,
+    *,
+    layer: jax.Array | None = None,
+    kernel: QuantKernel | str = QuantKernel.TRITON,
+    interpret: bool = False,
 ) -> jax.Array:
     """x @ W of a dense or quantized projection, without its bias.
 
     layer: this projection's layer in the model (int32 scalar, may be traced). A quantized projection
-    holding the whole stack (qkernel [L, in, out], qscale [L, out]) multiplies by that layer with
-    `pallas_kernels.quant_matmul`, which reads it in place (`interpret`: in the Pallas interpreter,
-    CPU); one holding a single layer [in, out] runs `matmul` and needs no index.
+    holding the whole stack (qkernel [L, in, out] or qkernel_t [L, out, in], qscale [L, out])
+    multiplies by that layer in a kernel that reads it in place: `kernel` TRITON is
+    `pallas_kernels.quant_matmul` (either layout); BEST picks per format (BEST_KERNEL; TRITON for
+    the separate layout); MGPU is `pallas_kernels.quant_matmul_mgpu`, which
+    needs the K-major layout and takes bf16 / f16 steps of at most 256 rows whose widths fit its
+    tiles (`pallas_kernels.quant_tuning.mgpu_knobs`): where they do not (a float32 model, a width
+    that is not a multiple of 64; the runtime bounds the step's rows), the Triton kernel runs
+    instead, a static choice by shape and dtype. `interpret`: in the Pallas
+    interpreter (CPU; the Mosaic kernel's shared-memory operand variant, which the interpreter
+    supports). A projection holding a single layer runs `matmul` and needs no index.
 
     A row-parallel projection under tensor parallelism adds its bias after the all-reduce (else every
     shard would add it); the per-column scale commutes with that sum, so each shard applies it.
     """
     if not isinstance(linear, QuantLinear):
         return x @ linear.kernel[...]
-    q, scale = linear.qkernel[...], linear.qscale[...]
+    q = linear.qkernel_t[...] if linear.k_major else linear.qkernel[...]
+    scale = linear.qscale[...]
     x = x.astype(linear.dtype)
-    if q.ndim == 3:
-        if layer is None:
-            raise ValueError(f"a QuantLinear holding the whole stack {q.shape} [L, in, out] needs the layer index")
-        return quant_matmul(x, q, scale, layer, interpret=interpret)
-    return matmul(x, q, scale)
+    if q.ndim == 2:
+        return matmul(x, q, scale, k_major=linear.k_major)
+    if layer is None:
+        raise ValueError(f"a QuantLinear holding the whole stack {q.shape} needs the layer index")
+    kernel = QuantKernel(kernel)
+    if kernel is QuantKernel.BEST:
+        kernel = BEST_KERNEL[jnp.dtype(q.dtype)] if linear.k_major else QuantKernel.TRITON
+    if kernel is QuantKernel.MGPU:
+        if not linear.k_major:
+            raise ValueError("the Mosaic GPU kernel reads K-major weights (qkernel_t): build the serving layout")
+        knobs = mgpu_knobs(x.shape[0], q.shape[1], q.shape[2], interpret=interpret)
+        if knobs is not None and jnp.dtype(x.dtype) in MGPU_X_DTYPES:
+            return quant_matmul_mgpu(x, q, scale, layer, knobs, interpret=interpret)
+    return quant_matmul(x, q, scale, layer, k_major=linear.k_major, interpret=interpret)
 
 
 # -- flat parameter names (jaxlora.model.params) -----------------------------------------------------
@@ -175,6 +251,28 @@ def dequantize_arrays(
         if q is not None:
             out[f"{prefix}.kernel"] = dequantize(q, out.pop(f"{prefix}.qscale"), dtype)
     return out
+
+
+def to_kmajor_arrays(arrays: Mapping[str, np.ndarray | jax.Array]) -> dict[str, np.ndarray | jax.Array]:
+    """Every `...qkernel` [..., in, out] as `...qkernel_t` [..., out, in] (the serving layout's)."""
+    return {
+        _renamed(n, "qkernel", "qkernel_t"): _swapped(a) if n.endswith(".qkernel") else a for n, a in arrays.items()
+    }
+
+
+def from_kmajor_arrays(arrays: Mapping[str, np.ndarray | jax.Array]) -> dict[str, np.ndarray | jax.Array]:
+    """The inverse of `to_kmajor_arrays`."""
+    return {
+        _renamed(n, "qkernel_t", "qkernel"): _swapped(a) if n.endswith(".qkernel_t") else a for n, a in arrays.items()
+    }
+
+
+def _renamed(name: str, leaf: str, new: str) -> str:
+    return name[: -len(leaf)] + new if name.endswith(f".{leaf}") else name
+
+
+def _swapped(a: np.ndarray | jax.Array) -> np.ndarray | jax.Array:
+    return np.swapaxes(a, -1, -2) if isinstance(a, np.ndarray) else jnp.swapaxes(a, -1, -2)
 
 
 def weight_nbytes(arrays: Mapping[str, np.ndarray | jax.Array]) -> int:

@@ -126,11 +126,23 @@ def test_fused_logits_equal_separate_on_mixed_adapters(backend, targets):
 
 @pytest.mark.parametrize("quant_matmul", ["xla", "pallas"])
 def test_fused_quantized_logits_equal_separate(quant_matmul):
-    """int8 weights: per-column scales travel with their columns (quantized before fusing)."""
+    """int8 weights: per-column scales travel with their columns (quantized before fusing), and the
+    serving layout stores the 8-bit matrices K-major (`qkernel_t` [L, out, in]) while its
+    flat_params() gives back the separate model's canonical `qkernel` [L, in, out] exactly."""
     bank = _bank()
     slots = [1, 3, 0, 2]
-    want = _logits(random_model(CFG, seed=7, quantization="int8"), bank, slots, "pallas", quant_matmul)
+    separate = random_model(CFG, seed=7, quantization="int8")
+    want = _logits(separate, bank, slots, "pallas", quant_matmul)
     fused = random_model(CFG, seed=7, quantization="int8", fused=True)
+    assert not any(n.endswith(".qkernel") for n in _names(fused))
+    qkv_t = fused.params["layers"]["self_attn"]["qkv_proj"]["qkernel_t"][...]
+    assert qkv_t.shape == (CFG.num_layers, CFG.q_size + 2 * CFG.kv_size, CFG.hidden_size)
+    down_t = fused.params["layers"]["mlp"]["down_proj"]["qkernel_t"][...]
+    assert down_t.shape == (CFG.num_layers, CFG.hidden_size, CFG.intermediate_size)
+    a, b = separate.flat_params(), fused.flat_params()
+    assert set(a) == set(b)
+    for name in a:
+        np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]), err_msg=name)
     assert fused.params["layers"]["mlp"]["gate_up_proj"]["qscale"][...].shape == (
         CFG.num_layers,
         2 * CFG.intermediate_size,

@@ -12,6 +12,7 @@ from jaxlora.errors import ModelLoadError
 from jaxlora.lora.apply import QUANT_KERNEL_MAX_TOKENS, LoraRuntime, QuantMatmul
 from jaxlora.lora.merge import merged_params
 from jaxlora.model import init_kv_cache
+from jaxlora.model import quant as quant_module
 from jaxlora.model.forward import forward_logits
 from jaxlora.model.params import build_model, quantized_model, random_model
 from jaxlora.model.quant import (
@@ -19,9 +20,13 @@ from jaxlora.model.quant import (
     QuantLinear,
     dequantize,
     dequantize_arrays,
+    from_kmajor_arrays,
+    matmul,
     project,
     quantize,
+    to_kmajor_arrays,
 )
+from pallas_kernels.quant_tuning import mgpu_knobs
 from tests.factories import tiny_config
 from tests.greedy import batched_greedy
 from tests.tolerances import assert_close
@@ -160,7 +165,9 @@ def test_kernel_path_gives_the_greedy_tokens_of_the_xla_path(quantization, unrol
 
 def test_quant_matmul_choice_is_resolved_per_platform():
     gpu = LoraRuntime.for_platform("xla", "gpu")
-    assert gpu.quant_matmul is QuantMatmul.PALLAS and gpu.quant_kernel_max_tokens == QUANT_KERNEL_MAX_TOKENS
+    assert gpu.quant_matmul is QuantMatmul.BEST and gpu.quant_kernel_max_tokens == QUANT_KERNEL_MAX_TOKENS
+    assert gpu.quant_kernel == "best" and LoraRuntime(quant_matmul="pallas").quant_kernel == "triton"
+    assert LoraRuntime(quant_matmul="mgpu").quant_kernel == "mgpu" and LoraRuntime().quant_kernel == "triton"
     assert gpu.uses_quant_kernel(QUANT_KERNEL_MAX_TOKENS) and not gpu.uses_quant_kernel(QUANT_KERNEL_MAX_TOKENS + 1)
     # The kernel was measured in the serving layout only; the separate one (tensor parallelism) keeps XLA.
     assert not LoraRuntime.for_platform("xla", "gpu", fused_projections=False).uses_quant_kernel(1)
@@ -170,8 +177,10 @@ def test_quant_matmul_choice_is_resolved_per_platform():
     cpu = LoraRuntime.for_platform("xla", "cpu")
     assert cpu.quant_matmul is QuantMatmul.XLA and not cpu.interpret
     assert LoraRuntime.for_platform("xla", "cpu", quant_matmul="pallas").interpret
-    with pytest.raises(ValueError, match="Triton kernel"):
-        LoraRuntime.for_platform("xla", "tpu", quant_matmul="pallas")
+    assert LoraRuntime.for_platform("xla", "cpu", quant_matmul="mgpu").interpret
+    for kernel in ("pallas", "mgpu", "best"):
+        with pytest.raises(ValueError, match=f"quant_matmul={kernel} is a GPU kernel"):
+            LoraRuntime.for_platform("xla", "tpu", quant_matmul=kernel)
     with pytest.raises(ValueError, match="quant_matmul='auto' must be one of"):
         LoraRuntime(quant_matmul="auto")
     for bad in (0, -3, 2.5, True):
@@ -234,3 +243,71 @@ def test_kernel_path_reads_the_stacked_weights_in_place_on_cuda(unroll_layers):
     slices = [line for line in text.splitlines() if "slice" in line and any(s in line for s in stacked)]
     assert not slices, slices[:3]
     assert sum(text.count(s) for s in stacked) > 0  # the stacked weights do reach the lowered step
+
+
+def _kmajor_linear(quantization: Quantization, dtype=jnp.bfloat16, k_major: bool = True) -> QuantLinear:
+    """A stacked QuantLinear [2 layers, 128 in, 192 out] with random weights, K-major or not."""
+    layer = QuantLinear(128, 192, quantization=quantization, use_bias=False, dtype=dtype, k_major=k_major)
+    w = jax.random.normal(jax.random.key(0), (2, 128, 192), jnp.float32)
+    q, scale = quantize(w, quantization)
+    (layer.qkernel_t if k_major else layer.qkernel).set_value(jnp.swapaxes(q, 1, 2) if k_major else q)
+    layer.qscale.set_value(scale)
+    return layer
+
+
+@pytest.mark.parametrize(
+    ("quantization", "kernel", "k_major", "dtype", "runs"),
+    [
+        ("int8", "best", True, jnp.bfloat16, "mgpu"),  # BEST_KERNEL: int8 on the Mosaic kernel
+        ("fp8", "best", True, jnp.bfloat16, "triton"),  # e4m3 stays on Triton until checked on the GPU
+        ("int8", "best", False, jnp.bfloat16, "triton"),  # the separate layout is not K-major
+        ("fp8", "mgpu", True, jnp.bfloat16, "mgpu"),  # opted in
+        ("int8", "mgpu", True, jnp.float32, "triton"),  # the Mosaic kernel takes bf16 / f16 only
+        ("int8", "triton", True, jnp.bfloat16, "triton"),
+    ],
+)
+def test_project_routes_each_format_to_its_kernel(monkeypatch, quantization, kernel, k_major, dtype, runs):
+    """Which kernel a stacked projection runs, and that it gives XLA's product of the same layer."""
+    layer = _kmajor_linear(Quantization(quantization), dtype, k_major)
+    called = []
+    for name in ("quant_matmul", "quant_matmul_mgpu"):
+        real = getattr(quant_module, name)
+        monkeypatch.setattr(quant_module, name, lambda *a, _r=real, _n=name, **k: called.append(_n) or _r(*a, **k))
+    x = jax.random.normal(jax.random.key(1), (8, 128), dtype)
+    got = project(layer, x, layer=jnp.int32(1), kernel=kernel, interpret=True)
+    assert called == ["quant_matmul_mgpu" if runs == "mgpu" else "quant_matmul"]
+    stack = (layer.qkernel_t if k_major else layer.qkernel)[...]
+    want = matmul(x, stack[1], layer.qscale[...][1], k_major=k_major)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_the_mosaic_kernel_needs_the_kmajor_layout():
+    layer = _kmajor_linear(Quantization.INT8, k_major=False)
+    with pytest.raises(ValueError, match="K-major weights"):
+        project(layer, jnp.ones((8, 128), jnp.bfloat16), layer=jnp.int32(0), kernel="mgpu", interpret=True)
+
+
+def test_kmajor_arrays_round_trip_and_rename():
+    arrays = {"layers.mlp.down_proj.qkernel": np.arange(24, dtype=np.int8).reshape(1, 4, 6), "x.kernel": np.ones(3)}
+    kmajor = to_kmajor_arrays(arrays)
+    assert set(kmajor) == {"layers.mlp.down_proj.qkernel_t", "x.kernel"}
+    np.testing.assert_array_equal(
+        kmajor["layers.mlp.down_proj.qkernel_t"], arrays["layers.mlp.down_proj.qkernel"].transpose(0, 2, 1)
+    )
+    back = from_kmajor_arrays(kmajor)
+    assert set(back) == set(arrays)
+    np.testing.assert_array_equal(back["layers.mlp.down_proj.qkernel"], arrays["layers.mlp.down_proj.qkernel"])
+
+
+def test_mgpu_knobs_follow_the_table_and_narrow_to_the_shape():
+    wide, narrow = mgpu_knobs(64, 22016, 4096), mgpu_knobs(64, 4096, 11008)
+    assert (wide.tile_n, wide.tile_k, wide.stages, wide.compute_wgs) == (64, 128, 6, 2)
+    assert (narrow.tile_n, narrow.tile_k, narrow.stages, narrow.compute_wgs) == (64, 64, 8, 1)
+    # K = 576 (SmolLM2): tile_k 128 does not divide it, 64 does; width 960 is not a multiple of 128.
+    small = mgpu_knobs(16, 960, 576)
+    assert (small.tile_k, small.compute_wgs) == (64, 1)
+    assert mgpu_knobs(8, 8192 + 64, 4096).compute_wgs == 1  # 8256 columns: not whole 128-column CTAs
+    assert mgpu_knobs(257, 4096, 4096) is None and mgpu_knobs(0, 4096, 4096) is None
+    assert mgpu_knobs(16, 4096 + 32, 4096) is None and mgpu_knobs(16, 4096, 4096 + 16) is None
+    interpreted = mgpu_knobs(64, 22016, 4096, interpret=True)
+    assert interpreted.a_in_smem and interpreted.compute_wgs == 1
