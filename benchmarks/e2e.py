@@ -80,7 +80,6 @@ from jaxlora.engine.request import GenerationRequest, SamplingParams
 from jaxlora.engine.runner import Runner, num_traces
 from jaxlora.lora.apply import LoraRuntime
 from jaxlora.model.params import quantized_model, random_model
-from jaxlora.model.quant import weight_nbytes
 from jaxlora.parallel.mesh import MeshConfig
 
 TARGETS = {"all": TARGET_MODULES, "qkvo": ATTENTION_MODULES}
@@ -808,8 +807,10 @@ def run_benchmark(opts: Options) -> dict:
     dtype = jnp.float32 if opts.tiny else jnp.bfloat16
     plan = tiny_plan(opts.backends) if opts.tiny else [g for g in h200_plan() if g.backend in opts.backends]
     if opts.groups:
-        if not all(0 <= i < len(plan) for i in opts.groups):
-            raise ValueError(f"--groups {list(opts.groups)}: the plan has groups 0..{len(plan) - 1}")
+        if not all(0 <= i < len(plan) for i in opts.groups) or len(set(opts.groups)) != len(opts.groups):
+            raise ValueError(f"--groups {list(opts.groups)}: give distinct groups of the plan's 0..{len(plan) - 1}")
+        if opts.skip_groups:
+            raise ValueError("--groups and --skip-groups index different plans: give one of them")
         plan = [plan[i] for i in opts.groups]
     plan = with_weights(plan, opts.weights)
     print(
@@ -823,7 +824,8 @@ def run_benchmark(opts: Options) -> dict:
     jax.block_until_ready(dense.params)
     models = base_models(dense, opts.weights)
     del dense  # freed unless "bf16" is among the formats
-    weights_bytes = {weights_label(m): weight_nbytes(m.flat_params()) for m in models.values()}
+    # Counted from the state as stored (flat_params() would build canonical copies just to count them).
+    weights_bytes = {weights_label(m): sum(a.nbytes for a in jax.tree.leaves(m.params)) for m in models.values()}
     print("weights on the device: " + ", ".join(f"{w} {b / 1e9:.2f} GB" for w, b in weights_bytes.items()), flush=True)
     tokenizer = word_tokenizer(model_cfg.vocab_size)
     payload = {

@@ -1,12 +1,13 @@
-"""The Mosaic GPU int8 GEMM (`pallas_kernels/quant_matmul_mgpu.py`) on the GPU: checked against a
-float32 reference, then timed per serving-layout GEMM and over the projections of whole layers,
+"""The Mosaic GPU 8-bit GEMM (`pallas_kernels/quant_matmul_mgpu.py`) on the GPU: checked against a
+float64 reference, then timed per serving-layout GEMM and over the projections of whole layers,
 against bf16 cuBLAS and the Triton int8 kernel in the same process.
 
 Stages (each row is written to mgpu.json as soon as it is measured; `--stages` picks them):
 
-  check  the kernel's output on random data against float32 XLA (x @ q[layer].T * scale[layer]),
+  check  the kernel's output on random data against a float64 numpy x @ (q[layer] * scale[layer]).T,
          in units of sum_k |x * w| (a dot's rounding scales with its terms), on awkward and 7B
-         shapes, every variant (register or shared-memory A operand, direct or staged epilogue).
+         shapes, every variant (register or shared-memory A operand, direct or staged epilogue),
+         int8 and e4m3, and every row of the tuning table at the 7B shapes.
   gemm   each GEMM of the 7B serving layout (q|k|v, o, gate|up, down) over `--layers` distinct
          layers (more bytes than L2 holds), per batch and knob candidate: us per GEMM and the weight
          bytes streamed per second.
@@ -35,7 +36,7 @@ import numpy as np
 from benchmarks.common import LLAMA2_7B, hbm_gbps
 from pallas_kernels.quant_matmul import quant_matmul
 from pallas_kernels.quant_matmul_mgpu import MgpuKnobs, quant_matmul_mgpu
-from pallas_kernels.quant_tuning import mgpu_knobs
+from pallas_kernels.quant_mgpu_tuning import mgpu_knobs
 
 CUBLAS = {"xla_gpu_enable_triton_gemm": False}
 # (name, N, K) of the serving layout's GEMMs on the 7B shape.
@@ -67,6 +68,11 @@ CHECKS = (  # (M, N, K, knobs)
     (64, 12288, 4096, MgpuKnobs(tile_n=128, tile_k=64, compute_wgs=2, cluster=2)),
     (256, 4096, 11008, MgpuKnobs(tile_n=64, tile_k=64, compute_wgs=2, stages=4)),
 )
+
+
+# The tuning table's rows as the engine runs them (quant_mgpu_tuning.mgpu_knobs), at each bucket's
+# largest row count, on every GEMM of the 7B serving layout.
+TABLE_CHECKS = tuple((b, n, k, mgpu_knobs(b, n, k)) for b in (16, 64, 128, 256) for _, n, k in GEMMS)
 
 
 def candidates(batch: int) -> list[MgpuKnobs]:
@@ -150,7 +156,7 @@ def step_fn(kind: str, knobs: dict[str, MgpuKnobs], layers: int):
             return h @ w[layer]
         if kind == "triton":
             return quant_matmul(h, *w, jnp.int32(layer))
-        if kind.startswith("table"):  # what the engine runs: quant_tuning.mgpu_knobs
+        if kind.startswith("table"):  # what the engine runs: quant_mgpu_tuning.mgpu_knobs
             q = w[0]
             return quant_matmul_mgpu(h, *w, jnp.int32(layer), mgpu_knobs(h.shape[0], q.shape[1], q.shape[2]))
         return quant_matmul_mgpu(h, *w, jnp.int32(layer), knobs[name])
@@ -202,7 +208,7 @@ def main() -> None:
         return row
 
     if "check" in args.stages:
-        for fp8, checks in ((False, CHECKS), (True, FP8_CHECKS)):
+        for fp8, checks in ((False, CHECKS + TABLE_CHECKS), (True, FP8_CHECKS)):
             for m, n, k, knobs in checks:
                 row = {"m": m, "n": n, "k": k, "fp8": fp8, "knobs": dataclasses.asdict(knobs)}
                 run_case("check", row, lambda: check_row(m, n, k, knobs, fp8))

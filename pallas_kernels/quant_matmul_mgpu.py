@@ -176,8 +176,6 @@ def _partials(
     w_transforms = _transforms(tile_k * q.dtype.itemsize, q.dtype.itemsize)
     x_transforms = _transforms(tile_k * x.dtype.itemsize, x.dtype.itemsize)
 
-    a_transforms = _transforms(tile_k * x.dtype.itemsize, x.dtype.itemsize)
-
     def kernel(layer_gmem, x_gmem, q_gmem, out_gmem, a_smem, out_smem):
         # layer_gmem [1] int32; x_gmem [M, K]; q_gmem [L, N, K] 8-bit; out_gmem [splits, N, M] f32;
         # a_smem [tile_n, tile_k] in x's dtype (the widened tile, with a_in_smem only); out_smem
@@ -229,7 +227,7 @@ def _partials(
             plgpu.SMEM(
                 (tile_n, tile_k) if knobs.a_in_smem else (8, 8),
                 x.dtype,
-                transforms=a_transforms if knobs.a_in_smem else (),
+                transforms=x_transforms if knobs.a_in_smem else (),
             ),
             plgpu.SMEM((tile_n, num_rows) if knobs.out_via_smem else (8, 8), _F32),
         ],
@@ -387,6 +385,8 @@ def quant_matmul_mgpu(
     check_shapes(x, q, scale, knobs)
     if interpret and not knobs.a_in_smem:
         raise ValueError("the Pallas GPU interpreter has no register-operand wgmma: interpret needs a_in_smem=True")
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"layer must be an integer scalar; got {layer!r}")
     if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < q.shape[0]:
         raise ValueError(f"layer={int(layer)} must be in [0, {q.shape[0]})")
     layer = jnp.reshape(jnp.asarray(layer), (1,)).astype(jnp.int32)

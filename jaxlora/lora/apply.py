@@ -27,11 +27,11 @@ GROUP_MODULES: dict[str, tuple[str, ...]] = dict(GROUPS)
 class QuantMatmul(enum.StrEnum):
     """How the GEMM of a weight-only quantized projection runs (jaxlora.model.quant; same math)."""
 
-    AUTO = "auto"  # BEST for small steps of the serving layout on GPU, else XLA (`LoraRuntime.for_platform`)
+    AUTO = "auto"  # BEST (Hopper) or PALLAS for small steps of the serving layout on GPU, else XLA (`for_platform`)
     XLA = "xla"  # (x @ q.astype(x.dtype)) * scale: XLA writes a dequantized copy of the weight first
     PALLAS = "pallas"  # pallas_kernels.quant_matmul (Triton): converts tiles in registers, reads a layer in place
     MGPU = "mgpu"  # pallas_kernels.quant_matmul_mgpu (Mosaic GPU, Hopper): TMA-fed wgmma, K-major weights
-    BEST = "best"  # per format, the kernel measured fastest and checked on the GPU (jaxlora.model.quant.BEST_KERNEL)
+    BEST = "best"  # per format, the fastest kernel whose output was checked on the GPU (model.quant.BEST_KERNEL)
 
 
 class GemmBackend(enum.StrEnum):
@@ -71,16 +71,31 @@ def gemm_compiler_options(gemm: GemmBackend | str, *, concurrent: bool) -> dict[
     return options
 
 
-# quant_matmul="auto" on GPU: the per-format kernel (BEST) for steps of at most this many tokens
-# (the Mosaic kernel's limit: wgmma's N), XLA above. H200, the seven projections of 8 Llama-2-7B
-# layers in the serving layout, ms at 16 / 64 / 128 / 256 rows (benchmarks/results/mgpu_probe/,
-# one process): bf16 cuBLAS 0.93 / 0.95 / 1.04 / 1.31; int8 on the Mosaic kernel 0.72 / 1.04 /
-# 1.29 / 2.00, on the Triton kernel 1.21 / 1.37 / 1.76 / 2.86 (an earlier run); XLA's
-# dequantize-then-GEMM 2.90 / 2.95 / 3.03 / 3.38 (decode_floor_probe/q). Each format's kernel is the
-# fastest 8-bit path at every size it takes; int8 beats bf16 up to about 32 rows.
+# quant_matmul="auto" on a Hopper GPU: the per-format kernel (BEST) for steps of at most this many
+# tokens (the Mosaic kernel's limit: wgmma's N), XLA above. H200, the seven projections of 8
+# Llama-2-7B layers in the serving layout, ms at 16 / 64 / 128 / 256 rows
+# (benchmarks/results/mgpu_probe/): bf16 cuBLAS 0.93 / 0.95 / 1.04 / 1.31; int8 on the Mosaic kernel
+# 0.72 / 1.04 / 1.29 / 2.00, on the Triton kernel 1.20 / 1.43 / 1.75 / 2.88; FP8 on the Triton
+# kernel 1.59 / 1.90 / 2.07 / 3.35 and XLA's dequantize-then-GEMM (int8) 2.90 / 2.95 / 3.03 / 3.38
+# (decode_floor_probe/q). So each format's kernel beats XLA's path at every size it takes, and int8
+# beats bf16 at 16 rows (measured at 16, 64, 128 and 256 only).
 QUANT_KERNEL_MAX_TOKENS = 256
-_QUANT_KERNELS = {"pallas": "triton", "mgpu": "mgpu", "best": "best"}  # QuantMatmul -> model.quant.QuantKernel
-_KERNEL_CHOICES = ("pallas", "mgpu", "best")
+# QuantMatmul -> jaxlora.model.quant.QuantKernel, for the choices that run a kernel.
+_QUANT_KERNELS = {"pallas": "triton", "mgpu": "mgpu", "best": "best"}
+_HOPPER_ONLY = ("mgpu", "best")  # wgmma and the TMA engine: compute capability 9.x
+
+
+def gpu_compute_capability() -> str | None:
+    """The default GPU's compute capability ("9.0" on an H100 / H200), or None without a CUDA GPU."""
+    try:
+        return getattr(jax.devices("gpu")[0], "compute_capability", None)
+    except RuntimeError:
+        return None
+
+
+def is_hopper(compute_capability: str | None) -> bool:
+    """Whether wgmma runs there: 9.x only (Blackwell, 10.x, has tcgen05 instead)."""
+    return compute_capability is not None and compute_capability.split(".")[0] == "9"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +116,9 @@ class LoraRuntime:
     quant_matmul: how quantized projections multiply (unrolled or scanned). With PALLAS or MGPU
       the model hands each quantized projection its whole stack and the layer index (see
       `Llama.__call__`). Never AUTO here: `for_platform` resolves it.
-    quant_kernel_max_tokens: PALLAS / MGPU run step programs of at most this many tokens (a step's
-      budget, padding included); larger ones take XLA's path (None: every step; MGPU takes at most
-      256 rows, and a larger step of an MGPU runtime without a limit runs the Triton kernel). See
+    quant_kernel_max_tokens: PALLAS / MGPU / BEST run step programs of at most this many tokens (a
+      step's budget, padding included); larger ones take XLA's path (None: every step, PALLAS only;
+      MGPU and BEST need 1..QUANT_KERNEL_MAX_TOKENS, the Mosaic kernel's limit). See
       QUANT_KERNEL_MAX_TOKENS for what was measured.
     gemm: the XLA compile options of the engine's step programs for their dense GEMMs
       (GEMM_COMPILER_OPTIONS; read by jaxlora.engine.runner). Never AUTO here.
@@ -132,6 +147,12 @@ class LoraRuntime:
             object.__setattr__(self, name, kind(getattr(self, name)))
         if self.quant_kernel_max_tokens is not None and not _is_positive_int(self.quant_kernel_max_tokens):
             raise ValueError(f"quant_kernel_max_tokens={self.quant_kernel_max_tokens!r} must be a positive int or None")
+        limit = self.quant_kernel_max_tokens
+        if self.quant_matmul.value in _HOPPER_ONLY and (limit is None or limit > QUANT_KERNEL_MAX_TOKENS):
+            raise ValueError(
+                f"quant_matmul={self.quant_matmul.value} runs the Mosaic kernel, which takes at most "
+                f"{QUANT_KERNEL_MAX_TOKENS} rows: quant_kernel_max_tokens={limit!r} must be 1..{QUANT_KERNEL_MAX_TOKENS}"
+            )
         if not _is_positive_int(self.concurrent_min_tokens):
             raise ValueError(f"concurrent_min_tokens={self.concurrent_min_tokens!r} must be a positive int")
 
@@ -142,7 +163,7 @@ class LoraRuntime:
     def uses_quant_kernel(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` tokens runs its quantized GEMMs in a Pallas kernel."""
         limit = self.quant_kernel_max_tokens
-        return self.quant_matmul.value in _KERNEL_CHOICES and (limit is None or num_tokens <= limit)
+        return self.quant_matmul.value in _QUANT_KERNELS and (limit is None or num_tokens <= limit)
 
     @property
     def quant_kernel(self) -> str:
@@ -161,17 +182,24 @@ class LoraRuntime:
         gemm: GemmBackend | str = GemmBackend.AUTO,
         fused_projections: bool = True,
         concurrent_min_tokens: int = CONCURRENT_MIN_TOKENS,
+        compute_capability: str | None = None,
     ) -> LoraRuntime:
         """Pallas runs natively on GPU and TPU; on CPU the only way to run it is the interpreter.
 
         attention="auto" picks the Pallas decode-attention kernel on GPU and XLA elsewhere;
         unroll_layers=None unrolls decode steps on GPU (see `Llama.__call__`) and scans elsewhere,
         where compile time matters more. quant_matmul="auto" picks, on GPU and for a model in the
-        serving layout, the Pallas kernel for steps of at most QUANT_KERNEL_MAX_TOKENS tokens (where
-        it was measured faster than XLA's path) and XLA for larger steps (not measured); XLA for the
-        separate layout (tensor parallelism: the kernel was not run on shards) and elsewhere.
-        "pallas" runs the kernel in every step. The kernel is Triton
-        only, so PALLAS on a TPU raises ValueError. gemm="auto" picks CUBLAS on GPU for a model in the serving layout
+        serving layout, a quantized-GEMM kernel for steps of at most QUANT_KERNEL_MAX_TOKENS tokens
+        (where each was measured faster than XLA's path) and XLA for larger steps: on a Hopper GPU
+        (`compute_capability` 9.x; None reads the default GPU's) BEST, the kernel chosen per format
+        (jaxlora.model.quant.BEST_KERNEL: the Mosaic GPU kernel for int8, the Triton one for FP8),
+        elsewhere the Triton kernel (PALLAS); XLA for the separate layout (tensor parallelism: no
+        kernel was run on shards) and off GPU. By name, "pallas" runs the Triton kernel in every
+        step; "mgpu" (the Mosaic kernel, which reads only the serving layout's K-major int8 weights)
+        and "best" need a Hopper GPU (or the interpreter on CPU), and run steps of up to 256 tokens
+        (XLA above). Every kernel is a GPU one, so any on a TPU raises ValueError, as do "mgpu"
+        for the separate layout and "mgpu" / "best" on a GPU that is not a Hopper.
+        gemm="auto" picks CUBLAS on GPU for a model in the serving layout
         (`fused_projections`, jaxlora.model.fused: its wide q|k|v and gate|up GEMMs stream their
         weights faster through cuBLAS at decode sizes) and XLA otherwise: with one matrix per module
         cuBLAS was the slower choice at 64 rows (8 layers of the 7B projections: 1.31 against 1.23 ms,
@@ -186,14 +214,30 @@ class LoraRuntime:
             attention = AttentionBackend.PALLAS if platform == "gpu" else AttentionBackend.XLA
         quant_matmul = QuantMatmul(quant_matmul)
         quant_kernel_max_tokens = None
+        if platform == "gpu" and compute_capability is None:
+            compute_capability = gpu_compute_capability()
+        hopper = platform == "cpu" or is_hopper(compute_capability)  # the interpreter runs anything
         if quant_matmul is QuantMatmul.AUTO:
             measured = platform == "gpu" and fused_projections
-            quant_matmul = QuantMatmul.BEST if measured else QuantMatmul.XLA
+            kernel = QuantMatmul.BEST if hopper else QuantMatmul.PALLAS
+            quant_matmul = kernel if measured else QuantMatmul.XLA
             quant_kernel_max_tokens = QUANT_KERNEL_MAX_TOKENS if measured else None
+        if quant_matmul.value in _HOPPER_ONLY:
+            if platform == "gpu" and not hopper:
+                raise ValueError(
+                    f"quant_matmul={quant_matmul.value} runs wgmma: it needs a Hopper GPU (compute capability 9.x), "
+                    f"not {compute_capability}; use 'pallas'"
+                )
+            if quant_matmul is QuantMatmul.MGPU and not fused_projections:
+                raise ValueError(
+                    "quant_matmul=mgpu reads the serving layout's K-major int8 weights; the separate layout "
+                    "(tensor parallelism) has none: use 'pallas' or 'best'"
+                )
+            quant_kernel_max_tokens = QUANT_KERNEL_MAX_TOKENS
         gemm = GemmBackend(gemm)
         if gemm is GemmBackend.AUTO:
             gemm = GemmBackend.CUBLAS if platform == "gpu" and fused_projections else GemmBackend.XLA
-        quant_kernel = quant_matmul.value in _KERNEL_CHOICES
+        quant_kernel = quant_matmul.value in _QUANT_KERNELS
         if quant_kernel and platform not in ("gpu", "cpu"):
             raise ValueError(
                 f"quant_matmul={quant_matmul.value} is a GPU kernel: it runs on GPU (or interpreted on CPU), not {platform}"

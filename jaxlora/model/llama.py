@@ -34,7 +34,7 @@ from jaxlora.lora.apply import (
 )
 from jaxlora.model.fused import module_columns
 from jaxlora.model.kv_cache import KVCache, PagedKVCache
-from jaxlora.model.quant import Quantization, QuantLinear, project
+from jaxlora.model.quant import Quantization, QuantLinear, kmajor_serving, project
 from jaxlora.model.rope import apply_rope, inverse_frequencies
 from jaxlora.parallel import layers as tp
 
@@ -64,10 +64,11 @@ def _linear(
     quantization: Quantization | None = None,
     fused: bool = False,
 ) -> nnx.Linear | QuantLinear:
-    """A projection, `layer(x) = x @ W (+ b)`: dense in `dtype`, or weight-only quantized (stored
+    """A projection, `layer(x) = x @ W (+ b)`: dense in `dtype`, or weight-only quantized (int8 stored
     K-major in the serving layout, `fused`: jaxlora.model.quant's module doc)."""
     if quantization is not None:
-        return QuantLinear(d_in, d_out, quantization=quantization, use_bias=bias, dtype=dtype, k_major=fused)
+        k_major = fused and kmajor_serving(quantization)
+        return QuantLinear(d_in, d_out, quantization=quantization, use_bias=bias, dtype=dtype, k_major=k_major)
     return nnx.Linear(
         d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs, kernel_init=nnx.initializers.normal(0.02)
     )

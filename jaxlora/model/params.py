@@ -26,6 +26,7 @@ from jaxlora.model.llama import Llama
 from jaxlora.model.quant import (
     Quantization,
     from_kmajor_arrays,
+    kmajor_serving,
     parse_quantization,
     quantize_arrays,
     to_kmajor_arrays,
@@ -122,8 +123,8 @@ def build_model(
     With a quantization, dense projection kernels among `arrays` are quantized here (on the default
     device, one tensor at a time); projections given already quantized must have the format's dtype.
     fused=True builds the serving layout (jaxlora.model.fused): q|k|v and gate|up are concatenated
-    here, after quantizing (each scale stays with its column), and quantized weights are stored
-    K-major (`qkernel_t`, jaxlora.model.quant).
+    here, after quantizing (each scale stays with its column), and int8 weights are stored K-major
+    (`qkernel_t`, jaxlora.model.quant).
     Raises ModelLoadError naming `source` and the offending tensor.
     """
     quantization = parse_quantization(quantization)
@@ -135,7 +136,9 @@ def build_model(
         # Each piece is checked before the concatenation: a fused width that adds up can still hide
         # swapped pieces (q as wide as k|v), and a misshapen one would fail inside the concatenate.
         _check_arrays(_expected(_abstract_state(config, dtype, quantization)[1]), arrays, quantization, source)
-        arrays = to_kmajor_arrays(fuse_arrays(arrays))
+        arrays = fuse_arrays(arrays)
+        if kmajor_serving(quantization):
+            arrays = to_kmajor_arrays(arrays)
     graphdef, state = _abstract_state(config, dtype, quantization, fused)
     _check_arrays(_expected(state), arrays, quantization, source)
     for path, var in nnx.to_flat_state(state):

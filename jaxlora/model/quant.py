@@ -24,12 +24,13 @@ norms and the LM head keep the model's dtype. A quantized projection's parameter
 `qkernel` ([L, in, out], stacked over layers like `kernel`) and `qscale` ([L, out]), so that code
 reading a dense `kernel` fails loudly instead of multiplying by raw integers.
 
-The serving layout (jaxlora.model.fused) stores the 8-bit weights K-major instead, as `qkernel_t`
+The serving layout (jaxlora.model.fused) stores int8 weights K-major instead, as `qkernel_t`
 ([L, out, in]: each output column's weights contiguous), the layout the Hopper GEMM kernel
 `pallas_kernels.quant_matmul_mgpu` reads (wgmma takes its register operand, the widened weight tile,
 from the [out, in] side). A different name again, so that code expecting [in, out] fails loudly
-rather than reading a square matrix transposed. `to_kmajor_arrays` / `from_kmajor_arrays` convert;
-`LoadedModel.flat_params()` always returns the canonical `qkernel`.
+rather than reading a square matrix transposed. FP8 keeps `qkernel` there: its kernel (BEST_KERNEL)
+is the Triton one, measured and checked on the GPU in that layout. `to_kmajor_arrays` /
+`from_kmajor_arrays` convert; `LoadedModel.flat_params()` always returns the canonical `qkernel`.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from jaxlora.config import TARGET_MODULES
 from pallas_kernels.quant_matmul import quant_matmul
 from pallas_kernels.quant_matmul_mgpu import X_DTYPES as MGPU_X_DTYPES
 from pallas_kernels.quant_matmul_mgpu import quant_matmul_mgpu
-from pallas_kernels.quant_tuning import mgpu_knobs
+from pallas_kernels.quant_mgpu_tuning import mgpu_knobs
 
 
 class Quantization(enum.StrEnum):
@@ -117,17 +118,24 @@ class QuantKernel(enum.StrEnum):
     BEST = "best"  # per format, the fastest kernel checked on the GPU: BEST_KERNEL
 
 
-# QuantKernel.BEST by storage dtype. H200, the seven projections of 8 Llama-2-7B layers in the
-# serving layout at 16 / 64 / 128 / 256 rows (benchmarks/results/mgpu_probe/): int8 on the Mosaic
-# kernel 0.72 / 1.04 / 1.29 / 2.00 ms against the Triton one's 1.21 / 1.37 / 1.76 / 2.86, its
-# output checked against a float64 product on the GPU. e4m3 on the Mosaic kernel timed 0.69 / 0.92
-# / 1.22 / 1.93 ms, but its GPU check did not run (the probe skipped it; the interpreter checks its
-# math on the CPU), so e4m3 stays on the Triton kernel, checked on the GPU in earlier sessions, until
-# it does: `quant_matmul="mgpu"` opts in.
+# QuantKernel.BEST by storage dtype, and so the serving layout's storage (`kmajor_serving`). H200,
+# the seven projections of 8 Llama-2-7B layers in the serving layout at 16 / 64 / 128 / 256 rows
+# (benchmarks/results/mgpu_probe/): int8 on the Mosaic kernel 0.72 / 1.04 / 1.29 / 2.00 ms against
+# the Triton one's 1.20 / 1.43 / 1.75 / 2.88 (its output compared with a float64 product on the GPU,
+# with other tile knobs of the same code paths than the table's). e4m3 on the Mosaic kernel timed
+# 0.69 / 0.92 / 1.22 / 1.93 ms, but its output was never compared on the GPU (the probe skipped it),
+# so e4m3 stays on the Triton kernel in the [in, out] layout (1.59 / 1.90 / 2.07 / 3.35 ms,
+# benchmarks/results/decode_floor_probe/) until it is.
 BEST_KERNEL: dict[jnp.dtype, QuantKernel] = {
     jnp.dtype(jnp.int8): QuantKernel.MGPU,
     jnp.dtype(jnp.float8_e4m3fn): QuantKernel.TRITON,
 }
+
+
+def kmajor_serving(quantization: Quantization | None) -> bool:
+    """Whether the serving layout stores this format's weights K-major (`qkernel_t`): where its
+    BEST_KERNEL is the Mosaic one, which reads only that layout."""
+    return quantization is not None and BEST_KERNEL[quantization.storage_dtype] is QuantKernel.MGPU
 
 
 class QuantLinear(nnx.Module):
@@ -185,12 +193,12 @@ def project(
     layer: this projection's layer in the model (int32 scalar, may be traced). A quantized projection
     holding the whole stack (qkernel [L, in, out] or qkernel_t [L, out, in], qscale [L, out])
     multiplies by that layer in a kernel that reads it in place: `kernel` TRITON is
-    `pallas_kernels.quant_matmul` (either layout); BEST picks per format (BEST_KERNEL; TRITON for
-    the separate layout); MGPU is `pallas_kernels.quant_matmul_mgpu`, which
+    `pallas_kernels.quant_matmul` (either layout); MGPU is `pallas_kernels.quant_matmul_mgpu`, which
     needs the K-major layout and takes bf16 / f16 steps of at most 256 rows whose widths fit its
-    tiles (`pallas_kernels.quant_tuning.mgpu_knobs`): where they do not (a float32 model, a width
-    that is not a multiple of 64; the runtime bounds the step's rows), the Triton kernel runs
-    instead, a static choice by shape and dtype. `interpret`: in the Pallas
+    tiles (`pallas_kernels.quant_mgpu_tuning.mgpu_knobs`), and raises ValueError for any other;
+    BEST picks per format (BEST_KERNEL; TRITON for the separate layout), and where the Mosaic kernel
+    cannot take a projection (a float32 model, a width that is not a multiple of 64) runs the
+    Triton kernel instead: a static choice by shape and dtype, made at trace time. `interpret`: in the Pallas
     interpreter (CPU; the Mosaic kernel's shared-memory operand variant, which the interpreter
     supports). A projection holding a single layer runs `matmul` and needs no index.
 
@@ -207,14 +215,21 @@ def project(
     if layer is None:
         raise ValueError(f"a QuantLinear holding the whole stack {q.shape} needs the layer index")
     kernel = QuantKernel(kernel)
-    if kernel is QuantKernel.BEST:
+    best = kernel is QuantKernel.BEST
+    if best:
         kernel = BEST_KERNEL[jnp.dtype(q.dtype)] if linear.k_major else QuantKernel.TRITON
     if kernel is QuantKernel.MGPU:
         if not linear.k_major:
-            raise ValueError("the Mosaic GPU kernel reads K-major weights (qkernel_t): build the serving layout")
+            raise ValueError("the Mosaic GPU kernel reads K-major weights (qkernel_t): int8 in the serving layout")
         knobs = mgpu_knobs(x.shape[0], q.shape[1], q.shape[2], interpret=interpret)
-        if knobs is not None and jnp.dtype(x.dtype) in MGPU_X_DTYPES:
+        fits = knobs is not None and jnp.dtype(x.dtype) in MGPU_X_DTYPES
+        if fits:
             return quant_matmul_mgpu(x, q, scale, layer, knobs, interpret=interpret)
+        if not best:  # asked for by name: say why it cannot run rather than run another kernel
+            raise ValueError(
+                f"the Mosaic GPU kernel cannot take x {x.shape} {x.dtype} @ q {q.shape}: it needs bf16 / f16 "
+                "activations, at most 256 rows, widths that are multiples of 64 and depths of 32"
+            )
     return quant_matmul(x, q, scale, layer, k_major=linear.k_major, interpret=interpret)
 
 

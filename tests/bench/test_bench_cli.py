@@ -228,10 +228,17 @@ def test_validate_rejects_malformed(bad):
 
 def test_groups_pick_plan_groups_and_refuse_unknown_ones(tmp_path):
     """--groups runs only the named plan groups (here the tiny plan's step-only group, index 1 with one
-    backend), and an index past the plan is refused before anything runs."""
+    backend); an index past the plan, a repeated one, or --skip-groups beside it is refused before
+    anything runs."""
     out = tmp_path / "g"
     assert main(["bench", "--tiny", "--backend", "xla", "--steps", "1", "--groups", "1", "--out", str(out)]) == 0
     rows = json.loads((out / "e2e.json").read_text())["rows"]
     assert rows and all(r["tokens_per_s"] is None for r in rows)  # step-only: no engine run
-    with pytest.raises(ValueError, match="the plan has groups 0..1"):
+    with pytest.raises(ValueError, match="distinct groups of the plan.s 0..1"):
         main(["bench", "--tiny", "--backend", "xla", "--groups", "2", "--out", str(tmp_path / "h")])
+    with pytest.raises(ValueError, match="distinct groups"):
+        main(["bench", "--tiny", "--backend", "xla", "--groups", "1", "1", "--out", str(tmp_path / "h")])
+    with pytest.raises(ValueError, match="give one of them"):
+        main(
+            ["bench", "--tiny", "--backend", "xla", "--groups", "1", "--skip-groups", "1", "--out", str(tmp_path / "h")]
+        )

@@ -84,7 +84,8 @@ MGPU_SHAPES = dict(hidden_size=64, head_dim=16, intermediate_size=64)
 def test_serving_layout_on_the_mosaic_kernel_gives_the_xla_paths_tokens(monkeypatch):
     """The engine on an int8 serving-layout model (K-major `qkernel_t`) gives the same greedy
     tokens with the Mosaic kernel as with XLA's dequantize-then-GEMM on the same weights, and the
-    kernel really runs: every projection of the 8-token programs goes through it."""
+    kernel really runs: the 8-token programs trace it at both widths the model has (o/down, and
+    q|k|v and gate|up), and no other step size does."""
     dense = tiny_model(**MGPU_SHAPES)
     model = build_model(dense.config, dense.flat_params(), dtype=jnp.bfloat16, quantization="int8", fused=True)
     lora = engine_config().lora

@@ -334,8 +334,10 @@ def test_lowers_for_cuda(knobs_name: str, storage: jnp.dtype, x_dtype: jnp.dtype
             _lower_for_cuda(call, *args, sd((), jnp.int32))
         return
     text = _lower_for_cuda(call, *args, sd((), jnp.int32))
-    [splits] = _lowered_splits(text, width, max(num_rows, 8))  # one kernel; M = 1 padded to 8 rows
-    assert (depth // knobs.tile_k) % splits == 0, splits
+    rows = max(num_rows, 8)  # M = 1 is padded to 8 rows
+    [splits] = _lowered_splits(text, width, rows)  # one kernel, with the wrapper's split
+    steps, tiles = depth // knobs.tile_k, width // knobs.cta_cols
+    assert splits == pick_splits(steps, tiles, knobs, width * depth, 8 * width * rows), splits
 
 
 @pytest.mark.parametrize(("stages", "compute_wgs"), [(6, 1), (4, 2)])
@@ -427,3 +429,10 @@ def test_knobs_over_the_shared_memory_budget_are_refused():
         quant_matmul_mgpu(x, q, scale, 0, MgpuKnobs())
     fits = MgpuKnobs(tile_n=64, tile_k=64, stages=6)
     assert smem_bytes(fits, 256) <= SMEM_BYTES < smem_bytes(MgpuKnobs(), 256)
+
+
+def test_a_layer_that_is_not_an_integer_scalar_is_refused():
+    x, q, scale = jnp.ones((8, 64), jnp.bfloat16), jnp.ones((2, 64, 64), jnp.int8), jnp.ones((2, 64), jnp.float32)
+    for bad in (1.5, jnp.array([0, 1], jnp.int32), jnp.float32(1)):
+        with pytest.raises(ValueError, match="integer scalar"):
+            quant_matmul_mgpu(x, q, scale, bad, INTERP, interpret=True)

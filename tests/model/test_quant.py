@@ -3,6 +3,8 @@ quantized layer against its dequantized weight, and what build_model accepts."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +28,7 @@ from jaxlora.model.quant import (
     quantize,
     to_kmajor_arrays,
 )
-from pallas_kernels.quant_tuning import mgpu_knobs
+from pallas_kernels.quant_mgpu_tuning import mgpu_knobs
 from tests.factories import tiny_config
 from tests.greedy import batched_greedy
 from tests.tolerances import assert_close
@@ -164,11 +166,26 @@ def test_kernel_path_gives_the_greedy_tokens_of_the_xla_path(quantization, unrol
 
 
 def test_quant_matmul_choice_is_resolved_per_platform():
-    gpu = LoraRuntime.for_platform("xla", "gpu")
+    gpu = LoraRuntime.for_platform("xla", "gpu", compute_capability="9.0")  # an H100 / H200
     assert gpu.quant_matmul is QuantMatmul.BEST and gpu.quant_kernel_max_tokens == QUANT_KERNEL_MAX_TOKENS
-    assert gpu.quant_kernel == "best" and LoraRuntime(quant_matmul="pallas").quant_kernel == "triton"
-    assert LoraRuntime(quant_matmul="mgpu").quant_kernel == "mgpu" and LoraRuntime().quant_kernel == "triton"
     assert gpu.uses_quant_kernel(QUANT_KERNEL_MAX_TOKENS) and not gpu.uses_quant_kernel(QUANT_KERNEL_MAX_TOKENS + 1)
+    assert gpu.quant_kernel == "best" and LoraRuntime(quant_matmul="pallas").quant_kernel == "triton"
+    # Not a Hopper (an A100; Blackwell has no wgmma either; no GPU at all reads as unknown): Triton.
+    for capability in ("8.0", "10.0"):
+        other = LoraRuntime.for_platform("xla", "gpu", compute_capability=capability)
+        assert other.quant_matmul is QuantMatmul.PALLAS and other.quant_kernel_max_tokens == QUANT_KERNEL_MAX_TOKENS
+        for kernel in ("mgpu", "best"):
+            with pytest.raises(ValueError, match="needs a Hopper GPU"):
+                LoraRuntime.for_platform("xla", "gpu", compute_capability=capability, quant_matmul=kernel)
+    if jax.default_backend() == "cpu":  # no GPU to read a capability from: not known to be a Hopper
+        assert LoraRuntime.for_platform("xla", "gpu").quant_matmul is QuantMatmul.PALLAS
+    mgpu = LoraRuntime.for_platform("xla", "gpu", compute_capability="9.0", quant_matmul="mgpu")
+    assert mgpu.quant_kernel == "mgpu" and mgpu.quant_kernel_max_tokens == QUANT_KERNEL_MAX_TOKENS
+    with pytest.raises(ValueError, match="K-major int8 weights"):
+        LoraRuntime.for_platform("xla", "gpu", compute_capability="9.0", quant_matmul="mgpu", fused_projections=False)
+    for kernel, limit in (("mgpu", None), ("best", 257)):
+        with pytest.raises(ValueError, match="at most 256 rows"):
+            LoraRuntime(quant_matmul=kernel, quant_kernel_max_tokens=limit)
     # The kernel was measured in the serving layout only; the separate one (tensor parallelism) keeps XLA.
     assert not LoraRuntime.for_platform("xla", "gpu", fused_projections=False).uses_quant_kernel(1)
     explicit = LoraRuntime.for_platform("xla", "gpu", quant_matmul="pallas")
@@ -262,7 +279,7 @@ def _kmajor_linear(quantization: Quantization, dtype=jnp.bfloat16, k_major: bool
         ("fp8", "best", True, jnp.bfloat16, "triton"),  # e4m3 stays on Triton until checked on the GPU
         ("int8", "best", False, jnp.bfloat16, "triton"),  # the separate layout is not K-major
         ("fp8", "mgpu", True, jnp.bfloat16, "mgpu"),  # opted in
-        ("int8", "mgpu", True, jnp.float32, "triton"),  # the Mosaic kernel takes bf16 / f16 only
+        ("int8", "best", True, jnp.float32, "triton"),  # the Mosaic kernel takes bf16 / f16 only
         ("int8", "triton", True, jnp.bfloat16, "triton"),
     ],
 )
@@ -281,10 +298,18 @@ def test_project_routes_each_format_to_its_kernel(monkeypatch, quantization, ker
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
 
 
-def test_the_mosaic_kernel_needs_the_kmajor_layout():
-    layer = _kmajor_linear(Quantization.INT8, k_major=False)
+def test_the_mosaic_kernel_by_name_refuses_what_it_cannot_take():
+    """Asked for by name, the Mosaic kernel raises instead of running another kernel: the separate
+    layout's [in, out] weights, float32 activations, more than 256 rows."""
     with pytest.raises(ValueError, match="K-major weights"):
-        project(layer, jnp.ones((8, 128), jnp.bfloat16), layer=jnp.int32(0), kernel="mgpu", interpret=True)
+        project(
+            _kmajor_linear(Quantization.INT8, k_major=False), jnp.ones((8, 128), jnp.bfloat16), layer=0, kernel="mgpu"
+        )
+    kmajor = _kmajor_linear(Quantization.INT8, jnp.float32)
+    with pytest.raises(ValueError, match="cannot take x"):
+        project(kmajor, jnp.ones((8, 128), jnp.float32), layer=0, kernel="mgpu", interpret=True)
+    with pytest.raises(ValueError, match="cannot take x"):
+        project(_kmajor_linear(Quantization.INT8), jnp.ones((257, 128), jnp.bfloat16), layer=0, kernel="mgpu")
 
 
 def test_kmajor_arrays_round_trip_and_rename():
@@ -303,11 +328,44 @@ def test_mgpu_knobs_follow_the_table_and_narrow_to_the_shape():
     wide, narrow = mgpu_knobs(64, 22016, 4096), mgpu_knobs(64, 4096, 11008)
     assert (wide.tile_n, wide.tile_k, wide.stages, wide.compute_wgs) == (64, 128, 6, 2)
     assert (narrow.tile_n, narrow.tile_k, narrow.stages, narrow.compute_wgs) == (64, 64, 8, 1)
-    # K = 576 (SmolLM2): tile_k 128 does not divide it, 64 does; width 960 is not a multiple of 128.
-    small = mgpu_knobs(16, 960, 576)
-    assert (small.tile_k, small.compute_wgs) == (64, 1)
-    assert mgpu_knobs(8, 8192 + 64, 4096).compute_wgs == 1  # 8256 columns: not whole 128-column CTAs
+    # At 64 rows the table gives wide GEMMs two warpgroups and tile_k 128. K = 8256 is not a multiple
+    # of 128 (64 is); 8256 columns are not whole 128-column CTAs, so the CTA narrows to one warpgroup.
+    deep = mgpu_knobs(64, 8192, 8256)
+    assert (deep.tile_k, deep.compute_wgs) == (64, 2)
+    odd = mgpu_knobs(64, 8192 + 64, 4096)
+    assert (odd.tile_k, odd.compute_wgs) == (128, 1)
     assert mgpu_knobs(257, 4096, 4096) is None and mgpu_knobs(0, 4096, 4096) is None
     assert mgpu_knobs(16, 4096 + 32, 4096) is None and mgpu_knobs(16, 4096, 4096 + 16) is None
     interpreted = mgpu_knobs(64, 22016, 4096, interpret=True)
     assert interpreted.a_in_smem and interpreted.compute_wgs == 1
+
+
+@pytest.mark.parametrize("unroll_layers", [False, True])
+def test_serving_layout_on_the_mosaic_kernel_reads_the_kmajor_stacks_in_place_on_cuda(unroll_layers):
+    """Lowered for an H200: a bf16 int8 model in the serving layout runs its projections as Mosaic GPU
+    kernels (no Triton one) on the K-major stacks [L, out, in], none of them sliced out first."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    h200 = AbstractMesh(
+        (1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    )
+    cfg = tiny_config(hidden_size=64, head_dim=16, intermediate_size=64)
+    dense = random_model(cfg, seed=4, dtype=jnp.bfloat16, fused=True)
+    model = quantized_model(dense, "int8")
+    runtime = LoraRuntime(quant_matmul="best", unroll_layers=unroll_layers, quant_kernel_max_tokens=256)
+    kv = init_kv_cache(model.config, 2, 8, dtype=jnp.bfloat16)
+    tokens, positions = jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32)
+
+    def step(params, kv):
+        return forward_logits(model.graphdef, params, tokens, positions, kv, runtime=runtime)
+
+    with jax.sharding.use_abstract_mesh(h200):
+        text = jax.jit(step).trace(model.params, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
+    # [L=2, out, in]: q|k|v 128 x 64, o 64 x 64, gate|up 128 x 64, down 64 x 64.
+    stacked = [f"tensor<2x{a}x{b}xi8>" for a, b in ((128, 64), (64, 64))]
+    # Only slice ops count: the Mosaic custom call's serialized module may contain the bytes "slice".
+    ops = [line for line in text.splitlines() if re.search(r"stablehlo\.(dynamic_)?slice", line)]
+    slices = [line for line in ops if any(s in line for s in stacked)]
+    assert not slices, slices[:3]
+    assert sum(text.count(s) for s in stacked) > 0
