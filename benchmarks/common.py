@@ -64,6 +64,12 @@ def _best_rate(fn: Callable[[jax.Array], jax.Array], x: jax.Array, work: float, 
     return best
 
 
+def best_ms(fn: Callable[..., jax.Array], *args: jax.Array, reps: int = 20) -> float:
+    """Milliseconds of one fn(*args) call: `reps` calls back to back, the best of 3 rounds after one
+    warm-up call (`_best_rate` with one unit of work a call)."""
+    return 1e3 / _best_rate(lambda _: fn(*args), args[0], 1.0, reps)
+
+
 def hbm_gbps(num_bytes: int = 1 << 31, reps: int = 10) -> float:
     """Device-to-device copy bandwidth (bytes read + written): `reps` jitted copies back to back."""
     x = jnp.ones((num_bytes // 2,), jnp.bfloat16)

@@ -179,14 +179,19 @@ def w8a8_kmajor(x: jax.Array, qt: jax.Array, scale: jax.Array) -> jax.Array:
     return (y.astype(jnp.float32) * sx * scale).astype(x.dtype)
 
 
+def fused_layer(h: jax.Array, gemm: Callable[[jax.Array, str], jax.Array], q_size: int, kv_size: int) -> jax.Array:
+    """One layer's projections in the serving layout (q|k|v and gate|up one GEMM each), with
+    `gemm(x, name)` multiplying by the named matrix ("qkv", "o_proj", "gate_up", "down_proj"); the
+    attention and MLP in between reduced to the elementwise work that keeps each GEMM's input live."""
+    q, k, v = jnp.split(gemm(h, "qkv"), [q_size, q_size + kv_size], axis=-1)
+    h = h + gemm(q.at[:, : k.shape[1]].add(k + v), "o_proj")
+    gate, up = jnp.split(gemm(h, "gate_up"), 2, axis=-1)
+    return (h + gemm(jax.nn.silu(gate) * up, "down_proj")).astype(h.dtype)
+
+
 def one_kmajor_layer(h, lw, layer):
     """One layer in the serving layout (q|k|v and gate|up fused) with K-major W8A8 weights."""
-    q_size, kv_size = lw["q_size"], lw["kv_size"]
-    qkv = w8a8_kmajor(h, *lw["qkv"])
-    q, k, v = jnp.split(qkv, [q_size, q_size + kv_size], axis=-1)
-    h = h + w8a8_kmajor(q.at[:, : k.shape[1]].add(k + v), *lw["o_proj"])
-    gate, up = jnp.split(w8a8_kmajor(h, *lw["gate_up"]), 2, axis=-1)
-    return (h + w8a8_kmajor(jax.nn.silu(gate) * up, *lw["down_proj"])).astype(h.dtype)
+    return fused_layer(h, lambda a, name: w8a8_kmajor(a, *lw[name]), lw["q_size"], lw["kv_size"])
 
 
 def projections(fmt: str, knobs: dict) -> Callable:
@@ -206,11 +211,9 @@ def projections(fmt: str, knobs: dict) -> Callable:
 
     def one_fused_layer(h, lw, layer):
         w = lw["fused"]
+        mats = {"qkv": w["qkv"], "gate_up": w["gate_up"], "o_proj": lw["o_proj"], "down_proj": lw["down_proj"]}
         gemm = (lambda a, b: a @ b) if fmt == "bf16-fused" else (lambda a, b: mm(a, b, layer))  # noqa: E731
-        q, k, v = jnp.split(gemm(h, w["qkv"]), [w["q_size"], w["q_size"] + w["kv_size"]], axis=-1)
-        h = h + gemm(q.at[:, : k.shape[1]].add(k + v), lw["o_proj"])
-        gate, up = jnp.split(gemm(h, w["gate_up"]), 2, axis=-1)
-        return (h + gemm(jax.nn.silu(gate) * up, lw["down_proj"])).astype(h.dtype)
+        return fused_layer(h, lambda a, name: gemm(a, mats[name]), w["q_size"], w["kv_size"])
 
     if "fused" in fmt:
         return one_fused_layer

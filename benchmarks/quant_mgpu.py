@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import LLAMA2_7B, hbm_gbps
+from benchmarks.common import LLAMA2_7B, best_ms, hbm_gbps
+from benchmarks.quant_gemm import fused_layer
 from pallas_kernels.quant_matmul import quant_matmul
 from pallas_kernels.quant_matmul_mgpu import MgpuKnobs, quant_matmul_mgpu
 from pallas_kernels.quant_mgpu_tuning import mgpu_knobs
@@ -99,17 +100,6 @@ def candidates(batch: int) -> list[MgpuKnobs]:
     ]
 
 
-def timed_ms(fn, *args, reps: int = 20) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        outs = [fn(*args) for _ in range(reps)]
-        jax.block_until_ready(outs)
-        best = min(best, (time.perf_counter() - t0) / reps * 1e3)
-    return best
-
-
 def int8_stack(layers: int, n: int, k: int, seed: int) -> tuple[jax.Array, jax.Array]:
     """(q [L, N, K] int8 drawn on the device, scale [L, N] f32)."""
     q = jax.random.randint(jax.random.key(seed), (layers, n, k), -127, 128, jnp.int8)
@@ -148,7 +138,8 @@ def gemm_fn(knobs: MgpuKnobs | None, layers: int):
 
 
 def step_fn(kind: str, knobs: dict[str, MgpuKnobs], layers: int):
-    """The serving layout's projections of `layers` layers (quant_gemm.py's fused step)."""
+    """The serving layout's projections of `layers` layers (quant_gemm.fused_layer, as quant_gemm.py
+    times them)."""
     cfg = LLAMA2_7B
 
     def gemm(h, w, name, layer):
@@ -163,11 +154,7 @@ def step_fn(kind: str, knobs: dict[str, MgpuKnobs], layers: int):
 
     def run(w, h):
         for layer in range(layers):
-            qkv = gemm(h, w["qkv"], "qkv", layer)
-            q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
-            h = h + gemm(q.at[:, : k.shape[1]].add(k + v), w["o_proj"], "o_proj", layer)
-            gate, up = jnp.split(gemm(h, w["gate_up"], "gate_up", layer), 2, axis=-1)
-            h = (h + gemm(jax.nn.silu(gate) * up, w["down_proj"], "down_proj", layer)).astype(h.dtype)
+            h = fused_layer(h, lambda a, name, i=layer: gemm(a, w[name], name, i), cfg.q_size, cfg.kv_size)
         return h
 
     return jax.jit(run, compiler_options=CUBLAS)
@@ -224,7 +211,7 @@ def main() -> None:
                 nbytes = args.layers * n * k
 
                 def time_one(knobs, operands, width=1):
-                    ms = timed_ms(gemm_fn(knobs, args.layers), *operands)
+                    ms = best_ms(gemm_fn(knobs, args.layers), *operands)
                     us = ms * 1e3 / args.layers
                     return {"us": round(us, 2), "weight_TBps": round(nbytes * width / (ms * 1e-3) / 1e12, 3)}
 
@@ -259,7 +246,7 @@ def main() -> None:
                 row = {"impl": kind, "batch": batch}
                 if kind == "mgpu":
                     row["knobs"] = {name: dataclasses.asdict(k) for name, k in knobs.items()}
-                run_case("step", row, lambda: {"ms": round(timed_ms(step_fn(kind, knobs, args.layers), w, x), 3)})
+                run_case("step", row, lambda: {"ms": round(best_ms(step_fn(kind, knobs, args.layers), w, x), 3)})
             del w
     path.write_text(json.dumps(result, indent=1))
     for r in result["step"]:
