@@ -43,11 +43,11 @@ from serving.admission import Admission, Phase
 from serving.api import ApiError, Limits, Status, error_of, final_error, generation_request
 from serving.metrics import ServerMetrics
 from serving.openai_api import ParsedRequest
+from serving.options import ServerOptions
 from serving.security import AuthInterceptor, PathRefused, bearer_token
 
 if TYPE_CHECKING:
     from jaxlora.engine.engine import Engine
-    from serving.server import ServerOptions
 
 log = logging.getLogger(__name__)
 

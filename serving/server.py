@@ -19,10 +19,8 @@ Field checks and status codes are shared with it (serving.api).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.metadata
 import logging
-import os
 import queue
 import threading
 import time
@@ -44,6 +42,7 @@ from serving.gen import inference_pb2 as pb
 from serving.gen import inference_pb2_grpc as pb_grpc
 from serving.http_server import HttpServer
 from serving.metrics import ServerMetrics
+from serving.options import ServerOptions
 from serving.security import AdapterRoots, AuthInterceptor, PathRefused
 from serving.wire import DecodeGuard
 
@@ -57,65 +56,6 @@ _FINISH_REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 _MAX_REQUEST_ID = 256
 _POLL_SECONDS = 0.5  # how often a stream waiting for tokens checks that its call and the engine live
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ServerOptions:
-    """How the server listens and what it allows.
-
-    Attributes:
-      host, port: where to listen for gRPC (port 0: any free port, reported by build_server; None: no
-        gRPC, only HTTP).
-      http_port: the OpenAI-compatible HTTP API's port on `host` (None: no HTTP, 0: any free port).
-      api_key: if set, every RPC but health needs `authorization: Bearer <api_key>` (or the admin key).
-      admin_key: if set, LoadAdapter/UnloadAdapter need it.
-      adapter_roots: folders LoadAdapter may read from; empty disables runtime loading.
-      metrics_port: Prometheus /metrics HTTP port on `host` (None: no endpoint, 0: any free port); the
-        HTTP API serves the same metrics at its own /metrics.
-      max_concurrent_streams: Generate calls in flight; beyond it RESOURCE_EXHAUSTED. Each holds a
-        worker thread, so this also sizes the thread pool.
-      max_message_bytes: largest request or response message.
-      grace_seconds: on shutdown, how long in-flight streams may run before they are cancelled.
-      unload_timeout_seconds: how long UnloadAdapter waits for requests using the adapter.
-      model_name: the base model's name: what GetServerInfo reports, and the HTTP API's `model` that
-        picks no adapter (default: the model config's name).
-      tokenize_slots: Generate calls that tokenize their prompt at once (on their own gRPC thread,
-        outside the engine loop); the others wait. A burst of long prompts then cannot take every
-        core from the engine loop, which would stall every running stream. Default: a quarter of
-        the cores, at least one.
-    """
-
-    host: str = "127.0.0.1"
-    port: int | None = 50051
-    http_port: int | None = None
-    api_key: str | None = None
-    admin_key: str | None = None
-    adapter_roots: tuple[str, ...] = ()
-    metrics_port: int | None = None
-    max_concurrent_streams: int = 256
-    max_message_bytes: int = 4 * 2**20
-    grace_seconds: float = 30.0
-    unload_timeout_seconds: float = 30.0
-    model_name: str = ""
-    tokenize_slots: int = dataclasses.field(default_factory=lambda: max(1, (os.cpu_count() or 1) // 4))
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "adapter_roots", tuple(str(r) for r in self.adapter_roots))
-        for field in ("port", "http_port", "metrics_port"):
-            value = getattr(self, field)
-            if value is not None and not 0 <= value < 65536:
-                raise ValueError(f"{field}={value} must be in [0, 65535]")
-        if self.port is None and self.http_port is None:
-            raise ValueError("give a gRPC port, an HTTP port, or both")
-        for field in ("max_concurrent_streams", "max_message_bytes", "tokenize_slots"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
-        for field in ("grace_seconds", "unload_timeout_seconds"):
-            if not getattr(self, field) >= 0:
-                raise ValueError(f"{field}={getattr(self, field)} must be >= 0")
-        for field in ("api_key", "admin_key"):
-            if getattr(self, field) == "":
-                raise ValueError(f"{field} must not be empty (leave it unset for no key)")
 
 
 class _Abort(ApiError):

@@ -318,3 +318,27 @@ def test_checker_passes_a_graph_without_cycles(tmp_path):
     edges = subpackage_edges(project_imports(root, ("pkg",)), "pkg")
     assert set(edges) == {("pkg.a", "pkg.b"), ("pkg.b", "pkg.c")}
     assert cycles(edges) == []
+
+
+def module_edges(imports: Iterable[Import], known: set[str]) -> dict[tuple[str, str], list[Import]]:
+    """(importer, imported) -> the imports behind it, between two different modules of the project; a
+    name that is a package's attribute, not a module, counts as its package (`__init__`)."""
+    edges: dict[tuple[str, str], list[Import]] = {}
+    for imp in imports:
+        dst = imp.imported
+        while dst and dst not in known:
+            dst = dst.rpartition(".")[0]
+        if dst and dst != imp.importer:
+            edges.setdefault((imp.importer, dst), []).append(imp)
+    return edges
+
+
+def test_no_module_imports_itself_through_others(imports):
+    """No circle between modules (serving.server <-> serving.http_server over their options, say):
+    each module of a package can be read, and imported, before the ones that use it. A package's
+    `__init__` re-exporting its children is the one allowed loop, package -> child -> package."""
+    known = {module_name(ROOT, f) for p in PACKAGES for f in (ROOT / p).rglob("*.py")}
+    edges = module_edges(imports, known)
+    parent_loops = {(a, b) for a, b in edges if b.startswith(f"{a}.") or a.startswith(f"{b}.")}
+    found = cycles(e for e in edges if e not in parent_loops)
+    assert not found, "\n".join(describe_cycle(c, edges) for c in found)

@@ -56,6 +56,7 @@ from jaxlora.engine.request import (
     Phase,
     Request,
     RequestOutput,
+    token_output,
 )
 from jaxlora.engine.runner import Runner, WarmupProgress, num_traces
 from jaxlora.engine.scheduler import Scheduler, StepPlan
@@ -328,11 +329,7 @@ class Engine:
                 reason = FinishReason.STOP if hit_stop else FinishReason.LENGTH
                 self._finish(req, reason, outputs, text=text, token=token)
                 continue
-            # RequestOutput's fields in order, built as the tuple it is: its generated __new__ with
-            # keywords costs several times more, per token.
-            out = _new_tuple(
-                RequestOutput, (req.request_id, text, (token,), False, None, len(req.prompt_ids), num_output, None)
-            )
+            out = token_output(req.request_id, text, token, len(req.prompt_ids), num_output)
             append(out)
             live.handle._publish(out)
             if req.callback is not None:
@@ -662,9 +659,6 @@ class _Inflight:
 
     plan: StepPlan
     next_ids: jax.Array
-
-
-_new_tuple = tuple.__new__
 
 
 def _call_back(callback: Callback, out: RequestOutput) -> None:

@@ -137,6 +137,19 @@ class RequestOutput(typing.NamedTuple):
     error: str | None = None
 
 
+def token_output(request_id: str, text: str, token: int, prompt_tokens: int, completion_tokens: int) -> RequestOutput:
+    """The per-token update of a running request: RequestOutput(request_id=..., text=text,
+    token_ids=(token,), prompt_tokens=..., completion_tokens=...), every other field at its default.
+
+    Built as the tuple it is, in field order, because the NamedTuple's generated __new__ with keywords
+    costs several times more and the engine builds one per generated token. The one place that
+    relies on the field order; tests/engine/test_request_output.py checks it against keywords."""
+    return _new_tuple(RequestOutput, (request_id, text, (token,), False, None, prompt_tokens, completion_tokens, None))
+
+
+_new_tuple = tuple.__new__
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FinalOutput:
     """A finished request, accumulated: full text and every generated token id."""

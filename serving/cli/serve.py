@@ -86,8 +86,9 @@ def _addresses(host: str, server) -> str:
 
 
 def _build(args: argparse.Namespace):
+    from serving.options import ServerOptions
     from serving.security import AdapterRoots
-    from serving.server import ServerOptions, build_server
+    from serving.server import build_server
 
     if args.no_grpc and args.http_port is None:
         raise ValueError("--no-grpc needs --http-port")

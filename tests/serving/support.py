@@ -14,7 +14,8 @@ from jaxlora.config import LoraConfig
 from jaxlora.engine import Engine, EngineConfig
 from jaxlora.lora.peft_format import save_peft_adapter
 from serving.client import InferenceClient
-from serving.server import InferenceServer, ServerOptions, build_server
+from serving.options import ServerOptions
+from serving.server import InferenceServer, build_server
 from tests.factories import random_adapter
 
 LORA = LoraConfig(max_slots=4, max_rank=4)  # 3 adapter slots: a fourth adapter in use forces paging

@@ -32,7 +32,8 @@ from jaxlora.config import LoraConfig
 from jaxlora.engine import Engine, EngineConfig
 from jaxlora.loading import load_model
 from serving.client import InferenceClient
-from serving.server import InferenceServer, ServerOptions, build_server
+from serving.options import ServerOptions
+from serving.server import InferenceServer, build_server
 from tests.serving.support import wait_until
 
 REPO = Path(__file__).resolve().parents[2]

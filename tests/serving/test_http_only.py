@@ -7,7 +7,8 @@ import openai
 import pytest
 
 from jaxlora.cli.main import main as jaxlora_main
-from serving.server import ServerOptions, build_server
+from serving.options import ServerOptions
+from serving.server import build_server
 
 
 def test_http_alone_serves_the_openai_client(engine, adapter_root):

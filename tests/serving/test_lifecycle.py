@@ -17,7 +17,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from jaxlora.cli.main import main as jaxlora_main
 from jaxlora.loading.hf_writer import save_hf_folder
-from serving.server import SERVICE_NAME, ServerOptions, build_server
+from serving.options import ServerOptions
+from serving.server import SERVICE_NAME, build_server
 from tests.factories import char_tokenizer, tiny_model
 from tests.serving.support import LONG, BackgroundStream, assert_capacity_whole, connect, wait_until
 

@@ -8,7 +8,8 @@ import threading
 import grpc
 import pytest
 
-from serving.server import ServerOptions, build_server
+from serving.options import ServerOptions
+from serving.server import build_server
 from tests.serving.support import (
     LONG,
     BackgroundStream,
