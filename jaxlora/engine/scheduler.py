@@ -18,8 +18,9 @@ exactly, and the rest of the prompt tokens ride along with the next step, which 
 make happen anyway. Padding is compute spent on nothing once steps are compute-bound (under load);
 an idle engine (no decode row) still takes a prompt in one step, for its first token's latency.
 
-Adapter slots are the other admission resource. Before the pager stages its copies,
-`pin_adapters` pins the adapters of the waiting requests the free rows could take (`acquire`, which
+Adapter slots are the other admission resource, kept by `AdapterAdmission` (pins, the cap on
+distinct adapters, the slot a step may read), which the scheduler asks for a request's slot. Before
+the pager stages its copies, `pin_adapters` pins the adapters of the waiting requests the free rows could take (`acquire`, which
 queues a page-in for an adapter not on the device), unless that would exceed the cap on distinct
 adapters per batch or the pager could not place it without waiting. A pinned request whose page-in
 is pending is skipped, so hot requests behind it run. A request whose adapter the pager's coming
@@ -35,7 +36,6 @@ counts); the engine reports sampled tokens and finishes through it.
 from __future__ import annotations
 
 import bisect
-import collections
 import functools
 import heapq
 import operator
@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxlora.engine.adapter_admission import AdapterAdmission
 from jaxlora.engine.kv_pages import PageTable
 from jaxlora.engine.request import Phase, Request
 from jaxlora.errors import JaxloraError
@@ -52,7 +53,6 @@ from jaxlora.errors import JaxloraError
 if TYPE_CHECKING:  # the scheduler stays importable without JAX
     from jaxlora.adapters.source import AdapterSource
 
-BASE_SLOT = 0
 _ARRIVAL = operator.attrgetter("arrival")
 # The most of a step left empty when the work could instead fill a smaller budget exactly and
 # defer prompt tokens to the next step (see the module doc).
@@ -156,8 +156,8 @@ class Scheduler:
     Args:
       max_adapters_per_batch: distinct adapters pinned at once (None: every slot of `slots` but
         the base slot).
-      slots: where adapters get their device slots (`jaxlora.adapters.AdapterSource`; it uses the
-        slot members); None serves the base model only.
+      slots: where adapters get their device slots (`jaxlora.adapters.AdapterSource`; its slot
+        members are used through `AdapterAdmission`); None serves the base model only.
     """
 
     def __init__(
@@ -179,11 +179,8 @@ class Scheduler:
                 f"each of the {max_batch} rows"
             )
         self.pages = pages
-        if max_adapters_per_batch is None:
-            max_adapters_per_batch = 0 if slots is None else slots.max_slots - 1
-        self.max_adapters_per_batch = max_adapters_per_batch
+        self.adapters = AdapterAdmission(slots, max_adapters_per_batch)
         self.max_wait_steps = max_wait_steps
-        self.slots = slots
         self.reserve_pages = reserve_pages  # kept free at admission, so running requests can grow
         self.waiting: list[Request] = []  # arrival order
         self.running: dict[int, Request] = {}  # row -> request
@@ -199,7 +196,6 @@ class Scheduler:
         self._end_position = np.zeros(max_batch, np.int32)
         self._decoding_rows: np.ndarray | None = None  # rows of _decoding, in order (None: stale)
         self._free_rows = list(range(max_batch))  # a heap
-        self._adapter_users: collections.Counter[str] = collections.Counter()  # pins per adapter
         self._enqueued: dict[str, int] = {}  # request_id -> step it joined the queue
         self.num_steps = 0
         self.num_preemptions = 0
@@ -219,7 +215,7 @@ class Scheduler:
 
     def active_adapters(self) -> set[str]:
         """Adapters pinned by running or waiting requests (the batch's distinct adapters)."""
-        return set(self._adapter_users)
+        return self.adapters.active()
 
     def upcoming_adapters(self, limit: int) -> list[str]:
         """Adapters of the first `limit` waiting requests that hold no pin yet, in arrival order
@@ -273,12 +269,7 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.row is not None and self.running.get(req.row) is req:
             self._release_row(req)
-        if req.has_pin:
-            req.has_pin = False
-            self._adapter_users[req.adapter] -= 1
-            if not self._adapter_users[req.adapter]:
-                del self._adapter_users[req.adapter]
-            self.slots.release(req.adapter)
+        self.adapters.release(req)
         self._enqueued.pop(req.request_id, None)
         req.phase = Phase.FINISHED
 
@@ -309,7 +300,7 @@ class Scheduler:
         for req in self.waiting:
             if rows <= 0:
                 break
-            if req.num_pending or self._slot(req)[0] is None:
+            if req.num_pending or self.adapters.slot(req).slot is None:
                 continue
             demand += req.num_known
             rows -= 1
@@ -418,7 +409,7 @@ class Scheduler:
                 break
             if req.num_pending:  # preempted with an output still in flight: its tokens are not all known
                 continue
-            slot, staged = self._slot(req)
+            slot, staged = self.adapters.slot(req)
             if slot is None:
                 continue
             first = min(req.num_known, budget - used)
@@ -435,19 +426,6 @@ class Scheduler:
             needs_commit |= staged
         return needs_commit
 
-    def _slot(self, req: Request) -> tuple[int | None, bool]:
-        """(slot, staged): the request's slot if a step dispatched after the pager's next commit may
-        read it (staged: only after that commit); None while its adapter is not pinned or not there."""
-        if req.adapter is None:
-            return BASE_SLOT, False
-        if not req.has_pin:
-            return None, False
-        slot = self.slots.is_ready(req.adapter)
-        if slot is not None:
-            return slot, False
-        slot = self.slots.slot_at_commit(req.adapter)
-        return slot, slot is not None
-
     def pin_adapters(self) -> list[tuple[Request, JaxloraError]]:
         """Pins the adapters of the waiting requests the free rows could take, in arrival order, so
         that their page-ins are queued before the pager stages its copies; returns the requests
@@ -462,7 +440,7 @@ class Scheduler:
                 continue  # no new pins until the blocker has one; pinned requests drain
             is_starving = self.num_steps - self._enqueued[req.request_id] > self.max_wait_steps
             try:
-                placed = self._pin(req, is_starving)
+                placed = self.adapters.pin(req, is_starving=is_starving)
             except JaxloraError as e:
                 self.finish(req)
                 failed.append((req, e))
@@ -472,26 +450,6 @@ class Scheduler:
             elif blocker is None and is_starving:
                 blocker = req  # it has no slot: pins drain towards it
         return failed
-
-    def _pin(self, req: Request, is_starving: bool) -> bool:
-        """Pins the request's adapter if it holds no pin yet (within the cap on distinct adapters and,
-        unless starving, only if the pager can place it without waiting); returns whether the adapter
-        has a slot (written, or its page-in queued)."""
-        name = req.adapter
-        if name is None:
-            return True
-        if self.slots is None:
-            raise JaxloraError(f"adapter {name!r} requested but the engine has no adapter pager")
-        if not req.has_pin:
-            if name not in self._adapter_users:
-                if len(self._adapter_users) >= self.max_adapters_per_batch:
-                    return False
-                if not is_starving and not self.slots.can_place(name):
-                    return False
-            self.slots.acquire(name)
-            req.has_pin = True
-            self._adapter_users[name] += 1
-        return self.slots.slot_of(name) is not None
 
     # Rows and pages.
     def _assign_row(self, req: Request, slot: int) -> None:

@@ -341,7 +341,7 @@ def test_blocker_lets_pinned_requests_drain():
     for r in (old, pa, pb):
         s.add(r)
     for r in (pa, pb):  # as if considered earlier: pinned, page-in queued, no row yet
-        assert s._pin(r, is_starving=False) is False
+        assert s.adapters.pin(r, is_starving=False) is False
     slots.land()
     done = []
     for _ in range(24):
