@@ -13,6 +13,7 @@ import collections
 import typing
 from typing import TYPE_CHECKING
 
+from jaxlora.engine.prefix_hash import BASE_IDENTITY
 from jaxlora.errors import JaxloraError
 
 if TYPE_CHECKING:  # importable without JAX
@@ -61,6 +62,16 @@ class AdapterAdmission:
         slot = self.slots.slot_at_commit(req.adapter)
         return SlotOf(slot, slot is not None)
 
+    @staticmethod
+    def identity(req: Request) -> bytes:
+        """The identity of the weights the request runs on (the root of its prefix-cache keys), read
+        when its pin was taken: the weights it runs on cannot change while it holds the pin."""
+        if req.adapter is None:
+            return BASE_IDENTITY
+        if req.weights_identity is None:
+            raise RuntimeError(f"request {req.request_id} asks its adapter's identity without a pin")
+        return req.weights_identity
+
     def pin(self, req: Request, *, is_starving: bool) -> bool:
         """Pins the request's adapter if it holds no pin yet (within the cap on distinct adapters and,
         unless starving, only if the pager can place it without waiting); returns whether the adapter
@@ -77,6 +88,7 @@ class AdapterAdmission:
                 if not is_starving and not self.slots.can_place(name):
                     return False
             self.slots.acquire(name)
+            req.weights_identity = self.slots.identity(name)  # pinned: the registration stays
             req.has_pin = True
             self._users[name] += 1
         return self.slots.slot_of(name) is not None

@@ -53,6 +53,10 @@ class EngineConfig:
         has an adapter (they skip the LoRA launches). False halves the warm-up's compiles; such
         steps then run with the bank (the same tokens: slot 0 is all zero). For deployments where
         nearly every request names an adapter.
+      enable_prefix_caching: share the KV pages of a prefix between requests on the same weights
+        (the base model, or one adapter's weights: never across adapters; see
+        `jaxlora.engine.scheduler`). A request whose prompt starts with full pages another request
+        computed skips their prefill; a finished request's pages stay cached until memory is needed.
     """
 
     max_batch: int = 8
@@ -72,6 +76,7 @@ class EngineConfig:
     attention: AttentionBackend = AttentionBackend.AUTO
     prefetch_adapters: int = 16
     bank_free_steps: bool = True
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for field in ("max_batch", "max_seq_len", "page_size", "max_new_tokens_limit", "max_queue", "max_wait_steps"):

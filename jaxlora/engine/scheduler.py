@@ -29,6 +29,15 @@ has waited `max_wait_steps` steps it becomes a blocker: it pins regardless, and 
 slot, later requests may not pin other adapters, so slot pins and the adapter cap drain towards it
 (no starvation). Requests already holding a pin, and base-model requests, still run.
 
+Prefix caching (`prefix_caching`): a request's full pages are keyed (`jaxlora.engine.prefix_hash`:
+its weights' identity, then each page's token ids, chained) and registered in the page table when
+a prompt chunk that fills them is dispatched, and when the request leaves its row (finished,
+cancelled or preempted) for the pages its decode tokens filled. Admission looks the request's keys
+up: the longest run of cached pages is attached to its row, it needs pages only for the rest, and
+its first chunk starts after them. At least its last known token is always computed (it samples
+the next one), so a prefix that ends inside a page is recomputed from that page's start. Keys are
+made once per page, off the decode path: at admission, at prompt chunks and when a row is left.
+
 This class alone changes a request's scheduling state (phase, row, slot, pages, computed and pending
 counts); the engine reports sampled tokens and finishes through it.
 """
@@ -47,6 +56,7 @@ import numpy as np
 
 from jaxlora.engine.adapter_admission import AdapterAdmission
 from jaxlora.engine.kv_pages import PageTable
+from jaxlora.engine.prefix_hash import extend_keys
 from jaxlora.engine.request import Phase, Request
 from jaxlora.errors import JaxloraError
 
@@ -170,6 +180,7 @@ class Scheduler:
         max_wait_steps: int,
         slots: AdapterSource | None,
         reserve_pages: int = 0,
+        prefix_caching: bool = False,
     ) -> None:
         self.max_batch = max_batch
         self.token_budgets = tuple(sorted(token_budgets))
@@ -182,6 +193,9 @@ class Scheduler:
         self.adapters = AdapterAdmission(slots, max_adapters_per_batch)
         self.max_wait_steps = max_wait_steps
         self.reserve_pages = reserve_pages  # kept free at admission, so running requests can grow
+        self.prefix_caching = prefix_caching
+        self.num_prefix_queries = 0  # tokens admissions looked up in the prefix cache
+        self.num_prefix_hits = 0  # of which found cached
         self.waiting: list[Request] = []  # arrival order
         self.running: dict[int, Request] = {}  # row -> request
         # The running requests by phase, each list in arrival order (the order steps take them in),
@@ -254,6 +268,8 @@ class Scheduler:
         for c in plan.prompt_chunks:
             req = c.request
             req.num_computed = c.start + c.length
+            if self.prefix_caching:
+                self._register_pages(req)
             if c.samples:
                 req.num_pending += 1
                 self._start_decode(req)
@@ -412,19 +428,53 @@ class Scheduler:
             slot, staged = self.adapters.slot(req)
             if slot is None:
                 continue
-            first = min(req.num_known, budget - used)
+            cached = self._cached_pages(req)
+            start = len(cached) * self.pages.page_size
+            first = min(req.num_known - start, budget - used)
             # A preempted request comes back only when all it knows fits: taking it back in small
             # chunks while pages are short would preempt it again (thrashing). The reserve applies
             # to the first chunk only: running requests grow into it, so a preempted one may know
             # more than the pool holds outside the reserve.
-            fits = self.pages.can_grow(None, first, reserve=self.reserve_pages)
-            if not fits or (req.num_preemptions and not self.pages.can_grow(None, req.num_known)):
+            fits = self.pages.can_admit(cached, start + first, reserve=self.reserve_pages)
+            if not fits or (req.num_preemptions and not self.pages.can_admit(cached, req.num_known)):
                 break  # first come, first served: no pages for this one, none for later ones
             self._assign_row(req, slot)
+            if self.prefix_caching:
+                self.pages.attach(req.row, cached)
+                req.num_computed = req.num_cached = start
+                req.num_keyed = len(cached)
+                self.num_prefix_queries += req.num_known
+                self.num_prefix_hits += start
             self._add_chunk(chunks, req, first)
             used += first
             needs_commit |= staged
         return needs_commit
+
+    def _cached_pages(self, req: Request) -> list[int]:
+        """The cached pages of the request's longest cached prefix, leaving at least its last known
+        token to compute (module doc); none without prefix caching."""
+        if not self.prefix_caching:
+            return []
+        num = (req.num_known - 1) // self.pages.page_size
+        self._extend_keys(req, num)
+        return self.pages.lookup(req.page_keys[:num])
+
+    def _extend_keys(self, req: Request, num_pages: int) -> None:
+        """Makes the keys of the request's first num_pages pages (those not made yet)."""
+        done, size = len(req.page_keys), self.pages.page_size
+        if num_pages > done:
+            root = req.page_keys[-1] if done else self.adapters.identity(req)
+            extend_keys(req.page_keys, root, req.tokens(done * size, num_pages * size), size)
+
+    def _register_pages(self, req: Request) -> None:
+        """Keys the request's full pages on its row whose positions are computed (dispatched: the
+        device writes them before any later step reads them) and whose tokens the host knows."""
+        num = min(req.num_computed, req.num_known) // self.pages.page_size
+        if num <= req.num_keyed:
+            return
+        self._extend_keys(req, num)
+        self.pages.register(req.row, req.page_keys, req.num_keyed, num)
+        req.num_keyed = num
 
     def pin_adapters(self) -> list[tuple[Request, JaxloraError]]:
         """Pins the adapters of the waiting requests the free rows could take, in arrival order, so
@@ -458,7 +508,7 @@ class Scheduler:
         req.row = heapq.heappop(self._free_rows)
         req.slot = slot
         req.phase = Phase.PREFILL
-        req.num_computed = 0
+        req.num_computed = req.num_cached = req.num_keyed = 0
         self.running[req.row] = req
         bisect.insort(self._prefilling, req, key=_ARRIVAL)
 
@@ -468,6 +518,8 @@ class Scheduler:
             self._decoding_rows = None
         else:
             self._prefilling.remove(req)
+        if self.prefix_caching:
+            self._register_pages(req)
         self.pages.free(req.row)
         del self.running[req.row]
         heapq.heappush(self._free_rows, req.row)

@@ -52,6 +52,9 @@ class FakeSlots:
     def slot_of(self, name: str) -> int | None:
         return self.assigned.get(name)
 
+    def identity(self, name: str) -> bytes:
+        return name.encode()  # the fake's adapters never change weights
+
     def can_place(self, name: str) -> bool:
         return name in self.assigned or self._free_slot() is not None or self._victim() is not None
 
