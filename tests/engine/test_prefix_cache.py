@@ -241,3 +241,17 @@ def test_prefix_caching_switches_between_steps_with_an_empty_cache(engines):
     assert _hits(engine) == hits  # it starts empty
     _run(engine, [_request("s3", prompt, None, 2)])
     assert _hits(engine) > hits
+
+
+def test_the_flag_switches_it_in_the_engine_config():
+    import argparse
+
+    from jaxlora.cli.engine_args import add_engine_args
+    from jaxlora.cli.engine_args import engine_config as config_from_args
+    from jaxlora.engine.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert config_from_args(p.parse_args([])).enable_prefix_caching is EngineConfig().enable_prefix_caching is True
+    assert config_from_args(p.parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching is False
+    assert config_from_args(p.parse_args(["--enable-prefix-caching"])).enable_prefix_caching is True
