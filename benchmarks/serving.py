@@ -618,6 +618,8 @@ MD_COLUMNS = [
     "setting",
     "n",
     "temperature",
+    "trace",
+    "prefix_cache",
     "rate",
     "realized_rate",
     "duration_s",
@@ -638,18 +640,28 @@ MD_COLUMNS = [
     "decode_tokens_per_step",
     "padding_share",
     "page_ins",
+    "prefix_cache_hit_share",
 ]
 
 
 def slo_summary(rows: Sequence[dict], target: float = 0.9) -> list[dict]:
-    """Per engine x setting x n x cv x alpha x duration: the highest measured rate at SLO >= target
-    and the lowest measured rate above it that missed."""
+    """Per engine x setting x n x cv x alpha x duration x temperature x prefix cache: the highest
+    measured rate at SLO >= target and the lowest measured rate above it that missed."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        group = (r["engine"], r["setting"], r["n"], r["cv"], r["alpha"], r["duration_s"], key_field(r, "temperature"))
+        group = (
+            r["engine"],
+            r["setting"],
+            r["n"],
+            r["cv"],
+            r["alpha"],
+            r["duration_s"],
+            key_field(r, "temperature"),
+            key_field(r, "prefix_cache"),
+        )
         groups.setdefault(group, []).append(r)
     out = []
-    for (engine, setting, n, cv, alpha, duration, temperature), rs in groups.items():
+    for (engine, setting, n, cv, alpha, duration, temperature, prefix_cache), rs in groups.items():
         ok = [r["rate"] for r in rs if r["slo_attainment"] is not None and r["slo_attainment"] >= target]
         best = max(ok, default=None)
         miss = min(
@@ -671,6 +683,7 @@ def slo_summary(rows: Sequence[dict], target: float = 0.9) -> list[dict]:
                 alpha=alpha,
                 duration_s=duration,
                 temperature=temperature,
+                prefix_cache=prefix_cache,
                 max_rate_at_slo=best,
                 lowest_rate_missing=miss,
             )
@@ -692,7 +705,9 @@ def write_markdown(payload: dict, out: Path) -> None:
             "the most that can be served. SLO attainment: share of all "
             f"arrived requests with a first token within {SLO_TTFT_S:g} s. unfinished: not done "
             "`max_drain_s` after the last arrival. padding_share: share of the token slots computed by "
-            "prefill and decode calls that held no request's token. Times in ms.",
+            "prefill and decode calls that held no request's token. Times in ms. Rows of trace `chat`: "
+            "multi-turn conversations (benchmarks/chat_trace.py), rate in conversations/s, a request is "
+            "a turn; prefix_cache_hit_share: prompt tokens the prefix cache served.",
             "",
             "Commands:",
             "",
@@ -706,12 +721,12 @@ def write_markdown(payload: dict, out: Path) -> None:
         "",
         "Highest measured rate at SLO attainment >= 0.9 (and the lowest measured rate above it that missed):",
         "",
-        "| engine | setting | n | cv | alpha | duration_s | temperature | max rate at SLO | lowest miss |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| engine | setting | n | cv | alpha | duration_s | temperature | prefix_cache | max rate at SLO | lowest miss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {s['engine']} | {s['setting']} | {s['n']} | {s['cv']} | {s['alpha']} | {s['duration_s']} | {s['temperature']} | "
-        f"{s['max_rate_at_slo']} | {s['lowest_rate_missing']} |"
+        f"{s['prefix_cache']} | {s['max_rate_at_slo']} | {s['lowest_rate_missing']} |"
         for s in slo_summary(rows)
     ]
     notes = sorted({r["note"] for r in rows if r.get("note")})
