@@ -13,16 +13,16 @@ log="$out/log.txt"
 quiet() { grep -v "hlo_rematerialization\|cuda_timer\|^WARNING\|Deprecation"; }
 
 echo "== quant_gemm ($(left) s left)" | tee -a "$log"
-XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 130 python3 -m benchmarks.quant_gemm --layers 8 \
+XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 130 python3 -m benchmarks.kernels.quant_gemm --layers 8 \
   --batch 16 64 128 256 --formats bf16-fused int8-fused int8-fused-pallas fp8-fused-pallas \
   --time-budget 110 --out "$out/q" 2>&1 | quiet | grep "^best\|Error\|error" | tee -a "$log"
 
 echo "== host_loop ($(left) s left)" | tee -a "$log"
-timeout 170 python3 -m benchmarks.host_loop --cases 64:64 256:256 --steps 60 --warmup-steps 20 \
+timeout 170 python3 -m benchmarks.engine.host_loop --cases 64:64 256:256 --steps 60 --warmup-steps 20 \
   --profile-steps 12 --probe-reps 5 --out "$out/h" 2>&1 | quiet | tail -12 | tee -a "$log"
 
 budget=$(( $(left) - 40 ))
 echo "== kernels, budget ${budget} s ($(left) s left)" | tee -a "$log"
-timeout $(( $(left) - 10 )) python3 benchmarks/kernels.py all --out "$out/k" --budget-s "$budget" --layers 8 \
+timeout $(( $(left) - 10 )) python3 benchmarks/kernels/lora.py all --out "$out/k" --budget-s "$budget" --layers 8 \
   2>&1 | quiet | tail -30 | tee -a "$log"
 echo "== done at $(( $(date +%s) - t0 )) s" | tee -a "$log"

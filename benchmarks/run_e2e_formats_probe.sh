@@ -12,10 +12,10 @@ log="$out/log.txt"
 quiet() { grep -v "hlo_rematerialization\|cuda_timer\|^WARNING\|Deprecation"; }
 
 echo "== e2e formats, budget ${formats_s} s ($(left) s left)" | tee -a "$log"
-timeout $(( formats_s + 60 )) python3 -m benchmarks.e2e --backend pallas --quantize bf16 fp8 int8 \
+timeout $(( formats_s + 60 )) python3 -m benchmarks.engine.e2e --backend pallas --quantize bf16 fp8 int8 \
   --budget-s "$formats_s" --no-plots --out "$out/quant" 2>&1 | quiet | grep -v '^  {' | tee -a "$log"
 budget=$(( $(left) - 50 ))
 echo "== e2e backends, budget ${budget} s ($(left) s left)" | tee -a "$log"
-timeout $(( $(left) - 5 )) python3 -m benchmarks.e2e --backend pallas --backend xla --budget-s "$budget" \
+timeout $(( $(left) - 5 )) python3 -m benchmarks.engine.e2e --backend pallas --backend xla --budget-s "$budget" \
   --no-plots --out "$out/e2e" 2>&1 | quiet | grep -v '^  {' | tee -a "$log"
 echo "== done at $(( $(date +%s) - t0 )) s" | tee -a "$log"

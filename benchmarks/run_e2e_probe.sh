@@ -12,9 +12,9 @@ log="$out/log.txt"
 quiet() { grep -v "hlo_rematerialization\|cuda_timer\|^WARNING\|Deprecation"; }
 
 echo "== engine_gpu_check ($(left) s left)" | tee -a "$log"
-timeout 150 python3 -m benchmarks.engine_gpu_check --out "$out" 2>&1 | quiet | tail -5 | tee -a "$log"
+timeout 150 python3 -m benchmarks.engine.gpu_check --out "$out" 2>&1 | quiet | tail -5 | tee -a "$log"
 budget=$(( $(left) - 45 ))
 echo "== e2e, budget ${budget} s ($(left) s left)" | tee -a "$log"
-timeout $(( $(left) - 8 )) python3 -m benchmarks.e2e --backend pallas --backend xla --budget-s "$budget" \
+timeout $(( $(left) - 8 )) python3 -m benchmarks.engine.e2e --backend pallas --backend xla --budget-s "$budget" \
   --no-plots --out "$out" 2>&1 | quiet | tee -a "$log"
 echo "== done at $(( $(date +%s) - t0 )) s" | tee -a "$log"

@@ -16,7 +16,7 @@ cublas=--xla_gpu_enable_triton_gemm=false
 gemm() {  # gemm NAME CAP_S "XLA_FLAGS" quant_gemm args...
   local name="$1" cap="$2" flags="$3"; shift 3
   echo "== gemm $name (XLA_FLAGS='$flags', $(left) s left)" | tee -a "$log"
-  XLA_FLAGS="$flags" timeout "$cap" python3 -m benchmarks.quant_gemm --layers 8 --out "$work/$name" "$@" 2>&1 | quiet | tee -a "$log"
+  XLA_FLAGS="$flags" timeout "$cap" python3 -m benchmarks.kernels.quant_gemm --layers 8 --out "$work/$name" "$@" 2>&1 | quiet | tee -a "$log"
   cp "$work/$name/quant_gemm.json" "$out/quant_gemm_$name.json" 2>/dev/null
 }
 gemm layers 80 "$cublas" --batch 16 64 256 --formats bf16-fused fp8-kmajor-layers int8-kmajor-layers
@@ -24,11 +24,11 @@ gemm dsfusion 45 "$cublas --xla_gpu_enable_dynamic_slice_fusion=true" --batch 64
 
 budget=$(( $(left) - 190 ))
 echo "== e2e bf16, budget ${budget} s ($(left) s left)" | tee -a "$log"
-timeout $(( budget + 40 )) python3 -m benchmarks.e2e --backend pallas --backend xla --budget-s "$budget" \
+timeout $(( budget + 40 )) python3 -m benchmarks.engine.e2e --backend pallas --backend xla --budget-s "$budget" \
   --no-plots --out "$out" 2>&1 | quiet | tee -a "$log"
 budget=$(( $(left) - 45 ))
 echo "== e2e fp8 / int8, budget ${budget} s ($(left) s left)" | tee -a "$log"
-timeout $(( $(left) - 5 )) python3 -m benchmarks.e2e --backend pallas --quantize fp8 int8 --budget-s "$budget" \
+timeout $(( $(left) - 5 )) python3 -m benchmarks.engine.e2e --backend pallas --quantize fp8 int8 --budget-s "$budget" \
   --no-plots --out "$work/quant" 2>&1 | quiet | tee -a "$log"
 cp "$work/quant/e2e.json" "$out/e2e_quant.json" 2>/dev/null
 echo "== done at $(( $(date +%s) - t0 )) s" | tee -a "$log"

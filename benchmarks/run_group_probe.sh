@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for issue 18's LoRA group launches: benchmarks.group_kernels (the four module
+# One device call for issue 18's LoRA group launches: benchmarks.kernels.lora_groups (the four module
 # groups of a 7B layer, 8 layers: the split launches with the per-row or the tile expand, the
 # one-launch candidates, XLA), under a total wall clock; the JSON is rewritten after every case, so
 # a cut call keeps its rows. Arguments after TOTAL_S replace the default selection.
@@ -13,6 +13,6 @@ mkdir -p "$out"
 log="$out/log.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$log"
 quiet() { grep -v "hlo_rematerialization\|cuda_timer\|^WARNING\|Deprecation\|return rule(ctx"; }
-cmd="python3 -m benchmarks.group_kernels --layers 8 ${sel[*]} --budget-s $(( total - 60 )) --out $out"
+cmd="python3 -m benchmarks.kernels.lora_groups --layers 8 ${sel[*]} --budget-s $(( total - 60 )) --out $out"
 echo "== $cmd" | tee -a "$log"
 timeout $(( total - 10 )) $cmd 2>&1 | quiet | tee -a "$log"

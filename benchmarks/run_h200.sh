@@ -15,17 +15,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.mem --fo
 if [ "$part" = 1 ]; then
   budget=$(( $(left) - 40 ))
   echo "== e2e, budget ${budget} s" | tee -a "$log"
-  PYTHONPATH=. timeout $(( $(left) - 5 )) python3 -m benchmarks.e2e --out "$out" --budget-s "$budget" \
+  PYTHONPATH=. timeout $(( $(left) - 5 )) python3 -m benchmarks.engine.e2e --out "$out" --budget-s "$budget" \
     --no-plots ${4:+--skip-groups "$4" --merge-json "$5"} 2>&1 | grep -v "^WARNING\|Deprecation" | tee -a "$log"
   echo "== done at $(( $(date +%s) - t0 )) s" | tee -a "$log"
   exit 0
 fi
 
 echo "== paging ($(left) s left)" | tee -a "$log"
-PYTHONPATH=. timeout $(( $(left) - 150 )) python3 -m benchmarks.paging --setting s1 --exponents 1 0.1 \
+PYTHONPATH=. timeout $(( $(left) - 150 )) python3 -m benchmarks.engine.paging --setting s1 --exponents 1 0.1 \
   --registered 2000 --requests 512 --budget-s $(( $(left) - 175 )) --out "$out" 2>&1 | tee -a "$log"
 
 echo "== hf peer ($(left) s left)" | tee -a "$log"
-timeout $(( $(left) - 5 )) python3 -m benchmarks.hf_peer --out "$out/hf_peer.json" --gen-len 128 \
+timeout $(( $(left) - 5 )) python3 -m benchmarks.engine.hf_peer --out "$out/hf_peer.json" --gen-len 128 \
   --mixed-gen-len 4 2>&1 | grep -v Warning | tee -a "$log"
 echo "== done at $(( $(date +%s) - t0 )) s" | tee -a "$log"

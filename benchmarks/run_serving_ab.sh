@@ -10,7 +10,7 @@ mkdir -p "$out"
 quiet() { grep -v "hlo_rematerialization\|cuda_timer\|^WARNING\|Deprecation"; }
 for arm in split tuned; do
   echo "== serving $setting @ $rate, --lora-groups $arm" | tee -a "$out/ab_log.txt"
-  timeout "$each" python3 -m benchmarks.serving --settings "$setting" --rates "$rate" --duration 25 \
+  timeout "$each" python3 -m benchmarks.serving.trace --settings "$setting" --rates "$rate" --duration 25 \
     --max-drain-s 20 --probe-steps 0 --budget-s $(( each - 8 )) --setup-s "$setup" --lora-groups "$arm" \
     --engine-commit "$commit" --out "$out/$arm" 2>&1 | quiet | tail -12 | tee -a "$out/ab_log.txt"
 done

@@ -23,7 +23,7 @@ The rule: decode buckets (M <= 256) are bound by streaming the weights once, so 
 column tiles (x is re-read once per column tile, 2 * M / block_n of the weight bytes) and split K to
 fill the SMs; prefill (M > 256) is compute-bound: square 128 tiles, no split.
 
-`python -m benchmarks.quant_gemm --tune FORMAT ...` times candidate rows per batch on the GPU over
+`python -m benchmarks.kernels.quant_gemm --tune FORMAT ...` times candidate rows per batch on the GPU over
 the 7B projections and records the fastest per (format, batch); paste those here. For weight-only
 int8 the sweep ran with the bit-trick convert (benchmarks/results/quant_probe_s10/): at 16 and 256
 rows no candidate beat these rows by more than 2%; at 64 rows the best (min_programs 264, 5 stages)

@@ -1,7 +1,7 @@
 """Tuned block sizes for the Triton LoRA kernels, as data.
 
 Each table maps a token-count bucket (the smallest bucket >= T wins, the last one covers the rest)
-to the knobs of one kernel. `benchmarks/kernels.py --tune` measures candidates on the GPU and prints
+to the knobs of one kernel. `benchmarks/kernels/lora.py --tune` measures candidates on the GPU and prints
 rows in this format; paste them here. Keys:
 
   block_rows: rows (tokens) per tile, power of two >= 16 (Triton dots need M >= 16).
@@ -21,7 +21,7 @@ batch uses is data, not shape.
 
 from __future__ import annotations
 
-# Decode (BGMV). Measured on the H200, JAX 0.11.2, `benchmarks/kernels.py tune` (summed over 16 and T
+# Decode (BGMV). Measured on the H200, JAX 0.11.2, `benchmarks/kernels/lora.py tune` (summed over 16 and T
 # distinct adapters, rank 16, D = O = 4096). At T=64: shrink 7.2 / 10.7 us, expand 7.1 / 9.4 us at
 # 16 / 64 distinct; the 512 bucket's expand 17.1 / 31.2 us.
 SHRINK_DECODE: dict[int, dict[str, int | str]] = {
@@ -59,7 +59,7 @@ EXPAND_PREFILL: dict[int, dict[str, int | str]] = {
 # shrink's).
 #
 # Keyed by the bank's rank, then T (smallest bucket >= each wins). Measured with
-# `benchmarks/group_kernels.py` (the four groups of a 7B layer, 8 layers; summed over 1, T/4 and T
+# `benchmarks/kernels/lora_groups.py` (the four groups of a 7B layer, 8 layers; summed over 1, T/4 and T
 # distinct adapters, and 400-token prompt chunks at T >= 512). Rank 16, us per layer summed:
 #   T = 512 / 1,024 / 2,048 (H200, results/probe_s11b/g): split 867 / 931 / 1,548, tiles 799 / 658 /
 #   829, fused 877 / 722 / 924. The per-row expand re-reads b for every row, the tile one once per

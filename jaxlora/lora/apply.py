@@ -59,7 +59,7 @@ _SCHEDULING_OPTION = "xla_gpu_command_buffer_scheduling_mode"
 # 1: every step has it, as measured at 64 and 256 rows. At one row the engine's dispatch took 8.5 ms
 # against a 4.8 ms device step in the first run under it, 4.7 against 5.2 ms in the run before
 # (benchmarks/results/e2e_formats_probe/, e2e_probe_s9/); whether CONCURRENT causes that is not
-# measured yet: `benchmarks.host_loop --concurrent-min-tokens` is that A/B.
+# measured yet: `benchmarks.engine.host_loop --concurrent-min-tokens` is that A/B.
 CONCURRENT_MIN_TOKENS = 1
 
 

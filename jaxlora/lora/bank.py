@@ -169,7 +169,7 @@ def write_slot_flat(bank: Bank, slot: int, flat: jax.Array) -> Bank:
 
 def write_many_flat(bank: Bank, slots: jax.Array, flats: tuple[jax.Array, ...]) -> Bank:
     """The traceable body of `write_slots_flat`, without its checks: for callers that compose the
-    writes into a jitted program of their own (benchmarks/pagein_probe.py)."""
+    writes into a jitted program of their own (benchmarks/probes/pagein.py)."""
     for i, flat in enumerate(flats):  # in order: a later write to the same slot wins
         bank = _write_flat(bank, slots[i], flat)
     return bank

@@ -1,4 +1,4 @@
-"""python -m benchmarks.pagein_probe runs end to end at toy size on CPU and renders its tables."""
+"""python -m benchmarks.probes.pagein runs end to end at toy size on CPU and renders its tables."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from tests.bench.run_module import run_benchmark
 
 def test_pagein_probe_smoke(tmp_path):
     cmd = [
-        "pagein_probe",
+        "probes.pagein",
         "--tiny",
         "--reps",
         "1",

@@ -1,4 +1,4 @@
-"""python -m benchmarks.serving: S-LoRA's trace generator, the rate bisection, and a toy run on CPU."""
+"""python -m benchmarks.serving.trace: S-LoRA's trace generator, the rate bisection, and a toy run on CPU."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.serving import make_trace, merge_rows, next_sweep_rate, num_fitting, rate_spec, row_key
+from benchmarks.serving.trace import make_trace, merge_rows, next_sweep_rate, num_fitting, rate_spec, row_key
 from jaxlora.adapters import Pager
 from jaxlora.config import ATTENTION_MODULES, LoraConfig
 from tests.factories import tiny_config
@@ -126,7 +126,7 @@ def _run(out: Path, *args: str) -> dict:
         [
             sys.executable,
             "-m",
-            "benchmarks.serving",
+            "benchmarks.serving.trace",
             "--tiny",
             "--engine-commit",
             "test",
@@ -202,7 +202,7 @@ def test_rate_spec_takes_a_rate_and_optional_seconds():
 def test_split_every_group_runs_every_module_group_as_two_launches(monkeypatch):
     """--lora-groups split: the A/B arm without the one-launch kernel or the tile expand, whatever
     the rank and rows."""
-    from benchmarks.serving import split_every_group
+    from benchmarks.serving.trace import split_every_group
     from pallas_kernels import tuning
 
     for table in tuning.GROUP_TABLES.values():  # restored after the test

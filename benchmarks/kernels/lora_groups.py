@@ -10,10 +10,10 @@ before each jit. Patterns are data: per token count T, `distinct` adapters sprea
 and "chunk" patterns (a prompt chunk of one adapter beside decode rows), which is what the ragged
 step runs through these kernels.
 
-    python -m benchmarks.group_kernels --out DIR [--layers 8] [--tokens 64 16 256 512 1024]
+    python -m benchmarks.kernels.lora_groups --out DIR [--layers 8] [--tokens 64 16 256 512 1024]
         [--ranks 16 64] [--check-ranks 8 32] [--families split xla tiles fused] [--max-fused N]
         [--budget-s S]
-    python -m benchmarks.group_kernels --smoke        # tiny shapes in interpret mode (CPU)
+    python -m benchmarks.kernels.lora_groups --smoke        # tiny shapes in interpret mode (CPU)
 
 Writes DIR/group_kernels.json after every case: rows (variant, knobs, T, pattern, rank, us per
 layer, floor us, max |diff| against xla), and `best` per rank and T (the candidate with the least

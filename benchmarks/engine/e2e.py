@@ -3,9 +3,9 @@
     jaxlora bench --tiny --out /tmp/bench          # CPU, toy model, seconds
     jaxlora bench --out benchmarks/results         # GPU: Llama-2-7B shape, the plan below
     jaxlora bench --quantize bf16 fp8 int8 ...     # every group once per base weight format
-    python -m benchmarks.e2e --tiny --out /tmp/bench   # the same, from a checkout without installing
+    python -m benchmarks.engine.e2e --tiny --out /tmp/bench   # the same, from a checkout without installing
 
-benchmarks/hf_peer.py measures the Hugging Face peer (transformers + PEFT), merged in with --hf-peer.
+benchmarks/engine/hf_peer.py measures the Hugging Face peer (transformers + PEFT), merged in with --hf-peer.
 
 A Llama-2-7B-shape model with random bf16 weights drawn on the device, an adapter bank drawn on the
 device (every adapter resident: this measures decoding, not paging), and the real `Engine`.
@@ -446,7 +446,7 @@ def validate(payload: dict) -> None:
 
 
 def hf_rows(peer: dict, model: ModelConfig, hbm: float, itemsize: int) -> list[dict]:
-    """Rows of the Hugging Face peer's results (benchmarks/hf_peer.py), floors on our bandwidth."""
+    """Rows of the Hugging Face peer's results (benchmarks/engine/hf_peer.py), floors on our bandwidth."""
     rows = []
     for r in peer["rows"]:
         group = Group(
@@ -621,7 +621,7 @@ def write_markdown(payload: dict, out: Path) -> None:
         "x_floor = step_ms / floor_step_ms; x_roofline = step_ms / roofline_step_ms, the floor with the GEMMs'"
         " FLOPs at the measured matmul rate"
         + (f" ({payload['matmul_TFLOPs']:.0f} TFLOP/s bf16 in this run)" if payload.get("matmul_TFLOPs") else "")
-        + " (benchmarks/e2e.py's doc).",
+        + " (benchmarks/engine/e2e.py's doc).",
         "",
     ]
     if payload.get("weights_bytes"):
@@ -918,7 +918,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "(float32 with --tiny), fp8 / int8 = weight-only quantized projections",
     )
     p.add_argument(
-        "--hf-peer", type=Path, default=None, help="results of benchmarks/hf_peer.py to include as hf-peft rows"
+        "--hf-peer", type=Path, default=None, help="results of benchmarks/engine/hf_peer.py to include as hf-peft rows"
     )
     p.add_argument("--no-plots", action="store_true")
     add_tensor_parallel_arg(p)
@@ -952,7 +952,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`jaxlora bench` (and `python -m benchmarks.e2e`): runs the plan, or re-renders a results file."""
+    """`jaxlora bench` (and `python -m benchmarks.engine.e2e`): runs the plan, or re-renders a results file."""
     if args.steps < 1 or args.budget_s <= 0:
         print("jaxlora bench: --steps must be >= 1, --budget-s > 0", file=sys.stderr)
         return 2

@@ -7,13 +7,13 @@ A research probe for the pager (issue 6). Every figure is a median over repeats,
                   wall time from the first dispatch to the written bank, as GB/s, for several k and
                   for three ways of issuing them (one device_put per adapter; one device_put of the
                   list; one jitted call that reads the pinned buffers itself and writes all k slots)
-  overlap         a stand-in decode step (benchmarks/paging.py's) dispatched, then k page-ins: when
+  overlap         a stand-in decode step (benchmarks/engine/paging.py's) dispatched, then k page-ins: when
                   the step's output is ready and when the written bank is, against the step alone
                   and the copies alone; host time spent issuing the page-ins
 
-    python -m benchmarks.pagein_probe --out benchmarks/results        # GPU
-    python -m benchmarks.pagein_probe --tiny --out /tmp/probe         # CPU smoke run
-    python -m benchmarks.pagein_probe --render benchmarks/results/pagein_probe.json   # -> pagein_probe.md
+    python -m benchmarks.probes.pagein --out benchmarks/results        # GPU
+    python -m benchmarks.probes.pagein --tiny --out /tmp/probe         # CPU smoke run
+    python -m benchmarks.probes.pagein --render benchmarks/results/pagein_probe.json   # -> pagein_probe.md
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def render(path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--render", type=Path, default=None, help="write the .md of this probe JSON (no run)")
     args = p.parse_args()

@@ -9,7 +9,7 @@
   profiles        per-op device time (XLA Ops line of the profiler) for the base variants and the
                   pallas LoRA step, top ops by total time
 
-    python -m benchmarks.profile_decode [--tiny] [--out DIR] [--only NAME ...]
+    python -m benchmarks.step.profile_decode [--tiny] [--out DIR] [--only NAME ...]
 
 Writes DIR/profile_decode.json when --out is given.
 """

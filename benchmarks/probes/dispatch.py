@@ -2,7 +2,7 @@
 queued, for each way a step's arguments can arrive: a donated (in-place) buffer or not, the small
 inputs as a numpy array or already on the device, the previous step's output fed back or not.
 
-    PYTHONPATH=. python3 benchmarks/dispatch_probe.py [--out DIR]
+    PYTHONPATH=. python3 benchmarks/probes/dispatch.py [--out DIR]
 
 A step here is ~`--iters` skinny matmuls (a few ms on an H200) plus an in-place update of a large
 buffer, the shape of the engine's step (weights read, KV pool donated and written).

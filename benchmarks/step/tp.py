@@ -33,9 +33,9 @@ on one device or on the host), with the same values on TP 1 and TP 2. Results ar
 OUT/tp.json and OUT/tp.md after every case; a failing case is recorded with its error and the next
 one runs; no case starts once `--budget-s` is spent (listed as not run).
 
-    python -m benchmarks.tp --out benchmarks/results --budget-s 500      # 2 x H200
+    python -m benchmarks.step.tp --out benchmarks/results --budget-s 500      # 2 x H200
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
-        python -m benchmarks.tp --tiny --out /tmp/tp                      # CPU smoke
+        python -m benchmarks.step.tp --tiny --out /tmp/tp                      # CPU smoke
 """
 
 from __future__ import annotations
@@ -416,7 +416,7 @@ def allreduce_chain_ms(cfg: ModelConfig, tensor: int, batch: int, dtype: jnp.dty
 def profile_allreduce(step: Step, slots: np.ndarray, label: str, num_gpus: int, steps: int = 3) -> dict:
     """Device time per step of the all-reduces inside a compiled step, from a GPU profiler trace
     (summed over the GPUs' planes, then divided by their number: one GPU's share on average)."""
-    from benchmarks.profile_decode import device_op_times
+    from benchmarks.step.profile_decode import device_op_times
 
     inputs = step.inputs(slots, step.position)
     ops = device_op_times(lambda: step(inputs, step.tokens), steps=steps)
@@ -741,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1 or args.greedy_steps < 1 or args.budget_s <= 0:
         p.error("--steps and --greedy-steps must be >= 1, --budget-s > 0")
-    args.command = "python -m benchmarks.tp " + shlex.join(sys.argv[1:] if argv is None else argv)
+    args.command = "python -m benchmarks.step.tp " + shlex.join(sys.argv[1:] if argv is None else argv)
     payload = run(args)
     print(f"wrote {args.out / 'tp.json'} ({len(payload['rows'])} rows, {len(payload['not_run'])} not run)")
     return 0

@@ -6,7 +6,7 @@ the serving layout (q|k|v and gate|up fused, jaxlora.model.fused) with cuBLAS GE
 separate layout with XLA's GEMM choice, so the check also covers the layout and the fused-output
 LoRA kernel.
 
-    python -m benchmarks.engine_gpu_check --out $OUT
+    python -m benchmarks.engine.gpu_check --out $OUT
 """
 
 from __future__ import annotations

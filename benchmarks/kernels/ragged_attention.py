@@ -4,8 +4,8 @@ For each case (random pages in a shuffled pool, NaN in every page no sequence re
 tokens at the end), it prints the kernel's largest error against the reference, times the kernel
 and the reference per layer, and sweeps block_q x block_k (every swept setting is checked too):
 
-    python -m benchmarks.ragged_attention_check --out DIR    # DIR/ragged_attention.json
-    python -m benchmarks.ragged_attention_check --out DIR --smoke  # tiny, interpret mode (CPU)
+    python -m benchmarks.kernels.ragged_attention --out DIR    # DIR/ragged_attention.json
+    python -m benchmarks.kernels.ragged_attention --out DIR --smoke  # tiny, interpret mode (CPU)
 
 Timing: one jitted call runs the op over `--layers` layers in a fori_loop, each layer's output fed
 to the next as its queries (so nothing is hoisted or dropped); a layer's time is the median over 20

@@ -31,8 +31,8 @@ The loop must compile nothing after warm-up (`compiles_after_warmup` is recorded
 `token_digest` hashes every token id the loop streamed (warm-up and measured steps): two runs of
 the same case and seed that compute the same agree on it (e.g. under different XLA_FLAGS).
 
-    python -m benchmarks.host_loop --tiny --out /tmp/host_loop       # CPU, seconds
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python -m benchmarks.host_loop \\
+    python -m benchmarks.engine.host_loop --tiny --out /tmp/host_loop       # CPU, seconds
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python -m benchmarks.engine.host_loop \\
         --out benchmarks/results                                                  # H200
 
 Writes OUT/host_loop.json, rewritten after every case.
@@ -527,7 +527,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     opts, out = parse_args(argv)
-    command = shlex.join(["python", "benchmarks/host_loop.py", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(["python", "benchmarks/engine/host_loop.py", *(sys.argv[1:] if argv is None else argv)])
     payload = run(opts, out, command)
     return 1 if payload["failed"] else 0
 

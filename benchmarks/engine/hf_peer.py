@@ -10,8 +10,8 @@ Per case: tokens/s of the timed `generate` (prefill included, as jaxlora's end-t
 time to first token (a 1-token `generate` of the whole batch) and the mean decode step
 ((t(N) - t(1)) / (N - 1)). Also the device-to-device copy bandwidth through torch, for reference.
 
-    python -m benchmarks.hf_peer --out hf_peer.json               # H200 (torch, transformers, peft)
-    python -m benchmarks.hf_peer --tiny --device cpu --out x.json  # smoke run on a toy shape
+    python -m benchmarks.engine.hf_peer --out hf_peer.json               # H200 (torch, transformers, peft)
+    python -m benchmarks.engine.hf_peer --tiny --device cpu --out x.json  # smoke run on a toy shape
 
 Runs under the image's torch python, never imports jax or jaxlora.
 """

@@ -9,12 +9,12 @@ HBM bandwidth is measured in the same run as a large device-to-device copy (byte
 Every case's floor counts the distinct adapter bytes, x read, h written and read, and y read and
 written.
 
-    python -m benchmarks.kernels check              # pallas vs xla on awkward shapes (GPU, compiled)
-    python -m benchmarks.kernels tune               # sweep decode knobs, print tuning.py rows
-    python -m benchmarks.kernels bench --out DIR    # full table -> DIR/kernels.{json,md,png}
-    python -m benchmarks.kernels model              # scan over layers, plan hoisted vs per op
-    python -m benchmarks.kernels all --out DIR      # check, tune (installed for the bench), bench, model
-    python -m benchmarks.kernels all --smoke        # the same on tiny shapes in interpret mode (CPU)
+    python -m benchmarks.kernels.lora check              # pallas vs xla on awkward shapes (GPU, compiled)
+    python -m benchmarks.kernels.lora tune               # sweep decode knobs, print tuning.py rows
+    python -m benchmarks.kernels.lora bench --out DIR    # full table -> DIR/kernels.{json,md,png}
+    python -m benchmarks.kernels.lora model              # scan over layers, plan hoisted vs per op
+    python -m benchmarks.kernels.lora all --out DIR      # check, tune (installed for the bench), bench, model
+    python -m benchmarks.kernels.lora all --smoke        # the same on tiny shapes in interpret mode (CPU)
 
 `--budget-s` bounds the run: lower-priority cases are skipped once it is spent, and the results
 written so far stay (they are rewritten after every case).
@@ -548,7 +548,7 @@ def main() -> None:
     global HBM_GBPS, S
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=("check", "tune", "bench", "model", "all"))
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--budget-s", type=float, default=float("inf"))
     parser.add_argument("--tune-share", type=float, default=0.35, help="fraction of the budget for tuning")
@@ -557,7 +557,7 @@ def main() -> None:
     start = time.perf_counter()
     S = dataclasses.replace(SMOKE if args.smoke else Scale(), deadline=start + args.budget_s)
     num_layers = 2 if args.smoke else args.layers
-    command = "python -m benchmarks.kernels " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.kernels.lora " + " ".join(sys.argv[1:])
     stamp = lambda what: print(f"== {what} at {time.perf_counter() - start:.0f}s", flush=True)
     print("device", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
     HBM_GBPS = hbm_gbps()

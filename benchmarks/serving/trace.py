@@ -6,7 +6,7 @@ this order,
   - `int(rate * duration)` requests;
   - each request's adapter `int(power(alpha) * n)`: `numpy.random.power(alpha)` has density
     alpha * x**(alpha - 1) on [0, 1), so alpha = 1 is uniform over the n adapters and a smaller alpha
-    concentrates requests on the low-numbered adapters (0.1: very skewed), as `benchmarks/paging.py`;
+    concentrates requests on the low-numbered adapters (0.1: very skewed), as `benchmarks/engine/paging.py`;
   - input lengths, then output lengths, uniform integers in [8, 512) (`randint(8, 512)`);
   - inter-arrival times Gamma(shape = 1 / cv**2, scale = cv**2 / rate): mean 1 / rate, coefficient
     of variation cv (cv = 1 is a Poisson process); request i arrives at the sum of the first i + 1.
@@ -47,10 +47,10 @@ once), serving its rates one after another: each run starts with an idle engine,
 adapters the previous run left resident (a paged setting's first run starts with no adapter on the
 device; `all` pages its 64 in before the first).
 
-    python -m benchmarks.serving --tiny                                  # CPU smoke run
-    python -m benchmarks.serving --settings all s1 --rates 4 10 40 --duration 30 --max-drain-s 30
-    python -m benchmarks.serving --settings s2 --rates 4 10 40 --sweep 3 --merge
-    python -m benchmarks.serving --render                                # md + png from the JSON
+    python -m benchmarks.serving.trace --tiny                                  # CPU smoke run
+    python -m benchmarks.serving.trace --settings all s1 --rates 4 10 40 --duration 30 --max-drain-s 30
+    python -m benchmarks.serving.trace --settings s2 --rates 4 10 40 --sweep 3 --merge
+    python -m benchmarks.serving.trace --render                                # md + png from the JSON
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import LLAMA2_7B, TINY, slot_pattern, time_decode, word_tokenizer
-from benchmarks.paging import pool_adapters, register_copies, weight_pool
+from benchmarks.engine.paging import pool_adapters, register_copies, weight_pool
 from jaxlora.adapters import Pager
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig
 from jaxlora.engine.config import ENGINE_KIND, EngineConfig
@@ -83,7 +83,7 @@ from jaxlora.errors import JaxloraError
 from jaxlora.model.params import LoadedModel, random_model
 from pallas_kernels import tuning
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SLO_TTFT_S = 6.0  # S-LoRA's SLO: the first token within 6 s
 # What --merge replaces rows by: a run of another arrival window is another row.
 KEY_FIELDS = ("engine", "setting", "n", "rate", "duration_s", "cv", "alpha", "temperature")
@@ -1041,7 +1041,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     previous = json.loads(path.read_text())["rows"] if args.merge and path.exists() else []
     model = random_model(size.model, dtype=jnp.dtype(size.dtype), fused=True)  # the serving layout
     jax.block_until_ready(model.params)
-    command = "python -m benchmarks.serving " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m benchmarks.serving.trace " + " ".join(sys.argv[1:] if argv is None else argv)
     base_row = {
         "device": str(dev.device_kind),
         "engine_commit": commit,

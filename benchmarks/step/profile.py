@@ -6,7 +6,7 @@ chunks (length, cached prefix), packed into a step of T tokens exactly as the en
 serving trace's steady state is the model: decode rows at a mean context of ~390 (prompt mean 260 plus
 half the output mean), and prompt chunks filling the rest of the budget.
 
-    python3 -m benchmarks.step_profile [--tiny] [--layers 8] [--out DIR] [--profile]
+    python3 -m benchmarks.step.profile [--tiny] [--layers 8] [--out DIR] [--profile]
 
 --profile adds a per-op device-time split (attention / GEMM / LoRA / other) of the named cases; run
 it with XLA_FLAGS=--xla_gpu_enable_command_buffer= so that the kernels show one by one. Timings are
@@ -129,7 +129,7 @@ def time_step(params, bank, kv, inputs, static, reps: int) -> tuple[float, objec
 def op_split(fn) -> dict:
     """Device ms per step by kind (attention, gemm, lora, other) from a profiler trace of `fn`, and
     the 40 ops with the most time ("top": name, ms per step, launches per step)."""
-    from benchmarks.profile_decode import device_op_times
+    from benchmarks.step.profile_decode import device_op_times
 
     split: dict[str, float] = {"attention": 0.0, "gemm": 0.0, "lora": 0.0, "other": 0.0, "launches": 0}
     ops = device_op_times(fn)

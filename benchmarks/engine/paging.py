@@ -22,10 +22,10 @@ the real Pager; Pallas LoRA kernels and decode attention on GPU):
 Registration: a few random weight sets are drawn once and every registered adapter is a copy of one
 of them (each registration still validates, packs and pins its own host buffer), on a few threads.
 
-    python -m benchmarks.paging                # H200: both settings -> benchmarks/results/paging.{json,md,png}
-    python -m benchmarks.paging --tiny         # CPU smoke run at toy size
-    python -m benchmarks.paging --setting s1 --registered 2000 --exponents 1 0.1
-    python -m benchmarks.paging --setting full --host-gb 60 --budget-s 900
+    python -m benchmarks.engine.paging                # H200: both settings -> benchmarks/results/paging.{json,md,png}
+    python -m benchmarks.engine.paging --tiny         # CPU smoke run at toy size
+    python -m benchmarks.engine.paging --setting s1 --registered 2000 --exponents 1 0.1
+    python -m benchmarks.engine.paging --setting full --host-gb 60 --budget-s 900
 """
 
 from __future__ import annotations
@@ -640,7 +640,7 @@ def merge(paths: list[Path], out: Path) -> dict:
         rows=[],
         variant_rows=[],
         commands=[p["command"] for p in payloads],
-        command="python -m benchmarks.paging --merge " + " ".join(str(p) for p in paths),
+        command="python -m benchmarks.engine.paging --merge " + " ".join(str(p) for p in paths),
     )
     seen: set[str] = set()
     for payload in payloads:
@@ -670,7 +670,7 @@ def main() -> None:
     parser.add_argument("--setting", action="append", choices=("s1", "full"), help="default: both")
     parser.add_argument("--exponents", type=float, nargs="+", default=[1.0, 0.5, 0.1])
     parser.add_argument("--host-memory", choices=[m.value for m in HostMemory], default="auto")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     parser.add_argument(
         "--registered",
         type=int,

@@ -17,7 +17,7 @@ Stages (each row is written to mgpu.json as soon as it is measured; `--stages` p
          and with the tuning table's knobs the engine runs, on int8 and e4m3 weights ("table",
          "table-fp8").
 
-    python -m benchmarks.quant_mgpu [--stages check gemm step] [--batch 16 64 128 256]
+    python -m benchmarks.kernels.quant_mgpu [--stages check gemm step] [--batch 16 64 128 256]
         [--layers 8] [--time-budget S] [--gemm-budget S] --out DIR
 """
 
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import LLAMA2_7B, best_ms, hbm_gbps
-from benchmarks.quant_gemm import fused_layer
+from benchmarks.kernels.quant_gemm import fused_layer
 from pallas_kernels.quant_matmul import quant_matmul
 from pallas_kernels.quant_matmul_mgpu import MgpuKnobs, quant_matmul_mgpu
 from pallas_kernels.quant_mgpu_tuning import mgpu_knobs

@@ -44,7 +44,7 @@ after every case, and before each case it names the case it is running: `--resum
 compile can take the process down), so re-running the same command finishes a sweep.
 `--time-budget S` starts no case after S seconds (the cases left are listed under "left").
 
-    python -m benchmarks.quant_gemm [--tiny] [--batch 1 16 64 256] [--formats ...] [--layers N]
+    python -m benchmarks.kernels.quant_gemm [--tiny] [--batch 1 16 64 256] [--formats ...] [--layers N]
         [--tune FORMAT ...] [--time-budget S] [--resume] [--out DIR]
 """
 
