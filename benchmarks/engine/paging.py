@@ -22,7 +22,7 @@ the real Pager; Pallas LoRA kernels and decode attention on GPU):
 Registration: a few random weight sets are drawn once and every registered adapter is a copy of one
 of them (each registration still validates, packs and pins its own host buffer), on a few threads.
 
-    python -m benchmarks.engine.paging                # H200: both settings -> benchmarks/results/paging.{json,md,png}
+    python -m benchmarks.engine.paging                # H200: both settings -> benchmarks/results/engine/paging/paging.{json,md,png}
     python -m benchmarks.engine.paging --tiny         # CPU smoke run at toy size
     python -m benchmarks.engine.paging --setting s1 --registered 2000 --exponents 1 0.1
     python -m benchmarks.engine.paging --setting full --host-gb 60 --budget-s 900

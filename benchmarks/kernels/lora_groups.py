@@ -59,7 +59,7 @@ CANDIDATES = [
 
 # The split form with the tile expand (`decode_group(tiles=...)`): (block_out, num_warps). The shrink
 # is the split form's; the expand reads each b column block once per 16-row work item. The first
-# sweep (H100, results/group_probe_s11/g) also ran block_out 64 / 4 warps and 512 / 8 warps: both
+# sweep (H100, results/archive/group_probe_s11/g) also ran block_out 64 / 4 warps and 512 / 8 warps: both
 # lost to these two at every rank and T.
 TILE_CANDIDATES = [
     dict(impl="split_tiles", block_rows=16, block_out=bo, num_warps=w, num_stages=1) for bo, w in ((128, 4), (256, 4))
@@ -92,7 +92,7 @@ def patterns(tokens: int, rng: np.random.Generator, slots: int) -> dict[str, np.
     """Slot patterns at T rows: distinct adapters spread over rows, and prompt chunks beside decode rows."""
     out = {}
     # At most slots - 1 adapters: a slot id past the bank is not a valid input (the first H200 run of
-    # T=2048 on a 257-slot bank asked for 512 and every family read past the bank, results/probe_s11b).
+    # T=2048 on a 257-slot bank asked for 512 and every family read past the bank, results/archive/probe_s11b).
     for distinct in sorted({1, min(max(1, tokens // 4), slots - 1), min(tokens, slots - 1)}):
         out[f"d{distinct}"] = (1 + rng.permutation(np.arange(tokens) % distinct)).astype(np.int32)
     if tokens >= 512:  # ragged steps: 400-token chunks of one adapter each, the rest decode rows on 64 adapters

@@ -13,7 +13,7 @@ A research probe for the pager (issue 6). Every figure is a median over repeats,
 
     python -m benchmarks.probes.pagein --out benchmarks/results        # GPU
     python -m benchmarks.probes.pagein --tiny --out /tmp/probe         # CPU smoke run
-    python -m benchmarks.probes.pagein --render benchmarks/results/pagein_probe.json   # -> pagein_probe.md
+    python -m benchmarks.probes.pagein --render benchmarks/results/probes/pagein/pagein_probe.json   # -> pagein_probe.md
 """
 
 from __future__ import annotations
