@@ -1,7 +1,7 @@
 """End-to-end decode speed of the engine against the memory-bandwidth floor (`jaxlora bench`).
 
     jaxlora bench --tiny --out /tmp/bench          # CPU, toy model, seconds
-    jaxlora bench --out benchmarks/results         # GPU: Llama-2-7B shape, the plan below
+    jaxlora bench                                  # GPU: Llama-2-7B shape, the plan below
     jaxlora bench --quantize bf16 fp8 int8 ...     # every group once per base weight format
     python -m benchmarks.engine.e2e --tiny --out /tmp/bench   # the same, from a checkout without installing
 
@@ -70,6 +70,7 @@ from benchmarks.common import (
     time_decode,
     word_tokenizer,
 )
+from benchmarks.paths import results_dir
 from jaxlora.adapters import ResidentBank
 from jaxlora.cli.engine_args import add_tensor_parallel_arg
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig
@@ -898,9 +899,7 @@ def run_benchmark(opts: Options) -> dict:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results"), help="folder for e2e.json, e2e.md and the plots"
-    )
+    p.add_argument("--out", type=Path, default=results_dir(__file__), help="folder for e2e.json, e2e.md and the plots")
     p.add_argument("--tiny", action="store_true", help="toy model on the CPU (runs in seconds)")
     p.add_argument(
         "--budget-s", type=float, default=300.0, help="wall-clock budget: no new group starts once it is spent"

@@ -33,7 +33,7 @@ the same case and seed that compute the same agree on it (e.g. under different X
 
     python -m benchmarks.engine.host_loop --tiny --out /tmp/host_loop       # CPU, seconds
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python -m benchmarks.engine.host_loop \\
-        --out benchmarks/results                                                  # H200
+        --out benchmarks/results/engine/host_loop                                 # H200
 
 Writes OUT/host_loop.json, rewritten after every case.
 """

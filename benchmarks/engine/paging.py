@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import LLAMA2_7B, TINY, word_tokenizer
+from benchmarks.paths import results_dir
 from jaxlora.adapters import HostMemory, Pager
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig
 from jaxlora.engine.config import EngineConfig
@@ -670,7 +671,7 @@ def main() -> None:
     parser.add_argument("--setting", action="append", choices=("s1", "full"), help="default: both")
     parser.add_argument("--exponents", type=float, nargs="+", default=[1.0, 0.5, 0.1])
     parser.add_argument("--host-memory", choices=[m.value for m in HostMemory], default="auto")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__))
     parser.add_argument(
         "--registered",
         type=int,

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from benchmarks.paths import results_dir
 from pallas_kernels import lora_triton, tuning
 
 L2_BYTES = 60e6
@@ -548,7 +549,7 @@ def main() -> None:
     global HBM_GBPS, S
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=("check", "tune", "bench", "model", "all"))
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__))
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--budget-s", type=float, default=float("inf"))
     parser.add_argument("--tune-share", type=float, default=0.35, help="fraction of the budget for tuning")

@@ -11,7 +11,7 @@ A research probe for the pager (issue 6). Every figure is a median over repeats,
                   the step's output is ready and when the written bank is, against the step alone
                   and the copies alone; host time spent issuing the page-ins
 
-    python -m benchmarks.probes.pagein --out benchmarks/results        # GPU
+    python -m benchmarks.probes.pagein                                 # GPU
     python -m benchmarks.probes.pagein --tiny --out /tmp/probe         # CPU smoke run
     python -m benchmarks.probes.pagein --render benchmarks/results/probes/pagein/pagein_probe.json   # -> pagein_probe.md
 """
@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import LLAMA2_7B, TINY
+from benchmarks.paths import results_dir
 from jaxlora.adapters.registry import FlatLayout
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraConfig, ModelConfig
 from jaxlora.lora.bank import bank_groups, init_bank, write_many_flat, write_slot_flat, write_slots_flat
@@ -229,7 +230,7 @@ def render(path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
+    p.add_argument("--out", type=Path, default=results_dir(__file__))
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--render", type=Path, default=None, help="write the .md of this probe JSON (no run)")
     args = p.parse_args()

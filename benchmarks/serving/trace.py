@@ -74,6 +74,7 @@ import numpy as np
 
 from benchmarks.common import LLAMA2_7B, TINY, slot_pattern, time_decode, word_tokenizer
 from benchmarks.engine.paging import pool_adapters, register_copies, weight_pool
+from benchmarks.paths import results_dir
 from jaxlora.adapters import Pager
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig
 from jaxlora.engine.config import ENGINE_KIND, EngineConfig
@@ -847,7 +848,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-measured", action="store_true", help="with --merge: skip rates the file has already")
     p.add_argument("--render", action="store_true", help=f"only rewrite serving.md/png from --out/{RESULTS}")
     p.add_argument("--engine-commit", default=None, help="recorded in the rows (default: git HEAD)")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--out", type=Path, default=results_dir(__file__))
     args = p.parse_args(argv)
     if args.duration is None:
         args.duration = 2.0 if args.tiny else 120.0

@@ -33,7 +33,7 @@ on one device or on the host), with the same values on TP 1 and TP 2. Results ar
 OUT/tp.json and OUT/tp.md after every case; a failing case is recorded with its error and the next
 one runs; no case starts once `--budget-s` is spent (listed as not run).
 
-    python -m benchmarks.step.tp --out benchmarks/results --budget-s 500      # 2 x H200
+    python -m benchmarks.step.tp --budget-s 500                              # 2 x H200
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
         python -m benchmarks.step.tp --tiny --out /tmp/tp                      # CPU smoke
 """
@@ -58,6 +58,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks.common import LLAMA2_7B, TINY, decode_inputs, hbm_gbps, random_bank, slot_pattern
+from benchmarks.paths import results_dir
 from jaxlora.config import LoraConfig, ModelConfig
 from jaxlora.engine.compiles import backend_compiles, check_no_compiles
 from jaxlora.engine.config import EngineConfig
@@ -723,7 +724,7 @@ def attempt(fn: Callable[[], None], label: str, payload: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for tp.json and tp.md")
+    p.add_argument("--out", type=Path, default=results_dir(__file__), help="folder for tp.json and tp.md")
     p.add_argument("--tiny", action="store_true", help="toy models (CPU with 2 fake devices: seconds)")
     p.add_argument("--budget-s", type=float, default=500.0, help="no case starts once this wall time is spent")
     p.add_argument(
