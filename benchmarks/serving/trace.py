@@ -18,7 +18,7 @@ What runs: the real `Engine` (background loop, `engine.start()`) with the real `
 random-weight Llama-2-7B-shape model in bf16 (Pallas LoRA kernels on GPU). A driver thread submits
 each request at its arrival time; the request's callback (on the engine thread) timestamps every
 token. Settings (S-LoRA's S1 and S2, plus one with adapters on all seven modules):
-  s1   rank 8 on q/k/v/o, 2,000 registered adapters, 64 device slots (paged);
+  s1   rank 8 on q/k/v/o, 2,000 registered adapters, 256 device slots (paged);
   s2   ranks 64/32/16/8 on q/k/v/o (adapter i has rank (64, 32, 16, 8)[i % 4], as S-LoRA's S2 list),
        2,000 asked; the pager keeps each host copy at its rank class (8-64: 17-134 MB, 63 MB on
        average), so `--host-gb` caps n (the default 64 GB holds 1,016) and the rows record the n
@@ -42,8 +42,9 @@ Per run (one offered rate) a row records:
     counted by wrapping those calls, at the commit in their `engine_commit`.)
 `--sweep K` adds up to K runs per setting that bisect for the highest rate at SLO attainment >= 0.9.
 
-One model for the whole invocation; per setting one pager and one engine (compiled and warmed up
-once), serving its rates one after another: each run starts with an idle engine, and with the
+The engine is the preset configs/llama2-7b-h200.yaml (what `jaxlora serve --config` runs) with each
+setting's adapter bank; `all` is the preset's own bank. One model for the whole invocation; per
+setting one pager and one engine (compiled and warmed up once), serving its rates one after another: each run starts with an idle engine, and with the
 adapters the previous run left resident (a paged setting's first run starts with no adapter on the
 device; `all` pages its 64 in before the first).
 
@@ -85,6 +86,8 @@ from jaxlora.model.params import LoadedModel, random_model
 from pallas_kernels import tuning
 
 ROOT = Path(__file__).resolve().parents[2]
+PRESET = ROOT / "configs" / "llama2-7b-h200.yaml"  # the engine of the full-size rows
+OPEN_LOOP_QUEUE = 1 << 20
 SLO_TTFT_S = 6.0  # S-LoRA's SLO: the first token within 6 s
 # What --merge replaces rows by: a run of another arrival window is another row.
 KEY_FIELDS = ("engine", "setting", "n", "rate", "duration_s", "cv", "alpha", "temperature")
@@ -168,67 +171,62 @@ def settings(tiny: bool) -> dict[str, Setting]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Scale:
-    """Model and length limits of one benchmark size."""
+    """Model, request lengths and engine of one benchmark size. The engine's LoRA limits are each
+    setting's (`make_engine`); the full size's `all` setting is the preset's own."""
 
     model: ModelConfig
-    dtype: str
     input_range: tuple[int, int]
     output_range: tuple[int, int]
-    max_batch: int
-    max_seq_len: int
-    token_budgets: tuple[int, ...]
-    page_size: int
+    engine: EngineConfig
+
+    @property
+    def dtype(self) -> str:
+        return self.engine.dtype
 
 
 def scale(tiny: bool, model: str) -> Scale:
-    """--tiny: toy everything. Else the 7B limits, on the 7B shape or (model "tiny", a CPU check of
-    the full-size schedule) on the toy model with positions for the full lengths."""
+    """--tiny: toy everything. Else the preset's engine (configs/llama2-7b-h200.yaml), on the 7B shape
+    or (model "tiny", a CPU check of the full-size schedule) on the toy model in float32 with
+    positions for the full lengths."""
     if tiny:
-        return Scale(
-            model=TINY,
-            dtype="float32",
-            input_range=(8, 24),
-            output_range=(8, 24),
+        engine = EngineConfig(
             max_batch=8,
             max_seq_len=64,
             token_budgets=(8, 32),
             page_size=8,
+            max_new_tokens_limit=32,
+            dtype="float32",
+            bank_free_steps=False,
         )
-    cfg = LLAMA2_7B if model == "llama2-7b" else dataclasses.replace(TINY, max_position_embeddings=1024)
+        return Scale(model=TINY, input_range=(8, 24), output_range=(8, 24), engine=engine)
+    engine = EngineConfig.from_yaml(PRESET)
+    if model == "llama2-7b":
+        return Scale(model=LLAMA2_7B, input_range=(8, 512), output_range=(8, 512), engine=engine)
+    toy = dataclasses.replace(TINY, max_position_embeddings=1024)
     return Scale(
-        model=cfg,
-        dtype="bfloat16" if model == "llama2-7b" else "float32",
-        input_range=(8, 512),
-        output_range=(8, 512),
-        max_batch=256,
-        max_seq_len=1024,
-        # From 32: a decode-only step pads its rows to the next budget (TPOT at low load, and the
-        # drain of a loaded run); under load prompt chunks fill a budget exactly. Each budget is a
-        # program compiled at set-up (the 7B step: about a minute, the warm-up's compiles in parallel).
-        token_budgets=(32, 64, 128, 256, 512, 1024, 2048),
-        page_size=16,
+        model=toy, input_range=(8, 512), output_range=(8, 512), engine=dataclasses.replace(engine, dtype="float32")
     )
+
+
+def engine_config(setting: Setting, size: Scale, lora: LoraConfig) -> EngineConfig:
+    """The size's engine with the setting's adapter bank (`lora`, from its pager), checked against the
+    trace's lengths. The queue is unbounded: an open-loop trace submits every arrival, and an overloaded
+    run must show as queueing delay, not as refused requests."""
+    engine = size.engine
+    longest = size.input_range[1] - 1 + size.output_range[1] - 1
+    if longest > engine.max_seq_len:
+        raise ValueError(f"a request may need {longest} positions, more than max_seq_len={engine.max_seq_len}")
+    if size.output_range[1] - 1 > engine.max_new_tokens_limit:
+        raise ValueError(f"outputs up to {size.output_range[1] - 1} tokens, more than {engine.max_new_tokens_limit=}")
+    if setting.slots + 1 != lora.max_slots:
+        raise ValueError(f"setting {setting.name} has {setting.slots} slots, the pager {lora.max_slots - 1}")
+    return dataclasses.replace(engine, max_queue=OPEN_LOOP_QUEUE, lora=lora)
 
 
 def make_engine(setting: Setting, model: LoadedModel, pager: Pager, size: Scale, backend: str) -> Engine:
     """The engine under test, built in this one place so that another engine kind swaps in here."""
-    if setting.slots + 1 != pager.max_slots:
-        raise ValueError(f"setting {setting.name} has {setting.slots} slots, the pager {pager.max_slots - 1}")
-    longest = size.input_range[1] - 1 + size.output_range[1] - 1
-    if longest > size.max_seq_len:
-        raise ValueError(f"a request may need {longest} positions, more than max_seq_len={size.max_seq_len}")
-    config = EngineConfig(
-        max_batch=size.max_batch,
-        max_seq_len=size.max_seq_len,
-        token_budgets=size.token_budgets,
-        page_size=size.page_size,
-        max_new_tokens_limit=size.output_range[1] - 1,
-        max_queue=1 << 20,
-        lora=dataclasses.replace(pager.lora_config, backend=backend),
-        dtype=size.dtype,
-        bank_free_steps=False,  # every request of the trace names an adapter
-    )
-    engine = Engine(model, word_tokenizer(model.config.vocab_size), config, pager)
+    lora = dataclasses.replace(pager.lora_config, backend=backend)
+    engine = Engine(model, word_tokenizer(model.config.vocab_size), engine_config(setting, size, lora), pager)
     if engine.tokenizer.eos_token_ids:
         raise ValueError("the benchmark tokenizer must have no end-of-sequence id: requests run to max_tokens")
     return engine
@@ -818,7 +816,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals (default 120; --tiny 2)")
     p.add_argument("--max-drain-s", type=float, default=None, help="after the last arrival (default 60; --tiny 20)")
-    p.add_argument("--host-gb", type=float, default=64.0, help="host budget for registered adapters, GB")
+    p.add_argument(
+        "--host-gb", type=float, default=None, help="host budget for registered adapters, GB (default: the preset's)"
+    )
     p.add_argument(
         "--budgets", type=int, nargs="+", default=None, help="the engine's token budgets (default 128-2048 by 2x)"
     )
@@ -884,13 +884,13 @@ def run_setting(
     not_run: list[str],
 ) -> None:
     """One engine for the setting; runs --rates, then the sweep; calls on_row after every run."""
-    host = int(args.host_gb * 1e9) if not args.tiny else None
+    host = None if args.tiny else int(args.host_gb * 1e9) if args.host_gb else size.engine.host_capacity_bytes
     t0 = time.perf_counter()
     pager, n, reg_s = make_pager(setting, model, size, backend, host)
     note = None
     if n < setting.n:
         note = (
-            f"{setting.name}: {n} adapters registered, not {setting.n}: --host-gb {args.host_gb:g} holds {n} "
+            f"{setting.name}: {n} adapters registered, not {setting.n}: a {host / 1e9:g} GB host budget holds {n} "
             f"host copies at their rank classes ({pager.registered_bytes / n / 1e6:.0f} MB on average)"
         )
     mb = pager.registered_bytes / max(n, 1) / 1e6
@@ -951,8 +951,8 @@ def run_setting(
                 "n_asked": setting.n,
                 "slots": setting.slots,
                 "paged": n > setting.slots,
-                "max_batch": size.max_batch,
-                "token_budgets": list(size.token_budgets),
+                "max_batch": size.engine.max_batch,
+                "token_budgets": list(size.engine.token_budgets),
                 "registration_s": round(reg_s, 1),
                 "sweep": sweep,
                 **result,
@@ -1029,7 +1029,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     size = scale(args.tiny, args.model)
     if args.budgets:  # finer budgets: less padding, one more compile at set-up each
-        size = dataclasses.replace(size, token_budgets=tuple(sorted(set(args.budgets))))
+        size = dataclasses.replace(
+            size, engine=dataclasses.replace(size.engine, token_budgets=tuple(sorted(set(args.budgets))))
+        )
     dev = jax.devices()[0]
     backend = args.backend or ("pallas" if dev.platform == "gpu" else "xla")
     if args.lora_groups == "split":
