@@ -805,7 +805,7 @@ def bgmv_expand(
     Two implementations compute it (`impl`, default from tuning.py by token count): "grouped"
     sorts rows by slot so that each tile of rows sharing a slot reads b[slot] once; "rows" reads
     each row's own b[slot] columns, with no grouping. The choice is a static rule, benchmarked both
-    ways in benchmarks/kernels.py.
+    ways in benchmarks/kernels/lora.py.
 
     Args:
       y: [T, O] float base output; h: [T, C] float; b: [S, R, O] bank (slot 0 = no adapter);

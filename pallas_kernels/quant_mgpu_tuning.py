@@ -7,8 +7,8 @@ from __future__ import annotations
 from pallas_kernels.quant_matmul_mgpu import MgpuKnobs
 
 # Row bucket -> (knobs for widths below WIDE_COLUMNS, knobs for widths from it), as
-# (tile_n, tile_k, stages, compute_wgs). From the H200 sweep of benchmarks/quant_mgpu.py over the
-# 7B serving layout's GEMMs (benchmarks/results/mgpu_probe/, 8 layers each, us per GEMM): the
+# (tile_n, tile_k, stages, compute_wgs). From the H200 sweep of benchmarks/kernels/quant_mgpu.py over the
+# 7B serving layout's GEMMs (benchmarks/results/archive/mgpu_probe/, 8 layers each, us per GEMM): the
 # single-warpgroup CTA streams the narrow o_proj / down_proj (N = 4096, few column tiles) best, the
 # warp-specialized one the wide q|k|v and gate|up at 64 rows and more (against run2's one-warpgroup
 # rows: qkv at 128 rows 62.5 -> 41.4 us); at 16 rows one warpgroup wins everywhere. Above 256 rows the kernel does not run (wgmma's N); the engine takes XLA there.

@@ -23,9 +23,9 @@ The rule: decode buckets (M <= 256) are bound by streaming the weights once, so 
 column tiles (x is re-read once per column tile, 2 * M / block_n of the weight bytes) and split K to
 fill the SMs; prefill (M > 256) is compute-bound: square 128 tiles, no split.
 
-`python -m benchmarks.quant_gemm --tune FORMAT ...` times candidate rows per batch on the GPU over
+`python -m benchmarks.kernels.quant_gemm --tune FORMAT ...` times candidate rows per batch on the GPU over
 the 7B projections and records the fastest per (format, batch); paste those here. For weight-only
-int8 the sweep ran with the bit-trick convert (benchmarks/results/quant_probe_s10/): at 16 and 256
+int8 the sweep ran with the bit-trick convert (benchmarks/results/archive/quant_probe_s10/): at 16 and 256
 rows no candidate beat these rows by more than 2%; at 64 rows the best (min_programs 264, 5 stages)
 took 1.52 ms against 1.64 at these knobs with the same convert and 1.57 with the plain cast, and was
 not adopted (never run with the plain cast, which the model uses). FP8 was not swept. W8A8's best

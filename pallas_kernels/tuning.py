@@ -1,7 +1,7 @@
 """Tuned block sizes for the Triton LoRA kernels, as data.
 
 Each table maps a token-count bucket (the smallest bucket >= T wins, the last one covers the rest)
-to the knobs of one kernel. `benchmarks/kernels.py --tune` measures candidates on the GPU and prints
+to the knobs of one kernel. `benchmarks/kernels/lora.py --tune` measures candidates on the GPU and prints
 rows in this format; paste them here. Keys:
 
   block_rows: rows (tokens) per tile, power of two >= 16 (Triton dots need M >= 16).
@@ -21,7 +21,7 @@ batch uses is data, not shape.
 
 from __future__ import annotations
 
-# Decode (BGMV). Measured on the H200, JAX 0.11.2, `benchmarks/kernels.py tune` (summed over 16 and T
+# Decode (BGMV). Measured on the H200, JAX 0.11.2, `benchmarks/kernels/lora.py tune` (summed over 16 and T
 # distinct adapters, rank 16, D = O = 4096). At T=64: shrink 7.2 / 10.7 us, expand 7.1 / 9.4 us at
 # 16 / 64 distinct; the 512 bucket's expand 17.1 / 31.2 us.
 SHRINK_DECODE: dict[int, dict[str, int | str]] = {
@@ -59,17 +59,17 @@ EXPAND_PREFILL: dict[int, dict[str, int | str]] = {
 # shrink's).
 #
 # Keyed by the bank's rank, then T (smallest bucket >= each wins). Measured with
-# `benchmarks/group_kernels.py` (the four groups of a 7B layer, 8 layers; summed over 1, T/4 and T
+# `benchmarks/kernels/lora_groups.py` (the four groups of a 7B layer, 8 layers; summed over 1, T/4 and T
 # distinct adapters, and 400-token prompt chunks at T >= 512). Rank 16, us per layer summed:
-#   T = 512 / 1,024 / 2,048 (H200, results/probe_s11b/g): split 867 / 931 / 1,548, tiles 799 / 658 /
+#   T = 512 / 1,024 / 2,048 (H200, results/archive/probe_s11b/g): split 867 / 931 / 1,548, tiles 799 / 658 /
 #   829, fused 877 / 722 / 924. The per-row expand re-reads b for every row, the tile one once per
 #   16 rows: it wins wherever items hold several rows (one adapter at 1,024 rows: 272 -> 159 us).
-#   T <= 256 (H100, results/group_probe_s11/g): split wins (T=256: 576 against 612 for tiles; at
+#   T <= 256 (H100, results/archive/group_probe_s11/g): split wins (T=256: 576 against 612 for tiles; at
 #   T distinct adapters an item holds one row, 15 of 16 tile rows are padding: 301 against 374).
 #   Rank 32: tiles 1,060 / 917 / 1,135 against split 1,338 / 1,524 / 2,505 at T = 512 / 1,024 /
 #   2,048; rank 8 at 512 (H100): a tie (718 / 723). Rank 64 at T = 512 / 1,024 / 2,048: fused
 #   1,586 / 1,302 / 1,588, tiles 1,686 / 1,406 / 1,717, split 2,347 / 2,735 / 4,698 (H200); at
-#   T = 256 fused 1,151 against split 1,478 (H200, results/group_probe_s10/), tiles 1,790 against
+#   T = 256 fused 1,151 against split 1,478 (H200, results/archive/group_probe_s10/), tiles 1,790 against
 #   split 1,755 (H100).
 # The fused launch is latency-bound below ~1,000 rows (its shrink is a serial loop over D in few
 # programs). Ranks above 64 are unmeasured and stay split (the fused kernel's B tile grows with

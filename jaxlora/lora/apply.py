@@ -48,7 +48,7 @@ class GemmBackend(enum.StrEnum):
 # default keeps its thunk order): a module group's LoRA shrink, which reads only x, can then overlap
 # the base GEMM. H200, 7B shape, the engine's decode step: 64 rows on 64 adapters 7.78 -> 7.50 ms,
 # on one adapter 6.66 -> 6.30 ms, 256 rows 14.96 -> 14.91 ms, the same tokens; S-LoRA's `all` trace
-# at 40 req/s unchanged, 28.66 / 28.67 req/s (benchmarks/results/probe_s11c, probe_s11d, probe_s11e).
+# at 40 req/s unchanged, 28.66 / 28.67 req/s (benchmarks/results/archive/probe_s11c, probe_s11d, probe_s11e).
 # Not on the "xla" choice: the tensor-parallel path's collectives were not run under it.
 GEMM_COMPILER_OPTIONS: dict[str, dict[str, bool | str]] = {
     "xla": {},
@@ -58,8 +58,8 @@ _SCHEDULING_OPTION = "xla_gpu_command_buffer_scheduling_mode"
 # Steps of fewer tokens compile without CONCURRENT scheduling (LoraRuntime.concurrent_min_tokens).
 # 1: every step has it, as measured at 64 and 256 rows. At one row the engine's dispatch took 8.5 ms
 # against a 4.8 ms device step in the first run under it, 4.7 against 5.2 ms in the run before
-# (benchmarks/results/e2e_formats_probe/, e2e_probe_s9/); whether CONCURRENT causes that is not
-# measured yet: `benchmarks.host_loop --concurrent-min-tokens` is that A/B.
+# (benchmarks/results/archive/e2e_formats_probe/, e2e_probe_s9/); whether CONCURRENT causes that is not
+# measured yet: `benchmarks.engine.host_loop --concurrent-min-tokens` is that A/B.
 CONCURRENT_MIN_TOKENS = 1
 
 
@@ -74,7 +74,7 @@ def gemm_compiler_options(gemm: GemmBackend | str, *, concurrent: bool) -> dict[
 # quant_matmul="auto" on a Hopper GPU: the per-format kernel (BEST) for steps of at most this many
 # tokens (the Mosaic kernel's limit: wgmma's N), XLA above. H200, the seven projections of 8
 # Llama-2-7B layers in the serving layout, ms at 16 / 64 / 128 / 256 rows
-# (benchmarks/results/mgpu_probe/): bf16 cuBLAS 0.93 / 0.95 / 1.04 / 1.31; int8 on the Mosaic kernel
+# (benchmarks/results/archive/mgpu_probe/): bf16 cuBLAS 0.93 / 0.95 / 1.04 / 1.31; int8 on the Mosaic kernel
 # 0.72 / 1.04 / 1.29 / 2.00, on the Triton kernel 1.20 / 1.43 / 1.75 / 2.88; FP8 on the Triton
 # kernel 1.59 / 1.90 / 2.07 / 3.35 and XLA's dequantize-then-GEMM (int8) 2.90 / 2.95 / 3.03 / 3.38
 # (decode_floor_probe/q). So each format's kernel beats XLA's path at every size it takes, and int8
@@ -203,7 +203,7 @@ class LoraRuntime:
         (`fused_projections`, jaxlora.model.fused: its wide q|k|v and gate|up GEMMs stream their
         weights faster through cuBLAS at decode sizes) and XLA otherwise: with one matrix per module
         cuBLAS was the slower choice at 64 rows (8 layers of the 7B projections: 1.31 against 1.23 ms,
-        benchmarks/results/floor_probe_s8/).
+        benchmarks/results/archive/floor_probe_s8/).
         """
         platform = platform or jax.default_backend()
         if unroll_layers is None:

@@ -120,12 +120,12 @@ class QuantKernel(enum.StrEnum):
 
 # QuantKernel.BEST by storage dtype, and so the serving layout's storage (`kmajor_serving`). H200,
 # the seven projections of 8 Llama-2-7B layers in the serving layout at 16 / 64 / 128 / 256 rows
-# (benchmarks/results/mgpu_probe/): int8 on the Mosaic kernel 0.72 / 1.04 / 1.29 / 2.00 ms against
+# (benchmarks/results/archive/mgpu_probe/): int8 on the Mosaic kernel 0.72 / 1.04 / 1.29 / 2.00 ms against
 # the Triton one's 1.20 / 1.43 / 1.75 / 2.88 (its output compared with a float64 product on the GPU,
 # with other tile knobs of the same code paths than the table's). e4m3 on the Mosaic kernel timed
 # 0.69 / 0.92 / 1.22 / 1.93 ms, but its output was never compared on the GPU (the probe skipped it),
 # so e4m3 stays on the Triton kernel in the [in, out] layout (1.59 / 1.90 / 2.07 / 3.35 ms,
-# benchmarks/results/decode_floor_probe/) until it is.
+# benchmarks/results/archive/decode_floor_probe/) until it is.
 BEST_KERNEL: dict[jnp.dtype, QuantKernel] = {
     jnp.dtype(jnp.int8): QuantKernel.MGPU,
     jnp.dtype(jnp.float8_e4m3fn): QuantKernel.TRITON,
