@@ -120,8 +120,6 @@ def main() -> None:
     if not args.tiny:
         results["hbm_GBps"] = round(hbm_gbps(), 1)
         print("hbm GB/s", results["hbm_GBps"], flush=True)
-    if not interpret:
-        check_attention_kernel()
     model = random_model(model_cfg, dtype=jnp.bfloat16)
 
     def runner_for(runtime: LoraRuntime, lora: LoraConfig | None = None) -> Runner:
@@ -187,26 +185,6 @@ def main() -> None:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "profile_decode.json").write_text(json.dumps(results, indent=1))
-
-
-def check_attention_kernel() -> None:
-    """The Pallas decode-attention kernel against the dense reference at a 7B-like shape, natively."""
-    from pallas_kernels import decode_attention
-    from pallas_kernels.reference import decode_attention_reference
-
-    keys = jax.random.split(jax.random.key(0), 3)
-    shape = (3, 8, 256, 32, 128)
-    k = jax.random.normal(keys[0], shape, jnp.bfloat16)
-    v = jax.random.normal(keys[1], shape, jnp.bfloat16)
-    q = jax.random.normal(keys[2], (6, 32, 128), jnp.bfloat16)
-    lengths = jnp.array([1, 7, 64, 65, 200, 300], jnp.int32)
-    try:
-        out = decode_attention(q, k, v, jnp.int32(2), lengths)
-        ref = decode_attention_reference(q, k, v, 2, lengths)
-        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
-        print(f"decode_attention native vs reference: max abs diff {err:.2e}", flush=True)
-    except Exception as e:
-        print(f"decode_attention native FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
 
 
 def timed(fn, *args, reps: int = 10) -> float:

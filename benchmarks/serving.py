@@ -81,7 +81,7 @@ from jaxlora.engine.engine import Engine
 from jaxlora.engine.request import FinishReason, GenerationRequest, RequestOutput, SamplingParams
 from jaxlora.errors import JaxloraError
 from jaxlora.model.params import LoadedModel, random_model
-from pallas_kernels import tuning
+from pallas_kernels.lora import tuning
 
 ROOT = Path(__file__).resolve().parents[1]
 SLO_TTFT_S = 6.0  # S-LoRA's SLO: the first token within 6 s

@@ -29,8 +29,8 @@ class QuantMatmul(enum.StrEnum):
 
     AUTO = "auto"  # BEST (Hopper) or PALLAS for small steps of the serving layout on GPU, else XLA (`for_platform`)
     XLA = "xla"  # (x @ q.astype(x.dtype)) * scale: XLA writes a dequantized copy of the weight first
-    PALLAS = "pallas"  # pallas_kernels.quant_matmul (Triton): converts tiles in registers, reads a layer in place
-    MGPU = "mgpu"  # pallas_kernels.quant_matmul_mgpu (Mosaic GPU, Hopper): TMA-fed wgmma, K-major weights
+    PALLAS = "pallas"  # pallas_kernels.quant.triton (Triton): converts tiles in registers, reads a layer in place
+    MGPU = "mgpu"  # pallas_kernels.quant.mgpu (Mosaic GPU, Hopper): TMA-fed wgmma, K-major weights
     BEST = "best"  # per format, the fastest kernel whose output was checked on the GPU (model.quant.BEST_KERNEL)
 
 
@@ -104,10 +104,9 @@ class LoraRuntime:
 
     backend: how the LoRA term is computed.
     interpret: run Pallas kernels in interpret mode (CPU).
-    attention: PALLAS runs decode steps (one token per row) through
-      `pallas_kernels.decode_attention`, which reads only each row's valid positions straight out of
-      the stacked cache; XLA uses the dense masked einsum (prefill always does). Never AUTO here:
-      `for_platform` resolves it.
+    attention: PALLAS runs the paged step's attention through `pallas_kernels.ragged_paged_attention`,
+      XLA through its plain-XLA twin (a dense KVCache always uses the masked einsum). Never AUTO
+      here: `for_platform` resolves it.
     unroll_layers: run the layers as an unrolled Python loop instead of `lax.scan` (same math; lets
       XLA see each layer's weights as a static slice, at the cost of compile time growing with depth).
     unroll_max_tokens: unroll only steps of at most this many tokens (one token per row). Small

@@ -200,12 +200,6 @@ class Attention(nnx.Module):
         if s.ragged is not None:
             kv = _write_pages(kv, layer, k[:, 0], v[:, 0], s.ragged)
             attn = _attend_ragged(q[:, 0], kv, layer, s.ragged, s.runtime).reshape(b, t, -1)
-        elif t == 1 and s.row_ids is None and s.runtime.attention is AttentionBackend.PALLAS:
-            # Decode: write the new key/value in place, then read only valid positions of this layer.
-            kv = _write_cache(kv, layer, k, v, s.positions, jnp.arange(b, dtype=jnp.int32))
-            attn = pallas_kernels.decode_attention(
-                q[:, 0], kv.k, kv.v, layer, s.positions[:, 0] + 1, interpret=s.runtime.interpret
-            ).reshape(b, t, -1)
         else:
             kv, keys, values = _update_cache(kv, layer, k, v, s.positions, s.row_ids)
             attn = _attend(q, keys, values, s.positions)  # [b, t, H * Dh]

@@ -28,7 +28,7 @@ from jaxlora.model.quant import (
     quantize,
     to_kmajor_arrays,
 )
-from pallas_kernels.quant_mgpu_tuning import mgpu_knobs
+from pallas_kernels.quant.tuning import mgpu_knobs
 from tests.factories import tiny_config
 from tests.greedy import batched_greedy
 from tests.tolerances import assert_close
@@ -144,7 +144,7 @@ def test_merging_into_a_quantized_base_is_refused():
 
 
 def _runs_quant_kernel(model, runtime: LoraRuntime) -> bool:
-    """Whether the model's one-token step traces a pallas_kernels.quant_matmul call."""
+    """Whether the model's one-token step traces a pallas_kernels.quant.triton call."""
     kv = init_kv_cache(model.config, 1, 8)
     tokens, positions = jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32)
     jaxpr = jax.make_jaxpr(lambda p, kv: forward_logits(model.graphdef, p, tokens, positions, kv, runtime=runtime))
@@ -153,7 +153,7 @@ def _runs_quant_kernel(model, runtime: LoraRuntime) -> bool:
 
 @pytest.mark.parametrize(("quantization", "unroll_layers"), [("int8", False), ("fp8", True)])
 def test_kernel_path_gives_the_greedy_tokens_of_the_xla_path(quantization, unroll_layers):
-    """The model with its quantized GEMMs in pallas_kernels.quant_matmul (interpret mode; the stacked
+    """The model with its quantized GEMMs in pallas_kernels.quant.triton (interpret mode; the stacked
     weights read in place by the scan's traced layer index, or a static one unrolled) against XLA."""
     model = quantized_model(random_model(tiny_config(head_dim=16, num_layers=3), seed=3), quantization)
     prompts = [[5, 6, 7, 8, 9], [11, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
