@@ -1,7 +1,7 @@
 """Where the decode step's time goes (Llama-2-7B shape, bf16, batch 64): one H200 call.
 
   step variants   the engine's jitted decode step, no adapters, for each (layer loop, attention)
-                  choice: lax.scan or unrolled layers x XLA einsum or Pallas decode attention
+                  choice: lax.scan or unrolled layers x the XLA or the Pallas ragged attention
   lora variants   the fastest base variant with 64 distinct rank-16 all-module adapters, per LoRA
                   backend (xla, ragged, pallas)
   matmul probes   the seven projections alone: lax.scan over stacked weights, unrolled static
@@ -32,9 +32,11 @@ from benchmarks.common import LLAMA2_7B, TINY, hbm_gbps, random_bank, slot_patte
 from jaxlora.config import TARGET_MODULES, LoraBackend, LoraConfig
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.runner import Runner
-from jaxlora.lora.apply import LoraRuntime
+from jaxlora.kernels import KernelConfig
 from jaxlora.model.params import random_model
 
+# Every variant names each choice (no "auto"): the plain XLA step, then one change at a time.
+PLAIN = dict(attention="xla", unroll_layers=False, quant_matmul="xla", gemm="xla")
 BASE_VARIANTS = {
     "scan/xla-attn": dict(),
     "scan/pallas-attn": dict(attention="pallas"),
@@ -122,7 +124,7 @@ def main() -> None:
         print("hbm GB/s", results["hbm_GBps"], flush=True)
     model = random_model(model_cfg, dtype=jnp.bfloat16)
 
-    def runner_for(runtime: LoraRuntime, lora: LoraConfig | None = None) -> Runner:
+    def runner_for(kernels: KernelConfig, lora: LoraConfig | None = None) -> Runner:
         config = EngineConfig(
             max_batch=B,
             max_seq_len=seq,
@@ -130,16 +132,17 @@ def main() -> None:
             num_pages=B * seq // 16,
             max_new_tokens_limit=seq - 1,
             dtype="bfloat16",
+            kernels=kernels,
             **({"lora": lora} if lora else {}),
         )
-        return Runner(model, config, runtime=runtime)
+        return Runner(model, config, kernels=config.step_kernels(fused_projections=model.fused))
 
     base: dict[str, float] = {}
     for name, kw in BASE_VARIANTS.items():
         if args.only and name not in args.only:
             continue
         t0 = time.perf_counter()
-        runner = runner_for(LoraRuntime(interpret=interpret, **kw))
+        runner = runner_for(KernelConfig(**{**PLAIN, **kw}))
         zeros = np.zeros(B, np.int32)
         try:
             time_decode(runner, None, zeros, position, steps=1)
@@ -165,7 +168,7 @@ def main() -> None:
         slots = slot_pattern(B, 64)
         for backend in LoraBackend:
             runner = runner_for(
-                LoraRuntime(backend=backend, interpret=interpret, **BASE_VARIANTS[best]),
+                KernelConfig(**{**PLAIN, **BASE_VARIANTS[best]}),
                 lora=LoraConfig(max_slots=65, max_rank=16, target_modules=TARGET_MODULES, backend=backend),
             )
             time_decode(runner, bank, slots, position, steps=1)

@@ -7,7 +7,7 @@ The scale multiplies the GEMM's output columns, never the weight, so a GEMM can 
 weights, convert them on the fly and scale its result. XLA does not do that (it writes a
 dequantized copy of the weight first); `pallas_kernels.quant.triton` does, and reads one layer of
 the stacked weights in place: a QuantLinear holding the whole stack [L, in, out] runs that kernel on
-the layer it is given (the model's GPU path, `LoraRuntime.quant_matmul`), one holding a single layer
+the layer it is given (the model's GPU path, `jaxlora.kernels.StepKernels.quant_matmul`), one holding a single layer
 [in, out] runs `matmul` through XLA. The LoRA delta is added to this output, as it is to a dense
 layer's, so adapters trained on the dense base apply unchanged.
 
@@ -28,7 +28,7 @@ The serving layout (jaxlora.model.fused) stores int8 weights K-major instead, as
 ([L, out, in]: each output column's weights contiguous), the layout the Hopper GEMM kernel
 `pallas_kernels.quant.mgpu` reads (wgmma takes its register operand, the widened weight tile,
 from the [out, in] side). A different name again, so that code expecting [in, out] fails loudly
-rather than reading a square matrix transposed. FP8 keeps `qkernel` there: its kernel (BEST_KERNEL)
+rather than reading a square matrix transposed. FP8 keeps `qkernel` there: its kernel (jaxlora.kernels.BEST_KERNEL)
 is the Triton one, measured and checked on the GPU in that layout. `to_kmajor_arrays` /
 `from_kmajor_arrays` convert; `LoadedModel.flat_params()` always returns the canonical `qkernel`.
 """
@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlora.config import TARGET_MODULES
+from jaxlora.kernels import BEST_KERNEL, QuantKernel
 from pallas_kernels.quant.mgpu import X_DTYPES as MGPU_X_DTYPES
 from pallas_kernels.quant.mgpu import quant_matmul_mgpu
 from pallas_kernels.quant.triton import quant_matmul
@@ -108,28 +109,6 @@ def matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *, k_major: bool = Fals
     dims = (((1,), (1 if k_major else 0,)), ((), ()))
     y = jax.lax.dot_general(x, q.astype(x.dtype), dims, preferred_element_type=jnp.float32)
     return (y * scale).astype(x.dtype)
-
-
-class QuantKernel(enum.StrEnum):
-    """Which kernel multiplies a quantized projection that holds the whole stack (`project`)."""
-
-    TRITON = "triton"  # pallas_kernels.quant.triton: any shape, either layout
-    MGPU = "mgpu"  # pallas_kernels.quant.mgpu: Hopper, K-major, <= 256 rows, widths of 64
-    BEST = "best"  # per format, the fastest kernel checked on the GPU: BEST_KERNEL
-
-
-# QuantKernel.BEST by storage dtype, and so the serving layout's storage (`kmajor_serving`). H200,
-# the seven projections of 8 Llama-2-7B layers in the serving layout at 16 / 64 / 128 / 256 rows
-# (benchmarks/results/mgpu_probe/): int8 on the Mosaic kernel 0.72 / 1.04 / 1.29 / 2.00 ms against
-# the Triton one's 1.20 / 1.43 / 1.75 / 2.88 (its output compared with a float64 product on the GPU,
-# with other tile knobs of the same code paths than the table's). e4m3 on the Mosaic kernel timed
-# 0.69 / 0.92 / 1.22 / 1.93 ms, but its output was never compared on the GPU (the probe skipped it),
-# so e4m3 stays on the Triton kernel in the [in, out] layout (1.59 / 1.90 / 2.07 / 3.35 ms,
-# benchmarks/results/decode_floor_probe/) until it is.
-BEST_KERNEL: dict[jnp.dtype, QuantKernel] = {
-    jnp.dtype(jnp.int8): QuantKernel.MGPU,
-    jnp.dtype(jnp.float8_e4m3fn): QuantKernel.TRITON,
-}
 
 
 def kmajor_serving(quantization: Quantization | None) -> bool:
