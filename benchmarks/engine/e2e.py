@@ -79,7 +79,6 @@ from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.engine import Engine
 from jaxlora.engine.request import GenerationRequest, SamplingParams
 from jaxlora.engine.runner import Runner, num_traces
-from jaxlora.lora.apply import LoraRuntime
 from jaxlora.model.params import quantized_model, random_model
 from jaxlora.parallel.mesh import MeshConfig
 
@@ -340,7 +339,6 @@ def run_group(
         dtype=jnp.dtype(model.dtype).name,
         mesh=MeshConfig(tensor=tensor_parallel),
     )
-    runtime = LoraRuntime.for_platform(group.backend, fused_projections=model.fused)
     t0 = time.perf_counter()
     mesh = engine_mesh(config.mesh, cfg)  # one mesh for the bank and the runner
     # Only the source holds the bank: splitting it over the mesh frees the one-device copy.
@@ -350,12 +348,13 @@ def run_group(
     if mesh is not None:
         source.place_on(mesh)
     if group.e2e:
-        engine = Engine(model, tokenizer, config, source, runtime=runtime, mesh=mesh)
+        engine = Engine(model, tokenizer, config, source, mesh=mesh)
         engine.warmup()
         runner = engine.runner
         run_engine(engine, group.batch, group.prompt_len, 2, max(group.distinct), seed=0)  # first-run costs
     else:
-        engine, runner = None, Runner(model, config, runtime=runtime, mesh=mesh)
+        kernels = config.step_kernels(fused_projections=model.fused)
+        engine, runner = None, Runner(model, config, kernels=kernels, mesh=mesh)
         time_decode(runner, source.bank, slot_pattern(group.batch, 0), group.prompt_len, steps=1)
     bank = source.bank  # split over the mesh when tensor_parallel > 1
     setup_s = time.perf_counter() - t0

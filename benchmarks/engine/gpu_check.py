@@ -26,7 +26,7 @@ from jaxlora.config import LoraConfig
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.engine import Engine
 from jaxlora.engine.request import GenerationRequest, SamplingParams
-from jaxlora.lora.apply import LoraRuntime
+from jaxlora.kernels import KernelConfig
 from jaxlora.model.params import random_model
 
 
@@ -42,13 +42,11 @@ def run(
         num_pages=40,
         max_new_tokens_limit=48,
         lora=lora,
-        attention=attention,
+        kernels=KernelConfig(attention=attention, gemm=gemm),
     )
     source = ResidentBank(random_bank(model.config, lora, 6, model.dtype, seed=1), [adapter_name(i) for i in range(6)])
     tokenizer = word_tokenizer(model.config.vocab_size)
-    engine = Engine(
-        model, tokenizer, config, source, runtime=LoraRuntime.for_platform(backend, attention=attention, gemm=gemm)
-    )
+    engine = Engine(model, tokenizer, config, source)
     engine.warmup()
     t0 = time.perf_counter()
     outs = engine.generate(requests)

@@ -66,7 +66,7 @@ from jaxlora.engine.host_timing import per_step
 from jaxlora.engine.request import GenerationRequest, SamplingParams
 from jaxlora.engine.runner import ragged_step
 from jaxlora.engine.step_inputs import HostInputs
-from jaxlora.lora.apply import CONCURRENT_MIN_TOKENS, LoraRuntime
+from jaxlora.kernels import CONCURRENT_MIN_TOKENS, KernelConfig
 from jaxlora.model.params import random_model
 
 PAGE_SIZE = 16
@@ -393,13 +393,11 @@ def build_engine(model, tokenizer, case: Case, opts: Options) -> Engine:
         max_queue=4 * case.batch,
         lora=lora,
         dtype=jnp.dtype(model.dtype).name,
+        kernels=KernelConfig(concurrent_min_tokens=opts.concurrent_min_tokens),
     )
     bank = random_bank(cfg, lora, num_adapters, model.dtype, seed=opts.seed)
     source = ResidentBank(bank, [adapter_name(i) for i in range(num_adapters)])
-    runtime = LoraRuntime.for_platform(
-        opts.backend, fused_projections=model.fused, concurrent_min_tokens=opts.concurrent_min_tokens
-    )
-    return Engine(model, tokenizer, config, source, runtime=runtime)
+    return Engine(model, tokenizer, config, source)
 
 
 def run_case(model, tokenizer, case: Case, opts: Options) -> dict:
@@ -495,7 +493,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path]:
         "--concurrent-min-tokens",
         type=int,
         default=CONCURRENT_MIN_TOKENS,
-        help="step programs of fewer tokens compile without CONCURRENT command-buffer scheduling (LoraRuntime)",
+        help="step programs of fewer tokens compile without CONCURRENT command-buffer scheduling (kernels.concurrent_min_tokens)",
     )
     a = p.parse_args(argv)
 

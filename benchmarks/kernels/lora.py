@@ -38,7 +38,9 @@ import numpy as np
 
 import pallas_kernels as pk
 from benchmarks.paths import results_dir
-from pallas_kernels import lora_triton, tuning
+from pallas_kernels.lora import common, tuning
+from pallas_kernels.lora.expand import EXPAND_IMPLS, decode_expand
+from pallas_kernels.lora.shrink import grouped_shrink
 
 L2_BYTES = 60e6
 DTYPE = jnp.bfloat16
@@ -146,7 +148,7 @@ def make_fn(op: str, backend: str, seg_len: int | None, num_slots: int, knobs: d
         shrink = {**tuning.lookup("shrink", mode, num_tokens), **knobs.get("shrink", {})}
         expand = {**tuning.lookup("expand", mode, num_tokens), **knobs.get("expand", {})}
         heights = (shrink["block_rows"],) + ((expand["block_rows"],) if expand.get("impl") != "rows" else ())
-        groups = lora_triton.make_row_groups(slots, num_slots=num_slots, seg_len=seg_len, block_rows=heights)
+        groups = common.make_row_groups(slots, num_slots=num_slots, seg_len=seg_len, block_rows=heights)
         return pk.LoraPlan(
             slot_ids=slots,
             groups=groups,
@@ -159,16 +161,12 @@ def make_fn(op: str, backend: str, seg_len: int | None, num_slots: int, knobs: d
 
     def shrink(x, a, plan):
         if backend == "pallas" and knobs:
-            return lora_triton.grouped_shrink(
-                x, a, plan.groups, mode=mode, interpret=S.interpret, **knobs.get("shrink", {})
-            )
+            return grouped_shrink(x, a, plan.groups, mode=mode, interpret=S.interpret, **knobs.get("shrink", {}))
         return pk.lora_shrink(x, a, None, backend=backend, seg_len=seg_len, plan=plan, interpret=S.interpret)
 
     def expand(y, h, b, plan):
         if backend == "pallas" and knobs and seg_len is None:
-            return lora_triton.decode_expand(
-                y, h, b, plan.slot_ids, plan.groups, interpret=S.interpret, **knobs.get("expand", {})
-            )
+            return decode_expand(y, h, b, plan.slot_ids, plan.groups, interpret=S.interpret, **knobs.get("expand", {}))
         return pk.lora_expand(y, h, b, None, backend=backend, seg_len=seg_len, plan=plan, interpret=S.interpret)
 
     def apply(layers, slots):
@@ -306,7 +304,7 @@ def check() -> bool:
             "expand+plan": pk.lora_expand(y, h_ref, b, None, backend="pallas", plan=plan, **kw),
         }
         if seg_len is None:
-            for impl in lora_triton.EXPAND_IMPLS:
+            for impl in EXPAND_IMPLS:
                 got[f"expand:{impl}"] = pk.bgmv_expand(y, h_ref, b, slots, impl=impl, interpret=S.interpret)
         base_rows = np.asarray(slots) == 0
         parts = []

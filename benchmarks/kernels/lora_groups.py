@@ -1,5 +1,5 @@
-"""A 7B layer's four LoRA module groups on the GPU: one launch a group (`lora_fused`) against the
-split shrink + expand launches (`lora_triton.decode_group`, per-row expand or tile expand) and XLA,
+"""A 7B layer's four LoRA module groups on the GPU: one launch a group (`lora.fused`) against the
+split shrink + expand launches (`group.decode_group`, per-row expand or tile expand) and XLA,
 per slot pattern.
 
 Each variant runs what a model layer runs: q|k|v into one fused output, o, gate|up into one fused
@@ -35,7 +35,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from benchmarks.common import hbm_gbps
-from pallas_kernels import tuning
+from pallas_kernels.lora import tuning
 
 DTYPE = jnp.bfloat16
 SPLIT = dict(impl="split", block_rows=16, block_k=128, block_out=256, col_split=1, num_warps=4, num_stages=3)

@@ -14,7 +14,7 @@ decode step runs them, per base weight format: time against each format's bytes 
                                                     q|k|v, gate|up fused as the engine serves them
   fp8-kmajor-layers,                                the same, each layer's weights an array of its
   int8-kmajor-layers                                own (no slice of a stack before the GEMM)
-  int8-pallas,  pallas_kernels.quant_matmul           the model's GPU path: the Triton kernel converts
+  int8-pallas,  pallas_kernels.quant.triton           the model's GPU path: the Triton kernel converts
   fp8-pallas                                        weight tiles in registers and reads layer i of
                                                     the stacked weights in place (never sliced)
   int8-fused-pallas,                                the kernel on the serving layout: what the
@@ -38,7 +38,7 @@ saves are then spent again); s8 / f8e4m3fn counts are copies of a layer's slice.
 with each candidate of SWEEP for its variant and batch bucket (the first candidate is the tuning
 table's row). A candidate may set k_major: the kernel then reads a transposed copy of the stacks
 [L, out, in]. Each row records the knobs it ran with; `best` holds, per (format, batch), the fastest
-row's ms and knobs (paste them into pallas_kernels/quant_tuning.py). quant_gemm.json is rewritten
+row's ms and knobs (paste them into pallas_kernels/quant/tuning.py). quant_gemm.json is rewritten
 after every case, and before each case it names the case it is running: `--resume` with the same
 --out skips the cases already recorded, and records the case a dead run was in as crashed (a Triton
 compile can take the process down), so re-running the same command finishes a sweep.
@@ -66,8 +66,8 @@ import jax.numpy as jnp
 from benchmarks.common import LLAMA2_7B, TINY, hbm_gbps
 from jaxlora.config import TARGET_MODULES, ModelConfig
 from jaxlora.model.quant import Quantization, matmul, quantize
-from pallas_kernels import quant_tuning
-from pallas_kernels.quant_matmul import quant_matmul
+from pallas_kernels.quant import tuning as quant_tuning
+from pallas_kernels.quant.triton import quant_matmul
 
 FORMATS = (
     "bf16",
@@ -101,7 +101,7 @@ PALLAS_FLAGS: dict[str, dict] = {
     "fp8-w8a8-pallas": dict(w8a8=True),
 }
 # Candidates `--tune` times, per (variant, tuning-table bucket): knobs over the table's row (see
-# pallas_kernels/quant_tuning.py), {} being the row itself. Few enough that a sweep of four formats
+# pallas_kernels/quant/tuning.py), {} being the row itself. Few enough that a sweep of four formats
 # at M = 16, 64, 256 compiles ~45 steps. What each tries:
 #   swap_ab       wgmma at 16 rows, and (weight-only) the converted tile fed from registers
 #   block_n 256   x re-read half as often (2 * M / block_n of the weight bytes for bf16 x)

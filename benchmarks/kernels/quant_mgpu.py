@@ -1,4 +1,4 @@
-"""The Mosaic GPU 8-bit GEMM (`pallas_kernels/quant_matmul_mgpu.py`) on the GPU: checked against a
+"""The Mosaic GPU 8-bit GEMM (`pallas_kernels/quant/mgpu.py`) on the GPU: checked against a
 float64 reference, then timed per serving-layout GEMM and over the projections of whole layers,
 against bf16 cuBLAS and the Triton int8 kernel in the same process.
 
@@ -35,9 +35,9 @@ import numpy as np
 
 from benchmarks.common import LLAMA2_7B, best_ms, hbm_gbps
 from benchmarks.kernels.quant_gemm import fused_layer
-from pallas_kernels.quant_matmul import quant_matmul
-from pallas_kernels.quant_matmul_mgpu import MgpuKnobs, quant_matmul_mgpu
-from pallas_kernels.quant_mgpu_tuning import mgpu_knobs
+from pallas_kernels.quant.mgpu import MgpuKnobs, quant_matmul_mgpu
+from pallas_kernels.quant.triton import quant_matmul
+from pallas_kernels.quant.tuning import mgpu_knobs
 
 CUBLAS = {"xla_gpu_enable_triton_gemm": False}
 # (name, N, K) of the serving layout's GEMMs on the 7B shape.

@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ragged_attention import ragged_paged_attention
-from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference
+from pallas_kernels.attention.ragged import ragged_paged_attention
+from pallas_kernels.attention.reference import ragged_paged_attention_reference
 from tests.tolerances import TOLERANCES
 
 HBM_BYTES_PER_S = 4.1e12

@@ -83,7 +83,7 @@ from jaxlora.engine.engine import Engine
 from jaxlora.engine.request import FinishReason, GenerationRequest, RequestOutput, SamplingParams
 from jaxlora.errors import JaxloraError
 from jaxlora.model.params import LoadedModel, random_model
-from pallas_kernels import tuning
+from pallas_kernels.lora import tuning
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "configs" / "llama2-7b-h200.yaml"  # the engine of the full-size rows

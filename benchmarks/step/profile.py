@@ -31,7 +31,7 @@ from benchmarks.common import LLAMA2_7B, TINY, hbm_gbps, random_bank
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraConfig
 from jaxlora.engine.runner import ragged_step, sampling_arrays
 from jaxlora.engine.static_arg import Hashed
-from jaxlora.lora.apply import GEMM_COMPILER_OPTIONS, LoraRuntime
+from jaxlora.kernels import GEMM_COMPILER_OPTIONS, StepKernels
 from jaxlora.model import RaggedBatch, init_paged_kv_cache
 from jaxlora.model.params import random_model
 
@@ -208,8 +208,8 @@ def main() -> None:
         for (layout, gemm), backend in itertools.product(variants, args.backends if lora is not None else ["xla"]):
             model = models[layout]
             for attention in args.attention:
-                runtime = LoraRuntime.for_platform(backend, attention=attention, gemm=gemm)
-                static = dict(graphdef=Hashed(model.graphdef), runtime=runtime)
+                kernels = StepKernels.for_platform(backend, attention=attention, gemm=gemm)
+                static = dict(graphdef=Hashed(model.graphdef), kernels=kernels)
                 for mix in mixes:
                     if mix.decode + len(mix.chunks) > rows:
                         print(f"{mix.name}: needs more than {rows} rows, skipped", flush=True)

@@ -1,7 +1,7 @@
 """Where the decode step's time goes (Llama-2-7B shape, bf16, batch 64): one H200 call.
 
   step variants   the engine's jitted decode step, no adapters, for each (layer loop, attention)
-                  choice: lax.scan or unrolled layers x XLA einsum or Pallas decode attention
+                  choice: lax.scan or unrolled layers x the XLA or the Pallas ragged attention
   lora variants   the fastest base variant with 64 distinct rank-16 all-module adapters, per LoRA
                   backend (xla, ragged, pallas)
   matmul probes   the seven projections alone: lax.scan over stacked weights, unrolled static
@@ -32,9 +32,11 @@ from benchmarks.common import LLAMA2_7B, TINY, hbm_gbps, random_bank, slot_patte
 from jaxlora.config import TARGET_MODULES, LoraBackend, LoraConfig
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.runner import Runner
-from jaxlora.lora.apply import LoraRuntime
+from jaxlora.kernels import KernelConfig
 from jaxlora.model.params import random_model
 
+# Every variant names each choice (no "auto"): the plain XLA step, then one change at a time.
+PLAIN = dict(attention="xla", unroll_layers=False, quant_matmul="xla", gemm="xla")
 BASE_VARIANTS = {
     "scan/xla-attn": dict(),
     "scan/pallas-attn": dict(attention="pallas"),
@@ -120,11 +122,9 @@ def main() -> None:
     if not args.tiny:
         results["hbm_GBps"] = round(hbm_gbps(), 1)
         print("hbm GB/s", results["hbm_GBps"], flush=True)
-    if not interpret:
-        check_attention_kernel()
     model = random_model(model_cfg, dtype=jnp.bfloat16)
 
-    def runner_for(runtime: LoraRuntime, lora: LoraConfig | None = None) -> Runner:
+    def runner_for(kernels: KernelConfig, lora: LoraConfig | None = None) -> Runner:
         config = EngineConfig(
             max_batch=B,
             max_seq_len=seq,
@@ -132,16 +132,17 @@ def main() -> None:
             num_pages=B * seq // 16,
             max_new_tokens_limit=seq - 1,
             dtype="bfloat16",
+            kernels=kernels,
             **({"lora": lora} if lora else {}),
         )
-        return Runner(model, config, runtime=runtime)
+        return Runner(model, config, kernels=config.step_kernels(fused_projections=model.fused))
 
     base: dict[str, float] = {}
     for name, kw in BASE_VARIANTS.items():
         if args.only and name not in args.only:
             continue
         t0 = time.perf_counter()
-        runner = runner_for(LoraRuntime(interpret=interpret, **kw))
+        runner = runner_for(KernelConfig(**{**PLAIN, **kw}))
         zeros = np.zeros(B, np.int32)
         try:
             time_decode(runner, None, zeros, position, steps=1)
@@ -167,7 +168,7 @@ def main() -> None:
         slots = slot_pattern(B, 64)
         for backend in LoraBackend:
             runner = runner_for(
-                LoraRuntime(backend=backend, interpret=interpret, **BASE_VARIANTS[best]),
+                KernelConfig(**{**PLAIN, **BASE_VARIANTS[best]}),
                 lora=LoraConfig(max_slots=65, max_rank=16, target_modules=TARGET_MODULES, backend=backend),
             )
             time_decode(runner, bank, slots, position, steps=1)
@@ -187,26 +188,6 @@ def main() -> None:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "profile_decode.json").write_text(json.dumps(results, indent=1))
-
-
-def check_attention_kernel() -> None:
-    """The Pallas decode-attention kernel against the dense reference at a 7B-like shape, natively."""
-    from pallas_kernels import decode_attention
-    from pallas_kernels.reference import decode_attention_reference
-
-    keys = jax.random.split(jax.random.key(0), 3)
-    shape = (3, 8, 256, 32, 128)
-    k = jax.random.normal(keys[0], shape, jnp.bfloat16)
-    v = jax.random.normal(keys[1], shape, jnp.bfloat16)
-    q = jax.random.normal(keys[2], (6, 32, 128), jnp.bfloat16)
-    lengths = jnp.array([1, 7, 64, 65, 200, 300], jnp.int32)
-    try:
-        out = decode_attention(q, k, v, jnp.int32(2), lengths)
-        ref = decode_attention_reference(q, k, v, 2, lengths)
-        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
-        print(f"decode_attention native vs reference: max abs diff {err:.2e}", flush=True)
-    except Exception as e:
-        print(f"decode_attention native FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
 
 
 def timed(fn, *args, reps: int = 10) -> float:

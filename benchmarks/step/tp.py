@@ -1,7 +1,7 @@
 """Tensor parallelism on two GPUs: the Llama-2-7B shape on TP 1 vs TP 2, and a Llama-2-70B shape
 (about 138 GB of bf16 weights: no single H200 holds it with a KV cache) on TP 2.
 
-A *case* is the engine's jitted step (`jaxlora.engine.runner.ragged_step` with the runtime the
+A *case* is the engine's jitted step (`jaxlora.engine.runner.ragged_step` with the kernels the
 engine picks on this platform) compiled for a decode-only batch (`benchmarks.common.decode_inputs`:
 one token per row, T = batch, each row over its own KV pages) for one (model, tensor, batch, with or
 without the bank). Within a case only data changes, so it is timed for each distinct-adapter count d at no
@@ -64,7 +64,6 @@ from jaxlora.engine.compiles import backend_compiles, check_no_compiles
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.kv_pages import pages_for
 from jaxlora.engine.runner import Runner, ragged_step
-from jaxlora.lora.apply import LoraRuntime
 from jaxlora.model.sharded import random_sharded_model
 from jaxlora.parallel import MeshConfig, make_mesh
 from jaxlora.parallel.mesh import TENSOR_AXIS
@@ -337,10 +336,11 @@ def run_case(
     payload["_greedy"] and, with `profile`, the step's all-reduce time to payload["profile"]."""
     model = models.get(case.model, case.tensor)
     cfg, itemsize = model.config, jnp.dtype(models.dtype).itemsize
+    config = engine_config(case, backend, jnp.dtype(models.dtype).name)
     runner = Runner(
         model,
-        engine_config(case, backend, jnp.dtype(models.dtype).name),
-        runtime=LoraRuntime.for_platform(backend, fused_projections=model.fused),
+        config,
+        kernels=config.step_kernels(fused_projections=model.fused),
         mesh=models.mesh if case.tensor > 1 else None,  # the model's own mesh, not a second one
     )
     bank = None

@@ -61,7 +61,6 @@ from jaxlora.engine.request import (
 from jaxlora.engine.runner import Runner, WarmupProgress, num_traces
 from jaxlora.engine.scheduler import Scheduler, StepPlan
 from jaxlora.errors import CapacityError, JaxloraError, RequestError, UnknownAdapterError
-from jaxlora.lora.apply import LoraRuntime
 from jaxlora.lora.bank import Bank
 from jaxlora.lora.host_adapter import HostAdapter
 from jaxlora.model.params import LoadedModel
@@ -154,6 +153,9 @@ class Engine:
       `Pager`, or the all-resident `ResidentBank`); None serves the base model only.
     mesh: the tensor-parallel mesh `config.mesh` describes (None: one device); the pager's bank must
       already be split over it. `jaxlora.engine.build_engine` makes it once and hands it to both.
+
+    The kernels its steps run (`kernels`) are `config.kernels` resolved once, here, for this model
+    and platform; the warm-up names them per token budget.
     """
 
     def __init__(
@@ -163,7 +165,6 @@ class Engine:
         config: EngineConfig,
         pager: AdapterSource | None = None,
         *,
-        runtime: LoraRuntime | None = None,
         mesh: jax.sharding.Mesh | None = None,
     ) -> None:
         if pager is not None and pager.max_slots != config.lora.max_slots:
@@ -174,13 +175,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.pager = pager
-        self.runner = Runner(
-            model,
-            config,
-            runtime=runtime
-            or LoraRuntime.for_platform(config.lora.backend, attention=config.attention, fused_projections=model.fused),
-            mesh=mesh,
-        )
+        self.kernels = config.step_kernels(fused_projections=model.fused)
+        self.runner = Runner(model, config, kernels=self.kernels, mesh=mesh)
         self.pages = PageTable(self.runner.num_pages, config.page_size, self.runner.pages_per_seq)
         self.scheduler = Scheduler(
             max_batch=config.max_batch,

@@ -13,7 +13,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 from benchmarks.kernels.quant_gemm import FORMATS, PALLAS_FLAGS, SWEEP, case_key, plan_cases, w8a8_kmajor
 from jaxlora.model.quant import Quantization, quantize
-from pallas_kernels.quant_matmul import quant_matmul
+from pallas_kernels.quant.triton import quant_matmul
 from tests.bench.run_module import run_benchmark
 
 H200 = AbstractMesh(

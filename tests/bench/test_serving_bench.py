@@ -203,7 +203,7 @@ def test_split_every_group_runs_every_module_group_as_two_launches(monkeypatch):
     """--lora-groups split: the A/B arm without the one-launch kernel or the tile expand, whatever
     the rank and rows."""
     from benchmarks.serving.trace import split_every_group
-    from pallas_kernels import tuning
+    from pallas_kernels.lora import tuning
 
     for table in tuning.GROUP_TABLES.values():  # restored after the test
         for key in list(table):

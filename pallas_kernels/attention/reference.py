@@ -1,6 +1,6 @@
 """Ragged paged attention in plain JAX: the reference the kernel must equal, and the XLA attention path.
 
-Same contract as `ragged_attention.ragged_paged_attention` (see its docstring), computed the direct
+Same contract as `ragged.ragged_paged_attention` (see its docstring), computed the direct
 way and sharing no index math with the kernel: every token finds its sequence by comparing its flat
 index with the sequences' ranges, gathers that sequence's pages into a dense [ctx, KVH, Dh] context
 (ctx = pages_per_seq * page_size), masks positions past its own and takes a float32 softmax.

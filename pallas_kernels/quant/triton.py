@@ -35,13 +35,13 @@ Variants (static, chosen per call):
   k_major=True     q is stored [L, N, K] (each column's weights contiguous, the layout cuBLASLt's
                    8-bit GEMMs read). Hopper's 8-bit wgmma reads only K-major operands from shared
                    memory; an [L, K, N] tile would go through registers to be transposed.
-  swap_ab=True     each tile is computed as (w^T x^T)^T (see quant_tuning.py).
+  swap_ab=True     each tile is computed as (w^T x^T)^T (see tuning.py).
 
 Work decomposition: program (i, j, s) owns rows i*block_m .., columns j*block_n .. and the s-th of
 split_k runs of whole block_k steps along K. With split_k > 1 each program writes its scaled float32
 partial sum and one XLA reduction adds them (decode has one or two row tiles, so splitting K is what
 fills the SMs). Rows, columns or depth that do not fill a block are masked loads; masks are emitted
-only where a dimension is not a multiple of its block. Block sizes come from `quant_tuning.py`.
+only where a dimension is not a multiple of its block. Block sizes come from `tuning.py`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import quant_tuning
+from pallas_kernels.quant import tuning as quant_tuning
 
 _F32 = jnp.float32
 _INT8 = jnp.dtype(jnp.int8)
@@ -374,11 +374,11 @@ def quant_matmul(
       w8a8: quantize x per row to q's format (`quantize_rows`) and run 8-bit MMAs (module doc).
       convert: how a weight-only tile becomes x's dtype, "cast" or "magic" (int8 only; module doc).
       k_major: q is stored [(L,) N, K].
-      swap_ab: compute tiles transposed (quant_tuning.py); default: the tuning table's.
+      swap_ab: compute tiles transposed (tuning.py); default: the tuning table's.
       block_m, block_n, block_k: tile sizes, powers of two >= 16 (block_k >= 32 with w8a8; default:
-        quant_tuning.py by M); clamped to the padded problem size.
+        tuning.py by M); clamped to the padded problem size.
       split_k: programs sharing one tile's K (default: the fewest that give `min_programs`).
-      min_programs, num_warps, num_stages: tuning knobs (default: quant_tuning.py).
+      min_programs, num_warps, num_stages: tuning knobs (default: tuning.py).
       interpret: run in the Pallas interpreter (CPU).
 
     Returns:

@@ -14,7 +14,7 @@ import typing
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import lora_triton, tuning, xla_backends
+from pallas_kernels.lora import common, tuning, xla
 
 # The LoRA backends `api.py` dispatches to (its docstring says what each is); "onehot" and "loop"
 # are the naive references, for tests. jaxlora's `LoraBackend` is the subset a model serves with.
@@ -33,14 +33,14 @@ class LoraPlan:
 
     slot_ids: [T] int32 slot of each token.
     groups: pallas only: rows grouped by slot (decode) or cut into segments (prefill), with the
-      kernels' work items for the tile heights tuning.py uses at this T (`lora_triton.RowGroups`).
+      kernels' work items for the tile heights tuning.py uses at this T (`common.RowGroups`).
     sort_order: ragged only: [T] int32 rows in stable slot order.
     group_sizes: ragged only: [S] int32 rows per slot.
     backend, seg_len, num_slots: static; the ops check that they match their own arguments.
     """
 
     slot_ids: jax.Array
-    groups: lora_triton.RowGroups | None
+    groups: common.RowGroups | None
     sort_order: jax.Array | None
     group_sizes: jax.Array | None
     backend: Backend = _static()
@@ -86,11 +86,11 @@ def lora_plan(slot_ids: jax.Array, *, num_slots: int, seg_len: int | None = None
     slot_ids = slot_ids.astype(jnp.int32)
     groups = sort_order = group_sizes = None
     if backend == "pallas" and num_tokens:
-        groups = lora_triton.make_row_groups(
+        groups = common.make_row_groups(
             slot_ids, num_slots=num_slots, seg_len=seg_len, block_rows=_tile_heights(num_tokens, seg_len)
         )
     elif backend == "ragged":
-        sort_order, group_sizes = xla_backends.sort_by_slot(slot_ids, num_slots)
+        sort_order, group_sizes = xla.sort_by_slot(slot_ids, num_slots)
     return LoraPlan(
         slot_ids=slot_ids,
         groups=groups,

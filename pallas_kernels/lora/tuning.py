@@ -48,11 +48,11 @@ EXPAND_PREFILL: dict[int, dict[str, int | str]] = {
 }
 
 # A module group's whole LoRA term (`api.lora_group` on "pallas"): impl "fused" runs it as one launch
-# (`lora_fused`: each work item's shrink computed in the program that expands it), "split" as the
-# shrink and expand launches above (decode: `lora_triton.decode_group`, two launches a group, the
+# (`fused`: each work item's shrink computed in the program that expands it), "split" as the
+# shrink and expand launches above (decode: `group.decode_group`, two launches a group, the
 # expand per row), "split_tiles" as the same shrink and a tile expand (`decode_group(tiles=...)`:
 # program (16-row work item, column block), each b column block read once per item, a tensor-core
-# dot). Keys besides impl: `lora_fused`'s knobs for "fused" (block_rows: work-item height, >= 16 for
+# dot). Keys besides impl: `fused`'s knobs for "fused" (block_rows: work-item height, >= 16 for
 # the tensor-core dots; block_k: shrink depth per loop step; block_out: output columns per step;
 # col_split: runs of each module's column blocks, one program each, each recomputing its item's
 # shrink), the tile expand's for "split_tiles" (block_out, num_warps, num_stages; its items are the

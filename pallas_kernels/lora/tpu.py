@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.lora_triton import work_items
+from pallas_kernels.lora.common import work_items
 
 _F32 = jnp.float32
 LANES, SUBLANES = 128, 8

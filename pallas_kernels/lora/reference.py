@@ -2,14 +2,12 @@
 
 `loop` (a Python loop over rows) is what every kernel and backend is checked against; `onehot`
 (every row through every slot, then a one-hot pick) is a second, differently built check. The
-production XLA backends (`xla`, `ragged`, the CPU default) are in `xla_backends.py`.
+production XLA backends (`xla`, `ragged`, the CPU default) are in `xla.py`.
 
 Math (every backend computes exactly this; s = slot_ids[t]):
     shrink: h[t, :] = x[t, :] @ a[s]                   x [T, D], a [S, D, R] -> h [T, R]
     expand: y_new[t, :] = y[t, :] + h[t, :] @ b[s]     h [T, R], b [S, R, O], y [T, O] -> [T, O]
 Products accumulate in float32; results come back in the dtype of x (shrink) or y (expand).
-
-`decode_attention_reference` is the dense softmax the decode-attention kernel must equal.
 """
 
 from __future__ import annotations
@@ -52,18 +50,3 @@ def expand_onehot(y: jax.Array, h: jax.Array, b: jax.Array, slot_ids: jax.Array)
     h_per_slot = jnp.einsum("tr,ts->tsr", h, onehot)  # zero outside each row's slot
     delta = jnp.einsum("tsr,sro->to", h_per_slot, b, preferred_element_type=_F32)
     return (y.astype(_F32) + delta).astype(y.dtype)
-
-
-def decode_attention_reference(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int, lengths: jax.Array
-) -> jax.Array:
-    """Plain-JAX reference, written from the definition (dense scores, mask, softmax), no blocks."""
-    batch, num_heads, head_dim = q.shape
-    keys = k_cache[layer, :batch].astype(jnp.float32)  # [B, T, KVH, Dh]
-    values = v_cache[layer, :batch].astype(jnp.float32)
-    group = num_heads // keys.shape[2]
-    keys, values = jnp.repeat(keys, group, axis=2), jnp.repeat(values, group, axis=2)  # [B, T, H, Dh]
-    scores = jnp.einsum("bhd,bthd->bht", q.astype(jnp.float32), keys) / jnp.sqrt(jnp.float32(head_dim))
-    valid = jnp.arange(keys.shape[1])[None, :] < jnp.clip(lengths, 1, keys.shape[1])[:, None]  # [B, T]
-    probs = jax.nn.softmax(jnp.where(valid[:, None, :], scores, -jnp.inf), axis=-1)
-    return jnp.einsum("bht,bthd->bhd", probs, values).astype(q.dtype)

@@ -1,6 +1,6 @@
 """Ragged paged attention in XLA ops: the model's "xla" attention path (the CPU default).
 
-Same contract as `ragged_attention.ragged_paged_attention`. The flat batch is cut into query blocks
+Same contract as `ragged.ragged_paged_attention`. The flat batch is cut into query blocks
 of `block_q` tokens of one sequence each (a sequence of n tokens owns cdiv(n, block_q) blocks; at
 most cdiv(T, block_q) + S blocks in all), and each block gathers its sequence's pages once. So the
 gathered context is (blocks x context), not (tokens x context) as in the per-token reference: a

@@ -6,11 +6,11 @@ float8_e4m3fn) with per-output-column float32 scales [L, N]:
 
     y[m, n] = (sum_k x[m, k] * float(q[layer, n, k])) * scale[layer, n]      (accumulated in f32)
 
-the math of `pallas_kernels.quant_matmul` with k_major=True and of `jaxlora.model.quant.matmul` on
+the math of `pallas_kernels.quant.triton` with k_major=True and of `jaxlora.model.quant.matmul` on
 q[layer].T (the tests' references), for the decode-sized steps (M <= 256) of a quantized base on an
 H100 / H200.
 
-Why another kernel: the Triton one (`quant_matmul.py`) streams its weights at 1.1-1.3 TB/s on the
+Why another kernel: the Triton one (`triton.py`) streams its weights at 1.1-1.3 TB/s on the
 H200 (4.1 TB/s copy), so an int8 decode step is slower than the bf16 one it halves the bytes of.
 Here each CTA keeps `stages` weight tiles in flight through the TMA engine (no registers or
 address arithmetic spent on loads), and the converted tile never goes back to shared memory.

@@ -33,11 +33,13 @@ pallas decode expand picks between its grouped and per-row kernels by a static r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import lora_fused, lora_tpu, lora_triton, reference, tuning, xla_backends
-from pallas_kernels.plan import BACKENDS, Backend, LoraPlan, check_plan, lora_plan
+from pallas_kernels.lora import common, expand, fused, group, reference, shrink, tpu, tuning, xla
+from pallas_kernels.lora.plan import BACKENDS, Backend, LoraPlan, check_plan, lora_plan
 
 
 def _check_backend(backend: Backend) -> None:
@@ -109,24 +111,28 @@ def lora_shrink(
       h: [T, R] in x.dtype (f32 accumulation).
     """
     plan = _resolve_plan(plan, slot_ids, backend=backend, seg_len=seg_len, num_tokens=x.shape[0], num_slots=a.shape[-3])
-    slot_ids = plan.slot_ids
     if backend == "pallas":
-        mode = "decode" if seg_len is None else "prefill"
         if x.shape[0] == 0:
             return jnp.zeros((0, a.shape[-1]), x.dtype)
-        return lora_triton.grouped_shrink(x, a, plan.groups, mode=mode, interpret=interpret, layer=layer)
-    a = _layer_of(a, layer, 3)
-    if backend == "pallas_tpu":
-        if seg_len is None:
-            return lora_tpu.bgmv_shrink(x, a, slot_ids, interpret=interpret)
-        return lora_tpu.sgmv_shrink(x, a, *_tpu_segments(slot_ids, seg_len), interpret=interpret)
-    if backend == "xla":
-        return xla_backends.shrink_xla(x, a, slot_ids, seg_len)
-    if backend == "ragged":
-        return xla_backends.shrink_ragged(x, a, slot_ids, (plan.sort_order, plan.group_sizes))
-    if backend == "onehot":
-        return reference.shrink_onehot(x, a, slot_ids)
-    return reference.shrink_loop(x, a, slot_ids)
+        mode = "decode" if seg_len is None else "prefill"
+        return shrink.grouped_shrink(x, a, plan.groups, mode=mode, interpret=interpret, layer=layer)
+    return _SHRINK[backend](x, _layer_of(a, layer, 3), plan, interpret)
+
+
+def _shrink_tpu(x: jax.Array, a: jax.Array, plan: LoraPlan, interpret: bool) -> jax.Array:
+    if plan.seg_len is None:
+        return tpu.bgmv_shrink(x, a, plan.slot_ids, interpret=interpret)
+    return tpu.sgmv_shrink(x, a, *_tpu_segments(plan.slot_ids, plan.seg_len), interpret=interpret)
+
+
+# The shrink of each backend that takes one layer's bank [S, D, R]: (x, a, plan, interpret) -> h.
+_SHRINK: dict[str, Callable[[jax.Array, jax.Array, LoraPlan, bool], jax.Array]] = {
+    "pallas_tpu": _shrink_tpu,
+    "xla": lambda x, a, plan, _: xla.shrink_xla(x, a, plan.slot_ids, plan.seg_len),
+    "ragged": lambda x, a, plan, _: xla.shrink_ragged(x, a, plan.slot_ids, (plan.sort_order, plan.group_sizes)),
+    "onehot": lambda x, a, plan, _: reference.shrink_onehot(x, a, plan.slot_ids),
+    "loop": lambda x, a, plan, _: reference.shrink_loop(x, a, plan.slot_ids),
+}
 
 
 def _tpu_segments(slot_ids: jax.Array, seg_len: int) -> tuple[jax.Array, jax.Array]:
@@ -136,30 +142,36 @@ def _tpu_segments(slot_ids: jax.Array, seg_len: int) -> tuple[jax.Array, jax.Arr
 
 
 def _expand_one(y, h, b, plan: LoraPlan, h_col, *, backend, interpret, seg_len, layer=None):
-    slot_ids = plan.slot_ids
     if backend == "pallas":
         if y.shape[0] == 0:
             return y
         if seg_len is None:
-            return lora_triton.decode_expand(
-                y, h, b, slot_ids, plan.groups, h_col=h_col, interpret=interpret, layer=layer
+            return expand.decode_expand(
+                y, h, b, plan.slot_ids, plan.groups, h_col=h_col, interpret=interpret, layer=layer
             )
-        return lora_triton.grouped_expand(
+        return expand.grouped_expand(
             y, h, b, plan.groups, mode="prefill", h_col=h_col, interpret=interpret, layer=layer
         )
     b = _layer_of(b, layer, 3)
     if backend == "pallas_tpu":
-        if seg_len is None:
-            return lora_tpu.bgmv_expand(y, h, b, slot_ids, h_col=h_col, interpret=interpret)
-        return lora_tpu.sgmv_expand(y, h, b, *_tpu_segments(slot_ids, seg_len), h_col=h_col, interpret=interpret)
-    h = h[:, h_col : h_col + b.shape[1]]
-    if backend == "xla":
-        return xla_backends.expand_xla(y, h, b, slot_ids, seg_len)
-    if backend == "ragged":
-        return xla_backends.expand_ragged(y, h, b, slot_ids, (plan.sort_order, plan.group_sizes))
-    if backend == "onehot":
-        return reference.expand_onehot(y, h, b, slot_ids)
-    return reference.expand_loop(y, h, b, slot_ids)
+        return _expand_tpu(y, h, b, plan, h_col, interpret)
+    return _EXPAND[backend](y, h[:, h_col : h_col + b.shape[1]], b, plan)
+
+
+def _expand_tpu(y: jax.Array, h: jax.Array, b: jax.Array, plan: LoraPlan, h_col: int, interpret: bool) -> jax.Array:
+    if plan.seg_len is None:
+        return tpu.bgmv_expand(y, h, b, plan.slot_ids, h_col=h_col, interpret=interpret)
+    segments = _tpu_segments(plan.slot_ids, plan.seg_len)
+    return tpu.sgmv_expand(y, h, b, *segments, h_col=h_col, interpret=interpret)
+
+
+# The expand of each XLA / reference backend: (y, h [T, R] (this module's columns), b [S, R, O], plan) -> y.
+_EXPAND: dict[str, Callable[[jax.Array, jax.Array, jax.Array, LoraPlan], jax.Array]] = {
+    "xla": lambda y, h, b, plan: xla.expand_xla(y, h, b, plan.slot_ids, plan.seg_len),
+    "ragged": lambda y, h, b, plan: xla.expand_ragged(y, h, b, plan.slot_ids, (plan.sort_order, plan.group_sizes)),
+    "onehot": lambda y, h, b, plan: reference.expand_onehot(y, h, b, plan.slot_ids),
+    "loop": lambda y, h, b, plan: reference.expand_loop(y, h, b, plan.slot_ids),
+}
 
 
 def lora_expand(
@@ -248,8 +260,8 @@ def lora_group(
     """ys_new[g][t] = ys[g][t] + (x[t] @ a[s])[g*R:(g+1)*R] @ bs[g][s], s = slot_ids[t]: a module group's LoRA term.
 
     The same as `lora_shrink` followed by `lora_expand_multi`. On "pallas" where tuning.py's group
-    impl is "fused", it runs as one launch for the whole group (`lora_fused`); otherwise in decode
-    (seg_len None) as two launches for the whole group (`lora_triton.decode_group`: the shrink's
+    impl is "fused", it runs as one launch for the whole group (`fused`); otherwise in decode
+    (seg_len None) as two launches for the whole group (`group.decode_group`: the shrink's
     float32 split-K partials go straight to one expand launch over every module): per row, with h
     not rounded to x.dtype in between, or per work item where the impl is "split_tiles".
 
@@ -269,7 +281,7 @@ def lora_group(
         )
         mode = "decode" if seg_len is None else "prefill"
         out_cols = None if out_cols is None else tuple(out_cols)
-        return lora_fused.fused_group(
+        return fused.fused_group(
             x, a, tuple(ys), tuple(bs), plan.groups, mode=mode, layer=layer, out_cols=out_cols, interpret=interpret
         )
     if out_cols is not None:
@@ -282,7 +294,7 @@ def lora_group(
 
 
 def _fused_group_applies(backend: str, seg_len: int | None, num_tokens: int, rank: int) -> bool:
-    """Whether a group's LoRA term runs as one launch (`lora_fused.fused_group`): Pallas, and
+    """Whether a group's LoRA term runs as one launch (`fused.fused_group`): Pallas, and
     tuning.py's group impl at this T and bank rank is "fused"."""
     if backend != "pallas" or num_tokens <= 0 or rank <= 0:
         return False
@@ -291,7 +303,7 @@ def _fused_group_applies(backend: str, seg_len: int | None, num_tokens: int, ran
 
 
 def _decode_group_applies(backend: str, seg_len: int | None, num_tokens: int) -> bool:
-    """Whether a group's LoRA term runs as `lora_triton.decode_group` (two launches for the group):
+    """Whether a group's LoRA term runs as `group.decode_group` (two launches for the group):
     Pallas, one token per row, and the decode expand tuned to its per-row impl at this T."""
     return (
         backend == "pallas"
@@ -302,24 +314,24 @@ def _decode_group_applies(backend: str, seg_len: int | None, num_tokens: int) ->
 
 
 def _decode_group(x, a, ys, bs, slot_ids, plan, backend, interpret, layer, out_cols) -> tuple[jax.Array, ...]:
-    """`lora_triton.decode_group` with the step's plan (built here if not given) and tuning.py's
+    """`group.decode_group` with the step's plan (built here if not given) and tuning.py's
     expand for this T and bank rank: per row, or per work item ("split_tiles")."""
     plan = _resolve_plan(plan, slot_ids, backend=backend, seg_len=None, num_tokens=x.shape[0], num_slots=a.shape[-3])
     tiles = _tile_knobs(backend, None, x.shape[0], bs[0].shape[-2])
-    return lora_triton.decode_group(
+    return group.decode_group(
         x, a, ys, bs, plan.slot_ids, plan.groups, layer=layer, interpret=interpret, out_cols=out_cols, tiles=tiles
     )
 
 
 def _tile_knobs(backend: str, seg_len: int | None, num_tokens: int, rank: int) -> dict[str, int] | None:
     """The tile expand's knobs where tuning.py's decode group impl at this T and bank rank is
-    "split_tiles" (`lora_triton.decode_group` with b read once per work item), else None (per row)."""
+    "split_tiles" (`group.decode_group` with b read once per work item), else None (per row)."""
     if backend != "pallas" or seg_len is not None or num_tokens <= 0 or rank <= 0:
         return None
     row = tuning.lookup_group("decode", num_tokens, rank)
     if row["impl"] != "split_tiles":
         return None
-    return {k: int(row[k]) for k in lora_triton.TILE_KNOBS}
+    return {k: int(row[k]) for k in group.TILE_KNOBS}
 
 
 def _group_fused(x, a, ys, bs, slot_ids, backend, interpret, seg_len, plan, layer, out_cols) -> jax.Array:
@@ -331,7 +343,7 @@ def _group_fused(x, a, ys, bs, slot_ids, backend, interpret, seg_len, plan, laye
     if len(ys) != 1 or not bs:
         raise ValueError(f"a fused output takes one y and at least one bank; got {len(ys)} outputs, {len(bs)} banks")
     (y,) = ys
-    lora_triton.check_column_spans(out_cols, tuple(b.shape[-1] for b in bs), y.shape)
+    common.check_column_spans(out_cols, tuple(b.shape[-1] for b in bs), y.shape)
     spans = [(c, c + b.shape[-1]) for c, b in zip(out_cols, bs)]
     if _decode_group_applies(backend, seg_len, x.shape[0]):
         (y,) = _decode_group(x, a, (y,), tuple(bs), slot_ids, plan, backend, interpret, layer, out_cols)

@@ -4,14 +4,14 @@ Compute, for the G modules of one group (their A's stacked along the rank axis, 
 
     ys[g][t] += (x[t] @ a[s][:, g*R:(g+1)*R]) @ bs[g][s],     s = the slot of row t
 
-Why: a decode-sized LoRA op is launch-bound. The split form (`lora_triton.decode_group`) is two
+Why: a decode-sized LoRA op is launch-bound. The split form (`group.decode_group`) is two
 launches a group, eight a layer, and on the H200 each costs a few microseconds whatever its work
 (a step of 64 rows on slot 0 only, where the kernels read nothing, ran 1.15 ms slower than the
 bank-free step over 32 layers). Fusing the shrink into the expand halves the launches. What makes
 it cheap: the shrink of one work item is tiny (h is [block_rows, R]), so each program computes it
 itself, keeps it in registers, and multiplies it straight into its share of the output columns.
 
-Work decomposition: the rows (grouped by slot, `lora_triton.RowGroups`) are cut into (segment, tile)
+Work decomposition: the rows (grouped by slot, `common.RowGroups`) are cut into (segment, tile)
 work items of `block_rows` rows sharing one slot. Program (item, g, c) handles item `item`, module g,
 and the c-th of `col_split` runs of module g's output column blocks: it reads A's module-g columns
 once (its own shrink) and B[g]'s columns of its run once. So HBM reads each used adapter once per
@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import lora_triton, tuning
-from pallas_kernels.lora_triton import MIN_DOT, RowGroups
+from pallas_kernels.lora import common, group, tuning
+from pallas_kernels.lora.common import MIN_DOT, RowGroups
 
 _F32 = jnp.float32
 KNOBS = ("block_rows", "block_k", "block_out", "col_split", "num_warps", "num_stages")
@@ -85,7 +85,7 @@ def _kernel(
 
         @pl.when((slot != 0) & (module == g))
         def _(g=g):
-            rows, in_item = lora_triton._item_rows(
+            rows, in_item = common.work_item_rows(
                 item,
                 tile_ref,
                 lo_ref,
@@ -110,7 +110,7 @@ def _kernel(
                 at = (rows[:, None], col_offset[g] + outs[None, :])
                 mask = in_item[:, None] & out_ok[None, :]
                 y = pltriton.load(y_ref.at[at], mask=mask, other=0)
-                delta = lora_triton._dot(h, b)  # [BT, BO] f32
+                delta = common.dot_f32(h, b)  # [BT, BO] f32
                 pltriton.store(out_ref.at[at], (y.astype(_F32) + delta).astype(out_ref.dtype), mask=mask)
                 return carry
 
@@ -132,7 +132,7 @@ def _shrink(x_ref, a_ref, layer, slot, rows, in_item, a_cols, r_ok, block_k: int
         a = pltriton.load(
             a_ref.at[layer, slot, ks[:, None], a_cols[None, :]], mask=a_mask, other=None if a_mask is None else 0
         )
-        return acc + lora_triton._dot(x, a)
+        return acc + common.dot_f32(x, a)
 
     acc = jnp.zeros((in_item.shape[0], a_cols.shape[0]), _F32)
     return jax.lax.fori_loop(0, pl.cdiv(hidden, block_k), step, acc)
@@ -156,7 +156,7 @@ def fused_group(
     Args:
       x: [T, D] float; a: [S, D, G*R] (or [L, S, D, G*R] with `layer`); ys: G outputs [T, O_g], or
         one fused output [T, W] with `out_cols`; bs: G banks [S, R, O_g] (or [L, S, R, O_g]).
-      groups: `lora_triton.make_row_groups` of the step's slots (decode: grouped by slot; prefill:
+      groups: `common.make_row_groups` of the step's slots (decode: grouped by slot; prefill:
         segments), holding work items for `block_rows` or not (then they are built here).
       mode: "decode" | "prefill", the tuning row (`tuning.lookup_group(mode, T, R)`).
       layer: int32 scalar (may be traced) selecting the layer of stacked banks, read in place.
@@ -168,15 +168,15 @@ def fused_group(
       the updated outputs (G, or the one fused output), each in its own dtype (f32 accumulation);
       rows of slot 0 are unchanged.
     """
-    rank, output_of, col_offset = lora_triton.check_group(x, a, ys, bs, layer, out_cols)
+    rank, output_of, col_offset = group.check_group(x, a, ys, bs, layer, out_cols)
     knobs = _knobs(mode, x.shape[0], rank, knobs)
     stacked = layer is not None
-    a, layer = lora_triton._layered(a, layer)
+    a, layer = common.layered(a, layer)
     bs = tuple(b if stacked else b[None] for b in bs)
     num_tokens = x.shape[0]
     if num_tokens == 0:
         return tuple(ys)
-    items = lora_triton._items_for(groups, num_tokens, knobs["block_rows"])
+    items = common.items_for(groups, num_tokens, knobs["block_rows"])
     return _call(x, a, ys, bs, layer, groups.order, items, rank, output_of, col_offset, interpret, **knobs)
 
 
@@ -187,7 +187,7 @@ def _knobs(mode: str, num_tokens: int, rank: int, given: dict) -> dict:
     unknown = set(knobs) - set(KNOBS)
     if unknown:
         raise ValueError(f"unknown fused-group knobs {sorted(unknown)}; known: {KNOBS}")
-    lora_triton._check_pow2(
+    common.check_pow2(
         block_rows=knobs["block_rows"], block_k=knobs["block_k"], block_out=max(MIN_DOT, knobs["block_out"])
     )
     if knobs["block_out"] < MIN_DOT or knobs["col_split"] < 1:
@@ -197,12 +197,12 @@ def _knobs(mode: str, num_tokens: int, rank: int, given: dict) -> dict:
 
 def _call(x, a, ys, bs, layer, order, items, rank, output_of, col_offset, interpret, **knobs):
     num_tokens, hidden = x.shape
-    rank_pad = lora_triton._pad_pow2(rank)
+    rank_pad = common.pad_pow2(rank)
     out_dims = tuple(b.shape[-1] for b in bs)
     # The B tile [rank_pad, block_out] is staged in shared memory per pipeline stage: bound it as
     # the A tile is (rank 256 at block_out 256 asked the H200 for 268 KB of its 227).
-    block_out = min(knobs["block_out"], lora_triton._pad_pow2(max(out_dims)), max(MIN_DOT, 32768 // rank_pad))
-    block_k = min(knobs["block_k"], lora_triton._pad_pow2(hidden), max(MIN_DOT, 16384 // rank_pad))
+    block_out = min(knobs["block_out"], common.pad_pow2(max(out_dims)), max(MIN_DOT, 32768 // rank_pad))
+    block_k = min(knobs["block_k"], common.pad_pow2(hidden), max(MIN_DOT, 16384 // rank_pad))
     col_split = max(1, min(knobs["col_split"], max(pl.cdiv(o, block_out) for o in out_dims)))
     steps = tuple(pl.cdiv(pl.cdiv(o, block_out), col_split) for o in out_dims)
     has_order = order is not None
