@@ -108,7 +108,7 @@ def stream(command: list[str], env: dict[str, str], drop: re.Pattern[str] | None
 
 
 def part_timeout_s(part: Part, left_s: float) -> int:
-    seconds = int(left_s) - part.reserve_s
+    seconds = int((int(left_s) - part.reserve_s) * part.share)
     return min(seconds, part.cap_s) if part.cap_s is not None else seconds
 
 
@@ -193,20 +193,33 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def recipe_settings(recipe_name: str, recipe: Recipe, words: list[str]) -> dict[str, str]:
+    """`--set name=value` pairs (before or after the recipe's name) checked against its variables."""
+    pairs = argparse.ArgumentParser(prog=f"run.sh {recipe_name}", add_help=False)
+    pairs.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    settings, rest = pairs.parse_known_args(words)
+    if rest or any("=" not in s for s in settings.set):
+        raise SystemExit(f"recipe {recipe_name!r} takes only --set name=value, not {rest or settings.set}")
+    values = dict(s.split("=", 1) for s in settings.set)
+    unknown = values.keys() - recipe.variables.keys()
+    if unknown:
+        raise SystemExit(
+            f"recipe {recipe_name!r} has no variables {sorted(unknown)}; it has {sorted(recipe.variables)}"
+        )
+    return {**recipe.variables, **values}
+
+
 def resolve(args: argparse.Namespace) -> tuple[Recipe, str, dict[str, str]]:
     if args.target in RECIPES:
         recipe = RECIPES[args.target]
-        if args.args or args.xla_flags is not None:
-            raise SystemExit(f"recipe {args.target!r} takes --set name=value, not {args.args or args.xla_flags}")
-        settings = dict(s.split("=", 1) for s in args.set)
-        unknown = settings.keys() - recipe.variables.keys()
-        if unknown:
-            raise SystemExit(
-                f"recipe {args.target!r} has no variables {sorted(unknown)}; it has {sorted(recipe.variables)}"
-            )
+        if args.xla_flags is not None:
+            raise SystemExit(f"recipe {args.target!r} sets XLA_FLAGS per part; --xla-flags is for a module run")
+        variables = recipe_settings(args.target, recipe, [w for s in args.set for w in ("--set", s)] + list(args.args))
         if args.budget_s is not None:
             recipe = dataclasses.replace(recipe, total_s=args.budget_s)
-        return recipe, args.label or args.target, {**recipe.variables, **settings}
+        return recipe, args.label or args.target, variables
+    if args.set:
+        raise SystemExit("--set names a recipe's variables; a module run takes the module's own arguments")
     recipe = module_recipe(args.target, list(args.args), args.xla_flags, args.budget_s or 560)
     return recipe, args.label or "run", {}
 
