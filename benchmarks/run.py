@@ -112,10 +112,15 @@ def part_timeout_s(part: Part, left_s: float) -> int:
     return min(seconds, part.cap_s) if part.cap_s is not None else seconds
 
 
-def run_part(part: Part, folder: Path, timeout_s: int, variables: dict[str, str], commit: str | None) -> int:
+def part_command(part: Part, folder: Path, timeout_s: int, variables: dict[str, str]) -> list[str]:
+    """`python -m benchmarks.<module> args...` with the part's placeholders filled."""
     values = {**variables, "out": str(folder), "budget_s": str(timeout_s - part.margin_s)}
-    args = [a for arg in part.args for a in fill(arg, values)]
-    command = ["timeout", "--kill-after=10", str(timeout_s), sys.executable, "-m", f"benchmarks.{part.module}", *args]
+    return ["python", "-m", f"benchmarks.{part.module}", *(a for arg in part.args for a in fill(arg, values))]
+
+
+def run_part(part: Part, folder: Path, timeout_s: int, variables: dict[str, str], commit: str | None) -> int:
+    shown = part_command(part, folder, timeout_s, variables)
+    command = ["timeout", "--kill-after=10", str(timeout_s), sys.executable, *shown[1:]]
     env = {**ENV_DEFAULTS, **os.environ, "PYTHONPATH": str(ROOT)}
     if part.xla_flags is not None:
         env["XLA_FLAGS"] = part.xla_flags
@@ -125,16 +130,11 @@ def run_part(part: Part, folder: Path, timeout_s: int, variables: dict[str, str]
     with open(folder / "log.txt", "a") as log:
         flags = "inherited" if part.xla_flags is None else repr(part.xla_flags)
         say(f"== {part.module} {part.label} (XLA_FLAGS {flags}, timeout {timeout_s} s) -> {folder}", log)
-        say("   " + " ".join(["python", *command[4:]]), log)
+        say("   " + " ".join(shown), log)
         returncode = stream(command, env, drop, log)
         wall_s = round(time.monotonic() - t0, 1)
         say(f"== {part.module} {part.label}: exit {returncode} after {wall_s} s", log)
-    record = {
-        "module": part.module,
-        "label": part.label,
-        "command": ["python", *command[4:]],
-        "xla_flags": part.xla_flags,
-    }
+    record = {"module": part.module, "label": part.label, "command": shown, "xla_flags": part.xla_flags}
     record |= {"timeout_s": timeout_s, "returncode": returncode, "wall_s": wall_s, "started": started, "commit": commit}
     (folder / "run.json").write_text(json.dumps(record, indent=1) + "\n")
     return returncode
@@ -157,12 +157,9 @@ def run(recipe: Recipe, root: Path, label: str, variables: dict[str, str], dry_r
             print(f"== {part.module} {part.label}: not run ({int(clock.left_s())} s left)", flush=True)
             continue
         folder = run_folder(root, part, label, day)
-        if dry_run:
-            values = {**variables, "out": str(folder), "budget_s": str(timeout_s - part.margin_s)}
-            args = [a for arg in part.args for a in fill(arg, values)]
-            print(
-                f"XLA_FLAGS={part.xla_flags!r} timeout {timeout_s} python -m benchmarks.{part.module} {' '.join(args)}"
-            )
+        if dry_run:  # each part's timeout as if it started the run
+            command = " ".join(part_command(part, folder, timeout_s, variables))
+            print(f"XLA_FLAGS={part.xla_flags!r} timeout {timeout_s} {command}")
             continue
         failed += run_part(part, folder, timeout_s, variables, commit) != 0
     print(f"== done at {recipe.total_s - int(clock.left_s())} s, {failed} part(s) failed", flush=True)
