@@ -25,6 +25,7 @@ class Part:
     xla_flags: str | None = None  # XLA_FLAGS for this part; None inherits the caller's
     cap_s: int | None = None  # the most seconds this part may run
     reserve_s: int = 0  # seconds kept for the parts after this one
+    share: float = 1.0  # of the time left (less reserve_s): 1/2 then 1 splits the rest evenly in two
     margin_s: int = 0  # {budget_s} = timeout - margin_s
     min_s: int = 25  # skipped when less than this is left for it
     drop: tuple[str, ...] = ()  # extra log lines to drop (regexes), beside the runner's noise filter
@@ -32,6 +33,8 @@ class Part:
     def __post_init__(self):
         if self.cap_s is not None and self.cap_s < self.min_s:
             raise ValueError(f"{self.module}: {self.cap_s=} must be >= {self.min_s=}")
+        if not 0 < self.share <= 1:
+            raise ValueError(f"{self.module}: {self.share=} must be in (0, 1]")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,6 +45,13 @@ class Recipe:
     variables: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
+HOST_FLAG_SETS = (
+    ("default", ""),
+    ("nocb", "--xla_gpu_enable_command_buffer="),
+    ("min1", "--xla_gpu_graph_min_graph_size=1"),
+    ("cublas", CUBLAS),
+    ("cublas_nocb", f"{CUBLAS} --xla_gpu_enable_command_buffer="),
+)
 E2E_ROWS = ("--no-plots",)
 E2E_JSON_ROWS = (r"^  \{",)  # e2e prints every row as JSON too; the table lines say the same
 
@@ -566,7 +576,8 @@ RECIPES: dict[str, Recipe] = {
         ),
     ),
     "host_flags": Recipe(
-        doc="The full-depth host loop once per XLA_FLAGS set: host ms a step and the token digest per set.",
+        doc="The full-depth host loop once per XLA_FLAGS set, the clock split evenly: host ms a step and "
+        "the token digest per set.",
         total_s=560,
         variables={"cases": "64:64"},
         parts=tuple(
@@ -588,15 +599,9 @@ RECIPES: dict[str, Recipe] = {
                     "{out}",
                 ),
                 xla_flags=flags,
-                cap_s=110,
+                share=1 / (len(HOST_FLAG_SETS) - i),
             )
-            for label, flags in (
-                ("default", ""),
-                ("nocb", "--xla_gpu_enable_command_buffer="),
-                ("min1", "--xla_gpu_graph_min_graph_size=1"),
-                ("cublas", CUBLAS),
-                ("cublas_nocb", f"{CUBLAS} --xla_gpu_enable_command_buffer="),
-            )
+            for i, (label, flags) in enumerate(HOST_FLAG_SETS)
         ),
     ),
     "serving_probe": Recipe(
@@ -654,7 +659,7 @@ RECIPES: dict[str, Recipe] = {
     ),
     "serving_ab": Recipe(
         doc="An A/B of the LoRA group rule on S-LoRA's trace, one process per arm (--lora-groups split, then "
-        "tuned), the same draw; {setup_s} is the set-up time the benchmark budgets for.",
+        "tuned), the same draw, the clock split evenly; setup_s is the set-up time the benchmark budgets for.",
         total_s=560,
         variables={"setting": "all", "rate": "40", "setup_s": "150"},
         parts=tuple(
@@ -681,10 +686,10 @@ RECIPES: dict[str, Recipe] = {
                     "--out",
                     "{out}",
                 ),
-                cap_s=270,
+                share=share,
                 margin_s=8,
             )
-            for arm in ("split", "tuned")
+            for arm, share in (("split", 0.5), ("tuned", 1.0))
         ),
     ),
 }

@@ -108,14 +108,19 @@ def stream(command: list[str], env: dict[str, str], drop: re.Pattern[str] | None
 
 
 def part_timeout_s(part: Part, left_s: float) -> int:
-    seconds = int(left_s) - part.reserve_s
+    seconds = int((int(left_s) - part.reserve_s) * part.share)
     return min(seconds, part.cap_s) if part.cap_s is not None else seconds
 
 
-def run_part(part: Part, folder: Path, timeout_s: int, variables: dict[str, str], commit: str | None) -> int:
+def part_command(part: Part, folder: Path, timeout_s: int, variables: dict[str, str]) -> list[str]:
+    """`python -m benchmarks.<module> args...` with the part's placeholders filled."""
     values = {**variables, "out": str(folder), "budget_s": str(timeout_s - part.margin_s)}
-    args = [a for arg in part.args for a in fill(arg, values)]
-    command = ["timeout", "--kill-after=10", str(timeout_s), sys.executable, "-m", f"benchmarks.{part.module}", *args]
+    return ["python", "-m", f"benchmarks.{part.module}", *(a for arg in part.args for a in fill(arg, values))]
+
+
+def run_part(part: Part, folder: Path, timeout_s: int, variables: dict[str, str], commit: str | None) -> int:
+    shown = part_command(part, folder, timeout_s, variables)
+    command = ["timeout", "--kill-after=10", str(timeout_s), sys.executable, *shown[1:]]
     env = {**ENV_DEFAULTS, **os.environ, "PYTHONPATH": str(ROOT)}
     if part.xla_flags is not None:
         env["XLA_FLAGS"] = part.xla_flags
@@ -125,16 +130,11 @@ def run_part(part: Part, folder: Path, timeout_s: int, variables: dict[str, str]
     with open(folder / "log.txt", "a") as log:
         flags = "inherited" if part.xla_flags is None else repr(part.xla_flags)
         say(f"== {part.module} {part.label} (XLA_FLAGS {flags}, timeout {timeout_s} s) -> {folder}", log)
-        say("   " + " ".join(["python", *command[4:]]), log)
+        say("   " + " ".join(shown), log)
         returncode = stream(command, env, drop, log)
         wall_s = round(time.monotonic() - t0, 1)
         say(f"== {part.module} {part.label}: exit {returncode} after {wall_s} s", log)
-    record = {
-        "module": part.module,
-        "label": part.label,
-        "command": ["python", *command[4:]],
-        "xla_flags": part.xla_flags,
-    }
+    record = {"module": part.module, "label": part.label, "command": shown, "xla_flags": part.xla_flags}
     record |= {"timeout_s": timeout_s, "returncode": returncode, "wall_s": wall_s, "started": started, "commit": commit}
     (folder / "run.json").write_text(json.dumps(record, indent=1) + "\n")
     return returncode
@@ -157,12 +157,9 @@ def run(recipe: Recipe, root: Path, label: str, variables: dict[str, str], dry_r
             print(f"== {part.module} {part.label}: not run ({int(clock.left_s())} s left)", flush=True)
             continue
         folder = run_folder(root, part, label, day)
-        if dry_run:
-            values = {**variables, "out": str(folder), "budget_s": str(timeout_s - part.margin_s)}
-            args = [a for arg in part.args for a in fill(arg, values)]
-            print(
-                f"XLA_FLAGS={part.xla_flags!r} timeout {timeout_s} python -m benchmarks.{part.module} {' '.join(args)}"
-            )
+        if dry_run:  # each part's timeout as if it started the run
+            command = " ".join(part_command(part, folder, timeout_s, variables))
+            print(f"XLA_FLAGS={part.xla_flags!r} timeout {timeout_s} {command}")
             continue
         failed += run_part(part, folder, timeout_s, variables, commit) != 0
     print(f"== done at {recipe.total_s - int(clock.left_s())} s, {failed} part(s) failed", flush=True)
@@ -193,20 +190,33 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def recipe_settings(recipe_name: str, recipe: Recipe, words: list[str]) -> dict[str, str]:
+    """`--set name=value` pairs (before or after the recipe's name) checked against its variables."""
+    pairs = argparse.ArgumentParser(prog=f"run.sh {recipe_name}", add_help=False)
+    pairs.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    settings, rest = pairs.parse_known_args(words)
+    if rest or any("=" not in s for s in settings.set):
+        raise SystemExit(f"recipe {recipe_name!r} takes only --set name=value, not {rest or settings.set}")
+    values = dict(s.split("=", 1) for s in settings.set)
+    unknown = values.keys() - recipe.variables.keys()
+    if unknown:
+        raise SystemExit(
+            f"recipe {recipe_name!r} has no variables {sorted(unknown)}; it has {sorted(recipe.variables)}"
+        )
+    return {**recipe.variables, **values}
+
+
 def resolve(args: argparse.Namespace) -> tuple[Recipe, str, dict[str, str]]:
     if args.target in RECIPES:
         recipe = RECIPES[args.target]
-        if args.args or args.xla_flags is not None:
-            raise SystemExit(f"recipe {args.target!r} takes --set name=value, not {args.args or args.xla_flags}")
-        settings = dict(s.split("=", 1) for s in args.set)
-        unknown = settings.keys() - recipe.variables.keys()
-        if unknown:
-            raise SystemExit(
-                f"recipe {args.target!r} has no variables {sorted(unknown)}; it has {sorted(recipe.variables)}"
-            )
+        if args.xla_flags is not None:
+            raise SystemExit(f"recipe {args.target!r} sets XLA_FLAGS per part; --xla-flags is for a module run")
+        variables = recipe_settings(args.target, recipe, [w for s in args.set for w in ("--set", s)] + list(args.args))
         if args.budget_s is not None:
             recipe = dataclasses.replace(recipe, total_s=args.budget_s)
-        return recipe, args.label or args.target, {**recipe.variables, **settings}
+        return recipe, args.label or args.target, variables
+    if args.set:
+        raise SystemExit("--set names a recipe's variables; a module run takes the module's own arguments")
     recipe = module_recipe(args.target, list(args.args), args.xla_flags, args.budget_s or 560)
     return recipe, args.label or "run", {}
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from pallas_kernels.attention.ragged import ragged_paged_attention
 from pallas_kernels.attention.reference import ragged_paged_attention_reference
-from tests.tolerances import TOLERANCES
+from pallas_kernels.tolerances import KERNEL_TOLERANCES
 
 HBM_BYTES_PER_S = 4.1e12
 DTYPE = jnp.bfloat16
@@ -137,7 +137,7 @@ def time_per_layer_us(fn, args, layers: int, reps: int) -> float:
 
 def errors(out, ref, is_token: np.ndarray) -> dict:
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    tol = TOLERANCES["bfloat16"]
+    tol = KERNEL_TOLERANCES["bfloat16"]
     return dict(
         max_abs_err=float(np.abs(out - ref)[is_token].max()),
         finite=bool(np.isfinite(out).all()),

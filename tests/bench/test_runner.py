@@ -42,6 +42,7 @@ def test_part_timeout_keeps_the_reserve_and_the_cap():
     assert run.part_timeout_s(Part(module="engine.e2e", reserve_s=100), 500.5) == 400
     assert run.part_timeout_s(Part(module="engine.e2e", cap_s=60, reserve_s=100), 500) == 60
     assert run.part_timeout_s(Part(module="engine.e2e", cap_s=60, reserve_s=100), 130) == 30
+    assert run.part_timeout_s(Part(module="engine.e2e", reserve_s=20, share=0.5), 400) == 190
 
 
 def test_a_part_that_no_longer_fits_is_skipped(tmp_path, capsys):
