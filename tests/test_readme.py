@@ -244,7 +244,8 @@ def _serve(argv: list[str], harness: Harness) -> None:
     parser = UsageParser(prog="jaxlora serve")
     serve.add_args(parser)
     args = parser.parse_args(argv[1:])
-    args.port = 0
+    args.port = None if args.no_http else 0
+    args.grpc_port = None if args.no_grpc else 0
     if args.metrics_port is not None:
         args.metrics_port = 0
     harness.stop_server()

@@ -53,6 +53,8 @@ class EngineConfig:
         has an adapter (they skip the LoRA launches). False halves the warm-up's compiles; such
         steps then run with the bank (the same tokens: slot 0 is all zero). For deployments where
         nearly every request names an adapter.
+      seed: seeds the sampling seeds drawn for requests that give none, so that a re-run of the
+        same requests in the same order gives the same tokens (None: drawn from the OS).
     """
 
     max_batch: int = 8
@@ -72,6 +74,7 @@ class EngineConfig:
     attention: AttentionBackend = AttentionBackend.AUTO
     prefetch_adapters: int = 16
     bank_free_steps: bool = True
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("max_batch", "max_seq_len", "page_size", "max_new_tokens_limit", "max_queue", "max_wait_steps"):

@@ -56,6 +56,7 @@ from jaxlora.engine.request import (
     Phase,
     Request,
     RequestOutput,
+    default_max_tokens,
     token_output,
 )
 from jaxlora.engine.runner import Runner, WarmupProgress, num_traces
@@ -197,7 +198,7 @@ class Engine:
         self._cancels: list[str] = []
         self._live: dict[str, _Live] = {}  # submitted and not finished, by request id
         self._arrivals = itertools.count()
-        self._seeds = random.Random()
+        self._seeds = random.Random(config.seed)
         self._counters = _Counters()
         self._times = HostTimes()
         self._compiles_at_warmup: int | None = None
@@ -219,6 +220,7 @@ class Engine:
             when no callback is given). Without it the handle gives `result()` alone.
         """
         prompt_ids = self._prompt_ids(request)
+        request = self._with_max_tokens(request, len(prompt_ids))
         self._validate(request, prompt_ids)
         seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(32)
         with self._lock:
@@ -538,6 +540,23 @@ class Engine:
         if bad:
             raise RequestError(f"request {request.request_id}: prompt token ids {bad[:5]} outside [0, {vocab})")
         return ids
+
+    def _with_max_tokens(self, request: GenerationRequest, num_prompt: int) -> GenerationRequest:
+        """`request` with its max_tokens default filled in (SamplingParams)."""
+        if request.sampling.max_tokens is not None:
+            return request
+        n = default_max_tokens(
+            is_chat=request.messages is not None,
+            num_prompt=num_prompt,
+            max_seq_len=self.config.max_seq_len,
+            max_new_tokens_limit=self.config.max_new_tokens_limit,
+        )
+        if n < 1:
+            raise RequestError(
+                f"request {request.request_id}: the prompt of {num_prompt} tokens leaves no room to generate "
+                f"within max_seq_len={self.config.max_seq_len}"
+            )
+        return dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, max_tokens=n))
 
     def _validate(self, request: GenerationRequest, prompt_ids: list[int]) -> None:
         rid, s = request.request_id, request.sampling

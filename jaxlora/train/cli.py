@@ -151,7 +151,7 @@ def count_params_of(model, spec: AdapterSpec) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxlora train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="jaxlora train", description=__doc__.splitlines()[0])
     add_train_args(parser)
     return run_train(parser.parse_args(argv))
 
