@@ -105,8 +105,8 @@ def _flags_of_each(parsers: dict[str, argparse.ArgumentParser]) -> str:
     """`jaxlora --help`'s list of every subcommand's flags (`jaxlora COMMAND --help` explains them)."""
     lines = ["flags of each command (jaxlora COMMAND --help for what they do and their defaults):"]
     for name, p in parsers.items():
-        flags = [a.option_strings[0] for a in p._actions if a.option_strings and a.dest != "help"]
-        lines.append(f"  {name}: " + " ".join(flags))
+        flags = [" | ".join(a.option_strings) for a in p._actions if a.option_strings and a.dest != "help"]
+        lines.append(f"  {name}: " + ", ".join(flags))
     return "\n".join(lines)
 
 

@@ -69,6 +69,12 @@ def run(args: argparse.Namespace) -> int:
     except (JaxloraError, ValueError, OSError, RuntimeError) as e:
         print(f"jaxlora serve: {e}", file=sys.stderr)
         return 2
+    if args.port is not None and args.grpc_port is None and not args.no_grpc:
+        print(
+            f"jaxlora serve: note: --port {args.port} is the HTTP (OpenAI API) port, as in vLLM; gRPC listens "
+            f"on --grpc-port ({GRPC_PORT})",
+            file=sys.stderr,
+        )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
@@ -103,12 +109,6 @@ def _build(args: argparse.Namespace):
         raise ValueError("--no-grpc and --grpc-port contradict each other")
     if args.no_http and args.port is not None:
         raise ValueError("--no-http and --port (the HTTP port) contradict each other")
-    if args.port is not None and args.grpc_port is None and not args.no_grpc:
-        print(
-            f"jaxlora serve: note: --port {args.port} is the HTTP (OpenAI API) port, as in vLLM; gRPC listens "
-            f"on --grpc-port ({GRPC_PORT})",
-            file=sys.stderr,
-        )
     # Options and adapter roots are checked before the model loads, so a typo fails at once.
     options = ServerOptions(
         host=args.host,
