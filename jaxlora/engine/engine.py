@@ -181,6 +181,7 @@ class Engine:
             runtime=runtime
             or LoraRuntime.for_platform(config.lora.backend, attention=config.attention, fused_projections=model.fused),
             mesh=mesh,
+            eos_ids=tuple(tokenizer.eos_token_ids),
         )
         self.pages = PageTable(self.runner.num_pages, config.page_size, self.runner.pages_per_seq)
         self.scheduler = Scheduler(
@@ -231,7 +232,8 @@ class Engine:
             if len(self._inbox) + self.scheduler.num_waiting >= self.config.max_queue:
                 raise CapacityError(f"the admission queue is full ({self.config.max_queue} requests waiting)")
             req = Request(request, prompt_ids, seed=seed & 0xFFFFFFFF, arrival=next(self._arrivals), callback=callback)
-            stop_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(request.sampling.stop_token_ids)
+            eos_ids = () if request.sampling.ignore_eos else self.tokenizer.eos_token_ids
+            stop_ids = frozenset(eos_ids) | frozenset(request.sampling.stop_token_ids)
             handle = RequestHandle(request.request_id, stream=callback is None if stream is None else stream)
             live = _Live(req, handle, Detokenizer(self.tokenizer.hf, request.sampling.stop), stop_ids)
             self._live[request.request_id] = live
@@ -586,7 +588,7 @@ class Engine:
     def _append_token(self, req: Request, token: int, outputs: list[RequestOutput]) -> None:
         live = self._live[req.request_id]
         self._counters.generated_tokens += 1
-        if token in live.stop_ids:
+        if token in live.stop_ids and req.num_output > req.sampling.min_tokens:
             return self._finish(req, FinishReason.STOP, outputs, token=token)
         text, hit_stop = live.detokenizer.add(token)
         if hit_stop:

@@ -34,7 +34,9 @@ class SamplingParams:
 
     max_tokens None takes OpenAI's default for the request's kind (`default_max_tokens`): 16 for a
     prompt to complete, the rest of the context for a chat. A request with a seed gets the same tokens
-    whatever else shares its batch.
+    whatever else shares its batch. vLLM's extra fields: `min_p` (0: off) drops tokens less likely
+    than min_p times the most likely one; EOS and `stop_token_ids` end nothing before `min_tokens`
+    tokens (EOS is not sampled then; stop strings still apply); `ignore_eos` generates on past EOS.
     """
 
     max_tokens: int | None = None
@@ -44,6 +46,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +75,14 @@ class SamplingParams:
                 raise RequestError(f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t)
+        _check_number("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise RequestError(f"min_p={self.min_p} must be in [0, 1]")
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise RequestError(f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"ignore_eos={self.ignore_eos!r} must be a boolean")
 
     def check_limits(self, *, max_new_tokens_limit: int, vocab_size: int) -> None:
         if self.max_tokens is not None and self.max_tokens > max_new_tokens_limit:

@@ -178,10 +178,11 @@ def packed_step(params, bank, kv, packed, last_ids, *, layout: StepLayout, graph
     return _step(params, bank, kv, last_ids=last_ids, graphdef=graphdef, runtime=runtime, mesh=mesh, **fields)
 
 
-@functools.partial(jax.jit, static_argnames=("layout",))
-def packed_sample(logits, ids, packed, *, layout: StepLayout):
-    """The rows of a step with a temperature, sampled from its logits [S, vocab] (top-k, top-p);
-    greedy rows and rows whose logits are not finite keep `ids` [S]. -> next_ids [S].
+@functools.partial(jax.jit, static_argnames=("layout", "eos_ids"))
+def packed_sample(logits, ids, packed, *, layout: StepLayout, eos_ids: tuple[int, ...] = ()):
+    """The rows of a step sampled from its logits [S, vocab] (`jaxlora.engine.sampling.sample`: EOS
+    banned below min_tokens, temperature, top-k, top-p, min-p); rows whose logits are not finite keep
+    `ids` [S]. -> next_ids [S].
 
     A program of its own, dispatched after the step only when a row of the step samples: inside the
     step, the choice would be an XLA conditional, whose predicate the GPU runtime reads on the host,
@@ -189,7 +190,7 @@ def packed_sample(logits, ids, packed, *, layout: StepLayout):
     the whole device step), and computing both branches always sorts the vocabulary per row."""
     _count_trace()
     sampling = layout.unpack(packed)["sampling"]
-    return jnp.where(ids >= 0, sample(logits, sampling), ids)
+    return jnp.where(ids >= 0, sample(logits, sampling, eos_ids=eos_ids), ids)
 
 
 @by_compiler_options(
@@ -240,7 +241,13 @@ class Runner:
     """Owns the page pool and calls the compiled step. Not thread-safe: the engine loop calls it."""
 
     def __init__(
-        self, model: LoadedModel, config: EngineConfig, *, runtime: LoraRuntime, mesh: jax.sharding.Mesh | None = None
+        self,
+        model: LoadedModel,
+        config: EngineConfig,
+        *,
+        runtime: LoraRuntime,
+        mesh: jax.sharding.Mesh | None = None,
+        eos_ids: tuple[int, ...] = (),
     ) -> None:
         check_mesh(config.mesh, mesh)  # the mesh is made once, by jaxlora.engine.build
         if mesh is not None and model.fused:
@@ -252,6 +259,7 @@ class Runner:
         self.config = config
         self.runtime = runtime
         self.mesh = mesh
+        self.eos_ids = tuple(sorted(eos_ids))  # banned by the sampler below a row's min_tokens
         self.params = model.params if self.mesh is None else shard_params(model.params, model.config, self.mesh)
         self.pages_per_seq = pages_for(config.max_seq_len, config.page_size)
         self.num_pages = self._pool_pages()
@@ -349,7 +357,7 @@ class Runner:
             self.params, bank, self.kv, packed, self.last_ids, layout=layout, **self._static
         )
         if sample:
-            next_ids = packed_sample(logits, next_ids, packed, layout=layout)
+            next_ids = packed_sample(logits, next_ids, packed, layout=layout, eos_ids=self.eos_ids)
         self.step_compiles += thread_backend_compiles() - compiles
         self.last_ids = next_ids
         return next_ids
@@ -453,4 +461,5 @@ def sampling_arrays(requests: Sequence[Request | None], rows: int) -> SamplingAr
         p = r.sampling
         s.temperature[i], s.top_k[i], s.top_p[i] = p.temperature, p.top_k, p.top_p
         s.seed[i], s.counter[i] = r.seed, r.num_dispatched  # index of the token this step samples
+        s.min_p[i], s.min_tokens[i] = p.min_p, p.min_tokens
     return s
