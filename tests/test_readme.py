@@ -174,7 +174,7 @@ def harness(tmp_path_factory, smollm2_gguf_path, monkeypatch_module):
     # Fewer and smaller shapes than the default config the commands name: warm-up compiles are
     # most of this test's time, and what it checks (flags, files, adapters, prompts, outputs) does
     # not depend on the engine's shapes.
-    config = EngineConfig(max_batch=4, token_budgets=(16, 64), page_size=16)
+    config = EngineConfig(max_batch=4, max_seq_len=512, token_budgets=(16, 64), page_size=16)
     pager = Pager(model.config, config.lora, dtype=model.dtype, max_page_ins_per_commit=2)
     for name in DEMO_ADAPTERS:
         pager.register(name, workdir / "checkpoints" / "demo" / name)

@@ -218,12 +218,10 @@ def engine_config(args: argparse.Namespace, adapters: dict[str, str] | None = No
 def with_sizes(config, sizes: dict):
     """`config` with the size flags applied; a max_new_tokens_limit the new max_seq_len leaves no room
     for is brought down to fit (one position less), since the flag asked for that context."""
-    if not sizes:
-        return config
-    limit = config.max_new_tokens_limit
-    if "max_seq_len" in sizes:
-        limit = min(limit, sizes["max_seq_len"] - 1) if limit >= sizes["max_seq_len"] else limit
-    return dataclasses.replace(config, **sizes, max_new_tokens_limit=max(1, limit))
+    limit, seq = config.max_new_tokens_limit, sizes.get("max_seq_len")
+    if seq is not None and limit is not None and limit >= seq:
+        sizes = {**sizes, "max_new_tokens_limit": max(1, seq - 1)}
+    return dataclasses.replace(config, **sizes) if sizes else config
 
 
 def base_model_name(args: argparse.Namespace) -> str:

@@ -59,7 +59,7 @@ from jaxlora.engine.request import (
     default_max_tokens,
     token_output,
 )
-from jaxlora.engine.runner import Runner, WarmupProgress, num_traces
+from jaxlora.engine.runner import Runner, WarmupProgress, num_traces, pool_positions
 from jaxlora.engine.scheduler import Scheduler, StepPlan
 from jaxlora.errors import CapacityError, JaxloraError, RequestError, UnknownAdapterError
 from jaxlora.lora.apply import LoraRuntime
@@ -171,6 +171,9 @@ class Engine:
             raise ValueError(f"pager has {pager.max_slots} slots but config.lora.max_slots={config.lora.max_slots}")
         if pager is not None and pager.mesh != mesh:
             raise ValueError(f"the pager's bank is on mesh {pager.mesh}, the engine's is {mesh}: build both with one")
+        config = config.with_context(
+            model_max=model.config.max_position_embeddings, pool_positions=pool_positions(model.config, config, mesh)
+        )
         self.model = model
         self.tokenizer = tokenizer
         self.config = config

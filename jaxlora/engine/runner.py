@@ -54,7 +54,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxlora.config import ModelConfig
 from jaxlora.engine.compiles import start_counting, thread_backend_compiles
-from jaxlora.engine.config import EngineConfig
+from jaxlora.engine.config import CPU_MAX_SEQ_LEN, CPU_POOL_POSITIONS, EngineConfig
 from jaxlora.engine.kv_pages import PageTable, pages_for
 from jaxlora.engine.request import Request
 from jaxlora.engine.sampling import SamplingArrays, greedy, sample
@@ -293,16 +293,14 @@ class Runner:
 
     def _pool_pages(self) -> int:
         """The configured page count, else what the device memory left after weights and adapter bank
-        holds (GPU), else one max_seq_len sequence per row (CPU, where memory is the host's)."""
+        holds (GPU), else one max_seq_len sequence per row within CPU_POOL_POSITIONS (CPU, where
+        memory is the host's)."""
         cfg = self.config
         if cfg.num_pages is not None:
             return cfg.num_pages
         if jax.default_backend() != "gpu":
-            return cfg.max_batch * self.pages_per_seq
-        stats = jax.local_devices()[0].memory_stats() or {}
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        per_page = kv_bytes_per_position(self.model.config, cfg.jnp_dtype) * cfg.page_size // tensor_size(self.mesh)
-        return max(self.pages_per_seq, int(free * cfg.kv_memory_fraction) // per_page)
+            return max(self.pages_per_seq, min(cfg.max_batch * self.pages_per_seq, CPU_POOL_POSITIONS // cfg.page_size))
+        return max(self.pages_per_seq, pool_positions(self.model.config, cfg, self.mesh) // cfg.page_size)
 
     def _new_pool(self) -> PagedKVCache:
         cfg, model = self.config, self.model
@@ -438,6 +436,20 @@ def _fresh_pool(model: ModelConfig, num_pages: int, page_size: int, dtype: jnp.d
     # not place them. XLA fuses the add into the fill.
     zero = (placed_like[0] * 0).astype(dtype)
     return jax.tree.map(lambda x: x + zero, init_paged_kv_cache(model, num_pages, page_size, dtype))
+
+
+def pool_positions(model: ModelConfig, config: EngineConfig, mesh: jax.sharding.Mesh | None = None) -> int:
+    """KV positions the page pool can hold: `config.num_pages`, else on GPU the share
+    `kv_memory_fraction` of the device memory free now (call it with weights and bank placed), else
+    (CPU) CPU_MAX_SEQ_LEN, the bound of the default context there."""
+    if config.num_pages is not None:
+        return config.num_pages * config.page_size
+    if jax.default_backend() != "gpu":
+        return CPU_MAX_SEQ_LEN
+    stats = jax.local_devices()[0].memory_stats() or {}
+    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    per_page = kv_bytes_per_position(model, config.jnp_dtype) * config.page_size // tensor_size(mesh)
+    return int(free * config.kv_memory_fraction) // per_page * config.page_size
 
 
 def _home_device(params) -> jax.Device:

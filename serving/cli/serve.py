@@ -63,7 +63,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     try:
         server = _build(args)
     except (JaxloraError, ValueError, OSError, RuntimeError) as e:
@@ -92,6 +92,13 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     return 0
+
+
+def configure_logging() -> None:
+    """The server's own INFO lines on stderr; JAX's backend probing stays quiet (without a TPU it
+    logs "Unable to initialize backend 'tpu'" at INFO on every start, which reads like an error)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 
 def _addresses(host: str, server) -> str:

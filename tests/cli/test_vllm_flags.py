@@ -58,7 +58,7 @@ def test_lora_modules_takes_several_adapters_in_one_flag():
 def test_seed_and_sizes_reach_the_engine_config():
     config = engine_config(_serve_args(["--seed", "3", "--max-model-len", "64", "--max-num-seqs", "2"]), {})
     assert (config.seed, config.max_seq_len, config.max_batch) == (3, 64, 2)
-    assert config.max_new_tokens_limit < 64
+    assert config.with_context(model_max=8192, pool_positions=None).max_new_tokens_limit == 63
 
 
 def test_served_model_name_defaults_to_the_folder_name_not_the_path():
@@ -95,3 +95,30 @@ def test_top_level_help_lists_each_commands_flags(capsys):
         main(["--help"])
     text = capsys.readouterr().out
     assert "serve: " in text and "--max-model-len" in text and "generate: " in text
+
+
+def test_serve_logs_keep_jax_backend_probing_quiet(monkeypatch):
+    import logging
+
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    monkeypatch.setattr(logging.getLogger("jax._src.xla_bridge"), "level", logging.NOTSET)
+    serve.configure_logging()
+    assert logging.getLogger("serving").isEnabledFor(logging.INFO)
+    assert not logging.getLogger("jax._src.xla_bridge").isEnabledFor(logging.INFO)
+
+
+def test_readme_outputs_are_ignored_by_git():
+    root = Path(__file__).resolve().parents[2]
+    ignored = (root / ".gitignore").read_text().splitlines()
+    assert "/converted/" in ignored and "/merged/" in ignored
+
+
+def test_client_info_prints_aligned_lines_not_protobuf_text():
+    from serving.cli.client import format_info
+    from serving.gen import inference_pb2 as pb
+
+    text = format_info(pb.ServerInfo(model="m", max_seq_len=4096, target_modules=["q_proj", "v_proj"]))
+    lines = text.splitlines()
+    assert "max seq len:" in text and "q_proj, v_proj" in text and '"' not in text
+    values = [line.split(":", 1)[1] for line in lines]
+    assert len({len(line) - len(v.lstrip()) for line, v in zip(lines, values) if v.strip()}) == 1  # one column

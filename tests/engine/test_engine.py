@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.request import FinishReason, GenerationRequest, SamplingParams
 from jaxlora.errors import CapacityError, RequestError, UnknownAdapterError
 from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
@@ -696,3 +697,17 @@ def test_max_tokens_defaults_as_openai(is_chat, num_prompt, expected):
     assert default_max_tokens(is_chat=is_chat, num_prompt=num_prompt, max_seq_len=64, max_new_tokens_limit=32) == (
         expected
     )
+
+
+def test_default_context_is_the_models_within_the_pool():
+    """No max_seq_len: the model's own maximum, within what the pool holds; the new-token limit is
+    what it leaves after one prompt token. Set sizes stay as they are."""
+    config = EngineConfig(max_batch=2, token_budgets=(8,))
+    assert config.max_seq_len is None and config.max_new_tokens_limit is None
+    derived = config.with_context(model_max=8192, pool_positions=3000)
+    assert (derived.max_seq_len, derived.max_new_tokens_limit) == (3000, 2999)
+    assert config.with_context(model_max=128, pool_positions=None).max_seq_len == 128
+    explicit = EngineConfig(max_seq_len=64, max_new_tokens_limit=32, token_budgets=(8,))
+    assert explicit.with_context(model_max=8192, pool_positions=16) == explicit
+    with pytest.raises(ValueError, match="no room"):
+        config.with_context(model_max=8192, pool_positions=1)
