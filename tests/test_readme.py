@@ -92,6 +92,9 @@ def readme_examples(markdown: str) -> list[Example]:
         if any(line.startswith("from serving.client import") for line in block):
             examples.append(Example(text="python: the serving.client example", body="\n".join(block).strip() + "\n"))
             continue
+        if any(line.startswith("from openai import") for line in block):
+            examples.append(Example(text="python: the openai example", body="\n".join(block).strip() + "\n"))
+            continue
         lines = iter(block)
         for line in lines:
             text = line.strip()
@@ -300,11 +303,21 @@ def _method_types(service: str, method: str):
 
 
 def _run_python(example: Example, harness: Harness) -> None:
-    assert "127.0.0.1:50051" in example.body
+    if "openai" in example.text:
+        assert "127.0.0.1:8000" in example.body and harness.server.http_port
+        body = example.body.replace("127.0.0.1:8000", f"127.0.0.1:{harness.server.http_port}")
+    else:
+        assert "127.0.0.1:50051" in example.body
+        body = example.body.replace("127.0.0.1:50051", harness.address)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(example.body.replace("127.0.0.1:50051", harness.address), "README.md", "exec"), {})
+        exec(compile(body, "README.md", "exec"), {})
     lines = out.getvalue().strip().splitlines()
+    if "openai" in example.text:
+        # The chat completion's default length is the rest of the context: a whole answer, ended by
+        # the model ("stop"), not cut at 16 tokens.
+        assert len(lines) >= 2 and lines[0].strip() and lines[-1] == "stop", out.getvalue()
+        return
     assert len(lines) >= 3 and all(line.strip() for line in lines), out.getvalue()
 
 
