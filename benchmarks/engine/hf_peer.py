@@ -101,7 +101,9 @@ def measure(model, ids, mask, gen_len: int, device: str, **kw) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--device", default="cuda")

@@ -472,7 +472,9 @@ def run(opts: Options, out: Path, command: str) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> tuple[Options, Path]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--tiny", action="store_true", help="toy model on the CPU (seconds)")
     p.add_argument("--out", type=Path, required=True, help="folder for host_loop.json")
     p.add_argument("--cases", nargs="+", default=None, help="BATCH:DISTINCT, default 64:64 256:256 (tiny: 8:4)")

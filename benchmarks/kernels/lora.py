@@ -545,7 +545,9 @@ def plot(path: Path, rows: list[dict]) -> None:
 
 def main() -> None:
     global HBM_GBPS, S
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("mode", choices=("check", "tune", "bench", "model", "all"))
     parser.add_argument("--out", type=Path, default=results_dir(__file__))
     parser.add_argument("--layers", type=int, default=8)

@@ -223,7 +223,9 @@ def best_rows(rows: list[dict]) -> dict[str, dict[str, dict]]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--tokens", type=int, nargs="+", default=[64, 16, 256, 512, 1024])

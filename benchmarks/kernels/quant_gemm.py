@@ -440,7 +440,9 @@ def draw(cfg: ModelConfig, drawn: tuple[str, dict] | None, fmt: str, candidate: 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (a smoke run)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS), help="at the table's knobs")

@@ -161,7 +161,9 @@ def step_fn(kind: str, knobs: dict[str, MgpuKnobs], layers: int):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--stages", nargs="+", choices=("check", "gemm", "step"), default=["check", "gemm", "step"])
     p.add_argument("--batch", type=int, nargs="+", default=[64, 16, 256, 128])
     p.add_argument("--layers", type=int, default=8)

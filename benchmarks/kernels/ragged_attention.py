@@ -212,7 +212,9 @@ def sweep(args, ref, is_token, *, scale: Scale, layers: int, last: int, deadline
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, required=True, help="folder for ragged_attention.json")
     parser.add_argument("--layers", type=int, default=4, help="layers in the page pool, run per timed call")
     parser.add_argument("--seed", type=int, default=0)

@@ -107,7 +107,9 @@ def probe(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--pool-mb", type=int, default=2048)
     p.add_argument("--reps", type=int, default=10)

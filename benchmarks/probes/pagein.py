@@ -228,7 +228,9 @@ def render(path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", type=Path, default=results_dir(__file__))
     p.add_argument("--reps", type=int, default=10)

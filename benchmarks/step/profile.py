@@ -153,7 +153,9 @@ def op_split(fn) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny model (interpret-mode kernels)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--rows", type=int, default=260, help="max_batch: rows of the step")

@@ -108,7 +108,7 @@ def step_fn(runner, bank, slots, position):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out")
     p.add_argument("--only", nargs="*", default=None)

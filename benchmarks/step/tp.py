@@ -723,7 +723,9 @@ def attempt(fn: Callable[[], None], label: str, payload: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", type=Path, default=results_dir(__file__), help="folder for tp.json and tp.md")
     p.add_argument("--tiny", action="store_true", help="toy models (CPU with 2 fake devices: seconds)")
     p.add_argument("--budget-s", type=float, default=500.0, help="no case starts once this wall time is spent")

@@ -69,32 +69,64 @@ def missing_package(entry: importlib.metadata.EntryPoint, package: str) -> Subco
 
 
 class UsageParser(argparse.ArgumentParser):
-    """Prints a usage error as one line (argparse prints the whole usage first) and exits 2."""
+    """Prints a usage error as one line (argparse prints the whole usage first) and exits 2. Flags
+    are never abbreviated: `--max-lora 4` is an error, not `--max-lora-rank 4`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends each flag's default to its help line, unless the line already says it or there is
+    none to show (a flag off by default, a default decided elsewhere)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, [], {}, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = all_subcommands()
-    parser = UsageParser(prog="jaxlora", description="Multi-LoRA LLM serving in JAX.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    top_help = argv[:1] in (["-h"], ["--help"])
+    parser = UsageParser(
+        prog="jaxlora",
+        description="Multi-LoRA LLM serving in JAX.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=UsageParser)
     chosen = argv[0] if argv and argv[0] in commands else None
     for name, command in commands.items():
         p = sub.add_parser(name, help=command.help, description=command.help)
-        if name == chosen:
-            if command.unavailable:
-                parser.exit(2, f"jaxlora: error: {command.unavailable}\n")
+        if name == chosen and command.unavailable:
+            parser.exit(2, f"jaxlora: error: {command.unavailable}\n")
+        if (name == chosen or top_help) and not command.unavailable:
             mod = importlib.import_module(command.module)
             mod.add_args(p)
             p.set_defaults(_run=mod.run)
+    if top_help:
+        parser.epilog = _flags_of_each(sub.choices)
     args = parser.parse_args(argv)
     if commands[args.command].compiles:
         from jaxlora.cli import compile_cache
 
         compile_cache.enable()
     return int(args._run(args) or 0)
+
+
+def _flags_of_each(parsers: dict[str, argparse.ArgumentParser]) -> str:
+    """`jaxlora --help`'s list of every subcommand's flags (`jaxlora COMMAND --help` explains them)."""
+    lines = ["flags of each command (jaxlora COMMAND --help for what they do and their defaults):"]
+    for name, p in parsers.items():
+        flags = [" | ".join(a.option_strings) for a in p._actions if a.option_strings and a.dest != "help"]
+        lines.append(f"  {name}: " + ", ".join(flags))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxlora.config import ModelConfig
 from jaxlora.engine.compiles import start_counting, thread_backend_compiles
-from jaxlora.engine.config import EngineConfig
+from jaxlora.engine.config import CPU_MAX_SEQ_LEN, CPU_POOL_POSITIONS, EngineConfig
 from jaxlora.engine.kv_pages import PageTable, pages_for
 from jaxlora.engine.request import Request
 from jaxlora.engine.sampling import SamplingArrays, greedy, sample
@@ -181,10 +181,11 @@ def packed_step(params, bank, kv, packed, last_ids, *, layout: StepLayout, graph
     return _step(params, bank, kv, last_ids=last_ids, graphdef=graphdef, kernels=kernels, mesh=mesh, **fields)
 
 
-@functools.partial(jax.jit, static_argnames=("layout",))
-def packed_sample(logits, ids, packed, *, layout: StepLayout):
-    """The rows of a step with a temperature, sampled from its logits [S, vocab] (top-k, top-p);
-    greedy rows and rows whose logits are not finite keep `ids` [S]. -> next_ids [S].
+@functools.partial(jax.jit, static_argnames=("layout", "eos_ids"))
+def packed_sample(logits, ids, packed, *, layout: StepLayout, eos_ids: tuple[int, ...] = ()):
+    """The rows of a step sampled from its logits [S, vocab] (`jaxlora.engine.sampling.sample`: EOS
+    banned below min_tokens, temperature, top-k, top-p, min-p); rows whose logits are not finite keep
+    `ids` [S]. -> next_ids [S].
 
     A program of its own, dispatched after the step only when a row of the step samples: inside the
     step, the choice would be an XLA conditional, whose predicate the GPU runtime reads on the host,
@@ -192,7 +193,7 @@ def packed_sample(logits, ids, packed, *, layout: StepLayout):
     the whole device step), and computing both branches always sorts the vocabulary per row."""
     _count_trace()
     sampling = layout.unpack(packed)["sampling"]
-    return jnp.where(ids >= 0, sample(logits, sampling), ids)
+    return jnp.where(ids >= 0, sample(logits, sampling, eos_ids=eos_ids), ids)
 
 
 @by_compiler_options(
@@ -243,7 +244,13 @@ class Runner:
     """Owns the page pool and calls the compiled step. Not thread-safe: the engine loop calls it."""
 
     def __init__(
-        self, model: LoadedModel, config: EngineConfig, *, kernels: StepKernels, mesh: jax.sharding.Mesh | None = None
+        self,
+        model: LoadedModel,
+        config: EngineConfig,
+        *,
+        kernels: StepKernels,
+        mesh: jax.sharding.Mesh | None = None,
+        eos_ids: tuple[int, ...] = (),
     ) -> None:
         check_mesh(config.mesh, mesh)  # the mesh is made once, by jaxlora.engine.build
         if mesh is not None and model.fused:
@@ -255,6 +262,7 @@ class Runner:
         self.config = config
         self.kernels = kernels
         self.mesh = mesh
+        self.eos_ids = tuple(sorted(eos_ids))  # banned by the sampler below a row's min_tokens
         self.params = model.params if self.mesh is None else shard_params(model.params, model.config, self.mesh)
         self.pages_per_seq = pages_for(config.max_seq_len, config.page_size)
         self.num_pages = self._pool_pages()
@@ -288,16 +296,14 @@ class Runner:
 
     def _pool_pages(self) -> int:
         """The configured page count, else what the device memory left after weights and adapter bank
-        holds (GPU), else one max_seq_len sequence per row (CPU, where memory is the host's)."""
+        holds (GPU), else one max_seq_len sequence per row within CPU_POOL_POSITIONS (CPU, where
+        memory is the host's)."""
         cfg = self.config
         if cfg.num_pages is not None:
             return cfg.num_pages
         if jax.default_backend() != "gpu":
-            return cfg.max_batch * self.pages_per_seq
-        stats = jax.local_devices()[0].memory_stats() or {}
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        per_page = kv_bytes_per_position(self.model.config, cfg.jnp_dtype) * cfg.page_size // tensor_size(self.mesh)
-        return max(self.pages_per_seq, int(free * cfg.kv_memory_fraction) // per_page)
+            return max(self.pages_per_seq, min(cfg.max_batch * self.pages_per_seq, CPU_POOL_POSITIONS // cfg.page_size))
+        return max(self.pages_per_seq, pool_positions(self.model.config, cfg, self.mesh) // cfg.page_size)
 
     def _new_pool(self) -> PagedKVCache:
         cfg, model = self.config, self.model
@@ -352,7 +358,7 @@ class Runner:
             self.params, bank, self.kv, packed, self.last_ids, layout=layout, **self._static
         )
         if sample:
-            next_ids = packed_sample(logits, next_ids, packed, layout=layout)
+            next_ids = packed_sample(logits, next_ids, packed, layout=layout, eos_ids=self.eos_ids)
         self.step_compiles += thread_backend_compiles() - compiles
         self.last_ids = next_ids
         return next_ids
@@ -441,6 +447,20 @@ def _fresh_pool(model: ModelConfig, num_pages: int, page_size: int, dtype: jnp.d
     return jax.tree.map(lambda x: x + zero, init_paged_kv_cache(model, num_pages, page_size, dtype))
 
 
+def pool_positions(model: ModelConfig, config: EngineConfig, mesh: jax.sharding.Mesh | None = None) -> int:
+    """KV positions the page pool can hold: `config.num_pages`, else on GPU the share
+    `kv_memory_fraction` of the device memory free now (call it with weights and bank placed), else
+    (CPU) CPU_MAX_SEQ_LEN, the bound of the default context there."""
+    if config.num_pages is not None:
+        return config.num_pages * config.page_size
+    if jax.default_backend() != "gpu":
+        return CPU_MAX_SEQ_LEN
+    stats = jax.local_devices()[0].memory_stats() or {}
+    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    per_page = kv_bytes_per_position(model, config.jnp_dtype) * config.page_size // tensor_size(mesh)
+    return int(free * config.kv_memory_fraction) // per_page * config.page_size
+
+
 def _home_device(params) -> jax.Device:
     """The one device holding every parameter (no mesh)."""
     devices = set().union(*(leaf.devices() for leaf in jax.tree.leaves(params)))
@@ -462,4 +482,5 @@ def sampling_arrays(requests: Sequence[Request | None], rows: int) -> SamplingAr
         p = r.sampling
         s.temperature[i], s.top_k[i], s.top_p[i] = p.temperature, p.top_k, p.top_p
         s.seed[i], s.counter[i] = r.seed, r.num_dispatched  # index of the token this step samples
+        s.min_p[i], s.min_tokens[i] = p.min_p, p.min_tokens
     return s

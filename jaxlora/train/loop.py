@@ -11,13 +11,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
@@ -77,10 +76,30 @@ class TrainResult:
         values = [h[key] for h in self.history if key in h]
         return values[-1] if values else None
 
-    def final_train_loss(self, window: int = 10) -> float:
-        """Mean training loss over the last `window` steps (one step's loss is noisy)."""
-        losses = [h["loss"] for h in self.history if "loss" in h][-window:]
-        return float(np.mean(losses)) if losses else math.nan
+    def final_train_loss(self) -> float:
+        """The training loss's moving average at the end (`moving_average`: what the progress bar
+        shows; one step's loss is noisy)."""
+        return moving_average([h["loss"] for h in self.history if "loss" in h])
+
+
+LOSS_DECAY = 0.9  # the moving average's weight on the past: about the last 10 steps
+
+
+def moving_average(losses: Sequence[float]) -> float:
+    """The exponential moving average of `losses` (decay LOSS_DECAY), NaN for none."""
+    average = math.nan
+    for i, loss in enumerate(losses):
+        average = loss if i == 0 else LOSS_DECAY * average + (1 - LOSS_DECAY) * loss
+    return average
+
+
+# Steps timed for the estimate: the first compiles, the next ones run as the rest will.
+_TIMED_AFTER, _TIMED_STEPS = 1, 2
+
+
+def _estimate(seconds: float, num_steps: int, left: int) -> str:
+    per_step = seconds / _TIMED_STEPS
+    return f"about {per_step:.2f} s per step: {left * per_step / 60:.1f} min for the {left} steps left of {num_steps}"
 
 
 def train(
@@ -94,8 +113,10 @@ def train(
     progress: bool = True,
     kernels: StepKernels = StepKernels(),
     description: str = "train",
+    on_estimate: Callable[[str], None] | None = None,
 ) -> TrainResult:
-    """Trains a LoRA adapter on `model` (whose params stay frozen) and returns its weights."""
+    """Trains a LoRA adapter on `model` (whose params stay frozen) and returns its weights.
+    `on_estimate` gets one line estimating the time left, once the first steps have run."""
     if not train_examples:
         raise ValueError("no training examples")
     statics = {"graphdef": model.graphdef, "spec": config.spec, "kernels": kernels}
@@ -117,7 +138,12 @@ def train(
         dynamic_ncols=True,
     )
     smoothed = None
+    timed_from = None
     for step in bar:
+        if step == start + _TIMED_AFTER:
+            timed_from = time.perf_counter()
+        if on_estimate is not None and timed_from is not None and step == start + _TIMED_AFTER + _TIMED_STEPS:
+            on_estimate(_estimate(time.perf_counter() - timed_from, num_steps, num_steps - step))
         batch = train_batch(
             train_examples, step, batch_size=config.batch_size, seed=config.seed, max_len=config.max_len
         )
@@ -125,7 +151,7 @@ def train(
             params, opt_state, model.params, _device(batch), optim=config.optim, **statics
         )
         loss = float(metrics["loss"])
-        smoothed = loss if smoothed is None else 0.9 * smoothed + 0.1 * loss
+        smoothed = loss if smoothed is None else LOSS_DECAY * smoothed + (1 - LOSS_DECAY) * loss
         record = {"step": step + 1, "loss": loss, "grad_norm": float(metrics["grad_norm"]), "lr": float(schedule(step))}
         done = step + 1
         if eval_examples and (done == num_steps or (config.eval_every and done % config.eval_every == 0)):
