@@ -15,6 +15,7 @@ engine (and its model) is built.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import sys
@@ -23,12 +24,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from jaxlora.engine import job_files
 from jaxlora.engine.engine import Engine, RequestHandle
+from jaxlora.engine.job_files import JobFileError
 from jaxlora.engine.request import FinalOutput, GenerationRequest, SamplingParams
 from jaxlora.engine.results_file import ResultsFile, ResultsFileError, request_hash
 from jaxlora.engine.runner import WarmupProgress
 from jaxlora.errors import CapacityError, JaxloraError
 
+# A result record's bound: fixed fields and an error message; one token's text (JSON-escaped, a
+# control byte takes six) and id. Generous: it only has to refuse files no run of this input wrote.
+_RECORD_OVERHEAD_BYTES = 4096
+_MAX_TOKEN_RECORD_BYTES = 1024
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
 
 
@@ -38,11 +45,19 @@ class _Line:
 
     number: int  # 1-based line number in the input
     request_hash: str
+    input_bytes: int  # of the line as read
     custom_id: Any = None
     has_id: bool = False  # custom_id is usable (a string or an integer)
     adapter: str | None = None
     request: GenerationRequest | None = None
     record: dict[str, Any] | None = None  # the output record once known
+
+    @property
+    def max_record_bytes(self) -> int:
+        """The most bytes this line's result record can take: what it repeats of the line (custom_id,
+        adapter, in an error message), the fixed fields, and `max_tokens` tokens as text and ids."""
+        max_tokens = self.request.sampling.max_tokens if self.request is not None else 0
+        return _RECORD_OVERHEAD_BYTES + 3 * self.input_bytes + max_tokens * _MAX_TOKEN_RECORD_BYTES
 
     @property
     def fingerprint(self) -> dict[str, Any]:
@@ -70,9 +85,13 @@ def run_batch_job(
     try:
         lines = read_input(input_path)
         results = ResultsFile.open(
-            output_path, input_path=input_path, expected=[x.fingerprint for x in lines], overwrite=overwrite
+            output_path,
+            input_path=input_path,
+            expected=[x.fingerprint for x in lines],
+            max_record_bytes=[x.max_record_bytes for x in lines],
+            overwrite=overwrite,
         )
-    except ResultsFileError as e:
+    except JobFileError as e:
         print(f"jaxlora generate: {e}", file=sys.stderr)
         return 2
     with results:
@@ -92,12 +111,10 @@ def run_batch_job(
 
 
 def read_input(path: Path) -> list[_Line]:
-    """The non-blank lines of the input file, parsed; ResultsFileError if it cannot be read."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return [_parse_line(number, text) for number, text in enumerate(f, start=1) if text.strip()]
-    except OSError as e:
-        raise ResultsFileError(f"--input {path}: {e.strerror}") from None
+    """The non-blank lines of the input file (a regular file; a UTF-8 byte order mark at its start
+    is dropped), parsed; JobFileError if it cannot be read."""
+    data = job_files.read_input(path).removeprefix(codecs.BOM_UTF8)
+    return [_parse_line(number, raw) for number, raw in enumerate(data.split(b"\n"), start=1) if raw.strip()]
 
 
 class BatchJob:
@@ -160,17 +177,24 @@ class BatchJob:
                 bar.update(1)
 
 
-def _parse_line(number: int, text: str) -> _Line:
+def _parse_line(number: int, raw: bytes) -> _Line:
     """A request, or an error record for a line that is not one (the job goes on)."""
+    text = raw.decode("utf-8", errors="backslashreplace")
     digest = request_hash(text)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # a replaced character would change custom_id or the prompt unseen
+        line = _Line(number=number, request_hash=digest, input_bytes=len(raw))
+        line.record = _error_record(line, f"line {number}: not valid UTF-8 (byte {e.start + 1}: {e.reason})")
+        return line
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        line = _Line(number=number, request_hash=digest)
+        line = _Line(number=number, request_hash=digest, input_bytes=len(raw))
         line.record = _error_record(line, f"line {number}: malformed JSON ({e.msg})")
         return line
     if not isinstance(obj, dict):
-        line = _Line(number=number, request_hash=digest)
+        line = _Line(number=number, request_hash=digest, input_bytes=len(raw))
         line.record = _error_record(line, f"line {number}: expected a JSON object")
         return line
     cid = obj.get("custom_id")
@@ -178,6 +202,7 @@ def _parse_line(number: int, text: str) -> _Line:
     line = _Line(
         number=number,
         request_hash=digest,
+        input_bytes=len(raw),
         custom_id=cid,
         has_id=has_id,
         adapter=obj.get("adapter") if isinstance(obj.get("adapter"), str) else None,
