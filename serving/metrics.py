@@ -86,6 +86,13 @@ class ServerMetrics:
             ["code"],
             registry=self.registry,
         )
+        self.client_cancels = Counter(
+            "jaxlora_client_cancels",
+            "Generation calls their client abandoned, by how: disconnected (HTTP connection closed while "
+            "waiting or streaming), upload (closed mid-body), cancelled (gRPC cancel), deadline (gRPC deadline).",
+            ["reason"],
+            registry=self.registry,
+        )
         self.adapter_requests = Counter(
             "jaxlora_adapter_requests",
             'Admitted generation calls per adapter ("" = base model).',
@@ -185,6 +192,11 @@ class _EngineCollector:
             yield GaugeMetricFamily(
                 f"{prefix}waiting", f"Requests queued for admission{suffix}.", value=stats["waiting"]
             )
+        yield CounterMetricFamily(
+            "vllm:num_preemptions",
+            "Requests preempted (row and KV pages taken back, recomputed later) (vLLM's name).",
+            value=stats["preemptions"],
+        )
         pager = self._engine.pager
         if pager is None:  # an engine serving the base model alone
             return
