@@ -149,7 +149,9 @@ class _Handlers:
         self.metrics = metrics
         self.admission = admission
         self.admin = admin
-        self.auth = AuthInterceptor(api_key=options.api_key, admin_key=options.admin_key)
+        self.auth = AuthInterceptor(
+            api_key=options.api_key, admin_key=options.admin_key, allow_runtime_updates=options.allow_runtime_updates
+        )
         self.created = int(time.time())
 
     def app(self) -> Starlette:

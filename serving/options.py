@@ -17,6 +17,8 @@ class ServerOptions:
       http_port: the OpenAI-compatible HTTP API's port on `host` (None: no HTTP, 0: any free port).
       api_key: if set, every RPC but health needs `authorization: Bearer <api_key>` (or the admin key).
       admin_key: if set, LoadAdapter/UnloadAdapter need it.
+      allow_runtime_updates: without an admin key, LoadAdapter/UnloadAdapter are refused unless this
+        is set; then every caller may use them (see serving.security).
       adapter_roots: folders LoadAdapter may read from; empty disables runtime loading.
       metrics_port: Prometheus /metrics HTTP port on `host` (None: no endpoint, 0: any free port); the
         HTTP API serves the same metrics at its own /metrics.
@@ -38,6 +40,7 @@ class ServerOptions:
     http_port: int | None = None
     api_key: str | None = None
     admin_key: str | None = None
+    allow_runtime_updates: bool = False
     adapter_roots: tuple[str, ...] = ()
     metrics_port: int | None = None
     max_concurrent_streams: int = 256

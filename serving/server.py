@@ -94,7 +94,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 yield from self._generate(request, context, arrival)
             outcome = grpc.StatusCode.OK
         finally:
-            self.metrics.requests.labels(code=(_code_of(context) or outcome).name).inc()
+            code = _code_of(context) or outcome
+            self.metrics.requests.labels(code=code.name).inc()
+            if code is grpc.StatusCode.CANCELLED:
+                remaining = context.time_remaining()
+                reason = "deadline" if remaining is not None and remaining <= 0 else "cancelled"
+                self.metrics.client_cancels.labels(reason=reason).inc()
 
     def _generate(
         self, request: pb.GenerateRequest, context: grpc.ServicerContext, arrival: float
@@ -396,7 +401,10 @@ def build_server(engine: Engine, options: ServerOptions = ServerOptions()) -> tu
     )
     servicer = InferenceServicer(engine, options, metrics, admission, admin)
     num_threads = options.max_concurrent_streams + 16  # streams plus room for unary and health calls
-    interceptors = [AuthInterceptor(api_key=options.api_key, admin_key=options.admin_key), DecodeGuard()]
+    auth = AuthInterceptor(
+        api_key=options.api_key, admin_key=options.admin_key, allow_runtime_updates=options.allow_runtime_updates
+    )
+    interceptors = [auth, DecodeGuard()]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="jaxlora-grpc"),
         interceptors=interceptors,

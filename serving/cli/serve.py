@@ -48,6 +48,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("JAXLORA_ADMIN_KEY"),
         help="require this key for LoadAdapter/UnloadAdapter (default: $JAXLORA_ADMIN_KEY)",
     )
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="without --admin-key, let every caller (with the API key, if one is set) load and unload "
+        "adapters at run time (default: refused)",
+    )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--max-concurrent-streams", type=int, default=256, help="Generate calls in flight at most")
     p.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight streams get at shutdown")
@@ -99,6 +105,7 @@ def _build(args: argparse.Namespace):
         http_port=args.http_port,
         api_key=args.api_key or None,
         admin_key=args.admin_key or None,
+        allow_runtime_updates=args.allow_runtime_lora_updating,
         adapter_roots=tuple(args.adapter_root),
         metrics_port=args.metrics_port,
         max_concurrent_streams=args.max_concurrent_streams,
