@@ -178,7 +178,8 @@ class _Handlers:
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         self._authorize(request, needs_admin=False)
-        call = _Call(self, chat=chat)
+        peer = request.client
+        call = _Call(self, chat=chat, client=f"http:{peer.host}:{peer.port}" if peer else "http:?")
         try:
             await call.start(await self._json(request))
         except BaseException as e:
@@ -298,9 +299,10 @@ class _Call:
     """One generation request on its way through the engine: its admission place, the queue the
     engine thread feeds, its latency metrics, and its outcome (counted once, at `close`)."""
 
-    def __init__(self, handlers: _Handlers, *, chat: bool) -> None:
+    def __init__(self, handlers: _Handlers, *, chat: bool, client: str) -> None:
         self.h = handlers
         self.chat = chat
+        self.client = client  # the connection, for fair tokenize slots
         self.parsed: ParsedRequest | None = None
         self.gen: GenerationRequest | None = None
         self.created = int(time.time())
@@ -345,8 +347,9 @@ class _Call:
             except RuntimeError:  # the event loop is closed: the server stopped, nobody is waiting
                 pass
 
-        try:  # off the event loop: submit tokenizes the prompt
-            await run_in_threadpool(self.h.metrics.submit, self.h.engine, self.gen, deliver)
+        try:  # off the event loop, in a tokenize slot: submit tokenizes the prompt
+            async with self.h.admission.tokenize.hold_async(self.client):
+                await run_in_threadpool(self.h.metrics.submit, self.h.engine, self.gen, deliver)
         except JaxloraError as e:
             error = error_of(e, is_draining=self.h.admission.phase is not Phase.SERVING)
             if error.status is Status.NOT_FOUND:

@@ -29,10 +29,11 @@ class ServerOptions:
       unload_timeout_seconds: how long UnloadAdapter waits for requests using the adapter.
       model_name: the base model's name: what GetServerInfo reports, and the HTTP API's `model` that
         picks no adapter (default: the model config's name).
-      tokenize_slots: Generate calls that tokenize their prompt at once (on their own gRPC thread,
-        outside the engine loop); the others wait. A burst of long prompts then cannot take every
-        core from the engine loop, which would stall every running stream. Default: a quarter of
-        the cores, at least one.
+      tokenize_slots: generation calls, gRPC and HTTP together, that tokenize their prompt at once
+        (on their own thread, outside the engine loop); the others wait, served round-robin by
+        client (serving.tokenize_slots). A burst of long prompts then cannot take every core from
+        the engine loop, which would stall every running stream, nor keep another client waiting
+        behind all of it. Default: a quarter of the cores, at least one.
     """
 
     host: str = "127.0.0.1"

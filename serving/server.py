@@ -83,7 +83,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.metrics = metrics
         self.admission = admission
         self.admin = admin
-        self._tokenize_slots = threading.BoundedSemaphore(options.tokenize_slots)
 
     # Generate.
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
@@ -110,7 +109,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         gen = self._generation_request(request, engine_id=f"{client_id}#{uuid.uuid4().hex[:12]}")
         updates: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         try:
-            with self._tokenize_slots:  # submit tokenizes
+            with self.admission.tokenize.hold(context.peer()):  # submit tokenizes
                 self.metrics.submit(self.engine, gen, updates.put)
         except JaxloraError as e:
             raise error_of(e, is_draining=self.admission.phase is not Phase.SERVING) from None
@@ -391,7 +390,7 @@ def build_server(engine: Engine, options: ServerOptions = ServerOptions()) -> tu
       RuntimeError: the gRPC address cannot be bound.
       OSError: the HTTP address cannot be bound, or an adapter root does not exist.
     """
-    admission = Admission(options.max_concurrent_streams)
+    admission = Admission(options.max_concurrent_streams, tokenize_slots=options.tokenize_slots)
     metrics = ServerMetrics(engine)
     admin = AdapterAdmin(
         engine,
