@@ -46,6 +46,7 @@ from serving import json_body, openai_api
 from serving.adapter_admin import AdapterAdmin
 from serving.admission import Admission, Phase
 from serving.api import ApiError, Limits, Status, error_of, final_error, generation_request
+from serving.http_limits import HeadLimit, limited_protocol
 from serving.metrics import ServerMetrics
 from serving.openai_api import ParsedRequest
 from serving.options import ServerOptions
@@ -87,7 +88,10 @@ class HttpServer:
         self._socket = _bind(options.host, options.http_port)
         self.port: int = self._socket.getsockname()[1]
         config = uvicorn.Config(
-            self.app,
+            HeadLimit(self.app, options.max_header_bytes),
+            http=limited_protocol(options.max_connections),
+            timeout_keep_alive=options.http_keep_alive_seconds,
+            h11_max_incomplete_event_size=options.max_header_bytes,
             log_level="warning",
             access_log=False,
             lifespan="off",

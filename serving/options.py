@@ -25,6 +25,11 @@ class ServerOptions:
       max_concurrent_streams: Generate calls in flight; beyond it RESOURCE_EXHAUSTED. Each holds a
         worker thread, so this also sizes the thread pool.
       max_message_bytes: largest request or response message.
+      http_keep_alive_seconds: an HTTP connection with no request in flight is closed after this long
+        idle, counted from its opening as well as from each response.
+      max_connections: open HTTP connections at most; a new one beyond is answered 503 and closed.
+        Keep it under the process's file-descriptor limit (`ulimit -n`).
+      max_header_bytes: largest HTTP request line plus headers (400 beyond).
       grace_seconds: on shutdown, how long in-flight streams may run before they are cancelled.
       unload_timeout_seconds: how long UnloadAdapter waits for requests using the adapter.
       model_name: the base model's name: what GetServerInfo reports, and the HTTP API's `model` that
@@ -46,6 +51,9 @@ class ServerOptions:
     metrics_port: int | None = None
     max_concurrent_streams: int = 256
     max_message_bytes: int = 4 * 2**20
+    http_keep_alive_seconds: float = 5.0
+    max_connections: int = 1024
+    max_header_bytes: int = 16 * 2**10
     grace_seconds: float = 30.0
     unload_timeout_seconds: float = 30.0
     model_name: str = ""
@@ -59,12 +67,16 @@ class ServerOptions:
                 raise ValueError(f"{field}={value} must be in [0, 65535]")
         if self.port is None and self.http_port is None:
             raise ValueError("give a gRPC port, an HTTP port, or both")
-        for field in ("max_concurrent_streams", "max_message_bytes", "tokenize_slots"):
+        for field in ("max_concurrent_streams", "max_message_bytes", "tokenize_slots", "max_connections"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
         for field in ("grace_seconds", "unload_timeout_seconds"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"{field}={getattr(self, field)} must be >= 0")
+        if not self.http_keep_alive_seconds > 0:
+            raise ValueError(f"http_keep_alive_seconds={self.http_keep_alive_seconds} must be > 0")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes={self.max_header_bytes} must be >= 1024")
         for field in ("api_key", "admin_key"):
             if getattr(self, field) == "":
                 raise ValueError(f"{field} must not be empty (leave it unset for no key)")

@@ -2,7 +2,8 @@
 (same engine, same process; `--no-grpc` for HTTP alone). Starts on the default model with no flags.
 
 Exits 0 after SIGTERM/SIGINT: health goes NOT_SERVING, new streams are refused, in-flight streams get
-`--grace-period` seconds to finish and are cancelled after that. Exit 2 for unusable arguments.
+`--grace-period` seconds to finish and are cancelled after that; a second signal exits at once (128 +
+its number). Exit 2 for unusable arguments.
 """
 
 from __future__ import annotations
@@ -56,7 +57,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--max-concurrent-streams", type=int, default=256, help="Generate calls in flight at most")
-    p.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight streams get at shutdown")
+    p.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
+        help="seconds in-flight streams get at shutdown (a second SIGTERM/SIGINT exits at once)",
+    )
+    p.add_argument(
+        "--http-keep-alive", type=float, default=5.0, help="seconds an idle HTTP connection stays open (default 5)"
+    )
+    p.add_argument("--max-connections", type=int, default=1024, help="open HTTP connections at most (default 1024)")
+    p.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=16 * 2**10,
+        help="largest HTTP request line plus headers (default 16384)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
+        signal.signal(sig, _on_signal(stop))
     server.start()
     print(f"jaxlora serve: listening on {_addresses(args.host, server)} (warming up)", file=sys.stderr, flush=True)
     server.warm_up()
@@ -83,6 +99,19 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     return 0
+
+
+def _on_signal(stop: threading.Event):
+    """The SIGTERM/SIGINT handler: the first sets `stop` (a graceful drain); a second one exits at
+    once with 128 + the signal number, for an operator who will not wait for the grace period."""
+
+    def handle(signum: int, frame) -> None:
+        if stop.is_set():
+            print("jaxlora serve: second signal, exiting now", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        stop.set()
+
+    return handle
 
 
 def _addresses(host: str, server) -> str:
@@ -110,6 +139,9 @@ def _build(args: argparse.Namespace):
         metrics_port=args.metrics_port,
         max_concurrent_streams=args.max_concurrent_streams,
         grace_seconds=args.grace_period,
+        http_keep_alive_seconds=args.http_keep_alive,
+        max_connections=args.max_connections,
+        max_header_bytes=args.max_header_bytes,
         model_name=str(args.model) if args.model else "SmolLM2-135M-Instruct",
     )
     AdapterRoots(options.adapter_roots)

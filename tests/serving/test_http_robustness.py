@@ -24,12 +24,21 @@ from tests.serving.support import LONG, assert_capacity_whole, running_server, w
 
 MAX_STREAMS = 3
 FREED_WITHIN = 0.5  # seconds from a client's hang-up to its row, pages and pin being free
+KEEP_ALIVE = 2.0
+MAX_CONNECTIONS = 8
+MAX_HEADER_BYTES = 4096
 
 
 @pytest.fixture(scope="module")
 def live(engine, adapter_root) -> Iterator[InferenceServer]:
     with running_server(
-        engine, http_port=0, adapter_roots=(str(adapter_root),), max_concurrent_streams=MAX_STREAMS
+        engine,
+        http_port=0,
+        adapter_roots=(str(adapter_root),),
+        max_concurrent_streams=MAX_STREAMS,
+        http_keep_alive_seconds=KEEP_ALIVE,
+        max_connections=MAX_CONNECTIONS,
+        max_header_bytes=MAX_HEADER_BYTES,
     ) as server:
         yield server
 
@@ -226,3 +235,34 @@ def test_preemptions_are_exported_under_vllm_s_name(engine, live):
         "vllm:num_preemptions_total"
         in _raw(live, b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").decode()
     )
+
+
+# Connection limits.
+
+
+def test_a_connection_that_never_sends_is_closed_after_the_keep_alive(live):
+    with socket.create_connection(("127.0.0.1", live.http_port), timeout=KEEP_ALIVE * 10) as s:
+        start = time.perf_counter()
+        assert s.recv(1) == b""  # closed by the server
+        assert KEEP_ALIVE * 0.8 <= time.perf_counter() - start <= KEEP_ALIVE * 5
+
+
+def test_connections_beyond_the_cap_are_refused_with_503(live):
+    held = [socket.create_connection(("127.0.0.1", live.http_port), timeout=30) for _ in range(MAX_CONNECTIONS)]
+    try:
+        with socket.create_connection(("127.0.0.1", live.http_port), timeout=30) as extra:
+            response = b"".join(iter(lambda: extra.recv(65536), b""))
+        assert _status(response) == 503 and b"\r\nretry-after: 1\r\n" in response.lower()
+        assert "too many open connections" in _error(response)["message"]
+    finally:
+        for s in held:
+            s.close()
+    health = b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    wait_until(lambda: _status(_raw(live, health)) == 200)  # room again once they close
+
+
+def test_a_request_head_beyond_the_bound_is_refused(live):
+    health = "GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n{}\r\n"
+    assert _status(_raw(live, health.format("").encode())) == 200
+    big = _raw(live, health.format(f"x-big: {'y' * MAX_HEADER_BYTES}\r\n").encode())
+    assert _status(big) == 431 and f"larger than {MAX_HEADER_BYTES} bytes" in _error(big)["message"]
