@@ -10,6 +10,7 @@ For adapter-aware routers (the Gateway API inference extension's endpoint picker
     (queued); max_lora: device adapter slots. Its value is the scrape's Unix time, as vLLM's is the
     time its labels were set (routers take the newest series).
   vllm:num_requests_running / vllm:num_requests_waiting: the queue depths under vLLM's names.
+  vllm:num_preemptions_total: requests preempted (row and KV pages taken back, recomputed later).
   jaxlora_adapter_resident{adapter, tier}: 1 while the adapter is usable from that tier: "device"
     (written into a device slot: no page-in needed), "host" (in host memory: every registered
     adapter, paged in within milliseconds on first use).
