@@ -13,6 +13,7 @@ For adapter-aware routers (the Gateway API inference extension's endpoint picker
   vllm:prefix_cache_queries / vllm:prefix_cache_hits: prompt tokens looked up in the prefix cache at
     admission, and those found cached (counters, vLLM's names); jaxlora_prefix_cache_evictions:
     cached KV pages evicted because their memory was needed.
+  vllm:num_preemptions_total: requests preempted (row and KV pages taken back, recomputed later).
   jaxlora_adapter_resident{adapter, tier}: 1 while the adapter is usable from that tier: "device"
     (written into a device slot: no page-in needed), "host" (in host memory: every registered
     adapter, paged in within milliseconds on first use).
@@ -87,6 +88,13 @@ class ServerMetrics:
             "jaxlora_requests",
             "Finished generation calls (gRPC and HTTP) by status, named by its gRPC code.",
             ["code"],
+            registry=self.registry,
+        )
+        self.client_cancels = Counter(
+            "jaxlora_client_cancels",
+            "Generation calls their client abandoned, by how: disconnected (HTTP connection closed while "
+            "waiting or streaming), upload (closed mid-body), cancelled (gRPC cancel), deadline (gRPC deadline).",
+            ["reason"],
             registry=self.registry,
         )
         self.adapter_requests = Counter(
@@ -189,6 +197,11 @@ class _EngineCollector:
                 f"{prefix}waiting", f"Requests queued for admission{suffix}.", value=stats["waiting"]
             )
         yield from _prefix_cache(stats["prefix_cache"])
+        yield CounterMetricFamily(
+            "vllm:num_preemptions",
+            "Requests preempted (row and KV pages taken back, recomputed later) (vLLM's name).",
+            value=stats["preemptions"],
+        )
         pager = self._engine.pager
         if pager is None:  # an engine serving the base model alone
             return

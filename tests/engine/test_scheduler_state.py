@@ -113,7 +113,8 @@ def test_prefix_caching_hits_in_the_random_workloads():
         slots = FakeSlots(2, {"a", "b", "c"})
         s = _scheduler(rng, slots, True)
         for i in range(30):
-            s.add(Request(GenerationRequest(request_id=f"r{i}", prompt_ids=[1]), _prompt(rng), seed=0, arrival=i))
+            gen = GenerationRequest(request_id=f"r{i}", prompt_ids=[1], sampling=SamplingParams(max_tokens=16))
+            s.add(Request(gen, _prompt(rng), seed=0, arrival=i))
             s.pin_adapters()
             plan = s.schedule()
             if plan is not None:
