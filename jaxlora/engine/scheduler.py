@@ -20,9 +20,9 @@ an idle engine (no decode row) still takes a prompt in one step, for its first t
 
 Adapter slots are the other admission resource, kept by `AdapterAdmission` (pins, the cap on
 distinct adapters, the slot a step may read), which the scheduler asks for a request's slot. Before
-the pager stages its copies, `pin_adapters` pins the adapters of the waiting requests the free rows could take (`acquire`, which
-queues a page-in for an adapter not on the device), unless that would exceed the cap on distinct
-adapters per batch or the pager could not place it without waiting. A pinned request whose page-in
+the pager stages its copies, `pin_adapters` pins the adapters of the waiting requests the free rows
+could take (`acquire`, which queues a page-in for an adapter not on the device), unless that would
+exceed the cap on distinct adapters per batch or the pager could not place it without waiting. A pinned request whose page-in
 is pending is skipped, so hot requests behind it run. A request whose adapter the pager's coming
 commit writes (`slot_at_commit`) is admitted, and the plan says the commit must precede the step. Once a request
 has waited `max_wait_steps` steps it becomes a blocker: it pins regardless, and while it has no
