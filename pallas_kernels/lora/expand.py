@@ -6,7 +6,7 @@ SGMV (prefill, `sgmv_expand` / `grouped_expand`) uses the work items of `common`
 per tile of rows sharing it. BGMV (decode, `bgmv_expand` / `decode_expand`) runs per row: program
 (row block, column block) reads each row's own b[slot] columns with one gather load and needs no
 grouping at all. `grouped_expand(mode="decode")` (rows sorted by slot, then tiles) is a benchmark
-candidate for decode (`benchmarks/kernels.py`), which no row of tuning.py's decode table picks.
+candidate for decode (`benchmarks/kernels/lora.py`), which no row of tuning.py's decode table picks.
 """
 
 from __future__ import annotations
@@ -312,7 +312,7 @@ def grouped_expand(
     **knobs: int | None,
 ) -> jax.Array:
     """Expand over precomputed row groups; math, shapes and knobs as in `sgmv_expand`. With
-    mode="decode" (rows grouped by slot) it is the decode candidate of `benchmarks/kernels.py`:
+    mode="decode" (rows grouped by slot) it is the decode candidate of `benchmarks/kernels/lora.py`:
     pass its knobs, as tuning.py's decode table holds the per-row kernel's.
 
     With `layer`, b is the stacked bank [L, S, R, O] (see `grouped_shrink`)."""
