@@ -35,6 +35,14 @@ def _specs(dtype, num_tokens, hidden, rank, out_dim, num_slots=5, num_segments=3
     )
 
 
+def _grouped_decode_expand(y, h, b, slots, **knobs):
+    """The benchmarks' grouped decode candidate (`expand.grouped_expand` over rows grouped by slot)."""
+    from pallas_kernels.lora import common, expand
+
+    groups = common.make_row_groups(slots, num_slots=b.shape[0], seg_len=None, block_rows=())
+    return expand.grouped_expand(y, h, b, groups, mode="decode", **knobs)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("shape", [(37, 2049, 48, 300), (256, 4096, 16, 11008), (2048, 576, 1, 1536)])
 def test_kernels_lower_for_cuda(dtype, shape):
@@ -43,12 +51,15 @@ def test_kernels_lower_for_cuda(dtype, shape):
         "bgmv_shrink": (pk.bgmv_shrink, (s["x"], s["a"], s["slots"])),
         "sgmv_shrink": (pk.sgmv_shrink, (s["x"], s["a"], s["starts"], s["seg_slots"])),
         "bgmv_expand_rows": (
-            lambda *a: pk.bgmv_expand(*a, impl="rows", block_rows=4),
+            lambda *a: pk.bgmv_expand(*a, block_rows=4),
             (s["y"], s["h"], s["b"], s["slots"]),
         ),
-        "bgmv_expand_grouped": (lambda *a: pk.bgmv_expand(*a, impl="grouped"), (s["y"], s["h"], s["b"], s["slots"])),
-        "bgmv_expand_grouped_small": (
-            lambda *a: pk.bgmv_expand(*a, impl="grouped", block_rows=4),
+        "decode_expand_grouped": (
+            lambda *a: _grouped_decode_expand(*a, block_rows=16, block_out=128),
+            (s["y"], s["h"], s["b"], s["slots"]),
+        ),
+        "decode_expand_grouped_small": (
+            lambda *a: _grouped_decode_expand(*a, block_rows=4, block_out=128),
             (s["y"], s["h"], s["b"], s["slots"]),
         ),
         "sgmv_expand": (pk.sgmv_expand, (s["y"], s["h"], s["b"], s["starts"], s["seg_slots"])),
