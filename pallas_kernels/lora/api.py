@@ -29,6 +29,10 @@ out of the bank before a `pallas_call` would copy every slot of it on every call
 ops that share the step's slot_ids do not recompute it; without it each op builds its own. A
 "pallas_tpu" plan carries only slot_ids (its kernels sort rows / build work items per call). The
 pallas decode expand runs per row; tuning.py holds every kernel's block sizes.
+
+Outside this contract (not yet wired into the engine, whose bank pads every slot to its max rank):
+`paged.paged_shrink` / `paged.paged_expand` read each row's adapter at its true rank through a page
+table over one page pool (S-LoRA's unified paging, adapter side); `paged_reference` checks them.
 """
 
 from __future__ import annotations

@@ -148,3 +148,21 @@ def test_one_launch_group_lowers_for_cuda(hidden, rank, dtype):
 
     text = _lower_for_cuda(step, x, a, y, bs, slots, sd((), jnp.int32))
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("dtype, hidden, out, page_rows", [(jnp.bfloat16, 4096, 11008, 8), (jnp.float32, 2049, 300, 1)])
+def test_paged_kernels_lower_for_cuda(dtype, hidden, out, page_rows):
+    """The page-table shrink and expand (true-rank adapters): the per-row page loop has a traced trip count."""
+    from pallas_kernels.lora import paged
+
+    sd = jax.ShapeDtypeStruct
+    pool = sd((300, page_rows, max(hidden, out)), dtype)
+    table, ranks, ids = sd((7, 16), I32), sd((7,), I32), sd((37,), I32)
+    x, y = sd((37, hidden), dtype), sd((37, out), dtype)
+
+    def step(x, y, pool, a_table, b_table, ranks, ids):
+        h = paged.paged_shrink(x, pool, a_table, ranks, ids)
+        return paged.paged_expand(y, h, pool, b_table, ranks, ids)
+
+    text = _lower_for_cuda(step, x, y, pool, table, table, ranks, ids)
+    assert text.count("__gpu$xla.gpu.triton") == 2
