@@ -52,7 +52,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import LLAMA2_7B, TINY, decode_inputs, hbm_gbps, matmul_tflops, random_bank, slot_pattern
+from benchmarks.common import (
+    LLAMA2_7B,
+    TINY,
+    decode_inputs,
+    hbm_gbps,
+    matmul_tflops,
+    matmul_tflops_8bit,
+    random_bank,
+    slot_pattern,
+)
 from benchmarks.engine.e2e import adapter_bytes, base_weight_bytes, kv_bytes
 from benchmarks.paths import results_dir
 from jaxlora.config import TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig
@@ -171,16 +180,6 @@ def step_flops(cfg: ModelConfig, case: Case) -> float:
     rows = case.decode_rows + (case.chunk > 0)
     attention = 2 * 2 * case.chunk**2 / 2 * cfg.num_heads * cfg.head_dim * cfg.num_layers
     return 2.0 * case.tokens * cfg.num_layers * projections + 2.0 * rows * cfg.hidden_size * cfg.vocab_size + attention
-
-
-def matmul_tflops_8bit(n: int, dtype: jnp.dtype, reps: int = 10) -> float:
-    """[n, n] @ [n, n] of two 8-bit operands with a float32 (FP8) or int32 (int8) result, TFLOP/s."""
-    from benchmarks.common import _best_rate
-
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).clip(-100, 100).astype(dtype)
-    acc = jnp.int32 if jnp.dtype(dtype) == jnp.int8 else jnp.float32
-    dot = jax.jit(lambda x: jax.lax.dot_general(x, x, (((1,), (0,)), ((), ())), preferred_element_type=acc))
-    return _best_rate(dot, a, 2 * n**3, reps) / 1e12
 
 
 # -- the run ----------------------------------------------------------------------------------------
