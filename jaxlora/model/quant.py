@@ -9,7 +9,8 @@ dequantized copy of the weight first); `pallas_kernels.quant.triton` does, and r
 the stacked weights in place: a QuantLinear holding the whole stack [L, in, out] runs that kernel on
 the layer it is given (the model's GPU path, `jaxlora.kernels.StepKernels.quant_matmul`), one holding a single layer
 [in, out] runs `matmul` through XLA. The LoRA delta is added to this output, as it is to a dense
-layer's, so adapters trained on the dense base apply unchanged.
+layer's, so adapters trained on the dense base apply unchanged. Steps that StepKernels.w8a8_at names
+quantize their activations per token as well and multiply 8-bit by 8-bit (jaxlora.model.w8a8).
 
 Formats (amax = max |w[:, o]| of the channel; a zero channel gets scale 1 and stays zero):
 
