@@ -29,7 +29,7 @@ table is set from. Per row:
                 projections) + KV read (every row at its context) + distinct adapters
   roofline_ms   max(floor_ms, GEMM FLOPs / the measured matmul rate of the GEMM's operands: bf16 for
                 dense and weight-only rows, 8-bit x 8-bit for w8a8 rows)
-  fp8_gemm      (w8a8 rows on GPU, the largest case) whether the compiled step calls cuBLASLt's FP8
+  fp8_gemm      (w8a8 rows on GPU, the 2,048-token case) whether the compiled step calls cuBLASLt's FP8
                 GEMM (`__cublas$lt$matmul$f8`) and how many transposes of an f8 operand it holds
 
 Cells run in priority order (B=64, mixed 2048, B=16, mixed 512) until --budget-s is spent;
@@ -105,6 +105,10 @@ class Case:
     @property
     def chunk(self) -> int:
         return self.tokens - self.decode_rows
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}-{self.tokens}"
 
 
 GPU_CASES = (Case("decode", 64, 64), Case("mixed", 64, 2048), Case("decode", 16, 16), Case("mixed", 64, 512))
@@ -206,7 +210,7 @@ def engine_config(variant: Variant, cases: tuple[Case, ...], dtype: jnp.dtype) -
 def run(opts: argparse.Namespace) -> dict:
     t_start = time.perf_counter()
     cfg, dtype = (TINY, jnp.float32) if opts.smoke else (LLAMA2_7B, jnp.bfloat16)
-    cases = SMOKE_CASES if opts.smoke else GPU_CASES
+    cases = selected_cases(opts)
     n = 256 if opts.smoke else 8192
     hbm = hbm_gbps(1 << 20 if opts.smoke else 1 << 31)
     rates = {"bf16": matmul_tflops(n, dtype)}
@@ -259,9 +263,20 @@ def run(opts: argparse.Namespace) -> dict:
     return payload
 
 
+def selected_cases(opts: argparse.Namespace) -> tuple[Case, ...]:
+    cases = SMOKE_CASES if opts.smoke else GPU_CASES
+    if not opts.cases:
+        return cases
+    by_label = {c.label: c for c in cases}
+    unknown = set(opts.cases) - set(by_label)
+    if unknown:
+        raise SystemExit(f"--cases {sorted(unknown)}: choose from {list(by_label)}")
+    return tuple(by_label[name] for name in opts.cases)
+
+
 def run_cell(variant, case, cfg, models, runners, bank, dtype, opts, hbm, rates, itemsize) -> dict:
     if variant not in runners:
-        config = engine_config(variant, SMOKE_CASES if opts.smoke else GPU_CASES, dtype)
+        config = engine_config(variant, selected_cases(opts), dtype)
         model = models[variant.weights]
         runners[variant] = Runner(model, config, kernels=config.step_kernels(fused_projections=model.fused))
         gc.collect()
@@ -298,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="toy model on the CPU (seconds)")
     p.add_argument("--steps", type=int, default=10, help="steps timed back to back per cell")
     p.add_argument("--budget-s", type=float, default=420.0, help="no new cell starts once this is spent")
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        default=[],
+        help="run only these cases, in this order (GPU: decode-64 mixed-2048 decode-16 mixed-512; smoke: decode-4 mixed-24)",
+    )
     opts = p.parse_args(argv)
     payload = run(opts)
     print(f"wrote {opts.out / 'formats.json'} ({len(payload['rows'])} rows, {len(payload['not_run'])} not run)")
