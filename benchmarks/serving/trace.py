@@ -23,7 +23,10 @@ token. Settings (S-LoRA's S1 and S2, plus one with adapters on all seven modules
        2,000 asked; the pager keeps each host copy at its rank class (8-64: 17-134 MB, 63 MB on
        average), so `--host-gb` caps n (the default 64 GB holds 1,016) and the rows record the n
        that ran;
-  all  rank 16 on all seven modules, 64 adapters, all resident in the 64 slots.
+  all  rank 16 on all seven modules, 64 adapters, all resident in the 64 slots;
+  s70  a Llama-3-70B-shape base in FP8 on one GPU, 32 rank-16 adapters on q/k/v/o, all resident,
+       rows with "bound_req_s" (benchmarks/serving/s70.py); runs alone (its own model).
+Rows say which base weights served them: "weights": "bf16" | "fp8".
 
 Per run (one offered rate) a row records:
   served_req_s / served_tok_s: completed requests / tokens generated, over the window from the first
@@ -98,6 +101,7 @@ from benchmarks.serving.chat_trace import (
     drive_chat,
     make_chat_trace,
 )
+from benchmarks.serving import s70
 from jaxlora.adapters import Pager
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig
 from jaxlora.engine.config import ENGINE_KIND, EngineConfig
@@ -184,6 +188,7 @@ def settings(tiny: bool) -> dict[str, Setting]:
             "s2": Setting(name="s2", ranks=(8, 4, 2, 1), modules=ATTENTION_MODULES, n=24, slots=4),
             "all": Setting(name="all", ranks=(4,), modules=TARGET_MODULES, n=4, slots=4),
             "chat": Setting(name="chat", ranks=(4,), modules=ATTENTION_MODULES, n=4, slots=4, trace="chat"),
+            s70.NAME: Setting(name=s70.NAME, ranks=(4,), modules=ATTENTION_MODULES, n=4, slots=4),
         }
     return {
         # Slots: enough distinct adapters for the 256 rows under the power law (about 130 distinct of
@@ -193,6 +198,9 @@ def settings(tiny: bool) -> dict[str, Setting]:
         "all": Setting(name="all", ranks=(16,), modules=TARGET_MODULES, n=64, slots=64),
         # Each adapter with its own system prompt, all 64 resident: the trace measures prefixes, not paging.
         "chat": Setting(name="chat", ranks=(8,), modules=ATTENTION_MODULES, n=64, slots=64, trace="chat"),
+        s70.NAME: Setting(
+            name=s70.NAME, ranks=(s70.RANK,), modules=ATTENTION_MODULES, n=s70.NUM_ADAPTERS, slots=s70.NUM_ADAPTERS
+        ),
     }
 
 
@@ -868,7 +876,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--settings",
         nargs="+",
-        choices=("s1", "s2", "all", "chat"),
+        choices=("s1", "s2", "all", "chat", s70.NAME),
         default=None,
         help="default: all s1 s2 (--trace s-lora) or chat (--trace chat)",
     )
@@ -1180,6 +1188,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         size = dataclasses.replace(
             size, engine=dataclasses.replace(size.engine, token_budgets=tuple(sorted(set(args.budgets))))
         )
+    is_s70 = s70.NAME in args.settings
+    if is_s70 and len(args.settings) > 1:
+        raise SystemExit(f"--settings {s70.NAME} runs alone: it serves its own 70B-shape FP8 model")
+    if is_s70:
+        size = dataclasses.replace(
+            size, model=s70.model_config(args.tiny), engine=s70.engine_config(size.engine, args.tiny)
+        )
     dev = jax.devices()[0]
     backend = args.backend or ("pallas" if dev.platform == "gpu" else "xla")
     if args.lora_groups == "split":
@@ -1190,8 +1205,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         flush=True,
     )
     previous = json.loads(path.read_text())["rows"] if args.merge and path.exists() else []
-    model = random_model(size.model, dtype=jnp.dtype(size.dtype), fused=True)  # the serving layout
+    if is_s70:
+        model = s70.base_model(size.model, size.dtype)
+    else:
+        model = random_model(size.model, dtype=jnp.dtype(size.dtype), fused=True)  # the serving layout
     jax.block_until_ready(model.params)
+    rates = s70.measure(args.tiny) if is_s70 else None
     command = "python -m benchmarks.serving.trace " + " ".join(sys.argv[1:] if argv is None else argv)
     base_row = {
         "device": str(dev.device_kind),
@@ -1200,6 +1219,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "lora_backend": backend,
         "lora_groups": args.lora_groups,
         "command": command,
+        "weights": model.quantization.value
+        if model.quantization is not None
+        else {"float32": "f32"}.get(size.dtype, "bf16"),
     }
     new_rows: list[dict] = []
     not_run: list[str] = []
@@ -1214,6 +1236,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     def on_row(row: dict) -> None:  # results after every run: a cut run keeps what it measured
         if not any(r is row for r in new_rows):  # a row comes again with its decode-step probe
             new_rows.append(row)
+        if rates is not None:
+            row.update(s70.bound(row, size.model, rates))
         payload["rows"] = merge_rows(previous, new_rows)
         write_results(payload, args.out, plot=False)
 
