@@ -92,6 +92,7 @@ import numpy as np
 from benchmarks.common import LLAMA2_7B, TINY, slot_pattern, time_decode, word_tokenizer
 from benchmarks.engine.paging import pool_adapters, register_copies, weight_pool
 from benchmarks.paths import results_dir
+from benchmarks.serving import s70
 from benchmarks.serving.chat_trace import (
     CHAT,
     TINY_CHAT,
@@ -101,7 +102,6 @@ from benchmarks.serving.chat_trace import (
     drive_chat,
     make_chat_trace,
 )
-from benchmarks.serving import s70
 from jaxlora.adapters import Pager
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig
 from jaxlora.engine.config import ENGINE_KIND, EngineConfig
