@@ -209,7 +209,7 @@ def engine_config(args: argparse.Namespace, adapters: dict[str, str] | None = No
     if args.dtype is not None:
         config = dataclasses.replace(config, dtype=args.dtype)
     if getattr(args, "attention", None) is not None:
-        config = dataclasses.replace(config, attention=args.attention)
+        config = dataclasses.replace(config, kernels=dataclasses.replace(config.kernels, attention=args.attention))
     if getattr(args, "prefetch_adapters", None) is not None:
         config = dataclasses.replace(config, prefetch_adapters=args.prefetch_adapters)
     return with_tensor_parallel(config, getattr(args, "tensor_parallel", None))

@@ -38,17 +38,34 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 def all_subcommands() -> dict[str, Subcommand]:
     """SUBCOMMANDS plus those the installed entry points of `COMMANDS_GROUP` add.
 
-    Raises RuntimeError for an entry point that names no Subcommand or reuses a taken name.
+    An entry point whose package this installation lacks (the wheel does not install `benchmarks`)
+    becomes an unavailable subcommand that says so. Raises RuntimeError for an entry point that names
+    no Subcommand or reuses a taken name.
     """
     commands = dict(SUBCOMMANDS)
     for entry in importlib.metadata.entry_points(group=COMMANDS_GROUP):
-        command = entry.load()
+        try:
+            command = entry.load()
+        except ModuleNotFoundError as e:
+            if e.name != entry.module.split(".")[0]:
+                raise  # the package is there and something it imports is not: a real error
+            command = missing_package(entry, e.name)
         if not isinstance(command, Subcommand):
             raise RuntimeError(f"entry point {entry.name} = {entry.value} ({COMMANDS_GROUP}) is not a Subcommand")
         if entry.name in commands:
             raise RuntimeError(f"entry point {entry.name} = {entry.value} reuses the subcommand name {entry.name!r}")
         commands[entry.name] = command
     return commands
+
+
+def missing_package(entry: importlib.metadata.EntryPoint, package: str) -> Subcommand:
+    """The stand-in for a subcommand whose package is not installed here."""
+    why = (
+        f"`jaxlora {entry.name}` comes from {entry.value}, and this installation has no {package!r} package: "
+        f"it ships only with a source checkout of jaxlora. Run `python -m jaxlora.cli.main {entry.name} ...` "
+        "from the checkout's root (its folders are importable from there)."
+    )
+    return Subcommand(module=entry.module, help=f"(needs a source checkout: no {package!r} here)", unavailable=why)
 
 
 class UsageParser(argparse.ArgumentParser):
@@ -87,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     chosen = argv[0] if argv and argv[0] in commands else None
     for name, command in commands.items():
         p = sub.add_parser(name, help=command.help, description=command.help)
-        if name == chosen or top_help:
+        if name == chosen and command.unavailable:
+            parser.exit(2, f"jaxlora: error: {command.unavailable}\n")
+        if (name == chosen or top_help) and not command.unavailable:
             mod = importlib.import_module(command.module)
             mod.add_args(p)
             p.set_defaults(_run=mod.run)

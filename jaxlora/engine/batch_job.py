@@ -23,6 +23,7 @@ name and whether the job is already complete is checked before the engine (and i
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import sys
@@ -31,7 +32,9 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from jaxlora.engine import job_files
 from jaxlora.engine.engine import Engine, RequestHandle
+from jaxlora.engine.job_files import JobFileError
 from jaxlora.engine.request import FinalOutput, GenerationRequest, SamplingParams
 from jaxlora.engine.results_file import ResultsFile, ResultsFileError, request_hash
 from jaxlora.engine.runner import WarmupProgress
@@ -58,17 +61,31 @@ class LineDefaults:
     base_model: str | None = None
 
 
+# A result record's bound: fixed fields and an error message; one token's text (JSON-escaped, a
+# control byte takes six) and id. Generous: it only has to refuse files no run of this input wrote.
+_RECORD_OVERHEAD_BYTES = 4096
+_MAX_TOKEN_RECORD_BYTES = 1024
+
+
 @dataclasses.dataclass
 class _Line:
     """One input line: where it is, its fingerprint, and its outcome."""
 
     number: int  # 1-based line number in the input
     request_hash: str
+    input_bytes: int  # of the line as read
     custom_id: Any = None
     has_id: bool = False  # custom_id is usable (a string or an integer)
     adapter: str | None = None
     request: GenerationRequest | None = None
     record: dict[str, Any] | None = None  # the output record once known
+
+    @property
+    def max_record_bytes(self) -> int:
+        """The most bytes this line's result record can take: what it repeats of the line (custom_id,
+        adapter, in an error message), the fixed fields, and `max_tokens` tokens as text and ids."""
+        max_tokens = self.request.sampling.max_tokens if self.request is not None else 0
+        return _RECORD_OVERHEAD_BYTES + 3 * self.input_bytes + max_tokens * _MAX_TOKEN_RECORD_BYTES
 
     @property
     def fingerprint(self) -> dict[str, Any]:
@@ -101,9 +118,13 @@ def run_batch_job(
         if adapters is not None:
             _check_adapters(lines, adapters)
         results = ResultsFile.open(
-            output_path, input_path=input_path, expected=[x.fingerprint for x in lines], overwrite=overwrite
+            output_path,
+            input_path=input_path,
+            expected=[x.fingerprint for x in lines],
+            max_record_bytes=[x.max_record_bytes for x in lines],
+            overwrite=overwrite,
         )
-    except ResultsFileError as e:
+    except JobFileError as e:
         print(f"jaxlora generate: {e}", file=sys.stderr)
         return 2
     with results:
@@ -131,12 +152,10 @@ def run_batch_job(
 
 
 def read_input(path: Path, defaults: LineDefaults = LineDefaults()) -> list[_Line]:
-    """The non-blank lines of the input file, parsed; ResultsFileError if it cannot be read."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return [_parse_line(number, text, defaults) for number, text in enumerate(f, start=1) if text.strip()]
-    except OSError as e:
-        raise ResultsFileError(f"--input {path}: {e.strerror}") from None
+    """The non-blank lines of the input file (a regular file; a UTF-8 byte order mark at its start
+    is dropped), parsed; JobFileError if it cannot be read."""
+    data = job_files.read_input(path).removeprefix(codecs.BOM_UTF8)
+    return [_parse_line(number, raw, defaults) for number, raw in enumerate(data.split(b"\n"), start=1) if raw.strip()]
 
 
 def _check_adapters(lines: list[_Line], adapters: Collection[str]) -> None:
@@ -213,22 +232,29 @@ class BatchJob:
                 bar.update(1)
 
 
-def _parse_line(number: int, text: str, defaults: LineDefaults) -> _Line:
+def _parse_line(number: int, raw: bytes, defaults: LineDefaults) -> _Line:
     """A request, or an error record for a line that is not one (the job goes on)."""
+    text = raw.decode("utf-8", errors="backslashreplace")
     digest = request_hash(text)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # a replaced character would change custom_id or the prompt unseen
+        line = _Line(number=number, request_hash=digest, input_bytes=len(raw))
+        line.record = _error_record(line, f"line {number}: not valid UTF-8 (byte {e.start + 1}: {e.reason})")
+        return line
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        line = _Line(number=number, request_hash=digest)
+        line = _Line(number=number, request_hash=digest, input_bytes=len(raw))
         line.record = _error_record(line, f"line {number}: malformed JSON ({e.msg})")
         return line
     if not isinstance(obj, dict):
-        line = _Line(number=number, request_hash=digest)
+        line = _Line(number=number, request_hash=digest, input_bytes=len(raw))
         line.record = _error_record(line, f"line {number}: expected a JSON object")
         return line
     cid = obj.get("custom_id")
     has_id = isinstance(cid, (str, int)) and not isinstance(cid, bool)
-    line = _Line(number=number, request_hash=digest, custom_id=cid, has_id=has_id)
+    line = _Line(number=number, request_hash=digest, input_bytes=len(raw), custom_id=cid, has_id=has_id)
     try:
         if not has_id:
             raise JaxloraError(f"line {number}: custom_id must be a string or an integer")

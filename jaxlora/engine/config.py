@@ -13,7 +13,8 @@ from typing import Any
 import jax.numpy as jnp
 import yaml
 
-from jaxlora.config import AttentionBackend, LoraConfig
+from jaxlora.config import LoraConfig
+from jaxlora.kernels import KernelConfig, StepKernels
 from jaxlora.parallel.mesh import MeshConfig
 
 _DTYPES = ("float32", "bfloat16")
@@ -53,7 +54,9 @@ class EngineConfig:
       dtype: parameter, activation and KV cache dtype name.
       host_capacity_bytes: host memory for registered adapters (None: unbounded).
       mesh: devices the engine spans (`mesh: {tensor: 2}` splits every layer over two devices).
-      attention: the step's attention (`AttentionBackend`; "auto": the Pallas kernel on GPU, XLA elsewhere).
+      kernels: which kernels the steps run (`jaxlora.kernels.KernelConfig`: attention, unrolling, quant
+        GEMM, GEMM compile options, CONCURRENT scheduling; the LoRA backend is `lora.backend`),
+        resolved once per engine by `step_kernels`.
       prefetch_adapters: page in (unpinned) the adapters of up to this many waiting requests, in
         arrival order, while rows are busy, so a request's adapter is resident when its row frees
         (0: page in only on admission).
@@ -79,7 +82,7 @@ class EngineConfig:
     dtype: str = "float32"
     host_capacity_bytes: int | None = None
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    attention: AttentionBackend = AttentionBackend.AUTO
+    kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
     prefetch_adapters: int = 16
     bank_free_steps: bool = True
     seed: int | None = None
@@ -114,9 +117,8 @@ class EngineConfig:
             raise ValueError(f"max_adapters_per_batch={cap} must be in [1, max_slots-1={self.lora.max_slots - 1}]")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {_DTYPES}")
-        if self.attention not in tuple(AttentionBackend):
-            raise ValueError(f"attention={self.attention!r} must be one of {tuple(a.value for a in AttentionBackend)}")
-        object.__setattr__(self, "attention", AttentionBackend(self.attention))
+        if not isinstance(self.kernels, KernelConfig):
+            raise ValueError(f"kernels={self.kernels!r} must be a KernelConfig")
         if self.prefetch_adapters < 0:
             raise ValueError(f"prefetch_adapters={self.prefetch_adapters} must be >= 0")
         if self.host_capacity_bytes is not None and self.host_capacity_bytes < 1:
@@ -139,6 +141,11 @@ class EngineConfig:
     def jnp_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.dtype)
 
+    def step_kernels(self, *, fused_projections: bool, platform: str | None = None) -> StepKernels:
+        """The kernels this engine's steps run, for a model in the serving layout (`fused_projections`,
+        jaxlora.model.fused) or not, on `platform` (None: JAX's default backend)."""
+        return self.kernels.resolve(self.lora.backend, platform, fused_projections=fused_projections)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
         d = dict(d)
@@ -152,6 +159,8 @@ class EngineConfig:
             d["lora"] = LoraConfig(**lora)
         if isinstance(d.get("mesh"), dict):
             d["mesh"] = MeshConfig(**d["mesh"])
+        if isinstance(d.get("kernels"), dict):
+            d["kernels"] = KernelConfig.from_dict(d["kernels"])
         if "token_budgets" in d:
             d["token_budgets"] = tuple(d["token_budgets"])
         return cls(**d)

@@ -62,7 +62,6 @@ from jaxlora.engine.request import (
 from jaxlora.engine.runner import Runner, WarmupProgress, num_traces, pool_positions
 from jaxlora.engine.scheduler import Scheduler, StepPlan
 from jaxlora.errors import CapacityError, JaxloraError, RequestError, UnknownAdapterError
-from jaxlora.lora.apply import LoraRuntime
 from jaxlora.lora.bank import Bank
 from jaxlora.lora.host_adapter import HostAdapter
 from jaxlora.model.params import LoadedModel
@@ -155,6 +154,9 @@ class Engine:
       `Pager`, or the all-resident `ResidentBank`); None serves the base model only.
     mesh: the tensor-parallel mesh `config.mesh` describes (None: one device); the pager's bank must
       already be split over it. `jaxlora.engine.build_engine` makes it once and hands it to both.
+
+    The kernels its steps run (`kernels`) are `config.kernels` resolved once, here, for this model
+    and platform; the warm-up names them per token budget.
     """
 
     def __init__(
@@ -164,7 +166,6 @@ class Engine:
         config: EngineConfig,
         pager: AdapterSource | None = None,
         *,
-        runtime: LoraRuntime | None = None,
         mesh: jax.sharding.Mesh | None = None,
     ) -> None:
         if pager is not None and pager.max_slots != config.lora.max_slots:
@@ -178,14 +179,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.pager = pager
-        self.runner = Runner(
-            model,
-            config,
-            runtime=runtime
-            or LoraRuntime.for_platform(config.lora.backend, attention=config.attention, fused_projections=model.fused),
-            mesh=mesh,
-            eos_ids=tuple(tokenizer.eos_token_ids),
-        )
+        self.kernels = config.step_kernels(fused_projections=model.fused)
+        self.runner = Runner(model, config, kernels=self.kernels, mesh=mesh, eos_ids=tuple(tokenizer.eos_token_ids))
         self.pages = PageTable(self.runner.num_pages, config.page_size, self.runner.pages_per_seq)
         self.scheduler = Scheduler(
             max_batch=config.max_batch,
@@ -524,12 +519,20 @@ class Engine:
 
     # Internals.
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
-        # Measured before tokenizing: tokenizing a 4 MB prompt took seconds, only to refuse it.
+        # Measured before templating and tokenizing: tokenizing a 4 MB prompt took seconds, only to
+        # refuse it.
         limit = self.config.max_seq_len * self.tokenizer.max_token_bytes
-        if _prompt_bytes(request, limit) > limit:
+        if isinstance(request.messages, (list, tuple)):
+            overhead = self.tokenizer.chat_overhead
+            if len(request.messages) * overhead.tokens_per_message > self.config.max_seq_len:
+                raise RequestError(
+                    f"request {request.request_id}: {len(request.messages)} messages cannot fit max_seq_len="
+                    f"{self.config.max_seq_len} tokens: each takes at least {overhead.tokens_per_message}"
+                )
+        if self._prompt_bytes(request, limit) > limit:
             raise RequestError(
                 f"request {request.request_id}: the prompt cannot fit max_seq_len="
-                f"{self.config.max_seq_len} tokens: it is longer than {limit} bytes"
+                f"{self.config.max_seq_len} tokens: it is longer than {limit} bytes as rendered"
             )
         try:
             if request.prompt is not None:
@@ -562,6 +565,26 @@ class Engine:
                 f"within max_seq_len={self.config.max_seq_len}"
             )
         return dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, max_tokens=n))
+
+    def _prompt_bytes(self, request: GenerationRequest, limit: int) -> int:
+        """UTF-8 bytes of a request's prompt as rendered, at least: the prompt, or every string of
+        every message (role, content, name, ...) plus the template's markup per message; a number
+        above `limit` once it is known to exceed it. RequestError for text that is not valid
+        Unicode (a lone surrogate), which no tokenizer can take."""
+        if request.prompt is not None:
+            texts, markup = [request.prompt], 0
+        elif isinstance(request.messages, (list, tuple)):
+            texts = [v for m in request.messages if isinstance(m, dict) for v in m.values() if isinstance(v, str)]
+            markup = len(request.messages) * self.tokenizer.chat_overhead.bytes_per_message
+        else:
+            return 0
+        num_chars = sum(map(len, texts)) + markup
+        if num_chars > limit:  # a character is at least one byte: too long without encoding it
+            return num_chars
+        try:
+            return sum(len(t.encode()) for t in texts) + markup
+        except UnicodeEncodeError as e:
+            raise RequestError(f"request {request.request_id}: the prompt is not valid Unicode ({e.reason})") from None
 
     def _validate(self, request: GenerationRequest, prompt_ids: list[int]) -> None:
         rid, s = request.request_id, request.sampling
@@ -690,25 +713,6 @@ def _call_back(callback: Callback, out: RequestOutput) -> None:
         callback(out)
     except Exception:  # a broken consumer must not stop the batch
         log.exception("callback of request %s raised", out.request_id)
-
-
-def _prompt_bytes(request: GenerationRequest, limit: int) -> int:
-    """UTF-8 bytes of a request's text (the message contents of a chat), or a number above `limit`
-    once it is known to exceed it; RequestError for text that is not valid Unicode (a lone
-    surrogate), which no tokenizer can take."""
-    if request.prompt is not None:
-        texts = [request.prompt]
-    elif isinstance(request.messages, (list, tuple)):
-        texts = [m.get("content") for m in request.messages if isinstance(m, dict)]
-    else:
-        return 0
-    texts = [t for t in texts if isinstance(t, str)]
-    if sum(map(len, texts)) > limit:  # a character is at least one byte: too long without encoding it
-        return sum(map(len, texts))
-    try:
-        return sum(len(t.encode()) for t in texts)
-    except UnicodeEncodeError as e:
-        raise RequestError(f"request {request.request_id}: the prompt is not valid Unicode ({e.reason})") from None
 
 
 def _error_output(request_id: str, error: str) -> FinalOutput:

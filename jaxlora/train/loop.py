@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
-from jaxlora.lora.apply import LoraRuntime
+from jaxlora.kernels import StepKernels
 from jaxlora.model.params import LoadedModel
 from jaxlora.train.data import Batch, Example, eval_batches, train_batch
 from jaxlora.train.lora_params import AdapterSpec, LoraParams, init_lora_params
@@ -111,7 +111,7 @@ def train(
     checkpoint_dir: str | Path | None = None,
     resume: bool = False,
     progress: bool = True,
-    runtime: LoraRuntime = LoraRuntime(),
+    kernels: StepKernels = StepKernels(),
     description: str = "train",
     on_estimate: Callable[[str], None] | None = None,
 ) -> TrainResult:
@@ -119,7 +119,7 @@ def train(
     `on_estimate` gets one line estimating the time left, once the first steps have run."""
     if not train_examples:
         raise ValueError("no training examples")
-    statics = {"graphdef": model.graphdef, "spec": config.spec, "runtime": runtime}
+    statics = {"graphdef": model.graphdef, "spec": config.spec, "kernels": kernels}
     params = init_lora_params(jax.random.key(config.seed), model.config, config.spec)
     opt_state = config.optim.build().init(params)
     manager = _manager(checkpoint_dir, config) if checkpoint_dir is not None else None
@@ -155,7 +155,7 @@ def train(
         record = {"step": step + 1, "loss": loss, "grad_norm": float(metrics["grad_norm"]), "lr": float(schedule(step))}
         done = step + 1
         if eval_examples and (done == num_steps or (config.eval_every and done % config.eval_every == 0)):
-            record["eval_loss"] = evaluate(model, params, eval_examples, config, runtime=runtime)
+            record["eval_loss"] = evaluate(model, params, eval_examples, config, kernels=kernels)
         history.append(record)
         bar.set_postfix(_postfix(smoothed, record, history), refresh=False)
         if manager is not None and (
@@ -175,13 +175,13 @@ def evaluate(
     examples: Sequence[Example],
     config: TrainConfig,
     *,
-    runtime: LoraRuntime = LoraRuntime(),
+    kernels: StepKernels = StepKernels(),
 ) -> float:
     """Mean cross-entropy per response token over `examples`."""
     total, count = 0.0, 0.0
     for batch in eval_batches(examples, batch_size=config.batch_size, max_len=config.max_len):
         s, n = eval_step(
-            params, model.params, _device(batch), graphdef=model.graphdef, spec=config.spec, runtime=runtime
+            params, model.params, _device(batch), graphdef=model.graphdef, spec=config.spec, kernels=kernels
         )
         total, count = total + float(s), count + float(n)
     return total / max(count, 1.0)

@@ -3,7 +3,8 @@
 on the default model with no flags.
 
 Exits 0 after SIGTERM/SIGINT: health goes NOT_SERVING, new streams are refused, in-flight streams get
-`--grace-period` seconds to finish and are cancelled after that. Exit 2 for unusable arguments.
+`--grace-period` seconds to finish and are cancelled after that; a second signal exits at once (128 +
+its number). Exit 2 for unusable arguments.
 """
 
 from __future__ import annotations
@@ -57,9 +58,30 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("JAXLORA_ADMIN_KEY"),
         help="require this key for LoadAdapter/UnloadAdapter (default: $JAXLORA_ADMIN_KEY)",
     )
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="without --admin-key, let every caller (with the API key, if one is set) load and unload "
+        "adapters at run time (default: refused)",
+    )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--max-concurrent-streams", type=int, default=256, help="Generate calls in flight at most")
-    p.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight streams get at shutdown")
+    p.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
+        help="seconds in-flight streams get at shutdown (a second SIGTERM/SIGINT exits at once)",
+    )
+    p.add_argument(
+        "--http-keep-alive", type=float, default=5.0, help="seconds an idle HTTP connection stays open (default 5)"
+    )
+    p.add_argument("--max-connections", type=int, default=1024, help="open HTTP connections at most (default 1024)")
+    p.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=16 * 2**10,
+        help="largest HTTP request line plus headers (default 16384)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
+        signal.signal(sig, _on_signal(stop))
     server.start()
     print(f"jaxlora serve: listening on {_addresses(args.host, server)} (warming up)", file=sys.stderr, flush=True)
     server.warm_up()
@@ -99,6 +121,19 @@ def configure_logging() -> None:
     logs "Unable to initialize backend 'tpu'" at INFO on every start, which reads like an error)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
+
+def _on_signal(stop: threading.Event):
+    """The SIGTERM/SIGINT handler: the first sets `stop` (a graceful drain); a second one exits at
+    once with 128 + the signal number, for an operator who will not wait for the grace period."""
+
+    def handle(signum: int, frame) -> None:
+        if stop.is_set():
+            print("jaxlora serve: second signal, exiting now", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        stop.set()
+
+    return handle
 
 
 def _addresses(host: str, server) -> str:
@@ -123,10 +158,14 @@ def _build(args: argparse.Namespace):
         http_port=None if args.no_http else (HTTP_PORT if args.port is None else args.port),
         api_key=args.api_key or None,
         admin_key=args.admin_key or None,
+        allow_runtime_updates=args.allow_runtime_lora_updating,
         adapter_roots=tuple(args.adapter_root),
         metrics_port=args.metrics_port,
         max_concurrent_streams=args.max_concurrent_streams,
         grace_seconds=args.grace_period,
+        http_keep_alive_seconds=args.http_keep_alive,
+        max_connections=args.max_connections,
+        max_header_bytes=args.max_header_bytes,
         model_name=engine_args.base_model_name(args),
     )
     AdapterRoots(options.adapter_roots)

@@ -3,12 +3,15 @@ subprocesses); who owns the results file (in-process, refused before any model l
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -404,3 +407,58 @@ def test_unregistered_adapters_and_a_finished_job_are_found_before_loading(job_f
     done.write_text(_jsonl(_records(job_files, NUM_GOOD + 3)))
     assert main([*command(job_files, done)[3:]]) == 0
     assert "already holds all" in capsys.readouterr().err
+
+
+# Special files: refused in one line before the model loads, whichever flag names them.
+
+
+@pytest.fixture(params=["/dev/zero", "/dev/full", "/dev/null", "fifo", "socket"])
+def special_file(request, tmp_path) -> Iterator[tuple[Path, str]]:
+    if request.param.startswith("/dev/"):
+        yield Path(request.param), "character device"
+    elif request.param == "fifo":
+        os.mkfifo(tmp_path / "fifo")
+        yield tmp_path / "fifo", "FIFO"
+    else:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(tmp_path / "sock"))
+            yield tmp_path / "sock", "No such device or address"  # a socket file cannot be opened at all
+
+
+def test_a_special_output_is_refused_before_loading(job_files, special_file, no_engine, capsys):
+    path, what = special_file
+    err = _refused(job_files, path, capsys)
+    assert what in err and "--output" in err
+
+
+def test_a_special_input_is_refused_before_loading(job_files, special_file, tmp_path, no_engine, capsys):
+    path, what = special_file
+    output = tmp_path / "out.jsonl"
+    argv = ["generate", "--model", str(job_files / "model"), "--input", str(path), "--output", str(output)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert what in err and "--input" in err and not output.exists()
+
+
+def test_a_results_file_longer_than_the_input_can_produce_is_refused(job_files, tmp_path, no_engine, capsys):
+    lines = read_input(job_files / "requests.jsonl")
+    output = tmp_path / "out.jsonl"
+    output.write_text(_jsonl(_records(job_files, 2)) + '{"custom_id": "req-2", "text": "' + "z" * 2_000_000)
+    err = _refused(job_files, output, capsys)
+    assert f"line 3 holds a line longer than its result can be ({lines[2].max_record_bytes} bytes)" in err
+
+
+def test_a_byte_order_mark_is_dropped_and_bad_utf8_is_an_error_record(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(
+        codecs.BOM_UTF8
+        + b'{"custom_id": "first", "prompt": "a"}\n'
+        + b'{"custom_id": "bad-\xff-id", "prompt": "b"}\n'
+        + b'{"custom_id": "third", "prompt": "c\xc3\xa9"}\n'
+    )
+    first, bad, third = read_input(path)
+    assert first.record is None and first.custom_id == "first"
+    assert bad.record is not None and bad.custom_id is None and bad.fingerprint["line"] == 2
+    assert "line 2: not valid UTF-8 (byte 20: invalid start byte)" in bad.record["error"]
+    assert third.record is None and third.request.prompt == "cé"

@@ -66,6 +66,11 @@ def test_many_cancelled_streams_leave_capacity_whole(engine, server, client):
     for s in deadlines:
         assert s.join().code is grpc.StatusCode.DEADLINE_EXCEEDED
     assert_capacity_whole(engine, server)
+    cancels = lambda reason: server.metrics.registry.get_sample_value(  # noqa: E731
+        "jaxlora_client_cancels_total", {"reason": reason}
+    )
+    wait_until(lambda: cancels("deadline") == len(deadlines))
+    assert 30 <= cancels("cancelled") <= codes.count(grpc.StatusCode.CANCELLED)
     full = [BackgroundStream(client, f"after {i}", max_tokens=20) for i in range(engine.config.max_batch)]
     assert all(len(s.join().token_ids) == 20 for s in full)
     assert_capacity_whole(engine, server)
