@@ -49,14 +49,11 @@ class QuantKernel(enum.StrEnum):
     BEST = "best"  # per format, the fastest kernel checked on the GPU: BEST_KERNEL
 
 
-# QuantKernel.BEST by storage dtype, and so the serving layout's storage (`model.quant.kmajor_serving`). H200,
-# the seven projections of 8 Llama-2-7B layers in the serving layout at 16 / 64 / 128 / 256 rows
-# (benchmarks/results/archive/mgpu_probe/): int8 on the Mosaic kernel 0.72 / 1.04 / 1.29 / 2.00 ms against
-# the Triton one's 1.20 / 1.43 / 1.75 / 2.88 (its output compared with a float64 product on the GPU,
-# with other tile knobs of the same code paths than the table's). e4m3 on the Mosaic kernel timed
-# 0.69 / 0.92 / 1.22 / 1.93 ms, but its output was never compared on the GPU (the probe skipped it),
-# so e4m3 stays on the Triton kernel in the [in, out] layout (1.59 / 1.90 / 2.07 / 3.35 ms,
-# benchmarks/results/archive/decode_floor_probe/) until it is.
+# QuantKernel.BEST by storage dtype, and so the serving layout's storage (`model.quant.kmajor_serving`):
+# per format the fastest kernel whose output was compared with a float64 product on the GPU. int8
+# runs the Mosaic kernel (faster than the Triton one at every decode size); e4m3 stays on the Triton
+# kernel in the [in, out] layout until the Mosaic kernel's e4m3 output is checked on the GPU
+# (benchmarks/DECISIONS.md#quant-kernel-choice).
 BEST_KERNEL: dict[jnp.dtype, QuantKernel] = {
     jnp.dtype(jnp.int8): QuantKernel.MGPU,
     jnp.dtype(jnp.float8_e4m3fn): QuantKernel.TRITON,
@@ -91,13 +88,9 @@ class QuantRule:
 
 # quant_matmul="auto" for a model in the serving layout on GPU, by GPU kind ("hopper": compute
 # capability 9.x; "gpu": any other): the rule's kernel for steps of at most max_tokens tokens, XLA above.
-# On a Hopper GPU the per-format kernel (BEST), up to the Mosaic kernel's limit (wgmma's N). H200, the seven projections of 8
-# Llama-2-7B layers in the serving layout, ms at 16 / 64 / 128 / 256 rows
-# (benchmarks/results/archive/mgpu_probe/): bf16 cuBLAS 0.93 / 0.95 / 1.04 / 1.31; int8 on the Mosaic kernel
-# 0.72 / 1.04 / 1.29 / 2.00, on the Triton kernel 1.20 / 1.43 / 1.75 / 2.88; FP8 on the Triton
-# kernel 1.59 / 1.90 / 2.07 / 3.35 and XLA's dequantize-then-GEMM (int8) 2.90 / 2.95 / 3.03 / 3.38
-# (decode_floor_probe/q). So each format's kernel beats XLA's path at every size it takes, and int8
-# beats bf16 at 16 rows (measured at 16, 64, 128 and 256 only).
+# On a Hopper GPU the per-format kernel (BEST), up to the Mosaic kernel's limit (wgmma's N); on
+# other GPUs the Triton kernel. Rule: each format's kernel beats XLA's dequantize-then-GEMM at every
+# step size it takes (benchmarks/DECISIONS.md#quant-kernel-choice).
 QUANT_AUTO: dict[str, QuantRule] = {
     "hopper": QuantRule(QuantMatmul.BEST, QUANT_KERNEL_MAX_TOKENS),
     "gpu": QuantRule(QuantMatmul.PALLAS, QUANT_KERNEL_MAX_TOKENS),
@@ -111,8 +104,9 @@ QUANT_AUTO: dict[str, QuantRule] = {
 # XLA: XLA's path there writes a bf16 copy of every weight before a bf16 GEMM, where W8A8 reads the
 # 1-byte weights straight into cuBLASLt's FP8 GEMM at twice the bf16 rate, with the same weight
 # format the weight-only steps read. int8 W8A8 (int8 x int8 -> int32) is offered by name
-# (`KernelConfig.w8a8`) and joins this table where `benchmarks.engine.e2e --formats` measures it
-# faster than int8 weight-only. Other GPUs have no FP8 tensor cores (before 8.9) or were not measured.
+# (`KernelConfig.w8a8`); its steps above the kernel's limit beat int8 weight-only too, so it may
+# join this table (benchmarks/DECISIONS.md#w8a8-min-tokens). Other GPUs have no FP8 tensor cores
+# (before 8.9) or were not measured.
 W8A8_AUTO: dict[str, dict[jnp.dtype, int]] = {
     "hopper": {jnp.dtype(jnp.float8_e4m3fn): QUANT_KERNEL_MAX_TOKENS + 1},
     "gpu": {},
@@ -131,24 +125,22 @@ class GemmBackend(enum.StrEnum):
 # GPU options are ignored on other platforms. "cublas" (the one-device serving layout on GPU) also
 # lets the step's command buffer run commands that share no buffer side by side (CONCURRENT; XLA's
 # default keeps its thunk order): a module group's LoRA shrink, which reads only x, can then overlap
-# the base GEMM. H200, 7B shape, the engine's decode step: 64 rows on 64 adapters 7.78 -> 7.50 ms,
-# on one adapter 6.66 -> 6.30 ms, 256 rows 14.96 -> 14.91 ms, the same tokens; S-LoRA's `all` trace
-# at 40 req/s unchanged, 28.66 / 28.67 req/s (benchmarks/results/archive/probe_s11c, probe_s11d, probe_s11e).
-# Not on the "xla" choice: the tensor-parallel path's collectives were not run under it.
+# the base GEMM. It shortened decode steps with the same tokens and left served throughput as it
+# was (benchmarks/DECISIONS.md#concurrent-scheduling). Not on the "xla" choice: the tensor-parallel
+# path's collectives were not run under it. The dense GEMMs go to cuBLAS only for the serving
+# layout, where its wide fused matrices stream faster (benchmarks/DECISIONS.md#gemm-backend).
 GEMM_COMPILER_OPTIONS: dict[str, dict[str, bool | str]] = {
     "xla": {},
     "cublas": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
 }
 _SCHEDULING_OPTION = "xla_gpu_command_buffer_scheduling_mode"
 # Steps of fewer tokens compile without CONCURRENT scheduling (StepKernels.concurrent_min_tokens).
-# 1: every step has it, as measured at 64 and 256 rows. At one row the engine's dispatch took 8.5 ms
-# against a 4.8 ms device step in the first run under it, 4.7 against 5.2 ms in the run before
-# (benchmarks/results/archive/e2e_formats_probe/, e2e_probe_s9/); whether CONCURRENT causes that is not
-# measured yet: `benchmarks.host_loop --concurrent-min-tokens` is that A/B.
+# 1: every step has it. It helped at 64 and 256 rows, and at one row the host loop decoded faster
+# with it than without (benchmarks/DECISIONS.md#concurrent-scheduling).
 CONCURRENT_MIN_TOKENS = 1
 # Steps of at most this many tokens unroll their layers where unrolling is on: small steps are bound
 # by reading the weights, where the scan's per-layer weight copy costs most; large ones are
-# compute-bound and keep the scan's short compile.
+# compute-bound and keep the scan's short compile (benchmarks/DECISIONS.md#unroll-layers).
 UNROLL_MAX_TOKENS = 512
 
 
@@ -389,8 +381,8 @@ class KernelConfig:
         (`fused_projections` False: tensor parallelism, where no kernel was run on shards) and
         "mgpu" / "best" on a GPU that is not a Hopper. gemm="auto" picks cuBLAS only for the serving
         layout (jaxlora.model.fused: its wide q|k|v and gate|up GEMMs stream their weights faster
-        through cuBLAS at decode sizes): with one matrix per module cuBLAS was the slower choice at 64
-        rows (8 layers of the 7B projections: 1.31 against 1.23 ms, benchmarks/results/archive/floor_probe_s8/).
+        through cuBLAS at decode sizes): with one matrix per module cuBLAS was the slower choice
+        (benchmarks/DECISIONS.md#gemm-backend).
         """
         platform = platform or jax.default_backend()
         lora = LoraBackend(lora)

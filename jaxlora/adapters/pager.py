@@ -18,12 +18,12 @@ When the engine calls each of these (and why a commit may go before the dispatch
 in `jaxlora.engine.engine`'s module docstring. Read `pager.bank` afresh for every step: `commit`
 donates the old one. The pager implements `jaxlora.adapters.AdapterSource`.
 
-Why the split (measured on the H200, benchmarks/results/probes/pagein/pagein_probe.json): a host->device copy
+Why the split (benchmarks/DECISIONS.md#adapter-page-in): a host->device copy
 waits for the work already queued on the device when it is issued. Staged before step N+1's
 dispatch, the copies wait for step N and then run under step N+1; the write, issued after the
 dispatch, consumes the bank step N+1 reads, so it runs after that step, and step N+2 consumes the
-written bank. With 16 page-ins (268 MB) a step, a 12.7 ms stand-in step took 13.5 ms this way and
-19.5 ms with copies and writes both issued after the dispatch. One write call for all page-ins
+written bank. So the copies hide under a step instead of adding their time to it, as they do when
+copies and writes are both issued after the dispatch. One write call for all page-ins
 (not one per adapter) matters too: each call whose input copy was still in flight held the host
 for about that copy's time. A pinned slot is never evicted, so no row of a step in flight can see
 its adapter change under it.
@@ -105,7 +105,7 @@ class Pager:
         copies are pinned.
       mesh: a tensor-parallel mesh (jaxlora.parallel.make_mesh) to split the bank over, or None.
       max_page_ins_per_commit: cap on page-ins issued by one `commit`, to bound how much copying
-        overlaps one decode step (16 S1 adapters, 268 MB, hid under a 13 ms H200 step). The write
+        overlaps one decode step (benchmarks/DECISIONS.md#adapter-page-in). The write
         is compiled once per power of two up to it.
       time_transfers: block on every page-in to time it (fills `metrics.transfer_seconds`; for
         benchmarks only, it removes the overlap).
@@ -385,7 +385,7 @@ class Pager:
         host->device copy waits for the work already queued on the device (PJRT orders a new
         buffer's fill after the compute stream), so a copy issued before step N+1's dispatch waits
         only for step N and then runs under step N+1; issued after the dispatch, it would wait for
-        step N+1 and delay step N+2 by its own time (benchmarks/results/probes/pagein/pagein_probe.json).
+        step N+1 and delay step N+2 by its own time (benchmarks/DECISIONS.md#adapter-page-in).
         Calling only `commit()` is still correct; it stages what is left first.
         """
         self._stage()
@@ -516,7 +516,7 @@ class Pager:
     def _take_pending(self, limit: int) -> list[tuple[int, str | None, np.ndarray | jax.Array | None]]:
         """Up to `limit` queued writes: page-ins that requests wait for (pinned) first, then slot
         resets, then prefetches, each in queue order. Without the priority a burst of prefetches
-        held back the page-ins of requests ready to run (2,000 S1 adapters on the H200)."""
+        held back the page-ins of requests ready to run (benchmarks/DECISIONS.md#adapter-page-in)."""
 
         def priority(slot: int) -> int:
             name = self._pending[slot]

@@ -9,9 +9,9 @@ shapes and the class, so all adapters of one class share it. A page-in is then o
 of one buffer and one jitted slot write that widens it to rank R on the device when its class is
 below R (`slot_writer`, `bank.widen_slot_entries`) and unpacks it with static slices
 (`bank.write_slot_flat`), with no host work on the serving path: many small copies (one per group A
-and per module B) ran at a third of the bandwidth of one large one on the H200. On GPUs the buffer
-lives in `pinned_host` memory: on the H200 a copy from pinned_host ran at 40-50 GB/s against 5 GB/s
-from ordinary (pageable) numpy.
+and per module B) run at a fraction of the bandwidth of one large one. On GPUs the buffer lives in
+`pinned_host` memory, which copies several times faster than ordinary (pageable) numpy
+(benchmarks/DECISIONS.md#adapter-page-in).
 
 Why classes: host bytes and host->device bytes follow the adapter's own rank (as S-LoRA stores
 adapters), within 2x, instead of R: a rank-8 adapter in a rank-64 bank takes an eighth of a slot,

@@ -1,7 +1,7 @@
 """JAX's persistent compilation cache, on by default for the `jaxlora` command.
 
 Start-up is mostly warm-up, and warm-up is mostly XLA compiles (on a 2-core CPU, SmolLM2's compiles
-were ~90% of the time to first token). With the cache a second start of the same command with the
+are most of the time to first token). With the cache a second start of the same command with the
 same model and engine shapes reads the compiled executables back instead of compiling them.
 
 Where it lives, in order:

@@ -189,8 +189,9 @@ def packed_sample(logits, ids, packed, *, layout: StepLayout, eos_ids: tuple[int
 
     A program of its own, dispatched after the step only when a row of the step samples: inside the
     step, the choice would be an XLA conditional, whose predicate the GPU runtime reads on the host,
-    so every dispatch would wait for the step before it (measured on the H200: the host blocked for
-    the whole device step), and computing both branches always sorts the vocabulary per row."""
+    so every dispatch would wait for the whole device step before it
+    (benchmarks/DECISIONS.md#sampling-outside-step), and computing both branches always sorts the
+    vocabulary per row."""
     _count_trace()
     sampling = layout.unpack(packed)["sampling"]
     return jnp.where(ids >= 0, sample(logits, sampling, eos_ids=eos_ids), ids)
@@ -435,7 +436,7 @@ class Runner:
 # The step returns its pool and ids committed to their device (its inputs are), and jit keys its
 # compiled programs on whether an argument is committed. A fresh pool from `jnp.zeros` is not, so
 # warm-up's compiles against it did not serve the calls on a returned pool, which compiled every
-# step program again (the H200: 9 budgets' set-up took 554 s). The first ids are put on the model's
+# step program again (benchmarks/DECISIONS.md#committed-pool). The first ids are put on the model's
 # device (committed), and the fresh pool comes out of a jit given them: a jit's outputs are
 # committed when an input is, and the pool, most of the device's memory, is made in place, not
 # copied.

@@ -1,8 +1,8 @@
 """A static jit argument that is hashed once.
 
 jit hashes every static argument on every call to find the compiled program. nnx's `GraphDef`
-hashes its whole node list each time: about 0.2 ms a call on a Llama graph, paid by every engine step
-on the host's critical path. `Hashed` keeps the hash it computed when it was made; two of them are
+hashes its whole node list each time, a cost paid by every engine step on the host's critical path
+(benchmarks/DECISIONS.md#static-arg-hash). `Hashed` keeps the hash it computed when it was made; two of them are
 equal when their values are (the same object in the engine: one `Hashed` per runner).
 """
 

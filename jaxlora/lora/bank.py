@@ -182,9 +182,9 @@ write_slots_flat_jit = jax.jit(write_many_flat, donate_argnums=0)
 def write_slots_flat(bank: Bank, slots: np.ndarray, flats: tuple[jax.Array, ...]) -> Bank:
     """Writes k adapters' flat buffers into `slots` [k] in ONE jitted call, in order.
 
-    One call instead of k: on the H200 each call whose input is a host->device copy still in
-    flight held the host for about that copy's time (benchmarks/results/probes/pagein/pagein_probe.json), so k
-    separate writes serialized the host on the copies. Returns the new bank (the old one is donated).
+    One call instead of k: each call whose input is a host->device copy still in flight holds the
+    host for about that copy's time, so k separate writes would serialize the host on the copies
+    (benchmarks/DECISIONS.md#adapter-page-in). Returns the new bank (the old one is donated).
     """
     return write_slots_flat_jit(bank, check_slot_writes(slots, len(flats)), tuple(flats))
 

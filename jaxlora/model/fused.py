@@ -6,13 +6,10 @@
 and likewise their biases, or a quantized projection's `qkernel` and `qscale` (the scales are per
 output column, so they go along with their columns). Each layer then runs one GEMM per shared input,
 five in all instead of seven. Why: a decode step reads every weight once, and at a few hundred rows
-a GEMM is bound by how fast it streams its weight. The H200 streams a wide matrix better than three
-narrow ones, it needs no split-K reduction kernels, and the step has fewer launches. Eight layers of
-the Llama-2-7B projections, `benchmarks/results/archive/floor_probe_s8/quant_gemm_flags.json`, in ms:
-
-    batch   separate (XLA Triton GEMMs)   fused (XLA Triton)   fused (cuBLAS)     floor
-    64      1.226                         1.035                0.965              0.79
-    256     2.139                         1.923                1.366              0.79
+a GEMM is bound by how fast it streams its weight. A GPU streams a wide matrix better than three
+narrow ones, it needs no split-K reduction kernels, and the step has fewer launches; with cuBLAS
+for the fused GEMMs the projections come closest to the weight-streaming floor
+(benchmarks/DECISIONS.md#gemm-backend).
 
 The canonical layout (Hugging Face's, one matrix per module) stays the interface. Loaders produce
 it and `LoadedModel.flat_params()` returns it, so savers, `merge` and the tools never see a fused

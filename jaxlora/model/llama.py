@@ -469,8 +469,8 @@ class Llama(nnx.Module):
 
         if kernels.unrolls(b, t):
             # Weight-bound steps only: XLA copies a scanned layer's weights out of the stack before
-            # each GEMM (measured on the H200: 11.3 ms scanned vs 4.8 ms unrolled for the 7B
-            # projections at B=64); compute-bound steps keep the scan's short compile.
+            # each GEMM, which costs a weight-bound step more than the unrolled loop's compile
+            # (benchmarks/DECISIONS.md#unroll-layers); compute-bound steps keep the scan's short compile.
             carry = (x, kv)
             for i in range(self.cfg.num_layers):
                 carry, _ = body(carry, (jax.tree.map(lambda a: a[i], layer_state), jnp.int32(i)))

@@ -30,7 +30,7 @@ The serving layout (jaxlora.model.fused) stores int8 weights K-major instead, as
 `pallas_kernels.quant.mgpu` reads (wgmma takes its register operand, the widened weight tile,
 from the [out, in] side). A different name again, so that code expecting [in, out] fails loudly
 rather than reading a square matrix transposed. FP8 keeps `qkernel` there: its kernel (jaxlora.kernels.BEST_KERNEL)
-is the Triton one, measured and checked on the GPU in that layout. `to_kmajor_arrays` /
+is the Triton one, checked on the GPU in that layout (benchmarks/DECISIONS.md#quant-kernel-choice). `to_kmajor_arrays` /
 `from_kmajor_arrays` convert; `LoadedModel.flat_params()` always returns the canonical `qkernel`.
 """
 

@@ -5,9 +5,9 @@ Compute, for the G modules of one group (their A's stacked along the rank axis, 
     ys[g][t] += (x[t] @ a[s][:, g*R:(g+1)*R]) @ bs[g][s],     s = the slot of row t
 
 Why: a decode-sized LoRA op is launch-bound. The split form (`group.decode_group`) is two
-launches a group, eight a layer, and on the H200 each costs a few microseconds whatever its work
-(a step of 64 rows on slot 0 only, where the kernels read nothing, ran 1.15 ms slower than the
-bank-free step over 32 layers). Fusing the shrink into the expand halves the launches. What makes
+launches a group, eight a layer, and each costs about the same whatever its work (a step whose rows
+all use slot 0, where the kernels read nothing, is still slower than the bank-free step:
+benchmarks/DECISIONS.md#lora-group-kernel). Fusing the shrink into the expand halves the launches. What makes
 it cheap: the shrink of one work item is tiny (h is [block_rows, R]), so each program computes it
 itself, keeps it in registers, and multiplies it straight into its share of the output columns.
 

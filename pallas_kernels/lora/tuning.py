@@ -21,9 +21,8 @@ per tile: `expand.grouped_expand(mode="decode")`); it lost in every bucket, so n
 
 from __future__ import annotations
 
-# Decode (BGMV). Measured on the H200, JAX 0.11.2, `benchmarks/kernels/lora.py tune` (summed over 16 and T
-# distinct adapters, rank 16, D = O = 4096). At T=64: shrink 7.2 / 10.7 us, expand 7.1 / 9.4 us at
-# 16 / 64 distinct; the 512 bucket's expand 17.1 / 31.2 us.
+# Decode (BGMV), from `benchmarks/kernels/lora.py tune` (summed over 16 and T distinct adapters,
+# rank 16, D = O = 4096): the timings are in benchmarks/DECISIONS.md#lora-expand-decode.
 SHRINK_DECODE: dict[int, dict[str, int | str]] = {
     16: dict(block_rows=16, block_k=256, split_k=8, num_warps=4, num_stages=3),
     64: dict(block_rows=16, block_k=256, split_k=8, num_warps=4, num_stages=3),
@@ -58,19 +57,13 @@ EXPAND_PREFILL: dict[int, dict[str, int | str]] = {
 # shrink), the tile expand's for "split_tiles" (block_out, num_warps, num_stages; its items are the
 # shrink's).
 #
-# Keyed by the bank's rank, then T (smallest bucket >= each wins). Measured with
-# `benchmarks/kernels/lora_groups.py` (the four groups of a 7B layer, 8 layers; summed over 1, T/4 and T
-# distinct adapters, and 400-token prompt chunks at T >= 512). Rank 16, us per layer summed:
-#   T = 512 / 1,024 / 2,048 (H200, results/archive/probe_s11b/g): split 867 / 931 / 1,548, tiles 799 / 658 /
-#   829, fused 877 / 722 / 924. The per-row expand re-reads b for every row, the tile one once per
-#   16 rows: it wins wherever items hold several rows (one adapter at 1,024 rows: 272 -> 159 us).
-#   T <= 256 (H100, results/archive/group_probe_s11/g): split wins (T=256: 576 against 612 for tiles; at
-#   T distinct adapters an item holds one row, 15 of 16 tile rows are padding: 301 against 374).
-#   Rank 32: tiles 1,060 / 917 / 1,135 against split 1,338 / 1,524 / 2,505 at T = 512 / 1,024 /
-#   2,048; rank 8 at 512 (H100): a tie (718 / 723). Rank 64 at T = 512 / 1,024 / 2,048: fused
-#   1,586 / 1,302 / 1,588, tiles 1,686 / 1,406 / 1,717, split 2,347 / 2,735 / 4,698 (H200); at
-#   T = 256 fused 1,151 against split 1,478 (H200, results/archive/group_probe_s10/), tiles 1,790 against
-#   split 1,755 (H100).
+# Keyed by the bank's rank, then T (smallest bucket >= each wins), from
+# `benchmarks/kernels/lora_groups.py` (the four groups of a 7B layer; summed over 1, T/4 and T
+# distinct adapters, and 400-token prompt chunks at T >= 512); the timings are in
+# benchmarks/DECISIONS.md#lora-group-kernel. The rule: ranks up to 32 split up to 256 rows and
+# take the tile expand above (the per-row expand re-reads b for every row, the tile one once per
+# 16 rows, so it wins wherever items hold several rows; at T distinct adapters an item holds one
+# row and 15 of 16 tile rows are padding); rank 64 splits up to 128 rows and fuses above.
 # The fused launch is latency-bound below ~1,000 rows (its shrink is a serial loop over D in few
 # programs). Ranks above 64 are unmeasured and stay split (the fused kernel's B tile grows with
 # the rank).

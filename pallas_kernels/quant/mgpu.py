@@ -10,8 +10,9 @@ the math of `pallas_kernels.quant.triton` with k_major=True and of `jaxlora.mode
 q[layer].T (the tests' references), for the decode-sized steps (M <= 256) of a quantized base on an
 H100 / H200.
 
-Why another kernel: the Triton one (`triton.py`) streams its weights at 1.1-1.3 TB/s on the
-H200 (4.1 TB/s copy), so an int8 decode step is slower than the bf16 one it halves the bytes of.
+Why another kernel: the Triton one (`triton.py`) streams its weights well below the GPU's copy
+bandwidth, so an int8 decode step on it is slower than the bf16 one it halves the bytes of
+(benchmarks/DECISIONS.md#quant-kernel-choice).
 Here each CTA keeps `stages` weight tiles in flight through the TMA engine (no registers or
 address arithmetic spent on loads), and the converted tile never goes back to shared memory.
 

@@ -8,8 +8,8 @@ float32 scales [L, N]:
 q is int8 or float8_e4m3fn; y comes out in x's dtype. The math is `jaxlora.model.quant.matmul`'s.
 
 Why a kernel: XLA does not fuse the int8/fp8 -> bf16 convert into its GEMM; it writes a bf16 copy
-of every weight first and the GEMM reads that, 5 bytes moved per 1-byte weight (on the H200 the
-7B-shape decode step at B=64 ran 1.46x slower with int8 or fp8 weights than with bf16). Here each
+of every weight first and the GEMM reads that, 5 bytes moved per 1-byte weight, so a quantized
+decode step on XLA's path is slower than the bf16 one (benchmarks/DECISIONS.md#quant-kernel-choice). Here each
 weight tile is converted in registers right after its load, so a memory-bound decode step reads
 one byte per weight. The kernel reads layer `layer` of the stack in place (the index is data: a constant when
 the model's layers are unrolled, the scan's counter otherwise); slicing a layer out before the call

@@ -25,12 +25,9 @@ column tiles (x is re-read once per column tile, 2 * M / block_n of the weight b
 fill the SMs; prefill (M > 256) is compute-bound: square 128 tiles, no split.
 
 `python -m benchmarks.kernels.quant_gemm --tune FORMAT ...` times candidate rows per batch on the GPU over
-the 7B projections and records the fastest per (format, batch); paste those here. For weight-only
-int8 the sweep ran with the bit-trick convert (benchmarks/results/archive/quant_probe_s10/): at 16 and 256
-rows no candidate beat these rows by more than 2%; at 64 rows the best (min_programs 264, 5 stages)
-took 1.52 ms against 1.64 at these knobs with the same convert and 1.57 with the plain cast, and was
-not adopted (never run with the plain cast, which the model uses). FP8 was not swept. W8A8's best
-candidates stored the weights K-major (not the default layout).
+the 7B projections and records the fastest per (format, batch); paste those here. A candidate
+replaces a row only where it wins with the convert the model uses; FP8 was not swept
+(benchmarks/DECISIONS.md#quant-triton-tuning).
 """
 
 from __future__ import annotations
@@ -70,11 +67,11 @@ def lookup(num_rows: int, w8a8: bool = False) -> dict[str, int | bool]:
 # -- the Mosaic GPU kernel (`mgpu.py`): the rule that fits a table row to a GEMM's shape ----------
 
 # Row bucket -> (knobs for widths below WIDE_COLUMNS, knobs for widths from it), as
-# (tile_n, tile_k, stages, compute_wgs). From the H200 sweep of benchmarks/kernels/quant_mgpu.py over the
-# 7B serving layout's GEMMs (benchmarks/results/archive/mgpu_probe/, 8 layers each, us per GEMM): the
-# single-warpgroup CTA streams the narrow o_proj / down_proj (N = 4096, few column tiles) best, the
-# warp-specialized one the wide q|k|v and gate|up at 64 rows and more (against run2's one-warpgroup
-# rows: qkv at 128 rows 62.5 -> 41.4 us); at 16 rows one warpgroup wins everywhere. Above 256 rows the kernel does not run (wgmma's N); the engine takes XLA there.
+# (tile_n, tile_k, stages, compute_wgs). From the sweep of benchmarks/kernels/quant_mgpu.py over the
+# 7B serving layout's GEMMs: the single-warpgroup CTA streams the narrow o_proj / down_proj
+# (N = 4096, few column tiles) best, the warp-specialized one the wide q|k|v and gate|up at 64 rows
+# and more; at 16 rows one warpgroup wins everywhere (benchmarks/DECISIONS.md#mgpu-tuning). Above
+# 256 rows the kernel does not run (wgmma's N); the engine takes XLA there.
 MGPU: dict[int, tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = {
     16: ((64, 128, 6, 1), (64, 128, 6, 1)),
     64: ((64, 64, 8, 1), (64, 128, 6, 2)),
