@@ -14,6 +14,15 @@ Seven decisions, each with its rule per step size where one exists:
     gemm        the XLA compile options of the step programs' dense GEMMs (`GEMM_COMPILER_OPTIONS`)
     concurrent  CONCURRENT command-buffer scheduling for steps of at least concurrent_min_tokens
 
+Why each rule is what it is, the runs behind it and what would change it (one section each):
+
+    attention   benchmarks/DECISIONS.md#attention-backend
+    unroll      benchmarks/DECISIONS.md#unroll-layers
+    quant       benchmarks/DECISIONS.md#quant-kernel-choice
+    w8a8        benchmarks/DECISIONS.md#w8a8-min-tokens
+    gemm        benchmarks/DECISIONS.md#gemm-backend
+    concurrent  benchmarks/DECISIONS.md#concurrent-scheduling
+
 This module is the ground floor of the choice: it imports nothing of the model or the engine, which
 read it.
 """
