@@ -123,8 +123,7 @@ def test_an_sdk_timeout_with_retries_runs_one_cancelled_generation_per_attempt(e
     assert_capacity_whole(engine, live)
 
 
-def test_a_client_gone_while_its_request_waits_for_a_place_is_cancelled_too(engine, live):
-    """A stream whose client leaves before any token (queued behind full rows) is cancelled at once."""
+def test_a_stream_whose_client_leaves_without_reading_is_cancelled_too(engine, live):
     cancelled = engine.stats()["cancelled"]
     body = json.dumps({"prompt": "queued", "max_tokens": LONG, "stream": True}).encode()
     with socket.create_connection(("127.0.0.1", live.http_port), timeout=30) as s:
