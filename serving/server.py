@@ -30,6 +30,7 @@ from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.unknown_fields import UnknownFieldSet
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "jaxlora.v1.Inference"
 _FINISH_REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
-_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "min_tokens", "ignore_eos")
 _MAX_REQUEST_ID = 256
 _POLL_SECONDS = 0.5  # how often a stream waiting for tokens checks that its call and the engine live
 
@@ -162,6 +163,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise error
 
     def _generation_request(self, request: pb.GenerateRequest, *, engine_id: str) -> GenerationRequest:
+        unknown = [f.field_number for f in UnknownFieldSet(request)]
+        if unknown:
+            raise _Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"GenerateRequest field number(s) {unknown} are unknown to this server (a newer client?); "
+                "they would be ignored, so the request is refused",
+            )
         has_prompt, has_messages = bool(request.prompt), bool(request.messages)
         if has_prompt == has_messages:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "give exactly one of prompt and messages")

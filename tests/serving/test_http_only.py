@@ -37,9 +37,9 @@ def test_some_protocol_is_needed():
         ServerOptions(http_port=70000)
 
 
-def test_no_grpc_needs_an_http_port(capsys):
-    assert jaxlora_main(["serve", "--no-grpc"]) == 2
-    assert "--no-grpc needs --http-port" in capsys.readouterr().err
+def test_no_grpc_with_a_grpc_port_is_refused(capsys):
+    assert jaxlora_main(["serve", "--no-grpc", "--grpc-port", "1"]) == 2
+    assert "--no-grpc and --grpc-port contradict" in capsys.readouterr().err
 
 
 def test_a_second_signal_exits_at_once(monkeypatch, capsys):

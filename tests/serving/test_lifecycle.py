@@ -91,9 +91,9 @@ def tiny_hf_folder(tmp_path_factory) -> Path:
 
 @contextlib.contextmanager
 def serve_process(args: list[str], timeout: float = 180):
-    """`jaxlora serve ARGS --port 0` as a subprocess; yields (process, port) once it is ready."""
+    """`jaxlora serve --grpc-port 0 --port 0 ARGS` as a subprocess; yields (process, gRPC port) once it is ready."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxlora.cli.main", "serve", "--port", "0", *args],
+        [sys.executable, "-m", "jaxlora.cli.main", "serve", "--grpc-port", "0", "--port", "0", *args],
         cwd=REPO,
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,

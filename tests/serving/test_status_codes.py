@@ -228,6 +228,15 @@ def test_invalid_argument_undecodable_request(server, caplog, method, payload):
     assert [r.levelname for r in caplog.records if "undecodable request" in r.getMessage()] == ["WARNING"]
 
 
+def test_invalid_argument_unknown_field_from_a_newer_client(server):
+    """A GenerateRequest field this server does not know would be dropped by protobuf: refused."""
+    from serving.gen import inference_pb2 as pb
+
+    payload = pb.GenerateRequest(prompt="hi", max_tokens=2).SerializeToString() + b"\xf8\x3f\x01"  # field 1023
+    e = rpc_error(lambda: _raw_call(server, "/jaxlora.v1.Inference/Generate", payload, streaming=True))
+    assert e.code() is Code.INVALID_ARGUMENT and "[1023]" in e.details(), e.details()
+
+
 @pytest.mark.parametrize(
     "messages, reason",
     [
