@@ -213,3 +213,15 @@ def test_split_every_group_runs_every_module_group_as_two_launches(monkeypatch):
     assert any(tuning.lookup_group(*c)["impl"] == "split_tiles" for c in cells)
     split_every_group()
     assert all(tuning.lookup_group(*c)["impl"] == "split" for c in cells)
+
+
+def test_smoke_through_the_server(tmp_path):
+    """--api http grpc: `jaxlora serve` started as a subprocess on a model folder, PEFT folders and a
+    preset, driven by the openai client and by the gRPC client; rows carry the server's start-up."""
+    rows = _run(tmp_path, "--smoke", "--api", "http", "grpc", "--starts", "1")["rows"]
+    assert sorted((r["api"], r["start"]) for r in rows) == [("grpc", "first"), ("http", "first")]
+    for r in rows:
+        assert r["completed"] == r["requests"] > 0 and r["errors"] == [] and r["server_ready_s"] > 0
+        assert set(r["startup"]) == {"import", "load", "register", "compile", "warm-up run", "total"}
+        assert r["startup"]["total"] <= r["server_ready_s"]
+        assert r["ttft_ms_p50"] > 0 and r["tpot_ms_p50"] > 0 and r["steps"] is None  # engine counters: not seen
