@@ -803,6 +803,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--client-workers", type=int, default=4, help="client processes sending a server api's requests")
     p.add_argument("--server-timeout-s", type=float, default=900.0, help="longest wait for a server's /health")
     p.add_argument(
+        "--inprocess-budget-s",
+        type=float,
+        default=None,
+        help="with a server api: --budget-s of the in-process child (default: half of --budget-s)",
+    )
+    p.add_argument(
         "--work-dir", type=Path, default=None, help="model and adapter folders for a server api (default: a temp dir)"
     )
     p.add_argument(
@@ -1070,6 +1076,7 @@ def run_setting_api(
     model_folder: Path,
     base_row: dict,
     on_row: Callable[[dict], None],
+    clock: _Clock,
 ) -> None:
     """The setting's runs through `jaxlora serve` (benchmarks/serving_api.py), started --starts times
     on one compilation cache: the first start compiles ("first"), a later one reads the cache
@@ -1088,6 +1095,9 @@ def run_setting_api(
         engine=ENGINE_KIND, setting=setting.name, n=n, cv=args.cv, alpha=args.alpha, temperature=args.temperature
     )
     for start in ("first", "second")[: args.starts]:
+        if not clock.fits(args.setup_s):
+            print(f"[{setting.name}] time budget spent: no {start} server start", flush=True)
+            break
         log = folder / f"serve-{start}.log"
         server = serving_api.start_server(
             model_folder, preset, adapters, log=log, cache=cache, timeout_s=args.server_timeout_s
@@ -1098,6 +1108,9 @@ def run_setting_api(
             for api in [a for a in args.api if a != "inprocess"]:
                 for rate, duration in args.rates:
                     duration = args.duration if duration is None else duration
+                    if not clock.fits(duration + args.max_drain_s + 10.0):
+                        print(f"[{setting.name}] time budget spent: {api} rate {rate:g} not run", flush=True)
+                        continue
                     result = run_trace_api(server, api, setting, n, size, args, rate=rate, duration=duration)
                     row = {
                         **base_row,
@@ -1299,8 +1312,11 @@ def main_servers(args: argparse.Namespace, argv: list[str]) -> None:
     from benchmarks import serving_api
 
     jax.config.update("jax_platforms", "cpu")
+    clock = _Clock(args.budget_s)
     if "inprocess" in args.api:
         child = _argv_without_api(argv) + ["--api", "inprocess"] + ([] if args.merge else ["--merge"])
+        budget = args.inprocess_budget_s or (args.budget_s / 2 if args.budget_s else None)
+        child += [] if budget is None else ["--budget-s", f"{budget:.0f}"]  # the last --budget-s wins
         print(f"in-process runs: python -m benchmarks.serving {' '.join(child)}", flush=True)
         subprocess.run([sys.executable, "-m", "benchmarks.serving", *child], check=True)
         args.merge = True
@@ -1341,6 +1357,9 @@ def main_servers(args: argparse.Namespace, argv: list[str]) -> None:
             setting = settings(args.tiny)[name]
             if args.slots is not None:
                 setting = dataclasses.replace(setting, slots=args.slots)
+            if not clock.fits(args.setup_s + args.duration + args.max_drain_s):
+                print(f"time budget spent: setting {name} not run through the server", flush=True)
+                continue
             run_setting_api(
                 setting,
                 size,
@@ -1350,6 +1369,7 @@ def main_servers(args: argparse.Namespace, argv: list[str]) -> None:
                 model_folder=model_folder,
                 base_row=base_row,
                 on_row=on_row,
+                clock=clock,
             )
     payload["seconds"] = round(time.perf_counter() - start, 1)
     write_results(payload, args.out)

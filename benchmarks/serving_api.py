@@ -49,13 +49,13 @@ def write_model_folder(config: ModelConfig, dtype: str, tokenizer: Tokenizer, ou
     1) in `dtype`, and `tokenizer`. Values repeat with a period of `_POOL_VALUES`: the benchmark
     times the server, and the weights' values do not change its work."""
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
-    rng = np.random.default_rng(seed)
-    pool = rng.standard_normal(_POOL_VALUES, np.float32)
-    flat = {}
-    for name, spec in abstract_model(config, np.float32)[1].items():
-        values = np.resize(pool, spec.shape)
-        values = 1.0 + 0.1 * values if name.endswith(".scale") else 0.02 * values
-        flat[name] = values.astype(np_dtype)
+    normal = np.random.default_rng(seed).standard_normal(_POOL_VALUES, np.float32)
+    # Tiled in the stored dtype: no float32 copy of a 7B model is ever made.
+    matrices, scales = (0.02 * normal).astype(np_dtype), (1.0 + 0.1 * normal).astype(np_dtype)
+    flat = {
+        name: np.resize(scales if name.endswith(".scale") else matrices, spec.shape)
+        for name, spec in abstract_model(config, np.float32)[1].items()
+    }
     out.mkdir(parents=True, exist_ok=True)
     tensors = flat_to_hf(flat, config)
     del flat
