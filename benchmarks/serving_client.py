@@ -138,7 +138,11 @@ async def _http_one(client, job: Job, t0: float) -> Seen:
                     _token(seen, now)
                 if choice.finish_reason:
                     seen.finished, seen.reason = now, choice.finish_reason
-            if chunk.usage is not None:
+            if chunk.usage is not None and seen.last is not None:
+                # A chunk may carry several tokens (a server behind its client joins them): the
+                # usage has the count, the tokens a chunk did not show arrived with the last one.
+                missing = chunk.usage.completion_tokens - len(seen.token_times)
+                seen.token_times.extend([seen.last] * max(0, missing))
                 seen.tokens = chunk.usage.completion_tokens
     except Exception as e:  # the row counts it as rejected; the message says why
         seen.error = f"{type(e).__name__}: {e}"

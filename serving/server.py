@@ -40,6 +40,7 @@ from serving.admission import Admission, Phase
 from serving.api import ApiError, Limits, Status, error_of, final_error, generation_request
 from serving.gen import inference_pb2 as pb
 from serving.gen import inference_pb2_grpc as pb_grpc
+from serving.handoff import coalesce
 from serving.http_server import HttpServer
 from serving.metrics import ServerMetrics
 from serving.options import ServerOptions
@@ -147,6 +148,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     self.engine.cancel(gen.request_id)
                     raise _Abort(grpc.StatusCode.UNAVAILABLE, "the engine stopped") from None
                 continue
+            if not out.finished and not updates.empty():  # behind the engine: one response for all
+                waiting = [out]
+                while not out.finished and not updates.empty():
+                    out = updates.get_nowait()
+                    waiting.append(out)
+                out = coalesce(waiting)
             yield out
             if out.finished:
                 return
