@@ -20,6 +20,10 @@ For adapter-aware routers (the Gateway API inference extension's endpoint picker
   vllm:num_gpu_loaded_lora_adapters / vllm:max_gpu_lora_adapters: adapters in device slots, and the
     device slots for adapters (slot 0, the base model, not counted). llm-d's LoRA load-state scorer
     reads these three to send a request where its adapter is already on the GPU, or can be.
+  vllm:prefix_cache_queries / vllm:prefix_cache_hits: prompt tokens looked up in the prefix cache at
+    admission, and those found cached (counters, vLLM's names); jaxlora_prefix_cache_evictions:
+    cached KV pages evicted because their memory was needed.
+  vllm:num_preemptions_total: requests preempted (row and KV pages taken back, recomputed later).
   jaxlora_adapter_resident{adapter, tier}: 1 while the adapter is usable from that tier: "device"
     (written into a device slot: no page-in needed), "host" (in host memory: every registered
     adapter, paged in within milliseconds on first use).
@@ -94,6 +98,13 @@ class ServerMetrics:
             "jaxlora_requests",
             "Finished generation calls (gRPC and HTTP) by status, named by its gRPC code.",
             ["code"],
+            registry=self.registry,
+        )
+        self.client_cancels = Counter(
+            "jaxlora_client_cancels",
+            "Generation calls their client abandoned, by how: disconnected (HTTP connection closed while "
+            "waiting or streaming), upload (closed mid-body), cancelled (gRPC cancel), deadline (gRPC deadline).",
+            ["reason"],
             registry=self.registry,
         )
         self.adapter_requests = Counter(
@@ -196,6 +207,12 @@ class _EngineCollector:
                 f"{prefix}waiting", f"Requests queued for admission{suffix}.", value=stats["waiting"]
             )
         yield from _kv_cache(stats, page_size=self._engine.config.page_size)
+        yield from _prefix_cache(stats["prefix_cache"])
+        yield CounterMetricFamily(
+            "vllm:num_preemptions",
+            "Requests preempted (row and KV pages taken back, recomputed later) (vLLM's name).",
+            value=stats["preemptions"],
+        )
         pager = self._engine.pager
         if pager is None:  # an engine serving the base model alone
             return
@@ -206,6 +223,18 @@ class _EngineCollector:
         yield _residency(adapters)
         yield from _lora_load_state(adapters, max_gpu=pager.max_slots - 1)
         yield _page_in_histogram({"device": metrics.device_page_in, "host": metrics.host_load})
+
+
+def _prefix_cache(stats: dict) -> list[CounterMetricFamily]:
+    return [
+        CounterMetricFamily(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", value=stats["queries"]
+        ),
+        CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", value=stats["hits"]),
+        CounterMetricFamily(
+            "jaxlora_prefix_cache_evictions", "Cached KV pages evicted for memory.", value=stats["evictions"]
+        ),
+    ]
 
 
 def _lora_requests_info(adapters: list, in_flight: dict[str, int], *, max_lora: int) -> GaugeMetricFamily:

@@ -29,12 +29,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="adapter for --prompt, one of the --adapter names (default: base model)",
     )
     p.add_argument("--raw", action="store_true", help="send --prompt as raw text, without the chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=None)
+    sampling = p.add_argument_group(
+        "sampling", "for --prompt; with --input, the default of every line that leaves the field out"
+    )
+    sampling.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="tokens to generate at most (default, as OpenAI's: the rest of the context for a chat, 16 with --raw)",
+    )
+    sampling.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 0)")
+    sampling.add_argument("--top-p", type=float, default=None, help="(default: 1, off)")
+    sampling.add_argument("--top-k", type=int, default=None, help="0 = off (default: 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+
+
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k")
+
+
+def sampling_flags(args: argparse.Namespace) -> dict:
+    """The sampling flags given, as SamplingParams fields (the others keep SamplingParams' defaults)."""
+    return {name: getattr(args, name) for name in _SAMPLING_FLAGS if getattr(args, name) is not None}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"jaxlora generate: error: {problem}", file=sys.stderr)
         return 2
     if args.input is not None:
-        from jaxlora.engine.batch_job import run_batch_job
+        from jaxlora.engine.batch_job import LineDefaults, run_batch_job
 
         return run_batch_job(
             args.input,
@@ -52,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             progress=not args.no_progress,
             warmup_progress=warmup_progress,
+            defaults=LineDefaults(sampling=sampling_flags(args), base_model=engine_args.base_model_name(args)),
+            adapters=args.adapter,
         )
     return _run_prompt(args)
 
@@ -79,10 +96,8 @@ def _run_prompt(args: argparse.Namespace) -> int:
     clock = StartupClock(getattr(args, "started", None))
     clock.lap("import")
     try:
+        sampling = SamplingParams(**sampling_flags(args))
         engine = engine_args.engine_from_args(args, clock=clock)
-        sampling = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
-        )
         prompt = {"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}
         engine.warmup(progress=warmup_progress)
         clock.split({"compile": engine.warmup_seconds["compile"], "warm-up run": engine.warmup_seconds["run"]})

@@ -8,7 +8,7 @@ the engine's modules), "load" (the base model read and placed), "register" (adap
 and the engine built: the pager's bank and its slot-write programs, the KV pool), "compile" (the
 step program of every token budget, served from the persistent compilation cache when it holds
 them), "warm-up run" (one call of each step program and, for a server, one real request).
-`benchmarks/startup_cpu.py` and `benchmarks/serving.py` read the line back (`parse_line`).
+`benchmarks/engine/startup_cpu.py` and `benchmarks/serving/trace.py` read the line back (`parse_line`).
 """
 
 from __future__ import annotations

@@ -35,9 +35,11 @@ from jaxlora.engine.sampling import SamplingArrays
 from jaxlora.engine.scheduler import Chunk, StepPlan
 from jaxlora.model import RaggedBatch
 
-ROW_FIELDS = ("q_start", "q_len", "kv_len", "temperature", "top_k", "top_p", "seed", "counter")
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "counter", "min_p", "min_tokens")
+ROW_FIELDS = ("q_start", "q_len", "kv_len", *_SAMPLING_FIELDS)
 TOKEN_FIELDS = ("tokens", "src", "positions", "slot_ids", "write_page", "write_offset")
-_FLOAT32 = ("temperature", "top_p")
+_FLOAT32 = ("temperature", "top_p", "min_p")
+_ROW_SAMPLING = tuple(f for f in _SAMPLING_FIELDS if f != "counter")  # fixed while a request holds its row
 _UINT32 = ("seed",)
 
 
@@ -81,7 +83,7 @@ class StepLayout:
         given = dict(tokens=tokens, src=src, positions=positions, slot_ids=slot_ids)
         given.update({k: getattr(batch, k) for k in ("q_start", "q_len", "kv_len", "block_tables")})
         given.update({k: getattr(batch, k) for k in ("write_page", "write_offset")})
-        given.update({k: getattr(sampling, k) for k in ("temperature", "top_k", "top_p", "seed", "counter")})
+        given.update({k: getattr(sampling, k) for k in _SAMPLING_FIELDS})
         for name, value in given.items():
             value = np.asarray(value)
             if value.shape != views[name].shape:
@@ -107,7 +109,7 @@ class StepLayout:
             write_page=f["write_page"],
             write_offset=f["write_offset"],
         )
-        sampling = SamplingArrays(**{k: f[k] for k in ("temperature", "top_k", "top_p", "seed", "counter")})
+        sampling = SamplingArrays(**{k: f[k] for k in _SAMPLING_FIELDS})
         return dict(
             tokens=f["tokens"],
             src=f["src"],
@@ -124,7 +126,8 @@ class HostInputs:
 
     buffer: [layout.size] int32, a view of the packer's buffer `index`: rewritten by a later `pack`.
     has_adapter: some token of the step reads an adapter slot (slot != 0).
-    samples: some row of the step samples its next token with a temperature (not greedy).
+    samples: some row of the step needs the sampler: it samples with a temperature, or EOS is banned
+      for it (min_tokens).
     """
 
     layout: StepLayout
@@ -147,9 +150,10 @@ class InputPacker:
 
     Rows: what stays fixed while a request holds a row (its block table's pages so far, adapter slot,
     sampling parameters, prompt length) is kept on the host across steps, per row. It is written
-    when a chunk of the row starts at position 0, which is how every request starts on a row (new,
-    or recomputed after preemption: the scheduler gives every admitted request its pages from
-    scratch); otherwise only the pages the row took since the packer last saw it are appended (a
+    when a chunk of the row starts where the request's cached prefix ends (`Request.num_cached`, 0
+    without prefix caching), which is how every request starts on a row (new, or recomputed after
+    preemption: the scheduler gives every admitted request its pages afresh, cached ones first);
+    otherwise only the pages the row took since the packer last saw it are appended (a
     running request's pages only ever grow). A step's buffer gets the rows in the step; the step
     reads nothing of a row with q_len = 0.
 
@@ -177,6 +181,8 @@ class InputPacker:
             "top_k": np.zeros(rows, np.int32),
             "top_p": np.ones(rows, np.float32),
             "seed": np.zeros(rows, np.uint32),
+            "min_p": np.zeros(rows, np.float32),
+            "min_tokens": np.zeros(rows, np.int32),
         }
 
     def reset(self) -> None:
@@ -209,7 +215,7 @@ class InputPacker:
         f["q_start"][row], f["q_len"][row], f["kv_len"][row] = offset, length, start + length
         f["block_tables"][row] = self._tables[row]
         sampled = row[samples]
-        for name in ("temperature", "top_k", "top_p", "seed"):
+        for name in _ROW_SAMPLING:
             f[name][sampled] = self._sampling[name][sampled]
         # The index of the output token this step samples: the chunk ends where the request's known
         # tokens end, and outputs start after the prompt.
@@ -219,7 +225,7 @@ class InputPacker:
             buffer=buffer,
             index=k,
             has_adapter=bool(slot.any()),
-            samples=bool((f["temperature"][sampled] > 0).any()),
+            samples=bool((f["temperature"][sampled] > 0).any() or (f["counter"] < f["min_tokens"])[sampled].any()),
         )
 
     @staticmethod
@@ -236,7 +242,9 @@ class InputPacker:
 
     def _clear(self, f: dict[str, np.ndarray]) -> None:
         """Every row absent and greedy, every token padding (module doc of jaxlora.engine.runner)."""
-        for name in ("block_tables", "q_start", "q_len", "kv_len", "temperature", "top_k", "seed", "counter"):
+        for name in ("block_tables", "q_start", "q_len", "kv_len", "temperature", "top_k", "seed", "counter", "min_p"):
+            f[name].fill(0)
+        for name in ("min_tokens",):
             f[name].fill(0)
         f["top_p"].fill(1.0)
         for name in ("tokens", "positions", "slot_ids", "write_offset"):
@@ -249,14 +257,14 @@ class InputPacker:
         (class doc); `chunks` are the step's chunks other than its decode tokens, which never start a
         row. The rows' page counts are compared at once: only rows with new pages loop."""
         for c in chunks:
-            if c.start == 0:
+            if c.start == c.request.num_cached:  # its first chunk on the row: after its cached prefix
                 self._start_row(c.row, c.request)
         held, seen = pages.held(rows), self._pages_seen[rows]
         if (held < seen).any():
             i = int(np.argmax(held < seen))
             raise RuntimeError(
                 f"row {rows[i]} holds {held[i]} pages but its block table has {seen[i]}: its pages "
-                "changed without a chunk starting at position 0"
+                "changed without a chunk starting its row"
             )
         grown = held > seen
         for row, old, new in zip(rows[grown].tolist(), seen[grown].tolist(), held[grown].tolist()):
@@ -273,6 +281,7 @@ class InputPacker:
             p.top_p,
             req.seed,
         )
+        s["min_p"][row], s["min_tokens"][row] = p.min_p, p.min_tokens
 
 
 def _chunk_arrays(plan: StepPlan) -> tuple[np.ndarray, ...]:

@@ -1,4 +1,5 @@
-"""python -m benchmarks.serving: S-LoRA's trace generator, the rate bisection, and a toy run on CPU."""
+"""python -m benchmarks.serving.trace: S-LoRA's trace generator, the chat trace, the rate bisection, and
+toy runs on CPU."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.serving import make_trace, merge_rows, next_sweep_rate, num_fitting, rate_spec, row_key
+from benchmarks.serving.chat_trace import TINY_CHAT, make_chat_trace
+from benchmarks.serving.trace import make_trace, merge_rows, next_sweep_rate, num_fitting, rate_spec, row_key
 from jaxlora.adapters import Pager
 from jaxlora.config import ATTENTION_MODULES, LoraConfig
 from tests.factories import tiny_config
@@ -126,7 +128,7 @@ def _run(out: Path, *args: str) -> dict:
         [
             sys.executable,
             "-m",
-            "benchmarks.serving",
+            "benchmarks.serving.trace",
             "--tiny",
             "--engine-commit",
             "test",
@@ -202,8 +204,8 @@ def test_rate_spec_takes_a_rate_and_optional_seconds():
 def test_split_every_group_runs_every_module_group_as_two_launches(monkeypatch):
     """--lora-groups split: the A/B arm without the one-launch kernel or the tile expand, whatever
     the rank and rows."""
-    from benchmarks.serving import split_every_group
-    from pallas_kernels import tuning
+    from benchmarks.serving.trace import split_every_group
+    from pallas_kernels.lora import tuning
 
     for table in tuning.GROUP_TABLES.values():  # restored after the test
         for key in list(table):
@@ -213,6 +215,59 @@ def test_split_every_group_runs_every_module_group_as_two_launches(monkeypatch):
     assert any(tuning.lookup_group(*c)["impl"] == "split_tiles" for c in cells)
     split_every_group()
     assert all(tuning.lookup_group(*c)["impl"] == "split" for c in cells)
+
+
+def test_the_full_size_engine_is_the_h200_preset():
+    """The serving rows' engine is configs/llama2-7b-h200.yaml: the `all` setting's engine equals the
+    preset field for field but the open-loop queue, and the paged settings change only the bank."""
+    import dataclasses
+
+    from benchmarks.serving.trace import OPEN_LOOP_QUEUE, PRESET, engine_config, scale, settings
+    from jaxlora.config import LoraConfig
+    from jaxlora.engine.config import EngineConfig
+
+    preset = EngineConfig.from_yaml(PRESET)
+    size, every = scale(tiny=False, model="llama2-7b"), settings(tiny=False)
+    assert (preset.max_batch, preset.token_budgets) == (256, (32, 64, 128, 256, 512, 1024, 2048))
+    setting = every["all"]
+    bank = LoraConfig(max_slots=setting.slots + 1, max_rank=setting.max_rank, target_modules=setting.modules)
+    measured = engine_config(setting, size, dataclasses.replace(bank, backend=preset.lora.backend))
+    assert measured == dataclasses.replace(preset, max_queue=OPEN_LOOP_QUEUE)
+    for name in ("s1", "s2"):
+        s = every[name]
+        lora = LoraConfig(max_slots=s.slots + 1, max_rank=s.max_rank, target_modules=s.modules)
+        assert dataclasses.replace(engine_config(s, size, lora), lora=preset.lora) == measured
+
+
+def test_chat_trace_draws_conversations_within_the_shape_and_the_positions():
+    shape = TINY_CHAT
+    trace = make_chat_trace(shape, rate=50.0, duration_s=40, vocab=128, max_seq_len=48, seed=1)
+    assert len(trace.conversations) == 2000 and len(trace.systems) == shape.num_adapters
+    assert all(len(s) == shape.system_len for s in trace.systems) and len({tuple(s) for s in trace.systems}) == 4
+    for c in trace.conversations:
+        assert len(c.users) == len(c.output_lens) == len(c.think_s) <= shape.turns[1]
+        assert all(shape.user_len[0] <= len(u) <= shape.user_len[1] for u in c.users)
+        assert all(shape.output_len[0] <= o <= shape.output_len[1] for o in c.output_lens)
+        assert shape.system_len + sum(map(len, c.users)) + sum(c.output_lens) <= 48
+    planned = sum(len(c.users) for c in trace.conversations)
+    assert trace.turns_left_off > 0 and planned > 2000 * shape.turns[0] - trace.turns_left_off
+    counts = np.bincount([c.adapter for c in trace.conversations], minlength=4)
+    assert counts[0] > counts[1] > counts[3]  # Zipf: the first adapter twice the second's share, ...
+    gaps = np.diff([0.0] + [c.arrival_s for c in trace.conversations])
+    assert abs(gaps.mean() - 1 / 50) < 0.002 and abs(gaps.std() / gaps.mean() - 1) < 0.1  # Poisson
+
+
+def test_smoke_chat_run_has_a_row_with_and_one_without_the_prefix_cache(tmp_path):
+    payload = _run(tmp_path, "--smoke", "--trace", "chat", "--prefix-cache", "both", "--probe-steps", "0")
+    off, on = payload["rows"]
+    assert [(r["trace"], r["prefix_cache"]) for r in (off, on)] == [("chat", False), ("chat", True)]
+    for row in (off, on):
+        assert row["setting"] == "chat" and row["conversations"] == 4 and row["conversations_done"] == 4
+        assert row["completed"] == row["requests"] == row["turns_sent"] == row["turns_planned"]
+        assert row["served_turns_s"] == row["served_req_s"] > 0 and row["compiles_during_run"] == 0
+    # The same trace and greedy answers: the same turns, whose history the cache serves when on.
+    assert on["mean_prompt_len"] == off["mean_prompt_len"] and on["turns_sent"] > on["conversations"]
+    assert off["prefix_cache_hit_share"] is None and 0.3 < on["prefix_cache_hit_share"] < 1
 
 
 def test_smoke_through_the_server(tmp_path):

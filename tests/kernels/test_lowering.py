@@ -35,6 +35,14 @@ def _specs(dtype, num_tokens, hidden, rank, out_dim, num_slots=5, num_segments=3
     )
 
 
+def _grouped_decode_expand(y, h, b, slots, **knobs):
+    """The benchmarks' grouped decode candidate (`expand.grouped_expand` over rows grouped by slot)."""
+    from pallas_kernels.lora import common, expand
+
+    groups = common.make_row_groups(slots, num_slots=b.shape[0], seg_len=None, block_rows=())
+    return expand.grouped_expand(y, h, b, groups, mode="decode", **knobs)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("shape", [(37, 2049, 48, 300), (256, 4096, 16, 11008), (2048, 576, 1, 1536)])
 def test_kernels_lower_for_cuda(dtype, shape):
@@ -43,12 +51,15 @@ def test_kernels_lower_for_cuda(dtype, shape):
         "bgmv_shrink": (pk.bgmv_shrink, (s["x"], s["a"], s["slots"])),
         "sgmv_shrink": (pk.sgmv_shrink, (s["x"], s["a"], s["starts"], s["seg_slots"])),
         "bgmv_expand_rows": (
-            lambda *a: pk.bgmv_expand(*a, impl="rows", block_rows=4),
+            lambda *a: pk.bgmv_expand(*a, block_rows=4),
             (s["y"], s["h"], s["b"], s["slots"]),
         ),
-        "bgmv_expand_grouped": (lambda *a: pk.bgmv_expand(*a, impl="grouped"), (s["y"], s["h"], s["b"], s["slots"])),
-        "bgmv_expand_grouped_small": (
-            lambda *a: pk.bgmv_expand(*a, impl="grouped", block_rows=4),
+        "decode_expand_grouped": (
+            lambda *a: _grouped_decode_expand(*a, block_rows=16, block_out=128),
+            (s["y"], s["h"], s["b"], s["slots"]),
+        ),
+        "decode_expand_grouped_small": (
+            lambda *a: _grouped_decode_expand(*a, block_rows=4, block_out=128),
             (s["y"], s["h"], s["b"], s["slots"]),
         ),
         "sgmv_expand": (pk.sgmv_expand, (s["y"], s["h"], s["b"], s["starts"], s["seg_slots"])),
@@ -122,7 +133,7 @@ def test_one_launch_group_lowers_for_cuda(hidden, rank, dtype):
     """The fused group kernel (shrink and expand in one program): one Triton launch for three modules
     of a fused q|k|v output, the layer index traced, awkward widths; at hidden 4096 and a power-of-two
     rank the A tiles load unmasked (Triton then takes no fill value)."""
-    from pallas_kernels import lora_fused, lora_triton
+    from pallas_kernels.lora import common, fused
 
     sd = jax.ShapeDtypeStruct
     x, slots = sd((37, hidden), dtype), sd((37,), jnp.int32)
@@ -131,11 +142,9 @@ def test_one_launch_group_lowers_for_cuda(hidden, rank, dtype):
     y = sd((37, 1068), dtype)
 
     def step(x, a, y, bs, slots, layer):
-        groups = lora_triton.make_row_groups(slots, num_slots=5, seg_len=None, block_rows=(16,))
+        groups = common.make_row_groups(slots, num_slots=5, seg_len=None, block_rows=(16,))
         knobs = dict(block_rows=16, block_k=128, block_out=256, col_split=2, num_warps=4, num_stages=3)
-        return lora_fused.fused_group(
-            x, a, (y,), bs, groups, mode="decode", layer=layer, out_cols=(0, 576, 768), **knobs
-        )
+        return fused.fused_group(x, a, (y,), bs, groups, mode="decode", layer=layer, out_cols=(0, 576, 768), **knobs)
 
     text = _lower_for_cuda(step, x, a, y, bs, slots, sd((), jnp.int32))
     assert text.count("__gpu$xla.gpu.triton") == 1

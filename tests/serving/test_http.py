@@ -420,6 +420,9 @@ def test_metrics_show_adapters_paged_in_and_evicted(live):
             assert samples[("vllm:num_requests_running", frozenset())] == 1
             assert _load_state(samples)["json"] == ("gpu", "true")  # its running request pins it
             assert 0 < samples[("vllm:kv_cache_usage_perc", frozenset())] < 1
+            # json's question a second time: the prompt's full pages come from the prefix cache.
+            hits, queries = (samples[(f"vllm:prefix_cache_{k}_total", frozenset())] for k in ("hits", "queries"))
+            assert 0 < hits < queries and ("jaxlora_prefix_cache_evictions_total", frozenset()) in samples
     finally:
         stream.close()
 
