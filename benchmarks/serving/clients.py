@@ -94,7 +94,7 @@ def run_workers(
 
 def _worker(api: str, target: str, jobs: list[Job], timeout_s: float, results, ready, go, start) -> None:
     if api == HTTP:
-        import openai  # noqa: F401  (imported before the run starts)
+        asyncio.run(_warm_http(target))
     elif api == GRPC:
         import serving.client  # noqa: F401
     else:
@@ -113,6 +113,21 @@ async def _http(base_url: str, jobs: list[Job], t0: float, timeout_s: float) -> 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=timeout_s)
     try:
         return list(await asyncio.gather(*(_http_one(client, job, t0) for job in jobs)))
+    finally:
+        await client.close()
+
+
+async def _warm_http(base_url: str) -> None:
+    """One call through the client before the run: its first call imports and builds most of the
+    client (seconds on a busy CPU), which would otherwise block the event loop, and every stream
+    on it, at the run's first arrivals."""
+    import openai
+    import openai.resources.completions  # noqa: F401
+    import openai.types.completion  # noqa: F401
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=60)
+    try:
+        await client.models.list()
     finally:
         await client.close()
 
