@@ -153,7 +153,7 @@ def serve_command(model: Path, preset: Path, adapters: dict[str, Path], *, http_
     command = [str(script)] if script.exists() else [sys.executable, "-m", "jaxlora.cli.main"]
     command += ["serve", "--model", str(model), "--config", str(preset), "--host", "127.0.0.1"]
     command += ["--http-port", str(http_port), _grpc_flag(), str(grpc_port)]
-    command += ["--max-concurrent-streams", "4096"]
+    command += ["--max-concurrent-streams", "4096", "--max-connections", "4096"]
     for name, folder in adapters.items():
         command += ["--adapter", f"{name}={folder}"]
     return command
