@@ -13,7 +13,7 @@ py="${1:-/work/main/.venv/bin/python}"
 dists=(flax optax absl-py etils msgpack treescope rich markdown-it-py mdurl Pygments typing_extensions
   grpcio grpcio-health-checking grpcio-reflection protobuf prometheus_client gguf tqdm
   starlette uvicorn h11 click anyio sniffio idna
-  openai httpx2 pydantic pydantic_core annotated-types typing-inspection)
+  openai httpx2 httpcore2 truststore jiter pydantic pydantic_core annotated-types typing-inspection)
 pins=$("$py" - "${dists[@]}" <<'PY'
 import importlib.metadata as md, sys
 print(" ".join(f"{d}=={md.version(d)}" for d in sys.argv[1:]))
