@@ -93,6 +93,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, adapters_help: str = "registe
         "config's, on)",
     )
     add_tensor_parallel_arg(p)
+    p.add_argument(
+        "--compilation-cache",
+        default=None,
+        metavar="DIR|off",
+        help="JAX's persistent compilation cache: a second start reads compiled programs back instead of "
+        "compiling them (default: $JAXLORA_COMPILATION_CACHE, else ~/.cache/jaxlora/jax; off: no cache)",
+    )
 
 
 def add_engine_size_args(p: argparse.ArgumentParser) -> None:
@@ -244,10 +251,10 @@ def base_model_name(args: argparse.Namespace) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def engine_from_args(args: argparse.Namespace, extra_adapters: dict[str, str] | None = None):
+def engine_from_args(args: argparse.Namespace, extra_adapters: dict[str, str] | None = None, clock=None):
     """Loads the model and returns an (un-warmed) Engine with the --adapter folders (and
     `extra_adapters`) registered: the flags become an EngineConfig here, `jaxlora.engine.build_engine`
-    does the rest.
+    does the rest. `clock` (a `jaxlora.cli.startup.StartupClock`) gets the "load" and "register" laps.
 
     Raises JaxloraError / ValueError / OSError with a message fit for the command line.
     """
@@ -262,9 +269,14 @@ def engine_from_args(args: argparse.Namespace, extra_adapters: dict[str, str] | 
     # split needs the separate matrices (jaxlora.model.fused).
     fused = not config.mesh.is_sharded
     model, tokenizer = load_model(args.model, dtype=DTYPES[config.dtype], quantization=args.quantize, fused=fused)
+    if clock is not None:
+        clock.lap("load")
     capacity = _host_capacity(args, config, slot_nbytes(model.config, config.lora, model.dtype))
     config = dataclasses.replace(config, host_capacity_bytes=capacity)
-    return build_engine(config, model, tokenizer, adapters)
+    engine = build_engine(config, model, tokenizer, adapters)
+    if clock is not None:
+        clock.lap("register")
+    return engine
 
 
 def _host_capacity(args: argparse.Namespace, config, slot_bytes: int) -> int:
