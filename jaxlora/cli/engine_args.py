@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jaxlora.cli.common import AdapterFlag, add_model_args, add_quantize_arg
 from jaxlora.config import AttentionBackend, LoraBackend
+
+if TYPE_CHECKING:
+    from jaxlora.engine.load import EngineSpec
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, adapters_help: str = "register a PEFT adapter folder") -> None:
@@ -70,11 +73,24 @@ def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def with_tensor_parallel(config, tensor_parallel: int | None):
-    """`config` (an EngineConfig) with mesh.tensor set from --tensor-parallel, if given."""
-    if tensor_parallel is None:
-        return config
-    return dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, tensor=tensor_parallel))
+def engine_spec(args: argparse.Namespace, extra_adapters: dict[str, str] | None = None) -> EngineSpec:
+    """The flags as an EngineSpec (jaxlora.engine.load): the --adapter folders plus `extra_adapters`."""
+    from jaxlora.engine.load import EngineSpec
+
+    return EngineSpec(
+        model=args.model,
+        config=args.config,
+        adapters={**(extra_adapters or {}), **args.adapter},
+        quantize=args.quantize,
+        dtype=args.dtype,
+        max_slots=args.max_slots,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=getattr(args, "max_cpu_loras", None),
+        prefetch_adapters=getattr(args, "prefetch_adapters", None),
+        lora_backend=args.lora_backend,
+        attention=getattr(args, "attention", None),
+        tensor_parallel=getattr(args, "tensor_parallel", None),
+    )
 
 
 def engine_config(args: argparse.Namespace, adapters: dict[str, str] | None = None):
@@ -84,72 +100,20 @@ def engine_config(args: argparse.Namespace, adapters: dict[str, str] | None = No
     `adapters` (name -> PEFT folder, default: the --adapter flags), so that every adapter named at
     start-up fits. Raises AdapterError for an adapter_config.json that cannot be read.
     """
-    from jaxlora.engine import EngineConfig
+    from jaxlora.engine.load import engine_config as spec_config
 
-    config = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
-    max_rank = args.max_lora_rank
-    if max_rank is None:
-        from jaxlora.lora.peft_format import read_lora_spec
-
-        folders = (args.adapter if adapters is None else adapters).values()
-        max_rank = max([config.lora.max_rank, *(read_lora_spec(f).max_rank for f in folders)])
-    lora_overrides = {
-        k: v
-        for k, v in (("max_slots", args.max_slots), ("max_rank", max_rank), ("backend", args.lora_backend))
-        if v is not None
-    }
-    config = dataclasses.replace(config, lora=dataclasses.replace(config.lora, **lora_overrides))
-    if args.dtype is not None:
-        config = dataclasses.replace(config, dtype=args.dtype)
-    if getattr(args, "attention", None) is not None:
-        config = dataclasses.replace(config, attention=args.attention)
-    if getattr(args, "prefetch_adapters", None) is not None:
-        config = dataclasses.replace(config, prefetch_adapters=args.prefetch_adapters)
-    return with_tensor_parallel(config, getattr(args, "tensor_parallel", None))
+    spec = engine_spec(args)
+    if adapters is not None:
+        spec = dataclasses.replace(spec, adapters=adapters)
+    return spec_config(spec)
 
 
 def engine_from_args(args: argparse.Namespace, extra_adapters: dict[str, str] | None = None):
     """Loads the model and returns an (un-warmed) Engine with the --adapter folders (and
-    `extra_adapters`) registered: the flags become an EngineConfig here, `jaxlora.engine.build_engine`
-    does the rest.
+    `extra_adapters`) registered (jaxlora.engine.load does the work).
 
     Raises JaxloraError / ValueError / OSError with a message fit for the command line.
     """
-    from jaxlora.adapters.registry import slot_nbytes
-    from jaxlora.cli.common import DTYPES
-    from jaxlora.engine.build import build_engine
-    from jaxlora.loading import load_model
+    from jaxlora.engine.load import load_engine
 
-    adapters = {**(extra_adapters or {}), **args.adapter}
-    config = engine_config(args, adapters)
-    # The serving layout (q|k|v, gate|up fused: fewer, wider GEMMs) on one device; a tensor-parallel
-    # split needs the separate matrices (jaxlora.model.fused).
-    fused = not config.mesh.is_sharded
-    model, tokenizer = load_model(args.model, dtype=DTYPES[config.dtype], quantization=args.quantize, fused=fused)
-    capacity = _host_capacity(args, config, slot_nbytes(model.config, config.lora, model.dtype))
-    config = dataclasses.replace(config, host_capacity_bytes=capacity)
-    return build_engine(config, model, tokenizer, adapters)
-
-
-def _host_capacity(args: argparse.Namespace, config, slot_bytes: int) -> int:
-    """Host bytes registered adapters may take: --max-cpu-loras, else the config's, else a share of
-    this machine's memory (jaxlora.adapters.host_budget). Printed, since it bounds LoadAdapter."""
-    from jaxlora.adapters.host_budget import HOST_SHARE, default_host_capacity_bytes, machine_memory_bytes
-
-    if args.max_cpu_loras is not None:
-        if args.max_cpu_loras < 1:
-            raise ValueError(f"--max-cpu-loras={args.max_cpu_loras} must be >= 1")
-        capacity, origin = args.max_cpu_loras * slot_bytes, "--max-cpu-loras"
-    elif config.host_capacity_bytes is not None:
-        capacity, origin = config.host_capacity_bytes, "the engine config's host_capacity_bytes"
-    else:
-        memory = machine_memory_bytes()
-        capacity = default_host_capacity_bytes(memory)
-        origin = f"{HOST_SHARE:.0%} of this machine's {memory / 2**30:.1f} GiB; --max-cpu-loras N to change"
-    print(
-        f"host adapter memory: {capacity / 2**30:.2f} GiB, room for {capacity // slot_bytes} adapters of "
-        f"{slot_bytes / 2**20:.1f} MiB at the bank's max rank, more at lower ranks ({origin})",
-        file=sys.stderr,
-        flush=True,
-    )
-    return capacity
+    return load_engine(engine_spec(args, extra_adapters))

@@ -95,7 +95,7 @@ def read_input(path: Path) -> list[_Line]:
     """The non-blank lines of the input file, parsed; ResultsFileError if it cannot be read."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            return [_parse_line(number, text) for number, text in enumerate(f, start=1) if text.strip()]
+            return [parse_line(number, text) for number, text in enumerate(f, start=1) if text.strip()]
     except OSError as e:
         raise ResultsFileError(f"--input {path}: {e.strerror}") from None
 
@@ -148,30 +148,30 @@ class BatchJob:
                     except CapacityError:
                         break
                     except JaxloraError as e:
-                        line.record = _error_record(line, str(e))
+                        line.record = error_record(line, str(e))
                 next_submit += 1
             if in_flight:
                 self.engine.step()
             for i in [i for i, h in in_flight.items() if h.done]:
-                todo[i].record = _result_record(todo[i], in_flight.pop(i).result())
+                todo[i].record = result_record(todo[i], in_flight.pop(i).result())
             while next_write < len(todo) and todo[next_write].record is not None:
                 self.results.append(todo[next_write].record)
                 next_write += 1
                 bar.update(1)
 
 
-def _parse_line(number: int, text: str) -> _Line:
+def parse_line(number: int, text: str) -> _Line:
     """A request, or an error record for a line that is not one (the job goes on)."""
     digest = request_hash(text)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         line = _Line(number=number, request_hash=digest)
-        line.record = _error_record(line, f"line {number}: malformed JSON ({e.msg})")
+        line.record = error_record(line, f"line {number}: malformed JSON ({e.msg})")
         return line
     if not isinstance(obj, dict):
         line = _Line(number=number, request_hash=digest)
-        line.record = _error_record(line, f"line {number}: expected a JSON object")
+        line.record = error_record(line, f"line {number}: expected a JSON object")
         return line
     cid = obj.get("custom_id")
     has_id = isinstance(cid, (str, int)) and not isinstance(cid, bool)
@@ -194,11 +194,11 @@ def _parse_line(number: int, text: str) -> _Line:
             sampling=sampling,
         )
     except (JaxloraError, TypeError) as e:
-        line.record = _error_record(line, str(e))
+        line.record = error_record(line, str(e))
     return line
 
 
-def _result_record(line: _Line, result: FinalOutput) -> dict[str, Any]:
+def result_record(line: _Line, result: FinalOutput) -> dict[str, Any]:
     return {
         **line.fingerprint,
         "adapter": line.adapter,
@@ -209,7 +209,7 @@ def _result_record(line: _Line, result: FinalOutput) -> dict[str, Any]:
     }
 
 
-def _error_record(line: _Line, error: str) -> dict[str, Any]:
+def error_record(line: _Line, error: str) -> dict[str, Any]:
     return {
         **line.fingerprint,
         "adapter": line.adapter,

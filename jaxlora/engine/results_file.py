@@ -33,7 +33,7 @@ from jaxlora.errors import JaxloraError
 
 # How every record line starts (`custom_id` is the first key written): a last line without a
 # newline that starts like this, or is a prefix of it, is a torn write of ours.
-_RECORD_START = b'{"custom_id": '
+RECORD_START = b'{"custom_id": '
 
 
 class ResultsFileError(JaxloraError):
@@ -159,8 +159,8 @@ def _resume_point(fd: int, path: Path, expected: Sequence[Mapping[str, Any]]) ->
         _check_record(path, i, raw, expected)
         size += len(raw) + 1
     if tail:
-        if not (tail.startswith(_RECORD_START) or _RECORD_START.startswith(tail)):
-            raise _foreign(path, len(lines) + 1, f"unrelated text {_preview(tail)}")
+        if not (tail.startswith(RECORD_START) or RECORD_START.startswith(tail)):
+            raise _foreign(path, len(lines) + 1, f"unrelated text {preview(tail)}")
         os.ftruncate(fd, size)
         os.fsync(fd)
     return len(lines), size
@@ -170,9 +170,9 @@ def _check_record(path: Path, i: int, raw: bytes, expected: Sequence[Mapping[str
     try:
         record = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise _foreign(path, i + 1, f"text that is not a JSON record {_preview(raw)}") from None
+        raise _foreign(path, i + 1, f"text that is not a JSON record {preview(raw)}") from None
     if not isinstance(record, dict) or "request_hash" not in record:
-        raise _foreign(path, i + 1, f"JSON that is not a result record {_preview(raw)}")
+        raise _foreign(path, i + 1, f"JSON that is not a result record {preview(raw)}")
     if i >= len(expected):
         raise _foreign(path, i + 1, f"more results than the input has lines ({len(expected)})")
     if any(record.get(k) != v for k, v in expected[i].items()):
@@ -192,7 +192,7 @@ def _foreign(path: Path, line: int, what: str) -> ResultsFileError:
     )
 
 
-def _preview(raw: bytes, limit: int = 60) -> str:
+def preview(raw: bytes, limit: int = 60) -> str:
     text = raw.decode("utf-8", errors="replace")
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
