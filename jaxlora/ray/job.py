@@ -32,6 +32,7 @@ from typing import Any
 import ray
 import ray.data
 
+from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.load import EngineSpec
 from jaxlora.engine.results_file import ResultsFileError
 from jaxlora.ray.generator import OUTPUT_COLUMNS, BatchGenerator
@@ -87,8 +88,9 @@ def run_ray_job(
     for unusable input or output, 1 when results cannot be written."""
     if not ray.is_initialized():
         _start_ray(address, job)
+    spec = _absolute_paths(spec)
     try:
-        source = read_requests(str(input_path), job.rows_per_block)
+        source = read_requests(_absolute(str(input_path)), job.rows_per_block)
         expected = input_keys(source)
         folder = OutputFolder.open(output_path, expected=expected, overwrite=overwrite)
     except ResultsFileError as e:
@@ -113,6 +115,23 @@ def _start_ray(address: str | None, job: RayJob) -> None:
         return
     cpus = max(os.cpu_count() or 1, math.ceil(job.replicas * job.cpus_per_replica) + 1)
     ray.init(num_cpus=cpus, log_to_driver=False, logging_level="ERROR")
+
+
+def _absolute(path: str) -> str:
+    """A local path made absolute (Ray workers do not run in this process's folder); a URI as is."""
+    return path if "://" in path else str(Path(path).resolve())
+
+
+def _absolute_paths(spec: EngineSpec) -> EngineSpec:
+    config = (
+        spec.config if isinstance(spec.config, EngineConfig) or spec.config is None else _absolute(str(spec.config))
+    )
+    return dataclasses.replace(
+        spec,
+        model=None if spec.model is None else _absolute(spec.model),
+        config=config,
+        adapters={name: _absolute(str(path)) for name, path in spec.adapters.items()},
+    )
 
 
 def read_requests(path: str, rows_per_block: int = ROWS_PER_BLOCK) -> ray.data.Dataset:
@@ -144,28 +163,49 @@ def _generate(
 ) -> dict[str, Any]:
     start = time.perf_counter()
     written: list[dict[str, Any]] = []
-    prompt_tokens = 0
+    first: tuple[float, int] | None = None  # when the first results were written, and how many
     if todo:
         if folder.done:
             source = source.map_batches(
                 functools.partial(drop_done, done=frozenset(folder.done)), batch_format="pyarrow"
             )
-        results = _results(source, spec, job)
         with _bar(len(todo), progress) as bar:
-            for batch in results.iter_batches(batch_size=None, batch_format="pyarrow"):
-                rows = [r for r in batch.to_pylist() if record_key(r["custom_id"], r["request_hash"]) in todo]
-                new = {record_key(r["custom_id"], r["request_hash"]): r for r in rows}
-                new = [r for key, r in new.items() if key not in folder.done]
+            for batch in _results(source, spec, job).iter_batches(batch_size=None, batch_format="pyarrow"):
+                new = _new_records(batch.to_pylist(), todo, folder.done)
                 folder.append([{k: r[k] for k in OUTPUT_COLUMNS} for r in new])
                 written += new
-                prompt_tokens += sum(r["prompt_tokens"] for r in new)
                 bar.update(len(new))
+                if first is None and new:
+                    first = (time.perf_counter(), len(written))
     seconds = time.perf_counter() - start
+    summary = _summary(written, seconds, job)
+    if first is not None:
+        # Replicas warm up inside the job: the rate once results flow is the engines' own.
+        rest = written[first[1] :]
+        summary["after_first"] = {
+            "requests": len(rest),
+            "generated_tokens": sum(len(r["token_ids"]) for r in rest),
+            "seconds": round(time.perf_counter() - first[0], 3),
+        }
+    return summary
+
+
+def _new_records(rows: list[dict[str, Any]], todo: set[str], done: set[str]) -> list[dict[str, Any]]:
+    """The rows that answer a request of this job not yet in the folder, each once."""
+    new = {}
+    for row in rows:
+        key = record_key(row["custom_id"], row["request_hash"])
+        if key in todo and key not in done:
+            new.setdefault(key, row)
+    return list(new.values())
+
+
+def _summary(written: list[dict[str, Any]], seconds: float, job: RayJob) -> dict[str, Any]:
     generated = sum(len(r["token_ids"]) for r in written)
     return {
         "requests": len(written),
         "errors": sum(r["error"] is not None for r in written),
-        "prompt_tokens": prompt_tokens,
+        "prompt_tokens": sum(r["prompt_tokens"] for r in written),
         "generated_tokens": generated,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(generated / seconds, 2) if seconds > 0 else 0.0,
