@@ -76,7 +76,9 @@ def files(tmp_path_factory) -> Path:
 def cluster(tmp_path_factory):
     """One local Ray cluster for the module: logical CPUs for two replicas and the read tasks, and a
     shared compilation cache so that every engine after the first reads its compiles back."""
-    cache = tmp_path_factory.mktemp("jax-cache")
+    import jax
+
+    cache = jax.config.jax_compilation_cache_dir or tmp_path_factory.mktemp("jax-cache")  # the test run's
     os.environ["JAX_PLATFORMS"] = "cpu"
     ray.init(num_cpus=4, log_to_driver=False, logging_level="ERROR", include_dashboard=False)
     yield {"address": ray.get_runtime_context().gcs_address, "cache": str(cache)}
