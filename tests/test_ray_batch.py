@@ -245,3 +245,43 @@ def test_the_readme_ray_example_runs_as_written(cluster, tmp_path, monkeypatch, 
     output = Path(example.words[example.words.index("--output") + 1])
     records = read_records(output)
     assert len(records) == requests.body.count("\n") and all(r["error"] is None and r["text"] for r in records)
+
+
+def _request_rows(files: Path) -> list[dict]:
+    return [json.loads(line) for line in (files / "requests.jsonl").read_text().splitlines() if line != "{not json"]
+
+
+def _table(rows: list[dict]):
+    """Rows as a pyarrow Table with every row's columns (from_pylist alone takes the first row's)."""
+    import pyarrow as pa
+
+    schema = pa.unify_schemas([pa.Table.from_pylist([row]).schema for row in rows])
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def test_parquet_rows_have_the_fingerprints_of_their_jsonl_lines(cluster, files, tmp_path):
+    import pyarrow.parquet as pq
+
+    from jaxlora.ray.job import input_keys, read_requests
+
+    pq.write_table(_table(_request_rows(files)), tmp_path / "requests.parquet")
+    jsonl = input_keys(read_requests(str(files / "requests.jsonl")))
+    parquet = input_keys(read_requests(str(tmp_path / "requests.parquet")))
+    assert len(parquet) == NUM_ROWS + 1 and parquet < jsonl  # all but the malformed line
+
+
+def test_the_callable_class_on_request_columns(cluster, files, reference):
+    """BatchGenerator alone, as a user's map_batches runs it: JSONL fields as columns (a pyarrow
+    batch), one result row per request, a bad row an error row."""
+    import asyncio
+
+    from jaxlora.ray import BatchGenerator
+
+    rows = _request_rows(files)[:9] + [{"custom_id": "no-prompt", "max_tokens": 3}]
+    generator = BatchGenerator(_spec(files))
+    out = asyncio.run(generator(_table(rows)))
+    results = [dict(zip(out, values)) for values in zip(*out.values())]
+    assert [r["custom_id"] for r in results] == [r["custom_id"] for r in rows]
+    for result in results[:9]:
+        assert {k: result[k] for k in reference[result["custom_id"]]} == reference[result["custom_id"]]
+    assert results[9]["finish_reason"] == "error" and results[9]["error"]
