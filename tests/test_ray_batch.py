@@ -220,11 +220,16 @@ def test_a_foreign_output_folder_is_refused(cluster, files, tmp_path, capsys, mo
     assert {p.name: p.read_text() for p in out.iterdir() if p.name != ".lock"} == content
 
 
-def test_an_output_file_is_refused(cluster, files, tmp_path, capsys):
+def test_an_output_file_a_missing_input_and_a_bad_adapter_are_refused(cluster, files, tmp_path, capsys):
     out = tmp_path / "results.jsonl"
     out.write_text("")
     assert run_ray_job(files / "requests.jsonl", out, _spec(files), progress=False) == 2
     assert "names a folder" in capsys.readouterr().err
+    assert run_ray_job(tmp_path / "missing.jsonl", tmp_path / "out", _spec(files), progress=False) == 2
+    assert "missing.jsonl: no such file" in capsys.readouterr().err
+    spec = EngineSpec(model=str(files / "model"), adapters={"upper": str(tmp_path)})
+    assert run_ray_job(files / "requests.jsonl", tmp_path / "out", spec, progress=False) == 2
+    assert "adapter_config.json" in capsys.readouterr().err
 
 
 def test_the_readme_ray_example_runs_as_written(cluster, tmp_path, monkeypatch, capsys):

@@ -31,10 +31,12 @@ from typing import Any
 
 import ray
 import ray.data
+import ray.exceptions
 
 from jaxlora.engine.config import EngineConfig
-from jaxlora.engine.load import EngineSpec
+from jaxlora.engine.load import EngineSpec, engine_config
 from jaxlora.engine.results_file import ResultsFileError
+from jaxlora.errors import JaxloraError
 from jaxlora.ray.generator import OUTPUT_COLUMNS, BatchGenerator
 from jaxlora.ray.output_folder import OutputFolder, record_key
 from jaxlora.ray.rows import LINE_COLUMN, as_lines, drop_done, keys
@@ -86,11 +88,18 @@ def run_ray_job(
     """Runs the job (connecting to the cluster at `address`, or starting a local one), prints the
     JSON summary on stderr. Exit code as `jaxlora generate`: 0 when every request has a record, 2
     for unusable input or output, 1 when results cannot be written."""
+    spec, input_path = _absolute_paths(spec), _absolute(str(input_path))
+    try:
+        engine_config(spec)  # a bad config file or adapter folder fails here, not in every replica
+        if "://" not in input_path and not Path(input_path).exists():
+            raise OSError(f"--input {input_path}: no such file or folder")
+    except (JaxloraError, ValueError, OSError) as e:
+        print(f"jaxlora generate: {e}", file=sys.stderr)
+        return 2
     if not ray.is_initialized():
         _start_ray(address, job)
-    spec = _absolute_paths(spec)
     try:
-        source = read_requests(_absolute(str(input_path)), job.rows_per_block)
+        source = read_requests(input_path, job.rows_per_block)
         expected = input_keys(source)
         folder = OutputFolder.open(output_path, expected=expected, overwrite=overwrite)
     except ResultsFileError as e:
@@ -101,6 +110,9 @@ def run_ray_job(
             summary = _generate(source, folder, set(expected) - folder.done, spec, job, progress)
         except ResultsFileError as e:
             print(f"jaxlora generate: {e}", file=sys.stderr)
+            return 1
+        except ray.exceptions.RayError as e:  # a replica cannot start (its model), or its engine failed
+            print(f"jaxlora generate: the Ray job failed; the same command resumes it: {e}", file=sys.stderr)
             return 1
     print(json.dumps(summary), file=sys.stderr, flush=True)
     return 0
