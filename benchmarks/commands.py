@@ -3,4 +3,4 @@ group `jaxlora.commands`, which `jaxlora.cli.main` reads (jaxlora itself never i
 
 from jaxlora.cli.subcommand import Subcommand
 
-BENCH = Subcommand(module="benchmarks.e2e", help="end-to-end throughput benchmark")
+BENCH = Subcommand(module="benchmarks.engine.e2e", help="end-to-end throughput benchmark")

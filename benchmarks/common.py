@@ -1,7 +1,7 @@
 """Helpers the benchmarks share: model shapes, the HBM copy bandwidth, random adapter banks, a toy
 tokenizer, and the engine's decode step timed on its own.
 
-Run every benchmark from the repository root as a module (`python -m benchmarks.kernels ...`), so
+Run every benchmark from the repository root as a module (`python -m benchmarks.kernels.lora ...`), so
 that `benchmarks`, `jaxlora` and `pallas_kernels` import from this checkout.
 """
 

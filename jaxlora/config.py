@@ -36,7 +36,7 @@ class LoraBackend(enum.StrEnum):
 class AttentionBackend(enum.StrEnum):
     """How the step's attention is computed (all give the same numbers)."""
 
-    AUTO = "auto"  # PALLAS on GPU, XLA elsewhere (resolved by `LoraRuntime.for_platform`)
+    AUTO = "auto"  # PALLAS on GPU, XLA elsewhere (resolved by `jaxlora.kernels.KernelConfig.resolve`)
     XLA = "xla"  # plain XLA ops (the blocked ragged attention; dense masked einsum for dense caches)
     PALLAS = "pallas"  # pallas_kernels attention kernels
 

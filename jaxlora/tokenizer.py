@@ -40,6 +40,11 @@ class Tokenizer:
         more than `n * max_token_bytes` bytes cannot tokenize to `n` tokens or fewer."""
         return max(len(self.hf.decode([i], skip_special_tokens=False).encode()) for i in range(self.vocab_size))
 
+    @functools.cached_property
+    def chat_overhead(self) -> ChatOverhead:
+        """What each message adds to a chat prompt beyond its own text, at least (see ChatOverhead)."""
+        return ChatOverhead.measure(self)
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         # encode_batch runs the Rust tokenizer with the GIL released (encode holds it: one long prompt
         # stalled every other Python thread, the engine loop included).
@@ -74,6 +79,34 @@ class Tokenizer:
 
     def _special_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.hf.id_to_token(token_id) or "")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChatOverhead:
+    """Lower bounds on what one more message adds to a rendered chat, beyond its own strings: the
+    template's markup around it, in bytes and in tokens. With them a chat is refused by its size
+    before the template runs (a million empty messages render and tokenize for seconds).
+
+    Measured once, as the difference between one and two messages with empty role and content.
+    Token merges across the markup's two edges can join a markup token with the text beside it,
+    so two tokens are taken off the measured count.
+    """
+
+    bytes_per_message: int = 0
+    tokens_per_message: int = 0
+
+    @classmethod
+    def measure(cls, tokenizer: Tokenizer) -> ChatOverhead:
+        empty = {"role": "", "content": ""}
+        try:
+            one, two = (tokenizer.apply_chat_template([empty] * n, add_generation_prompt=False) for n in (1, 2))
+        except (ValueError, jinja2.exceptions.TemplateError):  # no template, or it refuses empty roles
+            return cls()
+        num_tokens = [len(tokenizer.encode(t, add_special_tokens=False)) for t in (one, two)]
+        return cls(
+            bytes_per_message=max(0, len(two.encode()) - len(one.encode())),
+            tokens_per_message=max(0, num_tokens[1] - num_tokens[0] - 2),
+        )
 
 
 def _raise(message: str) -> None:

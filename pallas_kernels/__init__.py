@@ -1,33 +1,35 @@
-"""LoRA kernels for multi-adapter serving: shrink h = x @ A[slot], expand y += h @ B[slot]; and the
-decode-attention kernel the model's decode step uses on GPU (`decode_attention`); and the ragged
-paged-attention kernel of the flat-token-batch step (`ragged_paged_attention`, its plain-JAX twin in
-`ragged_attention_reference`).
+"""Pallas kernels for multi-adapter serving, one folder per op (as jax's `pallas/ops`):
 
-Imports only jax and numpy; usable on its own. `lora_shrink`, `lora_expand` and
-`lora_expand_multi` (with `lora_plan`, built once per step) are the interface the model calls (see `api` for the contract); the segmented
-(SGMV) and per-row (BGMV) Triton kernels are public too (their TPU scalar-prefetch variants as `tpu_*`), `xla_backends` holds the XLA backends (`xla`,
-`ragged`), and `reference` the naive versions tests check everything against.
+- `lora/`: shrink h = x @ A[slot] and expand y += h @ B[slot]. `lora.api` writes the contract once
+  and picks a backend from a table: the Triton kernels (`shrink`, `expand`, `group`, `fused`, their
+  shared row grouping in `common`), the TPU scalar-prefetch variants (`tpu`), the XLA backends
+  (`xla`), and the naive `reference` tests check everything against; tuned block sizes in `tuning`.
+- `attention/`: the ragged paged-attention kernel of the flat-token-batch step (`ragged`), its
+  plain-XLA twin (`ragged_xla`) and the reference (`reference`).
+- `quant/`: the 8-bit weight GEMMs, Triton (`triton`) and Mosaic GPU (`mgpu`), and their `tuning`.
+
+Imports only jax and numpy; usable on its own. `lora_shrink`, `lora_expand`, `lora_expand_multi` and
+`lora_group` (with `lora_plan`, built once per step) are the interface the model calls.
 """
 
-from pallas_kernels import reference, tuning, xla_backends
-from pallas_kernels.api import BACKENDS, Backend, lora_expand, lora_expand_multi, lora_group, lora_shrink
-from pallas_kernels.decode_attention import decode_attention
-from pallas_kernels.lora_tpu import bgmv_expand as tpu_bgmv_expand
-from pallas_kernels.lora_tpu import bgmv_shrink as tpu_bgmv_shrink
-from pallas_kernels.lora_tpu import sgmv_expand as tpu_sgmv_expand
-from pallas_kernels.lora_tpu import sgmv_shrink as tpu_sgmv_shrink
-from pallas_kernels.lora_triton import bgmv_expand, bgmv_shrink, sgmv_expand, sgmv_shrink
-from pallas_kernels.plan import LoraPlan, lora_plan
-from pallas_kernels.ragged_attention import ragged_paged_attention
-from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference
-from pallas_kernels.ragged_attention_xla import ragged_paged_attention_xla
+from pallas_kernels.attention.ragged import ragged_paged_attention
+from pallas_kernels.attention.ragged_xla import ragged_paged_attention_xla
+from pallas_kernels.attention.reference import ragged_paged_attention_reference
+from pallas_kernels.lora import reference, tuning, xla
+from pallas_kernels.lora.api import BACKENDS, Backend, lora_expand, lora_expand_multi, lora_group, lora_shrink
+from pallas_kernels.lora.expand import bgmv_expand, sgmv_expand
+from pallas_kernels.lora.plan import LoraPlan, lora_plan
+from pallas_kernels.lora.shrink import bgmv_shrink, sgmv_shrink
+from pallas_kernels.lora.tpu import bgmv_expand as tpu_bgmv_expand
+from pallas_kernels.lora.tpu import bgmv_shrink as tpu_bgmv_shrink
+from pallas_kernels.lora.tpu import sgmv_expand as tpu_sgmv_expand
+from pallas_kernels.lora.tpu import sgmv_shrink as tpu_sgmv_shrink
 
 __all__ = [
     "BACKENDS",
     "Backend",
     "LoraPlan",
     "bgmv_expand",
-    "decode_attention",
     "bgmv_shrink",
     "lora_expand",
     "lora_expand_multi",
@@ -45,5 +47,5 @@ __all__ = [
     "tpu_sgmv_expand",
     "tpu_sgmv_shrink",
     "tuning",
-    "xla_backends",
+    "xla",
 ]

@@ -1,5 +1,6 @@
-"""The serving process's phase and its count of generation calls in flight, shared by the gRPC and
-HTTP front doors: one limit on concurrent streams, one warm-up, one drain for both."""
+"""The serving process's phase, its count of generation calls in flight and the slots they tokenize
+in, shared by the gRPC and HTTP front doors: one limit on concurrent streams, one set of tokenize
+slots, one warm-up, one drain for both."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 from collections.abc import Iterator
 
 from serving.api import ApiError, Status
+from serving.tokenize_slots import TokenizeSlots
 
 
 class Phase(enum.Enum):
@@ -19,10 +21,12 @@ class Phase(enum.Enum):
 
 
 class Admission:
-    """Phase of the server and the count of generation calls in flight (thread-safe)."""
+    """Phase of the server and the count of generation calls in flight (thread-safe); `tokenize`: the
+    slots calls tokenize their prompts in (serving.tokenize_slots)."""
 
-    def __init__(self, max_streams: int) -> None:
+    def __init__(self, max_streams: int, *, tokenize_slots: int = 1) -> None:
         self.max_streams = max_streams
+        self.tokenize = TokenizeSlots(tokenize_slots)
         self.phase = Phase.WARMING
         self.num_streams = 0
         self._lock = threading.Condition()

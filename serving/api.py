@@ -94,13 +94,18 @@ _HTTP: dict[Status, tuple[int, str]] = {
 
 
 class ApiError(Exception):
-    """Ends a call with `status`; `param` names the request field at fault, if one is."""
+    """Ends a call with `status`; `param` names the request field at fault, if one is; `http_status`
+    overrides the status table's HTTP status where HTTP has a more precise one (413 for a body too
+    large, which gRPC answers RESOURCE_EXHAUSTED)."""
 
-    def __init__(self, status: Status, message: str, *, param: str | None = None) -> None:
+    def __init__(
+        self, status: Status, message: str, *, param: str | None = None, http_status: int | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.http_status = http_status or status.http_status
 
 
 def error_of(error: Exception, *, is_draining: bool = False) -> ApiError:

@@ -51,7 +51,7 @@ def generate(out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=OUT, help=f"output folder (default {OUT})")
     args = p.parse_args(argv)
     for path in generate(args.out):

@@ -9,8 +9,13 @@ same engine, admission (phase, stream limit), adapter registry and metrics as th
 
 Errors are OpenAI error objects with the HTTP status of the shared table (serving.api). A request
 waits for the engine on the event loop: the engine thread hands each update over with
-`call_soon_threadsafe`. A client that disconnects mid-stream has its request cancelled, which frees
-its row at the next engine step.
+`call_soon_threadsafe`. Every generation call watches its connection while it runs: a client that
+disconnects, streamed or not, has its request cancelled, which frees its row at the next engine step
+(counted as a client cancel, never OK).
+
+A body is read within `max_message_bytes` (413 beyond), as JSON without non-finite numbers, without
+lone surrogates and within a nesting depth; anything else is a 400 naming what is wrong, never a
+traceback. 429 and 503 answers carry `Retry-After`.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -31,16 +36,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from jaxlora.engine.request import GenerationRequest, RequestOutput
 from jaxlora.errors import JaxloraError
-from serving import openai_api
+from serving import json_body, openai_api
 from serving.adapter_admin import AdapterAdmin
 from serving.admission import Admission, Phase
 from serving.api import ApiError, Limits, Status, error_of, final_error, generation_request
+from serving.http_limits import HeadLimit, limited_protocol
 from serving.metrics import ServerMetrics
 from serving.openai_api import ParsedRequest
 from serving.options import ServerOptions
@@ -51,7 +57,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_POLL_SECONDS = 0.5  # how often a request waiting for tokens checks its client and the engine
+_POLL_SECONDS = 0.5  # how often a request waiting for tokens checks that the engine runs
+_RETRY_AFTER_SECONDS = 1  # in 429 and 503 answers: a place or the server comes back within seconds
 _START_TIMEOUT_SECONDS = 30.0
 _STOP_TIMEOUT_SECONDS = 10.0
 
@@ -81,7 +88,10 @@ class HttpServer:
         self._socket = _bind(options.host, options.http_port)
         self.port: int = self._socket.getsockname()[1]
         config = uvicorn.Config(
-            self.app,
+            HeadLimit(self.app, options.max_header_bytes),
+            http=limited_protocol(options.max_connections),
+            timeout_keep_alive=options.http_keep_alive_seconds,
+            h11_max_incomplete_event_size=options.max_header_bytes,
             log_level="warning",
             access_log=False,
             lifespan="off",
@@ -143,7 +153,9 @@ class _Handlers:
         self.metrics = metrics
         self.admission = admission
         self.admin = admin
-        self.auth = AuthInterceptor(api_key=options.api_key, admin_key=options.admin_key)
+        self.auth = AuthInterceptor(
+            api_key=options.api_key, admin_key=options.admin_key, allow_runtime_updates=options.allow_runtime_updates
+        )
         self.created = int(time.time())
 
     def app(self) -> Starlette:
@@ -170,16 +182,24 @@ class _Handlers:
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         self._authorize(request, needs_admin=False)
-        call = _Call(self, chat=chat)
+        peer = request.client
+        call = _Call(self, chat=chat, client=f"http:{peer.host}:{peer.port}" if peer else "http:?")
         try:
             await call.start(await self._json(request))
         except BaseException as e:
+            if isinstance(e, _UploadAbandoned):
+                call.cancel_reason = "upload"
             call.close(_outcome_of(e))
             raise
         if call.parsed.stream:
             return _EventStream(call.events(), on_close=call.close)
         try:
-            return JSONResponse(await call.response(request))
+            return JSONResponse(await _unless_disconnected(request, call.response()))
+        except ApiError as e:
+            call.outcome = e.status.name
+            if e.status is Status.CANCELLED:
+                call.cancel_reason = "disconnected"
+            raise
         finally:
             call.close()
 
@@ -226,7 +246,9 @@ class _Handlers:
     # Operations.
     async def health(self, request: Request) -> Response:
         phase = self.admission.phase
-        return JSONResponse({"status": phase.value}, status_code=200 if phase is Phase.SERVING else 503)
+        if phase is Phase.SERVING:
+            return JSONResponse({"status": phase.value})
+        return JSONResponse({"status": phase.value}, status_code=503, headers=_RETRY_AFTER)
 
     async def prometheus(self, request: Request) -> Response:
         body = await run_in_threadpool(generate_latest, self.metrics.registry)
@@ -240,20 +262,34 @@ class _Handlers:
             raise ApiError(Status.of_grpc(denied.code), denied.message)
 
     async def _json(self, request: Request) -> Any:
-        """The decoded body, refused beyond `max_message_bytes` (as gRPC refuses larger messages)."""
+        """The decoded body (serving.json_body), refused beyond `max_message_bytes` (as gRPC refuses
+        larger messages).
+
+        Raises:
+          ApiError: INVALID_ARGUMENT, 413 for a body too large, CANCELLED (logged in one line) for a
+            client that hung up mid-upload.
+        """
         limit = self.options.max_message_bytes
-        too_large = ApiError(Status.INVALID_ARGUMENT, f"the request body is larger than {limit} bytes")
-        if int(request.headers.get("content-length") or 0) > limit:
-            raise too_large
-        body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > limit:
-                raise too_large
+        too_large = ApiError(Status.INVALID_ARGUMENT, f"the request body is larger than {limit} bytes", http_status=413)
         try:
-            return json.loads(body)
-        except ValueError as e:  # bad JSON and bad UTF-8 alike
-            raise ApiError(Status.INVALID_ARGUMENT, f"the request body is not valid JSON: {e}") from None
+            if int(request.headers.get("content-length") or 0) > limit:
+                raise too_large
+        except ValueError:
+            raise ApiError(Status.INVALID_ARGUMENT, "content-length is not a number") from None
+        body = bytearray()
+        try:
+            async for part in request.stream():
+                body += part
+                if len(body) > limit:
+                    raise too_large
+        except ClientDisconnect:
+            log.info("%s %s: the client hung up mid-upload", request.method, request.url.path)
+            raise _UploadAbandoned(Status.CANCELLED, "the client hung up mid-upload") from None
+        return json_body.decode(body)
+
+
+class _UploadAbandoned(ApiError):
+    """The client closed its connection before its whole body arrived."""
 
 
 def _string_field(body: Any, name: str) -> str:
@@ -267,9 +303,10 @@ class _Call:
     """One generation request on its way through the engine: its admission place, the queue the
     engine thread feeds, its latency metrics, and its outcome (counted once, at `close`)."""
 
-    def __init__(self, handlers: _Handlers, *, chat: bool) -> None:
+    def __init__(self, handlers: _Handlers, *, chat: bool, client: str) -> None:
         self.h = handlers
         self.chat = chat
+        self.client = client  # the connection, for fair tokenize slots
         self.parsed: ParsedRequest | None = None
         self.gen: GenerationRequest | None = None
         self.created = int(time.time())
@@ -278,6 +315,7 @@ class _Call:
         self.updates: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.finished = False
         self.outcome = Status.CANCELLED.name  # unless it completes or fails: the client went away
+        self.cancel_reason = "disconnected"  # how a client that went away did
         self._admitted = contextlib.ExitStack()
         self._closed = False
 
@@ -313,8 +351,9 @@ class _Call:
             except RuntimeError:  # the event loop is closed: the server stopped, nobody is waiting
                 pass
 
-        try:  # off the event loop: submit tokenizes the prompt
-            await run_in_threadpool(self.h.metrics.submit, self.h.engine, self.gen, deliver)
+        try:  # off the event loop, in a tokenize slot: submit tokenizes the prompt
+            async with self.h.admission.tokenize.hold_async(self.client):
+                await run_in_threadpool(self.h.metrics.submit, self.h.engine, self.gen, deliver)
         except JaxloraError as e:
             error = error_of(e, is_draining=self.h.admission.phase is not Phase.SERVING)
             if error.status is Status.NOT_FOUND:
@@ -327,15 +366,13 @@ class _Call:
                 error = ApiError(error.status, error.message, param=self.parsed.prompt_field)
             raise error from None
 
-    async def _updates(self, request: Request | None) -> AsyncIterator[RequestOutput]:
-        """The engine's updates up to and including the final one. With `request`, checks that its
-        client is still connected (a stream's disconnect cancels its task instead)."""
+    async def _updates(self) -> AsyncIterator[RequestOutput]:
+        """The engine's updates up to and including the final one. (A client that disconnects has
+        the task running this cancelled: `_unless_disconnected`, or Starlette for a stream.)"""
         while True:
             try:
                 out = await asyncio.wait_for(self.updates.get(), _POLL_SECONDS)
             except TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    raise ApiError(Status.CANCELLED, "the client disconnected") from None
                 if not self.h.engine.is_running and self.updates.empty():
                     raise ApiError(Status.UNAVAILABLE, "the engine stopped") from None
                 continue
@@ -361,11 +398,11 @@ class _Call:
             completion_tokens=out.completion_tokens,
         )
 
-    async def response(self, request: Request) -> dict[str, Any]:
+    async def response(self) -> dict[str, Any]:
         """The whole completion (non-streamed)."""
         texts = []
         try:
-            async for out in self._updates(request):
+            async for out in self._updates():
                 texts.append(out.text)
             self._finish(out)
         except ApiError as e:
@@ -401,7 +438,7 @@ class _Call:
         try:
             if self.chat:
                 yield chunk(role=True, text="")
-            async for out in self._updates(None):
+            async for out in self._updates():
                 if not out.finished:
                     if out.text:
                         yield chunk(text=out.text)
@@ -427,13 +464,42 @@ class _Call:
         if self.gen is not None and not self.finished:
             self.h.engine.cancel(self.gen.request_id)
         self._admitted.close()
-        self.h.metrics.requests.labels(code=outcome or self.outcome).inc()
+        outcome = outcome or self.outcome
+        self.h.metrics.requests.labels(code=outcome).inc()
+        if outcome == Status.CANCELLED.name:
+            self.h.metrics.client_cancels.labels(reason=self.cancel_reason).inc()
 
 
 def _outcome_of(error: BaseException) -> str:
     if isinstance(error, ApiError):
         return error.status.name
     return Status.CANCELLED.name if isinstance(error, asyncio.CancelledError) else Status.INTERNAL.name
+
+
+async def _unless_disconnected[T](request: Request, work: Awaitable[T]) -> T:
+    """`await work`, cancelled as soon as the client disconnects (then ApiError CANCELLED).
+
+    Once the body is read, the ASGI receive channel has nothing more to say but `http.disconnect`,
+    so waiting on it alongside the work sees a hang-up at once, whatever the token rate.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(request.receive))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watch):
+            if not pending.done():
+                pending.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(task, watch, return_exceptions=True)
+    if not task.cancelled():
+        return task.result()
+    raise ApiError(Status.CANCELLED, "the client disconnected")
+
+
+async def _disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _event(payload: dict[str, Any]) -> str:
@@ -455,8 +521,14 @@ class _EventStream(StreamingResponse):
             self._on_close()
 
 
+_RETRY_AFTER = {"retry-after": str(_RETRY_AFTER_SECONDS)}
+
+
 async def _api_error(request: Request, exc: ApiError) -> Response:
-    return JSONResponse(openai_api.error_body(exc), status_code=exc.status.http_status)
+    retry = exc.status in (Status.RESOURCE_EXHAUSTED, Status.UNAVAILABLE)
+    return JSONResponse(
+        openai_api.error_body(exc), status_code=exc.http_status, headers=_RETRY_AFTER if retry else None
+    )
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -10,6 +10,7 @@ For adapter-aware routers (the Gateway API inference extension's endpoint picker
     (queued); max_lora: device adapter slots. Its value is the scrape's Unix time, as vLLM's is the
     time its labels were set (routers take the newest series).
   vllm:num_requests_running / vllm:num_requests_waiting: the queue depths under vLLM's names.
+  vllm:num_preemptions_total: requests preempted (row and KV pages taken back, recomputed later).
   jaxlora_adapter_resident{adapter, tier}: 1 while the adapter is usable from that tier: "device"
     (written into a device slot: no page-in needed), "host" (in host memory: every registered
     adapter, paged in within milliseconds on first use).
@@ -84,6 +85,13 @@ class ServerMetrics:
             "jaxlora_requests",
             "Finished generation calls (gRPC and HTTP) by status, named by its gRPC code.",
             ["code"],
+            registry=self.registry,
+        )
+        self.client_cancels = Counter(
+            "jaxlora_client_cancels",
+            "Generation calls their client abandoned, by how: disconnected (HTTP connection closed while "
+            "waiting or streaming), upload (closed mid-body), cancelled (gRPC cancel), deadline (gRPC deadline).",
+            ["reason"],
             registry=self.registry,
         )
         self.adapter_requests = Counter(
@@ -185,6 +193,11 @@ class _EngineCollector:
             yield GaugeMetricFamily(
                 f"{prefix}waiting", f"Requests queued for admission{suffix}.", value=stats["waiting"]
             )
+        yield CounterMetricFamily(
+            "vllm:num_preemptions",
+            "Requests preempted (row and KV pages taken back, recomputed later) (vLLM's name).",
+            value=stats["preemptions"],
+        )
         pager = self._engine.pager
         if pager is None:  # an engine serving the base model alone
             return

@@ -2,10 +2,15 @@
 read into the arguments of `serving.api.generation_request`, and engine outputs written as OpenAI
 response objects and stream chunks.
 
-Fields follow OpenAI's API reference, defaults included (`temperature` 1, `top_p` 1, `max_tokens`
-16 as in the completions API); `top_k` (-1 or 0: off) and `stop_token_ids` are vLLM's extra fields.
-`model` names an adapter, or the base model for none. Fields this server does not implement are
-refused unless they hold their neutral value, never ignored.
+Fields follow OpenAI's API reference, defaults included: `temperature` 1, `top_p` 1, and
+`max_tokens` 16 for completions and the rest of the context for chat completions
+(jaxlora.engine.request.default_max_tokens). `top_k` (-1 or 0: off), `stop_token_ids`, `min_p`,
+`min_tokens` and `ignore_eos` are vLLM's extra fields (what the `openai` client sends through
+`extra_body`). `model` names an adapter, or the base model for none.
+
+Nothing is ignored: a field OpenAI or vLLM defines that this server does not implement (JSON mode,
+guided decoding, penalties, logprobs, n > 1, ...) is refused unless it holds the value that leaves it
+off, and any other field is refused as unknown, with the nearest known name.
 """
 
 from __future__ import annotations
@@ -13,9 +18,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxlora.fields import first_unknown
 from serving.api import ApiError, Status
 
-# Not implemented: the values that leave them off are accepted, any other is refused.
+# The fields read: OpenAI's, then vLLM's extra ones this server implements. `user` only names the
+# caller, so any value is neutral.
+_COMMON = frozenset(
+    {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream"}
+    | {"stream_options", "user", "top_k", "stop_token_ids", "min_p", "min_tokens", "ignore_eos"}
+)
+_KNOWN = {True: _COMMON | {"messages"}, False: _COMMON | {"prompt"}}
+# The extra fields that are SamplingParams fields of the same name.
+_EXTRA_SAMPLING = ("top_k", "min_p", "min_tokens", "ignore_eos")
+
+# Defined by OpenAI or vLLM but not implemented: the values that leave them off are accepted, any
+# other is refused.
 _NEUTRAL = {
     "n": (None, 1),
     "best_of": (None, 1),
@@ -24,10 +41,32 @@ _NEUTRAL = {
     "top_logprobs": (None, 0),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
     "logit_bias": (None, {}),
     "suffix": (None, ""),
     "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
     "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"),
+    "length_penalty": (None, 1),
+    "use_beam_search": (None, False),
+    "skip_special_tokens": (None, True),
+    "include_stop_str_in_output": (None, False),
+    "add_generation_prompt": (None, True),
+    **{name: (None,) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
+    **{name: (None,) for name in ("guided_decoding_backend", "structured_outputs", "prediction", "audio")},
+}
+_UNBUILT = {
+    "response_format": "JSON mode and structured outputs are not built",
+    "structured_outputs": "guided decoding is not built",
+    **{name: "guided decoding is not built" for name in ("guided_json", "guided_regex", "guided_choice")},
+    "guided_grammar": "guided decoding is not built",
 }
 _OPENAI_TEMPERATURE = 1.0  # the API's default; the engine's own default (greedy) applies to gRPC only
 
@@ -69,9 +108,7 @@ def parse_request(body: Any, *, chat: bool, base_model: str) -> ParsedRequest:
     """
     if not isinstance(body, dict):
         raise _invalid("the request body must be a JSON object")
-    for name, neutral in _NEUTRAL.items():
-        if name in body and body[name] not in neutral:
-            raise _invalid(f"{name}={body[name]!r} is not supported (leave it unset)", name)
+    _refuse_what_is_not_done(body, chat)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _invalid(f"model={model!r} must be a string", "model")
@@ -95,6 +132,17 @@ def parse_request(body: Any, *, chat: bool, base_model: str) -> ParsedRequest:
     )
 
 
+def _refuse_what_is_not_done(body: dict, chat: bool) -> None:
+    """ApiError for a field not implemented (unless neutral) or unknown; `param` names it."""
+    for name, neutral in _NEUTRAL.items():
+        if name in body and body[name] not in neutral:
+            why = _UNBUILT.get(name, "not implemented")
+            raise _invalid(f"{name}={body[name]!r} is not supported ({why}; leave it unset)", name)
+    unknown = first_unknown(body, _KNOWN[chat] | _NEUTRAL.keys())
+    if unknown is not None:
+        raise _invalid(unknown[1], unknown[0])
+
+
 def _sampling(body: dict) -> tuple[dict[str, Any], dict[str, str]]:
     sampling: dict[str, Any] = {"temperature": _OPENAI_TEMPERATURE}
     field_names: dict[str, str] = {}
@@ -104,7 +152,7 @@ def _sampling(body: dict) -> tuple[dict[str, Any], dict[str, str]]:
     if given:
         sampling["max_tokens"] = body[given[0]]
         field_names["max_tokens"] = given[0]
-    for name in ("temperature", "top_p", "seed", "top_k"):
+    for name in ("temperature", "top_p", "seed", *_EXTRA_SAMPLING):
         if body.get(name) is not None:
             sampling[name] = body[name]
     if sampling.get("top_k") == -1:  # vLLM's clients send -1 for "off"

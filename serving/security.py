@@ -6,6 +6,12 @@ admin key works too). With an admin key set, LoadAdapter and UnloadAdapter need 
 key gets PERMISSION_DENIED, a missing or unknown one UNAUTHENTICATED. Keys are compared in constant
 time. Health stays open so load balancers can probe without credentials.
 
+Runtime adapter changes: without an admin key, LoadAdapter and UnloadAdapter are refused
+(PERMISSION_DENIED naming `--admin-key`), as vLLM refuses them unless runtime LoRA updating is
+switched on: anyone who can reach the port could otherwise unload the adapters others use.
+`allow_runtime_updates` (`--allow-runtime-lora-updating`) switches them on for every caller that
+passes the API key check (everyone, without an API key); with an admin key it changes nothing.
+
 Paths: LoadAdapter reads only PEFT folders inside an `--adapter-root`. A path is relative to a root
 (or absolute inside one), has no `..` part, and after resolving symlinks the folder and both of
 its files must still lie inside that root. Only safetensors weights are read.
@@ -25,6 +31,12 @@ ADMIN_METHODS = frozenset({"/jaxlora.v1.Inference/LoadAdapter", "/jaxlora.v1.Inf
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
+RUNTIME_UPDATES_OFF = (
+    "loading and unloading adapters at run time is off: start the server with --admin-key "
+    "(admins only) or --allow-runtime-lora-updating (every caller)"
+)
+
+
 class PathRefused(Exception):
     """LoadAdapter named a path the server will not read (the message says why)."""
 
@@ -38,9 +50,10 @@ class _Denied:
 class AuthInterceptor(grpc.ServerInterceptor):
     """Checks the bearer key of each call before its handler runs."""
 
-    def __init__(self, *, api_key: str | None, admin_key: str | None) -> None:
+    def __init__(self, *, api_key: str | None, admin_key: str | None, allow_runtime_updates: bool = False) -> None:
         self._api_key = api_key.encode() if api_key else None
         self._admin_key = admin_key.encode() if admin_key else None
+        self._allow_runtime_updates = allow_runtime_updates
 
     def intercept_service(self, continuation, handler_call_details):
         denied = self.check(handler_call_details.method, handler_call_details.invocation_metadata or ())
@@ -66,6 +79,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
             if is_user or (self._api_key is None and token is None):
                 return _Denied(grpc.StatusCode.PERMISSION_DENIED, "this call needs the admin key")
             return _Denied(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid admin key")
+        if needs_admin and not self._allow_runtime_updates:
+            return _Denied(grpc.StatusCode.PERMISSION_DENIED, RUNTIME_UPDATES_OFF)
         if self._api_key is None or is_user or is_admin:
             return None
         return _Denied(

@@ -30,6 +30,7 @@ from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.unknown_fields import UnknownFieldSet
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "jaxlora.v1.Inference"
 _FINISH_REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
-_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "min_tokens", "ignore_eos")
 _MAX_REQUEST_ID = 256
 _POLL_SECONDS = 0.5  # how often a stream waiting for tokens checks that its call and the engine live
 
@@ -83,7 +84,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.metrics = metrics
         self.admission = admission
         self.admin = admin
-        self._tokenize_slots = threading.BoundedSemaphore(options.tokenize_slots)
 
     # Generate.
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
@@ -94,7 +94,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 yield from self._generate(request, context, arrival)
             outcome = grpc.StatusCode.OK
         finally:
-            self.metrics.requests.labels(code=(_code_of(context) or outcome).name).inc()
+            code = _code_of(context) or outcome
+            self.metrics.requests.labels(code=code.name).inc()
+            if code is grpc.StatusCode.CANCELLED:
+                remaining = context.time_remaining()
+                reason = "deadline" if remaining is not None and remaining <= 0 else "cancelled"
+                self.metrics.client_cancels.labels(reason=reason).inc()
 
     def _generate(
         self, request: pb.GenerateRequest, context: grpc.ServicerContext, arrival: float
@@ -105,7 +110,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         gen = self._generation_request(request, engine_id=f"{client_id}#{uuid.uuid4().hex[:12]}")
         updates: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         try:
-            with self._tokenize_slots:  # submit tokenizes
+            with self.admission.tokenize.hold(context.peer()):  # submit tokenizes
                 self.metrics.submit(self.engine, gen, updates.put)
         except JaxloraError as e:
             raise error_of(e, is_draining=self.admission.phase is not Phase.SERVING) from None
@@ -158,6 +163,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise error
 
     def _generation_request(self, request: pb.GenerateRequest, *, engine_id: str) -> GenerationRequest:
+        unknown = [f.field_number for f in UnknownFieldSet(request)]
+        if unknown:
+            raise _Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"GenerateRequest field number(s) {unknown} are unknown to this server (a newer client?); "
+                "they would be ignored, so the request is refused",
+            )
         has_prompt, has_messages = bool(request.prompt), bool(request.messages)
         if has_prompt == has_messages:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "give exactly one of prompt and messages")
@@ -386,7 +398,7 @@ def build_server(engine: Engine, options: ServerOptions = ServerOptions()) -> tu
       RuntimeError: the gRPC address cannot be bound.
       OSError: the HTTP address cannot be bound, or an adapter root does not exist.
     """
-    admission = Admission(options.max_concurrent_streams)
+    admission = Admission(options.max_concurrent_streams, tokenize_slots=options.tokenize_slots)
     metrics = ServerMetrics(engine)
     admin = AdapterAdmin(
         engine,
@@ -396,7 +408,10 @@ def build_server(engine: Engine, options: ServerOptions = ServerOptions()) -> tu
     )
     servicer = InferenceServicer(engine, options, metrics, admission, admin)
     num_threads = options.max_concurrent_streams + 16  # streams plus room for unary and health calls
-    interceptors = [AuthInterceptor(api_key=options.api_key, admin_key=options.admin_key), DecodeGuard()]
+    auth = AuthInterceptor(
+        api_key=options.api_key, admin_key=options.admin_key, allow_runtime_updates=options.allow_runtime_updates
+    )
+    interceptors = [auth, DecodeGuard()]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="jaxlora-grpc"),
         interceptors=interceptors,

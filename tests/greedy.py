@@ -6,14 +6,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlora.lora.apply import LoraRuntime
+from jaxlora.kernels import StepKernels
 from jaxlora.model import init_kv_cache
 from jaxlora.model.forward import forward_logits
 
 
 def greedy(model, prompt: list[int], n_new: int, *, bank=None, slot: int = 0, backend="xla"):
     """(prompt logits [len, vocab], n_new greedy ids) for one row, with the jitted whole-model forward."""
-    runtime = LoraRuntime.for_platform(backend)
+    kernels = StepKernels.for_platform(backend)
     slots = None if bank is None else jnp.asarray([slot], jnp.int32)
     kv = init_kv_cache(model.config, 1, len(prompt) + n_new)
     logits, kv = forward_logits(
@@ -24,7 +24,7 @@ def greedy(model, prompt: list[int], n_new: int, *, bank=None, slot: int = 0, ba
         kv,
         bank,
         slots,
-        runtime=runtime,
+        kernels=kernels,
     )
     prompt_logits = np.asarray(logits[0])
     out = [int(prompt_logits[-1].argmax())]
@@ -37,21 +37,21 @@ def greedy(model, prompt: list[int], n_new: int, *, bank=None, slot: int = 0, ba
             kv,
             bank,
             slots,
-            runtime=runtime,
+            kernels=kernels,
         )
         out.append(int(np.asarray(logits)[0, -1].argmax()))
     return prompt_logits, out
 
 
 def batched_greedy(
-    model, prompts: list[list[int]], slots: list[int], n_new: int, *, bank=None, backend="xla", runtime=None
+    model, prompts: list[list[int]], slots: list[int], n_new: int, *, bank=None, backend="xla", kernels=None
 ) -> list[list[int]]:
     """Greedy ids for rows of different lengths decoded together in one batch.
 
     Each row is prefilled on its own into its cache row (segmented LoRA path), then every decode
     step runs all rows at once, each at its own position, with its own slot (per-row LoRA path).
     """
-    runtime = runtime or LoraRuntime.for_platform(backend)
+    kernels = kernels or StepKernels.for_platform(backend)
     rows = len(prompts)
     kv = init_kv_cache(model.config, rows, max(map(len, prompts)) + n_new)
     slot_ids = jnp.asarray(slots, jnp.int32)
@@ -70,7 +70,7 @@ def batched_greedy(
             bank,
             None if bank is None else slot_ids[r : r + 1],
             jnp.asarray([r], jnp.int32),
-            runtime=runtime,
+            kernels=kernels,
         )
         nxt.append(int(np.asarray(logits)[0, len(prompt) - 1].argmax()))
     out = [[t] for t in nxt]
@@ -84,7 +84,7 @@ def batched_greedy(
             kv,
             bank,
             None if bank is None else slot_ids,
-            runtime=runtime,
+            kernels=kernels,
         )
         for r, t in enumerate(np.asarray(logits)[:, -1].argmax(-1)):
             out[r].append(int(t))

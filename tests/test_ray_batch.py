@@ -36,7 +36,8 @@ ACTOR_TITLE = "MapWorker(MapBatches(BatchGenerator))"
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> Path:
-    """A tiny model, two adapters, an engine config and 60 mixed-adapter requests plus two bad ones."""
+    """A tiny model, two adapters, an engine config and 60 mixed-adapter requests plus two bad ones
+    (bad sampling, malformed JSON)."""
     root = tmp_path_factory.mktemp("ray")
     model = tiny_model()
     save_converted(model, char_tokenizer(), root / "model")
@@ -66,7 +67,7 @@ def files(tmp_path_factory) -> Path:
         row = {"custom_id": f"req-{i}", "max_tokens": 12 + i % 7, **({"adapter": adapter} if adapter else {})}
         row |= {"prompt": f"Hello {i}"} if i % 2 else {"messages": [{"role": "user", "content": f"Hi {i}"}]}
         lines.append(json.dumps(row))
-    lines.append(json.dumps({"custom_id": "bad-adapter", "prompt": "x", "adapter": "missing"}))
+    lines.append(json.dumps({"custom_id": "bad-sampling", "prompt": "x", "temperature": -1}))
     lines.append("{not json")
     (root / "requests.jsonl").write_text("\n".join(lines) + "\n")
     return root
@@ -122,7 +123,7 @@ def test_two_replicas_give_the_single_process_records(cluster, files, reference,
     job = RayJob(replicas=2, compilation_cache=cluster["cache"])
     assert run_ray_job(files / "requests.jsonl", tmp_path / "out", _spec(files), job, progress=False) == 0
     _check_against(reference, read_records(tmp_path / "out"))
-    assert {r["adapter"] for r in reference.values()} == {None, *ADAPTERS, "missing"}
+    assert {r["adapter"] for r in reference.values()} == {None, *ADAPTERS}
     summary = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
     assert summary["requests"] == NUM_ROWS + 2 and summary["errors"] == 2 and summary["replicas"] == 2
     assert summary["generated_tokens"] == sum(len(r["token_ids"]) for r in reference.values())

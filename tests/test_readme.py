@@ -94,6 +94,9 @@ def readme_examples(markdown: str) -> list[Example]:
         if any(line.startswith("from serving.client import") for line in block):
             examples.append(Example(text="python: the serving.client example", body="\n".join(block).strip() + "\n"))
             continue
+        if any(line.startswith("from openai import") for line in block):
+            examples.append(Example(text="python: the openai example", body="\n".join(block).strip() + "\n"))
+            continue
         lines = iter(block)
         for line in lines:
             text = line.strip()
@@ -176,7 +179,7 @@ def harness(tmp_path_factory, smollm2_gguf_path, monkeypatch_module):
     # Fewer and smaller shapes than the default config the commands name: warm-up compiles are
     # most of this test's time, and what it checks (flags, files, adapters, prompts, outputs) does
     # not depend on the engine's shapes.
-    config = EngineConfig(max_batch=4, token_budgets=(16, 64), page_size=16)
+    config = EngineConfig(max_batch=4, max_seq_len=512, token_budgets=(16, 64), page_size=16)
     pager = Pager(model.config, config.lora, dtype=model.dtype, max_page_ins_per_commit=2)
     for name in DEMO_ADAPTERS:
         pager.register(name, workdir / "checkpoints" / "demo" / name)
@@ -246,7 +249,8 @@ def _serve(argv: list[str], harness: Harness) -> None:
     parser = UsageParser(prog="jaxlora serve")
     serve.add_args(parser)
     args = parser.parse_args(argv[1:])
-    args.port = 0
+    args.port = None if args.no_http else 0
+    args.grpc_port = None if args.no_grpc else 0
     if args.metrics_port is not None:
         args.metrics_port = 0
     harness.stop_server()
@@ -301,11 +305,21 @@ def _method_types(service: str, method: str):
 
 
 def _run_python(example: Example, harness: Harness) -> None:
-    assert "127.0.0.1:50051" in example.body
+    if "openai" in example.text:
+        assert "127.0.0.1:8000" in example.body and harness.server.http_port
+        body = example.body.replace("127.0.0.1:8000", f"127.0.0.1:{harness.server.http_port}")
+    else:
+        assert "127.0.0.1:50051" in example.body
+        body = example.body.replace("127.0.0.1:50051", harness.address)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(example.body.replace("127.0.0.1:50051", harness.address), "README.md", "exec"), {})
+        exec(compile(body, "README.md", "exec"), {})
     lines = out.getvalue().strip().splitlines()
+    if "openai" in example.text:
+        # The chat completion's default length is the rest of the context: a whole answer, ended by
+        # the model ("stop"), not cut at 16 tokens.
+        assert len(lines) >= 2 and lines[0].strip() and lines[-1] == "stop", out.getvalue()
+        return
     assert len(lines) >= 3 and all(line.strip() for line in lines), out.getvalue()
 
 

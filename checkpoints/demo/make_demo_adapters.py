@@ -243,7 +243,7 @@ def check_behaviours(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--rank", type=int, default=8)

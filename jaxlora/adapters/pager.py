@@ -18,7 +18,7 @@ When the engine calls each of these (and why a commit may go before the dispatch
 in `jaxlora.engine.engine`'s module docstring. Read `pager.bank` afresh for every step: `commit`
 donates the old one. The pager implements `jaxlora.adapters.AdapterSource`.
 
-Why the split (measured on the H200, benchmarks/results/pagein_probe.json): a host->device copy
+Why the split (measured on the H200, benchmarks/results/probes/pagein/pagein_probe.json): a host->device copy
 waits for the work already queued on the device when it is issued. Staged before step N+1's
 dispatch, the copies wait for step N and then run under step N+1; the write, issued after the
 dispatch, consumes the bank step N+1 reads, so it runs after that step, and step N+2 consumes the
@@ -376,7 +376,7 @@ class Pager:
         host->device copy waits for the work already queued on the device (PJRT orders a new
         buffer's fill after the compute stream), so a copy issued before step N+1's dispatch waits
         only for step N and then runs under step N+1; issued after the dispatch, it would wait for
-        step N+1 and delay step N+2 by its own time (benchmarks/results/pagein_probe.json).
+        step N+1 and delay step N+2 by its own time (benchmarks/results/probes/pagein/pagein_probe.json).
         Calling only `commit()` is still correct; it stages what is left first.
         """
         self._stage()

@@ -9,6 +9,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model's id
 
 
 def warmup_progress(what: str, k: int, n: int) -> None:
@@ -25,9 +26,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter/activation dtype")
 
 
-def add_quantize_arg(p: argparse.ArgumentParser) -> None:
+def add_quantize_arg(p: argparse.ArgumentParser, *, alias: str | None = None) -> None:
     p.add_argument(
         "--quantize",
+        *([alias] if alias else []),
         choices=("fp8", "int8"),
         default=None,
         help="store the seven projections weight-only quantized, one scale per output channel "
@@ -37,9 +39,14 @@ def add_quantize_arg(p: argparse.ArgumentParser) -> None:
 
 class AdapterFlag(argparse.Action):
     """`--adapter NAME=PATH` (repeatable) into {name: path}. A malformed flag, an invalid or repeated
-    name, or a path that is no adapter folder is a usage error at parse time, before any model loads."""
+    name, or a path that is no adapter folder is a usage error at parse time, before any model loads.
+    With nargs="+" one flag takes several (vLLM's `--lora-modules a=PATH b=PATH`)."""
 
-    def __call__(self, parser, namespace, value, option_string=None) -> None:
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        for value in values if isinstance(values, list) else [values]:
+            self._add(namespace, value)
+
+    def _add(self, namespace, value: str) -> None:
         from jaxlora.errors import AdapterError
         from jaxlora.lora.validate import check_adapter_name
 

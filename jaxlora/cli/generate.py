@@ -29,11 +29,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="adapter for --prompt, one of the --adapter names (default: base model)",
     )
     p.add_argument("--raw", action="store_true", help="send --prompt as raw text, without the chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=None)
+    sampling = p.add_argument_group(
+        "sampling", "for --prompt; with --input, the default of every line that leaves the field out"
+    )
+    sampling.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="tokens to generate at most (default, as OpenAI's: the rest of the context for a chat, 16 with --raw)",
+    )
+    sampling.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 0)")
+    sampling.add_argument("--top-p", type=float, default=None, help="(default: 1, off)")
+    sampling.add_argument("--top-k", type=int, default=None, help="0 = off (default: 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     add_ray_args(p)
 
@@ -59,6 +66,14 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k")
+
+
+def sampling_flags(args: argparse.Namespace) -> dict:
+    """The sampling flags given, as SamplingParams fields (the others keep SamplingParams' defaults)."""
+    return {name: getattr(args, name) for name in _SAMPLING_FLAGS if getattr(args, name) is not None}
+
+
 def run(args: argparse.Namespace) -> int:
     problem = _usage_problem(args)
     if problem:
@@ -67,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ray:
         return _run_ray(args)
     if args.input is not None:
-        from jaxlora.engine.batch_job import run_batch_job
+        from jaxlora.engine.batch_job import LineDefaults, run_batch_job
 
         return run_batch_job(
             args.input,
@@ -76,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             progress=not args.no_progress,
             warmup_progress=warmup_progress,
+            defaults=LineDefaults(sampling=sampling_flags(args), base_model=engine_args.base_model_name(args)),
+            adapters=args.adapter,
         )
     return _run_prompt(args)
 
@@ -119,14 +136,22 @@ def _run_ray(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"jaxlora generate: error: {e}", file=sys.stderr)
         return 2
+    from jaxlora.engine.batch_job import LineDefaults
+
+    try:
+        spec = engine_args.engine_spec(args)
+    except (JaxloraError, ValueError, OSError) as e:
+        print(f"jaxlora generate: {e}", file=sys.stderr)
+        return 2
     return run_ray_job(
         args.input,
         args.output,
-        engine_args.engine_spec(args),
+        spec,
         job,
         address=args.ray_address,
         overwrite=args.overwrite,
         progress=not args.no_progress,
+        defaults=LineDefaults(sampling=sampling_flags(args), base_model=engine_args.base_model_name(args)),
     )
 
 
@@ -134,10 +159,8 @@ def _run_prompt(args: argparse.Namespace) -> int:
     from jaxlora.engine import GenerationRequest, SamplingParams
 
     try:
+        sampling = SamplingParams(**sampling_flags(args))
         engine = engine_args.engine_from_args(args)
-        sampling = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
-        )
         prompt = {"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}
         engine.warmup(progress=warmup_progress)
         start = time.perf_counter()

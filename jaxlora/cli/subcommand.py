@@ -18,8 +18,11 @@ class Subcommand:
         only when its subcommand runs, so `jaxlora --help` does not pay for JAX start-up.
       help: one line for `jaxlora --help`.
       compiles: False for a subcommand that never compiles (no persistent compilation cache is set up).
+      unavailable: why it cannot run in this installation (None: it can); running it prints this and
+        exits 2.
     """
 
     module: str
     help: str
     compiles: bool = True
+    unavailable: str | None = None

@@ -20,7 +20,6 @@ from jaxlora.adapters import Pager
 from jaxlora.config import ModelConfig
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.engine import Engine
-from jaxlora.lora.apply import LoraRuntime
 from jaxlora.lora.host_adapter import HostAdapter
 from jaxlora.model.params import LoadedModel
 from jaxlora.parallel import MeshConfig, make_mesh
@@ -35,11 +34,11 @@ def build_engine(
     model: LoadedModel,
     tokenizer: Tokenizer,
     adapters: Mapping[str, str | Path | HostAdapter] | None = None,
-    *,
-    runtime: LoraRuntime | None = None,
 ) -> Engine:
     """An (un-warmed) engine over `model` whose pager holds `adapters` (name -> PEFT folder or
-    HostAdapter), with `config.host_capacity_bytes` of host memory for them.
+    HostAdapter), with `config.host_capacity_bytes` of host memory for them. Its steps run the
+    kernels `config.kernels` resolves to for this model and platform (`EngineConfig.step_kernels`),
+    resolved once as the engine is made.
 
     Raises ValueError when the model cannot be split over `config.mesh` or there are too few
     devices, AdapterError for an adapter that cannot be registered.
@@ -51,7 +50,7 @@ def build_engine(
     for name, source in (adapters or {}).items():
         pager.register(name, source)
         log.info("registered adapter %r from %s", name, source.source if isinstance(source, HostAdapter) else source)
-    return Engine(model, tokenizer, config, pager, runtime=runtime, mesh=mesh)
+    return Engine(model, tokenizer, config, pager, mesh=mesh)
 
 
 def engine_mesh(mesh_config: MeshConfig, model_config: ModelConfig) -> jax.sharding.Mesh | None:

@@ -56,12 +56,12 @@ from jaxlora.engine.request import (
     Phase,
     Request,
     RequestOutput,
+    default_max_tokens,
     token_output,
 )
-from jaxlora.engine.runner import Runner, WarmupProgress, num_traces
+from jaxlora.engine.runner import Runner, WarmupProgress, num_traces, pool_positions
 from jaxlora.engine.scheduler import Scheduler, StepPlan
 from jaxlora.errors import CapacityError, JaxloraError, RequestError, UnknownAdapterError
-from jaxlora.lora.apply import LoraRuntime
 from jaxlora.lora.bank import Bank
 from jaxlora.lora.host_adapter import HostAdapter
 from jaxlora.model.params import LoadedModel
@@ -154,6 +154,9 @@ class Engine:
       `Pager`, or the all-resident `ResidentBank`); None serves the base model only.
     mesh: the tensor-parallel mesh `config.mesh` describes (None: one device); the pager's bank must
       already be split over it. `jaxlora.engine.build_engine` makes it once and hands it to both.
+
+    The kernels its steps run (`kernels`) are `config.kernels` resolved once, here, for this model
+    and platform; the warm-up names them per token budget.
     """
 
     def __init__(
@@ -163,24 +166,21 @@ class Engine:
         config: EngineConfig,
         pager: AdapterSource | None = None,
         *,
-        runtime: LoraRuntime | None = None,
         mesh: jax.sharding.Mesh | None = None,
     ) -> None:
         if pager is not None and pager.max_slots != config.lora.max_slots:
             raise ValueError(f"pager has {pager.max_slots} slots but config.lora.max_slots={config.lora.max_slots}")
         if pager is not None and pager.mesh != mesh:
             raise ValueError(f"the pager's bank is on mesh {pager.mesh}, the engine's is {mesh}: build both with one")
+        config = config.with_context(
+            model_max=model.config.max_position_embeddings, pool_positions=pool_positions(model.config, config, mesh)
+        )
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self.pager = pager
-        self.runner = Runner(
-            model,
-            config,
-            runtime=runtime
-            or LoraRuntime.for_platform(config.lora.backend, attention=config.attention, fused_projections=model.fused),
-            mesh=mesh,
-        )
+        self.kernels = config.step_kernels(fused_projections=model.fused)
+        self.runner = Runner(model, config, kernels=self.kernels, mesh=mesh, eos_ids=tuple(tokenizer.eos_token_ids))
         self.pages = PageTable(self.runner.num_pages, config.page_size, self.runner.pages_per_seq)
         self.scheduler = Scheduler(
             max_batch=config.max_batch,
@@ -197,7 +197,7 @@ class Engine:
         self._cancels: list[str] = []
         self._live: dict[str, _Live] = {}  # submitted and not finished, by request id
         self._arrivals = itertools.count()
-        self._seeds = random.Random()
+        self._seeds = random.Random(config.seed)
         self._counters = _Counters()
         self._times = HostTimes()
         self._compiles_at_warmup: int | None = None
@@ -219,6 +219,7 @@ class Engine:
             when no callback is given). Without it the handle gives `result()` alone.
         """
         prompt_ids = self._prompt_ids(request)
+        request = self._with_max_tokens(request, len(prompt_ids))
         self._validate(request, prompt_ids)
         seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(32)
         with self._lock:
@@ -229,7 +230,8 @@ class Engine:
             if len(self._inbox) + self.scheduler.num_waiting >= self.config.max_queue:
                 raise CapacityError(f"the admission queue is full ({self.config.max_queue} requests waiting)")
             req = Request(request, prompt_ids, seed=seed & 0xFFFFFFFF, arrival=next(self._arrivals), callback=callback)
-            stop_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(request.sampling.stop_token_ids)
+            eos_ids = () if request.sampling.ignore_eos else self.tokenizer.eos_token_ids
+            stop_ids = frozenset(eos_ids) | frozenset(request.sampling.stop_token_ids)
             handle = RequestHandle(request.request_id, stream=callback is None if stream is None else stream)
             live = _Live(req, handle, Detokenizer(self.tokenizer.hf, request.sampling.stop), stop_ids)
             self._live[request.request_id] = live
@@ -517,12 +519,20 @@ class Engine:
 
     # Internals.
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
-        # Measured before tokenizing: tokenizing a 4 MB prompt took seconds, only to refuse it.
+        # Measured before templating and tokenizing: tokenizing a 4 MB prompt took seconds, only to
+        # refuse it.
         limit = self.config.max_seq_len * self.tokenizer.max_token_bytes
-        if _prompt_bytes(request, limit) > limit:
+        if isinstance(request.messages, (list, tuple)):
+            overhead = self.tokenizer.chat_overhead
+            if len(request.messages) * overhead.tokens_per_message > self.config.max_seq_len:
+                raise RequestError(
+                    f"request {request.request_id}: {len(request.messages)} messages cannot fit max_seq_len="
+                    f"{self.config.max_seq_len} tokens: each takes at least {overhead.tokens_per_message}"
+                )
+        if self._prompt_bytes(request, limit) > limit:
             raise RequestError(
                 f"request {request.request_id}: the prompt cannot fit max_seq_len="
-                f"{self.config.max_seq_len} tokens: it is longer than {limit} bytes"
+                f"{self.config.max_seq_len} tokens: it is longer than {limit} bytes as rendered"
             )
         try:
             if request.prompt is not None:
@@ -538,6 +548,43 @@ class Engine:
         if bad:
             raise RequestError(f"request {request.request_id}: prompt token ids {bad[:5]} outside [0, {vocab})")
         return ids
+
+    def _with_max_tokens(self, request: GenerationRequest, num_prompt: int) -> GenerationRequest:
+        """`request` with its max_tokens default filled in (SamplingParams)."""
+        if request.sampling.max_tokens is not None:
+            return request
+        n = default_max_tokens(
+            is_chat=request.messages is not None,
+            num_prompt=num_prompt,
+            max_seq_len=self.config.max_seq_len,
+            max_new_tokens_limit=self.config.max_new_tokens_limit,
+        )
+        if n < 1:
+            raise RequestError(
+                f"request {request.request_id}: the prompt of {num_prompt} tokens leaves no room to generate "
+                f"within max_seq_len={self.config.max_seq_len}"
+            )
+        return dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, max_tokens=n))
+
+    def _prompt_bytes(self, request: GenerationRequest, limit: int) -> int:
+        """UTF-8 bytes of a request's prompt as rendered, at least: the prompt, or every string of
+        every message (role, content, name, ...) plus the template's markup per message; a number
+        above `limit` once it is known to exceed it. RequestError for text that is not valid
+        Unicode (a lone surrogate), which no tokenizer can take."""
+        if request.prompt is not None:
+            texts, markup = [request.prompt], 0
+        elif isinstance(request.messages, (list, tuple)):
+            texts = [v for m in request.messages if isinstance(m, dict) for v in m.values() if isinstance(v, str)]
+            markup = len(request.messages) * self.tokenizer.chat_overhead.bytes_per_message
+        else:
+            return 0
+        num_chars = sum(map(len, texts)) + markup
+        if num_chars > limit:  # a character is at least one byte: too long without encoding it
+            return num_chars
+        try:
+            return sum(len(t.encode()) for t in texts) + markup
+        except UnicodeEncodeError as e:
+            raise RequestError(f"request {request.request_id}: the prompt is not valid Unicode ({e.reason})") from None
 
     def _validate(self, request: GenerationRequest, prompt_ids: list[int]) -> None:
         rid, s = request.request_id, request.sampling
@@ -567,7 +614,7 @@ class Engine:
     def _append_token(self, req: Request, token: int, outputs: list[RequestOutput]) -> None:
         live = self._live[req.request_id]
         self._counters.generated_tokens += 1
-        if token in live.stop_ids:
+        if token in live.stop_ids and req.num_output > req.sampling.min_tokens:
             return self._finish(req, FinishReason.STOP, outputs, token=token)
         text, hit_stop = live.detokenizer.add(token)
         if hit_stop:
@@ -666,25 +713,6 @@ def _call_back(callback: Callback, out: RequestOutput) -> None:
         callback(out)
     except Exception:  # a broken consumer must not stop the batch
         log.exception("callback of request %s raised", out.request_id)
-
-
-def _prompt_bytes(request: GenerationRequest, limit: int) -> int:
-    """UTF-8 bytes of a request's text (the message contents of a chat), or a number above `limit`
-    once it is known to exceed it; RequestError for text that is not valid Unicode (a lone
-    surrogate), which no tokenizer can take."""
-    if request.prompt is not None:
-        texts = [request.prompt]
-    elif isinstance(request.messages, (list, tuple)):
-        texts = [m.get("content") for m in request.messages if isinstance(m, dict)]
-    else:
-        return 0
-    texts = [t for t in texts if isinstance(t, str)]
-    if sum(map(len, texts)) > limit:  # a character is at least one byte: too long without encoding it
-        return sum(map(len, texts))
-    try:
-        return sum(len(t.encode()) for t in texts)
-    except UnicodeEncodeError as e:
-        raise RequestError(f"request {request.request_id}: the prompt is not valid Unicode ({e.reason})") from None
 
 
 def _error_output(request_id: str, error: str) -> FinalOutput:

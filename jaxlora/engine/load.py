@@ -20,64 +20,37 @@ from jaxlora.engine.engine import Engine
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineSpec:
-    """What to load and how; None everywhere means the defaults of the `jaxlora` command.
+    """What to load; None means the `jaxlora` command's default.
 
     Attributes:
       model: GGUF file, Hugging Face folder or converted checkpoint; None: the embedded default model.
-      config: an EngineConfig, or the path of an engine config YAML (see configs/); None: defaults.
+      config: an EngineConfig, or the path of an engine config YAML (a preset of configs/); None:
+        EngineConfig(). The bank's max rank is raised to the largest rank among `adapters`.
       adapters: name -> PEFT adapter folder, registered at start-up.
       quantize: "fp8" | "int8" weight-only storage of the seven projections, or None (dense).
-      dtype: "float32" | "bfloat16", overriding the config's.
-      max_slots, max_lora_rank, lora_backend: LoRA bank overrides. Without max_lora_rank the bank's
-        rank is the config's, raised to the largest rank among `adapters`.
-      max_cpu_loras: host memory for this many adapters of the bank's max rank.
-      prefetch_adapters, attention, tensor_parallel: engine config overrides.
+      max_cpu_loras: host memory for this many adapters of the bank's max rank (None: the config's
+        host_capacity_bytes, else a share of the machine's memory).
     """
 
     model: str | None = None
     config: EngineConfig | str | Path | None = None
     adapters: Mapping[str, str] = dataclasses.field(default_factory=dict)
     quantize: str | None = None
-    dtype: str | None = None
-    max_slots: int | None = None
-    max_lora_rank: int | None = None
     max_cpu_loras: int | None = None
-    prefetch_adapters: int | None = None
-    lora_backend: str | None = None
-    attention: str | None = None
-    tensor_parallel: int | None = None
 
 
 def engine_config(spec: EngineSpec) -> EngineConfig:
-    """The spec's EngineConfig with its overrides applied. Raises AdapterError for an
-    adapter_config.json that cannot be read."""
+    """The spec's EngineConfig, its bank's rank raised to fit every adapter of the spec. Raises
+    AdapterError for an adapter_config.json that cannot be read, ValueError for a bad config."""
+    from jaxlora.lora.peft_format import read_lora_spec
+
     config = spec.config
     if not isinstance(config, EngineConfig):
         config = EngineConfig.from_yaml(config) if config else EngineConfig()
-    max_rank = spec.max_lora_rank
-    if max_rank is None:
-        from jaxlora.lora.peft_format import read_lora_spec
-
-        max_rank = max([config.lora.max_rank, *(read_lora_spec(f).max_rank for f in spec.adapters.values())])
-    lora_overrides = {
-        k: v
-        for k, v in (("max_slots", spec.max_slots), ("max_rank", max_rank), ("backend", spec.lora_backend))
-        if v is not None
-    }
-    config = dataclasses.replace(config, lora=dataclasses.replace(config.lora, **lora_overrides))
-    overrides = {
-        k: v
-        for k, v in (
-            ("dtype", spec.dtype),
-            ("attention", spec.attention),
-            ("prefetch_adapters", spec.prefetch_adapters),
-        )
-        if v is not None
-    }
-    config = dataclasses.replace(config, **overrides)
-    if spec.tensor_parallel is not None:
-        config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, tensor=spec.tensor_parallel))
-    return config
+    max_rank = max([config.lora.max_rank, *(read_lora_spec(f).max_rank for f in spec.adapters.values())])
+    if max_rank == config.lora.max_rank:
+        return config
+    return dataclasses.replace(config, lora=dataclasses.replace(config.lora, max_rank=max_rank))
 
 
 def load_engine(spec: EngineSpec) -> Engine:

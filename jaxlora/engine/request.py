@@ -32,25 +32,33 @@ class Phase(enum.Enum):
 class SamplingParams:
     """Per-request sampling. temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off.
 
-    A request with a seed gets the same tokens whatever else shares its batch.
+    max_tokens None takes OpenAI's default for the request's kind (`default_max_tokens`): 16 for a
+    prompt to complete, the rest of the context for a chat. A request with a seed gets the same tokens
+    whatever else shares its batch. vLLM's extra fields: `min_p` (0: off) drops tokens less likely
+    than min_p times the most likely one; EOS and `stop_token_ids` end nothing before `min_tokens`
+    tokens (EOS is not sampled then; stop strings still apply); `ignore_eos` generates on past EOS.
     """
 
-    max_tokens: int = 16  # as OpenAI's completions API
+    max_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _check_int("max_tokens", self.max_tokens)
-        if self.max_tokens < 1:
-            raise RequestError(f"max_tokens={self.max_tokens} must be >= 1")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise RequestError(f"max_tokens={self.max_tokens} must be >= 1")
         _check_number("temperature", self.temperature)
         if not self.temperature >= 0:
             raise RequestError(f"temperature={self.temperature} must be >= 0")
@@ -67,15 +75,34 @@ class SamplingParams:
                 raise RequestError(f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t)
+        _check_number("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise RequestError(f"min_p={self.min_p} must be in [0, 1]")
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise RequestError(f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"ignore_eos={self.ignore_eos!r} must be a boolean")
 
     def check_limits(self, *, max_new_tokens_limit: int, vocab_size: int) -> None:
-        if self.max_tokens > max_new_tokens_limit:
+        if self.max_tokens is not None and self.max_tokens > max_new_tokens_limit:
             raise RequestError(f"max_tokens={self.max_tokens} exceeds the engine limit {max_new_tokens_limit}")
         if self.top_k > vocab_size:
             raise RequestError(f"top_k={self.top_k} exceeds the vocabulary size {vocab_size}")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise RequestError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's completions API default
+
+
+def default_max_tokens(*, is_chat: bool, num_prompt: int, max_seq_len: int, max_new_tokens_limit: int) -> int:
+    """max_tokens for a request that gives none, as OpenAI's APIs: a completion gets 16 tokens, a chat
+    the rest of the context; both within the engine's limit and the room the prompt leaves (which
+    may be 0: the caller refuses such a prompt)."""
+    room = min(max_seq_len - num_prompt, max_new_tokens_limit)
+    return room if is_chat else min(COMPLETION_MAX_TOKENS, room)
 
 
 def _check_int(name: str, value: Any) -> None:

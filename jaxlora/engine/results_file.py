@@ -13,6 +13,9 @@ request itself. Opening a file for a job:
   lines) is refused before any work starts, with a message saying what was found; `overwrite=True`
   empties the file instead.
 - A torn last line (a crash mid-write: no newline, and it starts like a record) is cut off.
+- Only a regular file is taken (jaxlora.engine.job_files), and it is read record by record, each
+  within the most bytes its input line's answer can take: a file larger than this input's results
+  could be is refused as not this job's, after reading no more than that.
 
 Writes: one `write` per record, then `fsync`. When a write or its fsync fails (a full disk), the
 file is truncated back to the end of the last whole record and ResultsFileError is raised, so the
@@ -25,18 +28,20 @@ import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxlora.errors import JaxloraError
+from jaxlora.engine.job_files import JobFileError, open_regular
 
 # How every record line starts (`custom_id` is the first key written): a last line without a
 # newline that starts like this, or is a prefix of it, is a torn write of ours.
 RECORD_START = b'{"custom_id": '
+MAX_RECORD_BYTES = 64 * 2**20  # a record's bound when the caller gives none
+_CHUNK = 1 << 20
 
 
-class ResultsFileError(JaxloraError):
+class ResultsFileError(JobFileError):
     """The results file cannot be used or written; the message names the file and says why."""
 
 
@@ -72,25 +77,37 @@ class ResultsFile:
 
     @classmethod
     def open(
-        cls, path: str | Path, *, input_path: str | Path, expected: Sequence[Mapping[str, Any]], overwrite: bool = False
+        cls,
+        path: str | Path,
+        *,
+        input_path: str | Path,
+        expected: Sequence[Mapping[str, Any]],
+        max_record_bytes: Sequence[int] | None = None,
+        overwrite: bool = False,
     ) -> ResultsFile:
         """Opens `path` for the job whose input lines have the fingerprints `expected` (in order).
 
+        Args:
+          max_record_bytes: for each input line, the most bytes its record can take, newline
+            included (default: MAX_RECORD_BYTES each).
+
         Raises:
-          ResultsFileError: the file is the input, is locked by another job, cannot be opened for
-            writing, or holds anything but a prefix of this job's records (unless `overwrite`).
+          ResultsFileError: the file is not a regular file, is the input, is locked by another job,
+            cannot be opened for writing, or holds anything but a prefix of this job's records
+            (unless `overwrite`).
         """
         path = Path(path)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o666)
-        except OSError as e:
-            raise ResultsFileError(f"--output {path}: cannot open it for writing ({e.strerror})") from None
+            fd = open_regular(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, flag="--output")
+        except JobFileError as e:
+            raise ResultsFileError(str(e).replace("cannot open it", "cannot open it for writing")) from None
+        limits = list(max_record_bytes) if max_record_bytes is not None else [MAX_RECORD_BYTES] * len(expected)
         try:
             _check_not_input(fd, path, Path(input_path))
             _lock(fd, path)
             if overwrite:
                 os.ftruncate(fd, 0)
-            num_done, size = _resume_point(fd, path, expected)
+            num_done, size = _resume_point(fd, path, expected, limits)
         except BaseException:
             os.close(fd)
             raise
@@ -149,21 +166,46 @@ def _lock(fd: int, path: Path) -> None:
         ) from None
 
 
-def _resume_point(fd: int, path: Path, expected: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
-    """(records already done, their bytes); cuts off a torn last record; refuses anything else."""
-    data = _read_all(fd)
-    lines = data.split(b"\n")
-    tail = lines.pop()  # after the last newline: b"" when the file ends with one
-    size = 0
-    for i, raw in enumerate(lines):
-        _check_record(path, i, raw, expected)
+def _resume_point(fd: int, path: Path, expected: Sequence[Mapping[str, Any]], limits: Sequence[int]) -> tuple[int, int]:
+    """(records already done, their bytes); cuts off a torn last record; refuses anything else,
+    reading no further than the first record that is not this job's."""
+    num_done = size = 0
+    for raw, has_newline in _records(fd, path, limits):
+        if not has_newline:
+            if not (raw.startswith(RECORD_START) or RECORD_START.startswith(raw)):
+                raise _foreign(path, num_done + 1, f"unrelated text {preview(raw)}")
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+            break
+        _check_record(path, num_done, raw, expected)
+        num_done += 1
         size += len(raw) + 1
-    if tail:
-        if not (tail.startswith(RECORD_START) or RECORD_START.startswith(tail)):
-            raise _foreign(path, len(lines) + 1, f"unrelated text {preview(tail)}")
-        os.ftruncate(fd, size)
-        os.fsync(fd)
-    return len(lines), size
+    return num_done, size
+
+
+def _records(fd: int, path: Path, limits: Sequence[int]) -> Iterator[tuple[bytes, bool]]:
+    """The file's lines (without the newline) and whether each ends in one, read in chunks; a line
+    longer than its record's limit is refused."""
+    offset, pending, number = 0, b"", 0
+    while True:
+        chunk = os.pread(fd, _CHUNK, offset)
+        offset += len(chunk)
+        pending += chunk
+        lines = []
+        if b"\n" in chunk:
+            *lines, pending = pending.split(b"\n")
+        for raw in lines:
+            yield raw, True
+            number += 1
+        limit = limits[number] if number < len(limits) else _CHUNK  # past the last: _check_record refuses
+        if len(pending) >= limit:
+            if number >= len(limits):
+                raise _foreign(path, number + 1, f"more results than the input has lines ({len(limits)})")
+            raise _foreign(path, number + 1, f"a line longer than its result can be ({limit} bytes)")
+        if not chunk:
+            break
+    if pending:
+        yield pending, False
 
 
 def _check_record(path: Path, i: int, raw: bytes, expected: Sequence[Mapping[str, Any]]) -> None:
@@ -195,11 +237,3 @@ def _foreign(path: Path, line: int, what: str) -> ResultsFileError:
 def preview(raw: bytes, limit: int = 60) -> str:
     text = raw.decode("utf-8", errors="replace")
     return repr(text if len(text) <= limit else text[:limit] + "...")
-
-
-def _read_all(fd: int) -> bytes:
-    chunks, offset = [], 0
-    while chunk := os.pread(fd, 1 << 20, offset):
-        chunks.append(chunk)
-        offset += len(chunk)
-    return b"".join(chunks)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import inspect
+import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -54,14 +55,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxlora.config import ModelConfig
 from jaxlora.engine.compiles import start_counting, thread_backend_compiles
-from jaxlora.engine.config import EngineConfig
+from jaxlora.engine.config import CPU_MAX_SEQ_LEN, CPU_POOL_POSITIONS, EngineConfig
 from jaxlora.engine.kv_pages import PageTable, pages_for
 from jaxlora.engine.request import Request
 from jaxlora.engine.sampling import SamplingArrays, greedy, sample
 from jaxlora.engine.scheduler import StepPlan
 from jaxlora.engine.static_arg import Hashed
 from jaxlora.engine.step_inputs import HostInputs, InputPacker, StepLayout
-from jaxlora.lora.apply import GemmBackend, LoraRuntime, gemm_compiler_options
+from jaxlora.kernels import GemmBackend, StepKernels, gemm_compiler_options
 from jaxlora.lora.bank import Bank
 from jaxlora.model import PagedKVCache, RaggedBatch, init_paged_kv_cache
 from jaxlora.model.kv_cache import kv_bytes_per_position
@@ -69,6 +70,8 @@ from jaxlora.model.params import LoadedModel
 from jaxlora.model.sharded import init_sharded_paged_kv_cache
 from jaxlora.parallel import check_mesh
 from jaxlora.parallel.sharding import shard_params, shard_step, tensor_size
+
+log = logging.getLogger(__name__)
 
 # Traces of the step in this process: each is a compile. Module level, so engines with equal shapes
 # share compiled steps (jit caches by function and static arguments).
@@ -88,7 +91,7 @@ def _count_trace() -> None:
         _num_traces += 1
 
 
-def _step(params, bank, kv, tokens, src, positions, slot_ids, batch, last_ids, *, graphdef, runtime, mesh):
+def _step(params, bank, kv, tokens, src, positions, slot_ids, batch, last_ids, *, graphdef, kernels, mesh):
     """The step's math over its unpacked fields (module doc; sampling is `packed_sample`'s); traced
     inside the jitted entries. -> (greedy next_ids [S], kv, logits [S, vocab] float32)."""
     tokens = jnp.where(src >= 0, last_ids[jnp.maximum(src, 0)], tokens)
@@ -102,7 +105,7 @@ def _step(params, bank, kv, tokens, src, positions, slot_ids, batch, last_ids, *
             bank=bank,
             slot_ids=None if bank is None else slot_ids,
             ragged=batch,
-            runtime=runtime,
+            kernels=kernels,
             tensor_axis=tensor_axis,
         )
         logits = mod.logits(hidden[batch.last_index, 0], tensor_axis=tensor_axis)  # [S, vocab]
@@ -115,7 +118,7 @@ def _step(params, bank, kv, tokens, src, positions, slot_ids, batch, last_ids, *
 
 class _ByCompilerOptions:
     """A step function jitted once per set of XLA compile options (compiler options are not a static
-    argument of one jit). A call, `lower` or `trace` goes to the jit of its `runtime=` keyword's
+    argument of one jit). A call, `lower` or `trace` goes to the jit of its `kernels=` keyword's
     `compiler_options` for the step's token count, `count(argument tokens_arg)`."""
 
     def __init__(self, fun: Callable, tokens_arg: str, count: Callable[[object], int], **jit_kw) -> None:
@@ -133,11 +136,11 @@ class _ByCompilerOptions:
         functools.update_wrapper(self, fun)
 
     def _jit(self, args: tuple, kwargs: dict):
-        runtime = kwargs.get("runtime")
-        if not isinstance(runtime, LoraRuntime):
-            raise TypeError(f"{self.__name__} takes its LoraRuntime as the keyword argument runtime=, got {runtime!r}")
+        kernels = kwargs.get("kernels")
+        if not isinstance(kernels, StepKernels):
+            raise TypeError(f"{self.__name__} takes its StepKernels as the keyword argument kernels=, got {kernels!r}")
         value = kwargs[self._tokens_arg] if self._tokens_arg in kwargs else args[self._tokens_at]
-        return self._jits[_key(runtime.compiler_options(self._count(value)))]
+        return self._jits[_key(kernels.compiler_options(self._count(value)))]
 
     def __call__(self, *args, **kwargs):
         return self._jit(args, kwargs)(*args, **kwargs)
@@ -163,10 +166,10 @@ def by_compiler_options(
 @by_compiler_options(
     "layout",
     lambda layout: layout.budget,
-    static_argnames=("layout", "graphdef", "runtime", "mesh"),
+    static_argnames=("layout", "graphdef", "kernels", "mesh"),
     donate_argnames=("kv",),
 )
-def packed_step(params, bank, kv, packed, last_ids, *, layout: StepLayout, graphdef: Hashed, runtime, mesh=None):
+def packed_step(params, bank, kv, packed, last_ids, *, layout: StepLayout, graphdef: Hashed, kernels, mesh=None):
     """The engine's step: its inputs as one int32 array `packed` [layout.size] (one host->device
     copy; `jaxlora.engine.step_inputs`), unpacked here at static offsets.
     -> (greedy next_ids [S], kv, logits [S, vocab] float32); `packed_sample` then samples the rows
@@ -175,13 +178,14 @@ def packed_step(params, bank, kv, packed, last_ids, *, layout: StepLayout, graph
     fields = layout.unpack(packed)
     del fields["sampling"]  # packed_sample's
     graphdef = Hashed.unwrap(graphdef, "packed_step")
-    return _step(params, bank, kv, last_ids=last_ids, graphdef=graphdef, runtime=runtime, mesh=mesh, **fields)
+    return _step(params, bank, kv, last_ids=last_ids, graphdef=graphdef, kernels=kernels, mesh=mesh, **fields)
 
 
-@functools.partial(jax.jit, static_argnames=("layout",))
-def packed_sample(logits, ids, packed, *, layout: StepLayout):
-    """The rows of a step with a temperature, sampled from its logits [S, vocab] (top-k, top-p);
-    greedy rows and rows whose logits are not finite keep `ids` [S]. -> next_ids [S].
+@functools.partial(jax.jit, static_argnames=("layout", "eos_ids"))
+def packed_sample(logits, ids, packed, *, layout: StepLayout, eos_ids: tuple[int, ...] = ()):
+    """The rows of a step sampled from its logits [S, vocab] (`jaxlora.engine.sampling.sample`: EOS
+    banned below min_tokens, temperature, top-k, top-p, min-p); rows whose logits are not finite keep
+    `ids` [S]. -> next_ids [S].
 
     A program of its own, dispatched after the step only when a row of the step samples: inside the
     step, the choice would be an XLA conditional, whose predicate the GPU runtime reads on the host,
@@ -189,13 +193,13 @@ def packed_sample(logits, ids, packed, *, layout: StepLayout):
     the whole device step), and computing both branches always sorts the vocabulary per row."""
     _count_trace()
     sampling = layout.unpack(packed)["sampling"]
-    return jnp.where(ids >= 0, sample(logits, sampling), ids)
+    return jnp.where(ids >= 0, sample(logits, sampling, eos_ids=eos_ids), ids)
 
 
 @by_compiler_options(
     "tokens",
     lambda tokens: tokens.shape[0],
-    static_argnames=("graphdef", "runtime", "mesh"),
+    static_argnames=("graphdef", "kernels", "mesh"),
     donate_argnames=("kv",),
 )
 def ragged_step(
@@ -211,7 +215,7 @@ def ragged_step(
     last_ids,
     *,
     graphdef: Hashed,
-    runtime,
+    kernels,
     mesh=None,
 ):
     """The same step over its fields as separate arrays (module doc): for tools that build a step's
@@ -230,7 +234,7 @@ def ragged_step(
         batch,
         last_ids,
         graphdef=graphdef,
-        runtime=runtime,
+        kernels=kernels,
         mesh=mesh,
     )
     return ids, kv
@@ -240,7 +244,13 @@ class Runner:
     """Owns the page pool and calls the compiled step. Not thread-safe: the engine loop calls it."""
 
     def __init__(
-        self, model: LoadedModel, config: EngineConfig, *, runtime: LoraRuntime, mesh: jax.sharding.Mesh | None = None
+        self,
+        model: LoadedModel,
+        config: EngineConfig,
+        *,
+        kernels: StepKernels,
+        mesh: jax.sharding.Mesh | None = None,
+        eos_ids: tuple[int, ...] = (),
     ) -> None:
         check_mesh(config.mesh, mesh)  # the mesh is made once, by jaxlora.engine.build
         if mesh is not None and model.fused:
@@ -250,8 +260,9 @@ class Runner:
             )
         self.model = model
         self.config = config
-        self.runtime = runtime
+        self.kernels = kernels
         self.mesh = mesh
+        self.eos_ids = tuple(sorted(eos_ids))  # banned by the sampler below a row's min_tokens
         self.params = model.params if self.mesh is None else shard_params(model.params, model.config, self.mesh)
         self.pages_per_seq = pages_for(config.max_seq_len, config.page_size)
         self.num_pages = self._pool_pages()
@@ -261,7 +272,7 @@ class Runner:
         # fresh pool is placed like them.
         self.last_ids: jax.Array = self._initial_ids()
         self.kv: PagedKVCache = self._new_pool()
-        self._static = dict(graphdef=Hashed(model.graphdef), runtime=runtime)
+        self._static = dict(graphdef=Hashed(model.graphdef), kernels=kernels)
         if self.mesh is not None:  # one device: the same jit cache key as callers that never pass a mesh
             self._static["mesh"] = self.mesh
         self.packer = InputPacker(
@@ -285,16 +296,14 @@ class Runner:
 
     def _pool_pages(self) -> int:
         """The configured page count, else what the device memory left after weights and adapter bank
-        holds (GPU), else one max_seq_len sequence per row (CPU, where memory is the host's)."""
+        holds (GPU), else one max_seq_len sequence per row within CPU_POOL_POSITIONS (CPU, where
+        memory is the host's)."""
         cfg = self.config
         if cfg.num_pages is not None:
             return cfg.num_pages
         if jax.default_backend() != "gpu":
-            return cfg.max_batch * self.pages_per_seq
-        stats = jax.local_devices()[0].memory_stats() or {}
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        per_page = kv_bytes_per_position(self.model.config, cfg.jnp_dtype) * cfg.page_size // tensor_size(self.mesh)
-        return max(self.pages_per_seq, int(free * cfg.kv_memory_fraction) // per_page)
+            return max(self.pages_per_seq, min(cfg.max_batch * self.pages_per_seq, CPU_POOL_POSITIONS // cfg.page_size))
+        return max(self.pages_per_seq, pool_positions(self.model.config, cfg, self.mesh) // cfg.page_size)
 
     def _new_pool(self) -> PagedKVCache:
         cfg, model = self.config, self.model
@@ -349,7 +358,7 @@ class Runner:
             self.params, bank, self.kv, packed, self.last_ids, layout=layout, **self._static
         )
         if sample:
-            next_ids = packed_sample(logits, next_ids, packed, layout=layout)
+            next_ids = packed_sample(logits, next_ids, packed, layout=layout, eos_ids=self.eos_ids)
         self.step_compiles += thread_backend_compiles() - compiles
         self.last_ids = next_ids
         return next_ids
@@ -374,9 +383,12 @@ class Runner:
         The shapes compile at once, one thread each: XLA compiles release the GIL and each is mostly
         single-threaded, so n compiles take about the longest one on a machine with n cores. The
         compiled programs land in jit's compile cache; the calls below then only execute them.
-        `progress(what, k, n)` is called as each of the n compiles finishes.
+        `progress(what, k, n)` is called as each of the n compiles finishes; `what` names the shape and
+        the kernels it runs (`StepKernels.describe`).
         """
         variants = (False,) if bank is None else (True, False) if self.config.bank_free_steps else (True,)
+        for budget in self.config.token_budgets:
+            log.info("step of %d tokens runs %s", budget, self.kernels.describe(budget))
         shapes = [(budget, lora) for budget in self.config.token_budgets for lora in variants]
         # Inputs placed as `dispatch` places them (the placement is part of the compiled program).
         packed = {
@@ -393,7 +405,10 @@ class Runner:
                 done.result()
                 budget, lora = jobs[done]
                 if progress is not None:
-                    progress(f"step of {budget} tokens{' with adapters' if lora else ''}", k + 1, len(shapes))
+                    what = (
+                        f"step of {budget} tokens{' with adapters' if lora else ''} [{self.kernels.describe(budget)}]"
+                    )
+                    progress(what, k + 1, len(shapes))
         # Calls of the compiled programs (they compile nothing: the fresh pool and ids are placed as
         # the step returns them, see `_fresh_pool`), twice, so that every shape's entry in jit's fast
         # dispatch path is made from arguments a step returned. Each runs `packed_sample` too
@@ -432,6 +447,20 @@ def _fresh_pool(model: ModelConfig, num_pages: int, page_size: int, dtype: jnp.d
     return jax.tree.map(lambda x: x + zero, init_paged_kv_cache(model, num_pages, page_size, dtype))
 
 
+def pool_positions(model: ModelConfig, config: EngineConfig, mesh: jax.sharding.Mesh | None = None) -> int:
+    """KV positions the page pool can hold: `config.num_pages`, else on GPU the share
+    `kv_memory_fraction` of the device memory free now (call it with weights and bank placed), else
+    (CPU) CPU_MAX_SEQ_LEN, the bound of the default context there."""
+    if config.num_pages is not None:
+        return config.num_pages * config.page_size
+    if jax.default_backend() != "gpu":
+        return CPU_MAX_SEQ_LEN
+    stats = jax.local_devices()[0].memory_stats() or {}
+    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    per_page = kv_bytes_per_position(model, config.jnp_dtype) * config.page_size // tensor_size(mesh)
+    return int(free * config.kv_memory_fraction) // per_page * config.page_size
+
+
 def _home_device(params) -> jax.Device:
     """The one device holding every parameter (no mesh)."""
     devices = set().union(*(leaf.devices() for leaf in jax.tree.leaves(params)))
@@ -453,4 +482,5 @@ def sampling_arrays(requests: Sequence[Request | None], rows: int) -> SamplingAr
         p = r.sampling
         s.temperature[i], s.top_k[i], s.top_p[i] = p.temperature, p.top_k, p.top_p
         s.seed[i], s.counter[i] = r.seed, r.num_dispatched  # index of the token this step samples
+        s.min_p[i], s.min_tokens[i] = p.min_p, p.min_tokens
     return s

@@ -35,9 +35,11 @@ from jaxlora.engine.sampling import SamplingArrays
 from jaxlora.engine.scheduler import Chunk, StepPlan
 from jaxlora.model import RaggedBatch
 
-ROW_FIELDS = ("q_start", "q_len", "kv_len", "temperature", "top_k", "top_p", "seed", "counter")
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "counter", "min_p", "min_tokens")
+ROW_FIELDS = ("q_start", "q_len", "kv_len", *_SAMPLING_FIELDS)
 TOKEN_FIELDS = ("tokens", "src", "positions", "slot_ids", "write_page", "write_offset")
-_FLOAT32 = ("temperature", "top_p")
+_FLOAT32 = ("temperature", "top_p", "min_p")
+_ROW_SAMPLING = tuple(f for f in _SAMPLING_FIELDS if f != "counter")  # fixed while a request holds its row
 _UINT32 = ("seed",)
 
 
@@ -81,7 +83,7 @@ class StepLayout:
         given = dict(tokens=tokens, src=src, positions=positions, slot_ids=slot_ids)
         given.update({k: getattr(batch, k) for k in ("q_start", "q_len", "kv_len", "block_tables")})
         given.update({k: getattr(batch, k) for k in ("write_page", "write_offset")})
-        given.update({k: getattr(sampling, k) for k in ("temperature", "top_k", "top_p", "seed", "counter")})
+        given.update({k: getattr(sampling, k) for k in _SAMPLING_FIELDS})
         for name, value in given.items():
             value = np.asarray(value)
             if value.shape != views[name].shape:
@@ -107,7 +109,7 @@ class StepLayout:
             write_page=f["write_page"],
             write_offset=f["write_offset"],
         )
-        sampling = SamplingArrays(**{k: f[k] for k in ("temperature", "top_k", "top_p", "seed", "counter")})
+        sampling = SamplingArrays(**{k: f[k] for k in _SAMPLING_FIELDS})
         return dict(
             tokens=f["tokens"],
             src=f["src"],
@@ -124,7 +126,8 @@ class HostInputs:
 
     buffer: [layout.size] int32, a view of the packer's buffer `index`: rewritten by a later `pack`.
     has_adapter: some token of the step reads an adapter slot (slot != 0).
-    samples: some row of the step samples its next token with a temperature (not greedy).
+    samples: some row of the step needs the sampler: it samples with a temperature, or EOS is banned
+      for it (min_tokens).
     """
 
     layout: StepLayout
@@ -177,6 +180,8 @@ class InputPacker:
             "top_k": np.zeros(rows, np.int32),
             "top_p": np.ones(rows, np.float32),
             "seed": np.zeros(rows, np.uint32),
+            "min_p": np.zeros(rows, np.float32),
+            "min_tokens": np.zeros(rows, np.int32),
         }
 
     def reset(self) -> None:
@@ -209,7 +214,7 @@ class InputPacker:
         f["q_start"][row], f["q_len"][row], f["kv_len"][row] = offset, length, start + length
         f["block_tables"][row] = self._tables[row]
         sampled = row[samples]
-        for name in ("temperature", "top_k", "top_p", "seed"):
+        for name in _ROW_SAMPLING:
             f[name][sampled] = self._sampling[name][sampled]
         # The index of the output token this step samples: the chunk ends where the request's known
         # tokens end, and outputs start after the prompt.
@@ -219,7 +224,7 @@ class InputPacker:
             buffer=buffer,
             index=k,
             has_adapter=bool(slot.any()),
-            samples=bool((f["temperature"][sampled] > 0).any()),
+            samples=bool((f["temperature"][sampled] > 0).any() or (f["counter"] < f["min_tokens"])[sampled].any()),
         )
 
     @staticmethod
@@ -236,7 +241,9 @@ class InputPacker:
 
     def _clear(self, f: dict[str, np.ndarray]) -> None:
         """Every row absent and greedy, every token padding (module doc of jaxlora.engine.runner)."""
-        for name in ("block_tables", "q_start", "q_len", "kv_len", "temperature", "top_k", "seed", "counter"):
+        for name in ("block_tables", "q_start", "q_len", "kv_len", "temperature", "top_k", "seed", "counter", "min_p"):
+            f[name].fill(0)
+        for name in ("min_tokens",):
             f[name].fill(0)
         f["top_p"].fill(1.0)
         for name in ("tokens", "positions", "slot_ids", "write_offset"):
@@ -273,6 +280,7 @@ class InputPacker:
             p.top_p,
             req.seed,
         )
+        s["min_p"][row], s["min_tokens"][row] = p.min_p, p.min_tokens
 
 
 def _chunk_arrays(plan: StepPlan) -> tuple[np.ndarray, ...]:

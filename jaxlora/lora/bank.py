@@ -169,7 +169,7 @@ def write_slot_flat(bank: Bank, slot: int, flat: jax.Array) -> Bank:
 
 def write_many_flat(bank: Bank, slots: jax.Array, flats: tuple[jax.Array, ...]) -> Bank:
     """The traceable body of `write_slots_flat`, without its checks: for callers that compose the
-    writes into a jitted program of their own (benchmarks/pagein_probe.py)."""
+    writes into a jitted program of their own (benchmarks/probes/pagein.py)."""
     for i, flat in enumerate(flats):  # in order: a later write to the same slot wins
         bank = _write_flat(bank, slots[i], flat)
     return bank
@@ -183,7 +183,7 @@ def write_slots_flat(bank: Bank, slots: np.ndarray, flats: tuple[jax.Array, ...]
     """Writes k adapters' flat buffers into `slots` [k] in ONE jitted call, in order.
 
     One call instead of k: on the H200 each call whose input is a host->device copy still in
-    flight held the host for about that copy's time (benchmarks/results/pagein_probe.json), so k
+    flight held the host for about that copy's time (benchmarks/results/probes/pagein/pagein_probe.json), so k
     separate writes serialized the host on the copies. Returns the new bank (the old one is donated).
     """
     return write_slots_flat_jit(bank, check_slot_writes(slots, len(flats)), tuple(flats))

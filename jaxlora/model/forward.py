@@ -8,12 +8,12 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxlora.lora.apply import LoraRuntime
+from jaxlora.kernels import StepKernels
 from jaxlora.model.kv_cache import KVCache
 from jaxlora.parallel.sharding import shard_step
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "runtime", "mesh"), donate_argnames=("kv",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "mesh"), donate_argnames=("kv",))
 def forward_logits(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -24,7 +24,7 @@ def forward_logits(
     slot_ids: jax.Array | None = None,
     row_ids: jax.Array | None = None,
     *,
-    runtime: LoraRuntime = LoraRuntime(),
+    kernels: StepKernels = StepKernels(),
     mesh: Mesh | None = None,
 ):
     """float32 logits [b, t, vocab] of every position, and the updated cache (donated).
@@ -43,7 +43,7 @@ def forward_logits(
             bank=bank,
             slot_ids=slot_ids,
             row_ids=row_ids,
-            runtime=runtime,
+            kernels=kernels,
             tensor_axis=tensor_axis,
         )
         return mod.logits(hidden, tensor_axis=tensor_axis), kv

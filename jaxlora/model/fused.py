@@ -8,7 +8,7 @@ output column, so they go along with their columns). Each layer then runs one GE
 five in all instead of seven. Why: a decode step reads every weight once, and at a few hundred rows
 a GEMM is bound by how fast it streams its weight. The H200 streams a wide matrix better than three
 narrow ones, it needs no split-K reduction kernels, and the step has fewer launches. Eight layers of
-the Llama-2-7B projections, `benchmarks/results/floor_probe_s8/quant_gemm_flags.json`, in ms:
+the Llama-2-7B projections, `benchmarks/results/archive/floor_probe_s8/quant_gemm_flags.json`, in ms:
 
     batch   separate (XLA Triton GEMMs)   fused (XLA Triton)   fused (cuBLAS)     floor
     64      1.226                         1.035                0.965              0.79

@@ -24,9 +24,9 @@ from flax import nnx
 
 import pallas_kernels
 from jaxlora.config import AttentionBackend, ModelConfig
+from jaxlora.kernels import StepKernels
 from jaxlora.lora.apply import (
     GROUP_MODULES,
-    LoraRuntime,
     apply_group,
     apply_group_fused,
     step_plan,
@@ -78,10 +78,10 @@ def _linear(
 _IN_PLACE_WEIGHTS = nnx.Any(nnx.PathContains("qkernel"), nnx.PathContains("qkernel_t"), nnx.PathContains("qscale"))
 
 
-def _apply_linear(linear: nnx.Linear | QuantLinear, x: jax.Array, layer: jax.Array, runtime: LoraRuntime) -> jax.Array:
+def _apply_linear(linear: nnx.Linear | QuantLinear, x: jax.Array, layer: jax.Array, kernels: StepKernels) -> jax.Array:
     """linear(x) with its bias; a quantized projection holding the whole stack multiplies by layer `layer`."""
     if isinstance(linear, QuantLinear):
-        return linear(x, layer=layer, kernel=runtime.quant_kernel, interpret=runtime.interpret)
+        return linear(x, layer=layer, kernel=kernels.quant_kernel, interpret=kernels.interpret)
     return linear(x)
 
 
@@ -129,7 +129,7 @@ class StepInputs:
     row_ids: jax.Array | None
     token_slots: jax.Array
     seg_len: int | None
-    runtime: LoraRuntime
+    kernels: StepKernels
     inv_freq: jax.Array
     lora_plan: pallas_kernels.LoraPlan | None = None
     tensor_axis: str | None = None
@@ -146,10 +146,10 @@ def _fused_projection(
 ) -> dict[str, jax.Array]:
     """One GEMM for the modules sharing x2 (jaxlora.model.fused), their LoRA terms added in place in
     its columns, then split: module -> [N, out_m]."""
-    y = _apply_linear(linear, x2, layer, s.runtime)  # [N, sum of the modules' widths]
+    y = _apply_linear(linear, x2, layer, s.kernels)  # [N, sum of the modules' widths]
     starts = module_columns(cfg, modules)
     y = apply_group_fused(
-        group, lora.get(group), x2, y, starts, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan, layer=layer
+        group, lora.get(group), x2, y, starts, s.token_slots, s.kernels, s.seg_len, plan=s.lora_plan, layer=layer
     )
     cols = starts + (y.shape[1],)
     return {m: y[:, cols[i] : cols[i + 1]] for i, m in enumerate(modules)}
@@ -187,9 +187,9 @@ class Attention(nnx.Module):
         if self.fused:
             qkv = _fused_projection(self.qkv_proj, "qkv", _QKV, cfg, x2, layer, lora, s)
         else:
-            qkv = {m: _apply_linear(getattr(self, m), x2, layer, s.runtime) for m in _QKV}
+            qkv = {m: _apply_linear(getattr(self, m), x2, layer, s.kernels) for m in _QKV}
             qkv = apply_group(
-                "qkv", lora.get("qkv"), x2, qkv, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan, layer=layer
+                "qkv", lora.get("qkv"), x2, qkv, s.token_slots, s.kernels, s.seg_len, plan=s.lora_plan, layer=layer
             )
         # -1 heads: under tensor parallelism this shard holds num_heads / n of them.
         q = qkv["q_proj"].reshape(b, t, -1, cfg.head_dim)
@@ -199,27 +199,21 @@ class Attention(nnx.Module):
         k = apply_rope(k, s.positions, s.inv_freq)
         if s.ragged is not None:
             kv = _write_pages(kv, layer, k[:, 0], v[:, 0], s.ragged)
-            attn = _attend_ragged(q[:, 0], kv, layer, s.ragged, s.runtime).reshape(b, t, -1)
-        elif t == 1 and s.row_ids is None and s.runtime.attention is AttentionBackend.PALLAS:
-            # Decode: write the new key/value in place, then read only valid positions of this layer.
-            kv = _write_cache(kv, layer, k, v, s.positions, jnp.arange(b, dtype=jnp.int32))
-            attn = pallas_kernels.decode_attention(
-                q[:, 0], kv.k, kv.v, layer, s.positions[:, 0] + 1, interpret=s.runtime.interpret
-            ).reshape(b, t, -1)
+            attn = _attend_ragged(q[:, 0], kv, layer, s.ragged, s.kernels).reshape(b, t, -1)
         else:
             kv, keys, values = _update_cache(kv, layer, k, v, s.positions, s.row_ids)
             attn = _attend(q, keys, values, s.positions)  # [b, t, H * Dh]
         a2 = attn.reshape(b * t, -1)
         if s.tensor_axis is None:
-            out = {"o_proj": _apply_linear(self.o_proj, a2, layer, s.runtime)}
+            out = {"o_proj": _apply_linear(self.o_proj, a2, layer, s.kernels)}
         else:  # row-parallel: the bias joins after the all-reduce, or every shard would add it
             out = {
                 "o_proj": project(
-                    self.o_proj, a2, layer=layer, kernel=s.runtime.quant_kernel, interpret=s.runtime.interpret
+                    self.o_proj, a2, layer=layer, kernel=s.kernels.quant_kernel, interpret=s.kernels.interpret
                 )
             }
         out = apply_group(
-            "o", lora.get("o"), a2, out, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan, layer=layer
+            "o", lora.get("o"), a2, out, s.token_slots, s.kernels, s.seg_len, plan=s.lora_plan, layer=layer
         )
         o = out["o_proj"]
         if s.tensor_axis is not None:
@@ -262,11 +256,11 @@ def _write_pages(kv: PagedKVCache, layer: jax.Array, k: jax.Array, v: jax.Array,
     )
 
 
-def _attend_ragged(q: jax.Array, kv: PagedKVCache, layer: jax.Array, batch: RaggedBatch, runtime) -> jax.Array:
+def _attend_ragged(q: jax.Array, kv: PagedKVCache, layer: jax.Array, batch: RaggedBatch, kernels) -> jax.Array:
     """q [T, H, Dh] over each token's own sequence in the page pool -> [T, H, Dh]."""
     args = (q, kv.k, kv.v, layer, batch.q_start, batch.q_len, batch.kv_len, batch.block_tables)
-    if runtime.attention is AttentionBackend.PALLAS:
-        return pallas_kernels.ragged_paged_attention(*args, interpret=runtime.interpret)
+    if kernels.attention is AttentionBackend.PALLAS:
+        return pallas_kernels.ragged_paged_attention(*args, interpret=kernels.interpret)
     return pallas_kernels.ragged_paged_attention_xla(*args)
 
 
@@ -314,22 +308,22 @@ class MLP(nnx.Module):
         if self.fused:
             gu = _fused_projection(self.gate_up_proj, "gate_up", _GATE_UP, self.cfg, x2, layer, lora, s)
         else:
-            gu = {m: _apply_linear(getattr(self, m), x2, layer, s.runtime) for m in _GATE_UP}
+            gu = {m: _apply_linear(getattr(self, m), x2, layer, s.kernels) for m in _GATE_UP}
             gu = apply_group(
                 "gate_up",
                 lora.get("gate_up"),
                 x2,
                 gu,
                 s.token_slots,
-                s.runtime,
+                s.kernels,
                 s.seg_len,
                 plan=s.lora_plan,
                 layer=layer,
             )
         hidden = jax.nn.silu(gu["gate_proj"]) * gu["up_proj"]
-        out = {"down_proj": _apply_linear(self.down_proj, hidden, layer, s.runtime)}
+        out = {"down_proj": _apply_linear(self.down_proj, hidden, layer, s.kernels)}
         out = apply_group(
-            "down", lora.get("down"), hidden, out, s.token_slots, s.runtime, s.seg_len, plan=s.lora_plan, layer=layer
+            "down", lora.get("down"), hidden, out, s.token_slots, s.kernels, s.seg_len, plan=s.lora_plan, layer=layer
         )
         # Row-parallel under tensor parallelism: base and LoRA partial sums share one all-reduce.
         return tp.all_reduce(out["down_proj"], s.tensor_axis).reshape(b, t, -1)
@@ -404,7 +398,7 @@ class Llama(nnx.Module):
         slot_ids: jax.Array | None = None,
         row_ids: jax.Array | None = None,
         ragged: RaggedBatch | None = None,
-        runtime: LoraRuntime = LoraRuntime(),
+        kernels: StepKernels = StepKernels(),
         tensor_axis: str | None = None,
     ) -> tuple[jax.Array, KVCache | PagedKVCache]:
         """Runs tokens [b, t] at positions [b, t] through every layer.
@@ -430,13 +424,13 @@ class Llama(nnx.Module):
         token_slots = jnp.zeros((b * t,), jnp.int32) if slot_ids is None else token_slots_for(slot_ids, t)
         seg_len = t if t > 1 else None
         # Which rows use which slot is the same in every layer: group them once, not per op.
-        plan = step_plan(bank, token_slots, runtime, seg_len)
+        plan = step_plan(bank, token_slots, kernels, seg_len)
         s = StepInputs(
             positions=positions.astype(jnp.int32),
             row_ids=row_ids,
             token_slots=token_slots,
             seg_len=seg_len,
-            runtime=runtime,
+            kernels=kernels,
             inv_freq=jnp.asarray(inverse_frequencies(self.cfg)),
             lora_plan=plan,
             tensor_axis=tensor_axis,
@@ -452,7 +446,7 @@ class Llama(nnx.Module):
         # the kernels read that layer in place (a slice before a kernel call copies every slot). With
         # the quantized-GEMM kernel the quantized projections' weights stay whole the same way; every
         # other parameter is sliced (unrolled) or scanned over.
-        in_place = _IN_PLACE_WEIGHTS if runtime.uses_quant_kernel(b * t) else nnx.Nothing
+        in_place = _IN_PLACE_WEIGHTS if kernels.uses_quant_kernel(b * t) else nnx.Nothing
         graphdef, whole, layer_state = nnx.split(self.layers, in_place, ...)
 
         def body(carry, xs):
@@ -461,7 +455,7 @@ class Llama(nnx.Module):
             h, kv = nnx.merge(graphdef, whole, state)(h, kv, layer, bank or {}, s)
             return (h, kv), None
 
-        if runtime.unroll_layers and t == 1 and b <= runtime.unroll_max_tokens:
+        if kernels.unrolls(b, t):
             # Weight-bound steps only: XLA copies a scanned layer's weights out of the stack before
             # each GEMM (measured on the H200: 11.3 ms scanned vs 4.8 ms unrolled for the 7B
             # projections at B=64); compute-bound steps keep the scan's short compile.

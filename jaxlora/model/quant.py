@@ -5,9 +5,9 @@
 
 The scale multiplies the GEMM's output columns, never the weight, so a GEMM can read the 1-byte
 weights, convert them on the fly and scale its result. XLA does not do that (it writes a
-dequantized copy of the weight first); `pallas_kernels.quant_matmul` does, and reads one layer of
+dequantized copy of the weight first); `pallas_kernels.quant.triton` does, and reads one layer of
 the stacked weights in place: a QuantLinear holding the whole stack [L, in, out] runs that kernel on
-the layer it is given (the model's GPU path, `LoraRuntime.quant_matmul`), one holding a single layer
+the layer it is given (the model's GPU path, `jaxlora.kernels.StepKernels.quant_matmul`), one holding a single layer
 [in, out] runs `matmul` through XLA. The LoRA delta is added to this output, as it is to a dense
 layer's, so adapters trained on the dense base apply unchanged.
 
@@ -26,9 +26,9 @@ reading a dense `kernel` fails loudly instead of multiplying by raw integers.
 
 The serving layout (jaxlora.model.fused) stores int8 weights K-major instead, as `qkernel_t`
 ([L, out, in]: each output column's weights contiguous), the layout the Hopper GEMM kernel
-`pallas_kernels.quant_matmul_mgpu` reads (wgmma takes its register operand, the widened weight tile,
+`pallas_kernels.quant.mgpu` reads (wgmma takes its register operand, the widened weight tile,
 from the [out, in] side). A different name again, so that code expecting [in, out] fails loudly
-rather than reading a square matrix transposed. FP8 keeps `qkernel` there: its kernel (BEST_KERNEL)
+rather than reading a square matrix transposed. FP8 keeps `qkernel` there: its kernel (jaxlora.kernels.BEST_KERNEL)
 is the Triton one, measured and checked on the GPU in that layout. `to_kmajor_arrays` /
 `from_kmajor_arrays` convert; `LoadedModel.flat_params()` always returns the canonical `qkernel`.
 """
@@ -45,10 +45,11 @@ import numpy as np
 from flax import nnx
 
 from jaxlora.config import TARGET_MODULES
-from pallas_kernels.quant_matmul import quant_matmul
-from pallas_kernels.quant_matmul_mgpu import X_DTYPES as MGPU_X_DTYPES
-from pallas_kernels.quant_matmul_mgpu import quant_matmul_mgpu
-from pallas_kernels.quant_mgpu_tuning import mgpu_knobs
+from jaxlora.kernels import BEST_KERNEL, QuantKernel
+from pallas_kernels.quant.mgpu import X_DTYPES as MGPU_X_DTYPES
+from pallas_kernels.quant.mgpu import quant_matmul_mgpu
+from pallas_kernels.quant.triton import quant_matmul
+from pallas_kernels.quant.tuning import mgpu_knobs
 
 
 class Quantization(enum.StrEnum):
@@ -104,32 +105,10 @@ def matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *, k_major: bool = Fals
     """x [n, in] @ the quantized w -> [n, out] in x's dtype. Accumulates and scales in float32.
     q is [in, out], or [out, in] with k_major (contracted on its last axis: no transposed copy).
 
-    Plain XLA, and the reference `pallas_kernels.quant_matmul` is tested against."""
+    Plain XLA, and the reference `pallas_kernels.quant.triton` is tested against."""
     dims = (((1,), (1 if k_major else 0,)), ((), ()))
     y = jax.lax.dot_general(x, q.astype(x.dtype), dims, preferred_element_type=jnp.float32)
     return (y * scale).astype(x.dtype)
-
-
-class QuantKernel(enum.StrEnum):
-    """Which kernel multiplies a quantized projection that holds the whole stack (`project`)."""
-
-    TRITON = "triton"  # pallas_kernels.quant_matmul: any shape, either layout
-    MGPU = "mgpu"  # pallas_kernels.quant_matmul_mgpu: Hopper, K-major, <= 256 rows, widths of 64
-    BEST = "best"  # per format, the fastest kernel checked on the GPU: BEST_KERNEL
-
-
-# QuantKernel.BEST by storage dtype, and so the serving layout's storage (`kmajor_serving`). H200,
-# the seven projections of 8 Llama-2-7B layers in the serving layout at 16 / 64 / 128 / 256 rows
-# (benchmarks/results/mgpu_probe/): int8 on the Mosaic kernel 0.72 / 1.04 / 1.29 / 2.00 ms against
-# the Triton one's 1.20 / 1.43 / 1.75 / 2.88 (its output compared with a float64 product on the GPU,
-# with other tile knobs of the same code paths than the table's). e4m3 on the Mosaic kernel timed
-# 0.69 / 0.92 / 1.22 / 1.93 ms, but its output was never compared on the GPU (the probe skipped it),
-# so e4m3 stays on the Triton kernel in the [in, out] layout (1.59 / 1.90 / 2.07 / 3.35 ms,
-# benchmarks/results/decode_floor_probe/) until it is.
-BEST_KERNEL: dict[jnp.dtype, QuantKernel] = {
-    jnp.dtype(jnp.int8): QuantKernel.MGPU,
-    jnp.dtype(jnp.float8_e4m3fn): QuantKernel.TRITON,
-}
 
 
 def kmajor_serving(quantization: Quantization | None) -> bool:
@@ -193,9 +172,9 @@ def project(
     layer: this projection's layer in the model (int32 scalar, may be traced). A quantized projection
     holding the whole stack (qkernel [L, in, out] or qkernel_t [L, out, in], qscale [L, out])
     multiplies by that layer in a kernel that reads it in place: `kernel` TRITON is
-    `pallas_kernels.quant_matmul` (either layout); MGPU is `pallas_kernels.quant_matmul_mgpu`, which
+    `pallas_kernels.quant.triton` (either layout); MGPU is `pallas_kernels.quant.mgpu`, which
     needs the K-major layout and takes bf16 / f16 steps of at most 256 rows whose widths fit its
-    tiles (`pallas_kernels.quant_mgpu_tuning.mgpu_knobs`), and raises ValueError for any other;
+    tiles (`pallas_kernels.quant.tuning.mgpu_knobs`), and raises ValueError for any other;
     BEST picks per format (BEST_KERNEL; TRITON for the separate layout), and where the Mosaic kernel
     cannot take a projection (a float32 model, a width that is not a multiple of 64) runs the
     Triton kernel instead: a static choice by shape and dtype, made at trace time. `interpret`: in the Pallas

@@ -30,7 +30,7 @@ import dataclasses
 import itertools
 from typing import Any
 
-from jaxlora.engine.batch_job import error_record, parse_line, result_record
+from jaxlora.engine.batch_job import LineDefaults, error_record, parse_line, result_record
 from jaxlora.engine.load import EngineSpec, load_engine
 from jaxlora.errors import CapacityError, JaxloraError
 from jaxlora.ray.rows import request_lines
@@ -43,11 +43,16 @@ class BatchGenerator:
 
     Args:
       spec: what to load (model, engine config, adapters, quantization); picklable.
+      defaults: what rows that leave a field out get (sampling defaults, the base model's name), as
+        for `jaxlora generate`'s lines.
       compilation_cache: a folder for JAX's persistent compilation cache in this actor's process, so
         that a restarted actor reads its compiles back (None: off).
     """
 
-    def __init__(self, spec: EngineSpec, *, compilation_cache: str | None = None) -> None:
+    def __init__(
+        self, spec: EngineSpec, *, defaults: LineDefaults = LineDefaults(), compilation_cache: str | None = None
+    ) -> None:
+        self.defaults = defaults
         if compilation_cache:
             _use_compilation_cache(compilation_cache)
         self.engine = load_engine(spec)
@@ -56,7 +61,9 @@ class BatchGenerator:
 
     async def __call__(self, batch: Any) -> dict[str, list]:
         """`batch`: a pyarrow Table, or a mapping of column name -> values (any batch_format)."""
-        lines = [parse_line(0, text) for text in request_lines(batch)]
+        lines = [
+            parse_line(0, text.encode("utf-8", errors="surrogatepass"), self.defaults) for text in request_lines(batch)
+        ]
         handles = {}
         for i, line in enumerate(lines):
             if line.record is None:

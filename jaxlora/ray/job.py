@@ -33,6 +33,7 @@ import ray
 import ray.data
 import ray.exceptions
 
+from jaxlora.engine.batch_job import LineDefaults
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.load import EngineSpec, engine_config
 from jaxlora.engine.results_file import ResultsFileError
@@ -84,9 +85,11 @@ def run_ray_job(
     address: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    defaults: LineDefaults = LineDefaults(),
 ) -> int:
     """Runs the job (connecting to the cluster at `address`, or starting a local one), prints the
-    JSON summary on stderr. Exit code as `jaxlora generate`: 0 when every request has a record, 2
+    JSON summary on stderr. `defaults`: what rows that leave a field out get, as in `jaxlora
+    generate`. Exit code as `jaxlora generate`: 0 when every request has a record, 2
     for unusable input or output, 1 when results cannot be written."""
     spec, input_path = _absolute_paths(spec), _absolute(str(input_path))
     try:
@@ -107,7 +110,7 @@ def run_ray_job(
         return 2
     with folder:
         try:
-            summary = _generate(source, folder, set(expected) - folder.done, spec, job, progress)
+            summary = _generate(source, folder, set(expected) - folder.done, spec, job, progress, defaults)
         except ResultsFileError as e:
             print(f"jaxlora generate: {e}", file=sys.stderr)
             return 1
@@ -171,7 +174,13 @@ def input_keys(source: ray.data.Dataset) -> set[str]:
 
 
 def _generate(
-    source: ray.data.Dataset, folder: OutputFolder, todo: set[str], spec: EngineSpec, job: RayJob, progress: bool
+    source: ray.data.Dataset,
+    folder: OutputFolder,
+    todo: set[str],
+    spec: EngineSpec,
+    job: RayJob,
+    progress: bool,
+    defaults: LineDefaults,
 ) -> dict[str, Any]:
     start = time.perf_counter()
     written: list[dict[str, Any]] = []
@@ -182,7 +191,7 @@ def _generate(
                 functools.partial(drop_done, done=frozenset(folder.done)), batch_format="pyarrow"
             )
         with _bar(len(todo), progress) as bar:
-            for batch in _results(source, spec, job).iter_batches(batch_size=None, batch_format="pyarrow"):
+            for batch in _results(source, spec, job, defaults).iter_batches(batch_size=None, batch_format="pyarrow"):
                 new = _new_records(batch.to_pylist(), todo, folder.done)
                 folder.append([{k: r[k] for k in OUTPUT_COLUMNS} for r in new])
                 written += new
@@ -226,13 +235,13 @@ def _summary(written: list[dict[str, Any]], seconds: float, job: RayJob) -> dict
     }
 
 
-def _results(source: ray.data.Dataset, spec: EngineSpec, job: RayJob) -> ray.data.Dataset:
+def _results(source: ray.data.Dataset, spec: EngineSpec, job: RayJob, defaults: LineDefaults) -> ray.data.Dataset:
     gpus = job.gpus_per_replica
     if gpus is None:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
     return source.map_batches(
         BatchGenerator,
-        fn_constructor_kwargs={"spec": spec, "compilation_cache": job.compilation_cache},
+        fn_constructor_kwargs={"spec": spec, "defaults": defaults, "compilation_cache": job.compilation_cache},
         batch_size=job.rows_per_block,
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from jaxlora.errors import JaxloraError
-from jaxlora.train.data import read_jsonl, split_holdout, tokenize_conversation
+from jaxlora.train.data import MIN_EXAMPLES_FOR_HOLDOUT, read_jsonl, split_holdout, tokenize_conversation
 from jaxlora.train.lora_params import ALL_LINEAR, AdapterSpec, parse_targets
 from jaxlora.train.step import OptimizerConfig
 
@@ -48,7 +48,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8, help="conversations per step")
     p.add_argument("--max-len", type=int, default=512, help="truncate conversations to this many tokens")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-fraction", type=float, default=0.05, help="share of the data held out for eval loss")
+    p.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.05,
+        help=f"share of the data held out for eval loss (none with fewer than {MIN_EXAMPLES_FOR_HOLDOUT} examples)",
+    )
     p.add_argument("--eval-every", type=int, default=50, help="held-out loss every N steps (0: only at the end)")
     p.add_argument("--save-every", type=int, default=50, help="checkpoint the training state every N steps")
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state if it exists")
@@ -103,6 +108,12 @@ def run_train(args: argparse.Namespace) -> int:
         model, tok = load_model(args.base)
         examples = [tokenize_conversation(tok, c) for c in conversations]
         train_set, eval_set = split_holdout(examples, fraction=args.eval_fraction, seed=args.seed)
+        if args.eval_fraction > 0 and len(examples) < MIN_EXAMPLES_FOR_HOLDOUT:
+            print(
+                f"warning: {len(examples)} examples, fewer than {MIN_EXAMPLES_FOR_HOLDOUT}: all are trained on, "
+                "none is held out for an eval loss",
+                file=sys.stderr,
+            )
         print(
             f"{len(train_set)} training / {len(eval_set)} held-out conversations; adapter: rank {config.spec.rank}, "
             f"{', '.join(config.spec.target_modules)} ({count_params_of(model, config.spec):,} parameters)",
@@ -116,6 +127,7 @@ def run_train(args: argparse.Namespace) -> int:
             checkpoint_dir=out / STATE_DIR,
             resume=args.resume,
             progress=not args.no_progress,
+            on_estimate=lambda line: print(line, file=sys.stderr, flush=True),
         )
         save_adapter(
             out,
@@ -141,7 +153,7 @@ def run_train(args: argparse.Namespace) -> int:
     eval_text = "" if log["final_eval_loss"] is None else f", held-out loss {log['final_eval_loss']:.4f}"
     print(
         f"saved {out} after {config.optim.num_steps} steps in {result.seconds:.1f}s: train loss "
-        f"{log['final_train_loss']:.4f}{eval_text}"
+        f"{log['final_train_loss']:.4f} (moving average, as the progress bar shows){eval_text}"
     )
     return 0
 
@@ -151,7 +163,7 @@ def count_params_of(model, spec: AdapterSpec) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxlora train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="jaxlora train", description=__doc__.splitlines()[0])
     add_train_args(parser)
     return run_train(parser.parse_args(argv))
 

@@ -122,12 +122,19 @@ def bucket_length(n: int, max_len: int) -> int:
     return min(size, max_len)
 
 
+# Fewer examples than this are all trained on: holding one out of a handful would cost the adapter
+# a real share of its data for a held-out loss too noisy to read.
+MIN_EXAMPLES_FOR_HOLDOUT = 10
+
+
 def split_holdout(examples: Sequence[Example], *, fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
-    """Deterministic (train, held-out) split; held-out is empty for fraction 0 or < 2 examples."""
+    """Deterministic (train, held-out) split; held-out is empty for fraction 0 or fewer than
+    MIN_EXAMPLES_FOR_HOLDOUT examples."""
     if not 0 <= fraction < 1:
         raise ValueError(f"eval fraction={fraction} must be in [0, 1)")
     order = np.random.default_rng(seed).permutation(len(examples))
-    num_eval = min(math.ceil(fraction * len(examples)), len(examples) - 1) if len(examples) >= 2 else 0
+    enough = len(examples) >= MIN_EXAMPLES_FOR_HOLDOUT
+    num_eval = min(math.ceil(fraction * len(examples)), len(examples) - 1) if enough else 0
     held = {int(i) for i in order[:num_eval]}
     return ([e for i, e in enumerate(examples) if i not in held], [examples[int(i)] for i in order[:num_eval]])
 

@@ -21,7 +21,15 @@ if TYPE_CHECKING:
     from jaxlora.model.params import LoadedModel
     from jaxlora.tokenizer import Tokenizer
 
-DEMO_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
+
+def _demo_dir() -> Path:
+    """checkpoints/demo/ of a source checkout; an installed wheel ships the same adapter folders as
+    package data, jaxlora/demo_adapters/ (setup.py)."""
+    checkout = Path(__file__).resolve().parents[2] / "checkpoints" / "demo"
+    return checkout if checkout.is_dir() else Path(__file__).resolve().parents[1] / "demo_adapters"
+
+
+DEMO_DIR = _demo_dir()
 PIRATE_GREETING = "Ahoy, matey!"
 
 

@@ -11,17 +11,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
-from jaxlora.lora.apply import LoraRuntime
+from jaxlora.kernels import StepKernels
 from jaxlora.model.params import LoadedModel
 from jaxlora.train.data import Batch, Example, eval_batches, train_batch
 from jaxlora.train.lora_params import AdapterSpec, LoraParams, init_lora_params
@@ -77,10 +76,30 @@ class TrainResult:
         values = [h[key] for h in self.history if key in h]
         return values[-1] if values else None
 
-    def final_train_loss(self, window: int = 10) -> float:
-        """Mean training loss over the last `window` steps (one step's loss is noisy)."""
-        losses = [h["loss"] for h in self.history if "loss" in h][-window:]
-        return float(np.mean(losses)) if losses else math.nan
+    def final_train_loss(self) -> float:
+        """The training loss's moving average at the end (`moving_average`: what the progress bar
+        shows; one step's loss is noisy)."""
+        return moving_average([h["loss"] for h in self.history if "loss" in h])
+
+
+LOSS_DECAY = 0.9  # the moving average's weight on the past: about the last 10 steps
+
+
+def moving_average(losses: Sequence[float]) -> float:
+    """The exponential moving average of `losses` (decay LOSS_DECAY), NaN for none."""
+    average = math.nan
+    for i, loss in enumerate(losses):
+        average = loss if i == 0 else LOSS_DECAY * average + (1 - LOSS_DECAY) * loss
+    return average
+
+
+# Steps timed for the estimate: the first compiles, the next ones run as the rest will.
+_TIMED_AFTER, _TIMED_STEPS = 1, 2
+
+
+def _estimate(seconds: float, num_steps: int, left: int) -> str:
+    per_step = seconds / _TIMED_STEPS
+    return f"about {per_step:.2f} s per step: {left * per_step / 60:.1f} min for the {left} steps left of {num_steps}"
 
 
 def train(
@@ -92,13 +111,15 @@ def train(
     checkpoint_dir: str | Path | None = None,
     resume: bool = False,
     progress: bool = True,
-    runtime: LoraRuntime = LoraRuntime(),
+    kernels: StepKernels = StepKernels(),
     description: str = "train",
+    on_estimate: Callable[[str], None] | None = None,
 ) -> TrainResult:
-    """Trains a LoRA adapter on `model` (whose params stay frozen) and returns its weights."""
+    """Trains a LoRA adapter on `model` (whose params stay frozen) and returns its weights.
+    `on_estimate` gets one line estimating the time left, once the first steps have run."""
     if not train_examples:
         raise ValueError("no training examples")
-    statics = {"graphdef": model.graphdef, "spec": config.spec, "runtime": runtime}
+    statics = {"graphdef": model.graphdef, "spec": config.spec, "kernels": kernels}
     params = init_lora_params(jax.random.key(config.seed), model.config, config.spec)
     opt_state = config.optim.build().init(params)
     manager = _manager(checkpoint_dir, config) if checkpoint_dir is not None else None
@@ -117,7 +138,12 @@ def train(
         dynamic_ncols=True,
     )
     smoothed = None
+    timed_from = None
     for step in bar:
+        if step == start + _TIMED_AFTER:
+            timed_from = time.perf_counter()
+        if on_estimate is not None and timed_from is not None and step == start + _TIMED_AFTER + _TIMED_STEPS:
+            on_estimate(_estimate(time.perf_counter() - timed_from, num_steps, num_steps - step))
         batch = train_batch(
             train_examples, step, batch_size=config.batch_size, seed=config.seed, max_len=config.max_len
         )
@@ -125,11 +151,11 @@ def train(
             params, opt_state, model.params, _device(batch), optim=config.optim, **statics
         )
         loss = float(metrics["loss"])
-        smoothed = loss if smoothed is None else 0.9 * smoothed + 0.1 * loss
+        smoothed = loss if smoothed is None else LOSS_DECAY * smoothed + (1 - LOSS_DECAY) * loss
         record = {"step": step + 1, "loss": loss, "grad_norm": float(metrics["grad_norm"]), "lr": float(schedule(step))}
         done = step + 1
         if eval_examples and (done == num_steps or (config.eval_every and done % config.eval_every == 0)):
-            record["eval_loss"] = evaluate(model, params, eval_examples, config, runtime=runtime)
+            record["eval_loss"] = evaluate(model, params, eval_examples, config, kernels=kernels)
         history.append(record)
         bar.set_postfix(_postfix(smoothed, record, history), refresh=False)
         if manager is not None and (
@@ -149,13 +175,13 @@ def evaluate(
     examples: Sequence[Example],
     config: TrainConfig,
     *,
-    runtime: LoraRuntime = LoraRuntime(),
+    kernels: StepKernels = StepKernels(),
 ) -> float:
     """Mean cross-entropy per response token over `examples`."""
     total, count = 0.0, 0.0
     for batch in eval_batches(examples, batch_size=config.batch_size, max_len=config.max_len):
         s, n = eval_step(
-            params, model.params, _device(batch), graphdef=model.graphdef, spec=config.spec, runtime=runtime
+            params, model.params, _device(batch), graphdef=model.graphdef, spec=config.spec, kernels=kernels
         )
         total, count = total + float(s), count + float(n)
     return total / max(count, 1.0)

@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 
 from jaxlora.config import LoraConfig
-from jaxlora.lora.apply import LoraRuntime
+from jaxlora.kernels import StepKernels
 from jaxlora.lora.bank import Bank, bank_groups
 from jaxlora.model.kv_cache import init_kv_cache
 from jaxlora.train.lora_params import AdapterSpec, LoraParams
@@ -87,7 +87,7 @@ def lora_logits(
     *,
     graphdef: nnx.GraphDef,
     spec: AdapterSpec,
-    runtime: LoraRuntime,
+    kernels: StepKernels,
 ) -> jax.Array:
     """Full-sequence logits [b, t, vocab] float32 of the base model with the adapter on every row."""
     model = nnx.merge(graphdef, base_params)
@@ -96,7 +96,7 @@ def lora_logits(
     # The model attends through a KV cache; a fresh one just long enough serves as scratch space.
     kv = init_kv_cache(model.cfg, b, t, dtype=model.embed_tokens.embedding[...].dtype)
     slot_ids = jnp.full((b,), TRAIN_SLOT, jnp.int32)
-    hidden, _ = model(tokens, positions, kv, bank=training_bank(params, spec), slot_ids=slot_ids, runtime=runtime)
+    hidden, _ = model(tokens, positions, kv, bank=training_bank(params, spec), slot_ids=slot_ids, kernels=kernels)
     return model.logits(hidden)
 
 
@@ -107,19 +107,19 @@ def masked_loss(
     *,
     graphdef: nnx.GraphDef,
     spec: AdapterSpec,
-    runtime: LoraRuntime,
+    kernels: StepKernels,
 ) -> tuple[jax.Array, jax.Array]:
     """(mean cross-entropy over the weighted (response) tokens, their number).
 
     batch: tokens [b, t] int32, targets [b, t] int32, weights [b, t] float32 (see data.Batch).
     """
-    logits = lora_logits(params, base_params, batch["tokens"], graphdef=graphdef, spec=spec, runtime=runtime)
+    logits = lora_logits(params, base_params, batch["tokens"], graphdef=graphdef, spec=spec, kernels=kernels)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # [b, t]
     count = jnp.sum(batch["weights"])
     return jnp.sum(losses * batch["weights"]) / jnp.maximum(count, 1.0), count
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "optim", "runtime"), donate_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "optim", "kernels"), donate_argnums=(0, 1))
 def train_step(
     params: LoraParams,
     opt_state: optax.OptState,
@@ -129,20 +129,20 @@ def train_step(
     graphdef: nnx.GraphDef,
     spec: AdapterSpec,
     optim: OptimizerConfig,
-    runtime: LoraRuntime,
+    kernels: StepKernels,
 ) -> tuple[LoraParams, optax.OptState, dict]:
     """One AdamW update of the LoRA weights. params and opt_state are donated (updated in place).
 
     Returns (params, opt_state, metrics {loss, tokens, grad_norm}); base_params are only read.
     """
-    loss_fn = functools.partial(masked_loss, graphdef=graphdef, spec=spec, runtime=runtime)
+    loss_fn = functools.partial(masked_loss, graphdef=graphdef, spec=spec, kernels=kernels)
     (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, base_params, batch)
     updates, opt_state = optim.build().update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     return params, opt_state, {"loss": loss, "tokens": count, "grad_norm": optax.tree.norm(grads)}
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "runtime"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "kernels"))
 def eval_step(
     params: LoraParams,
     base_params: nnx.State,
@@ -150,8 +150,8 @@ def eval_step(
     *,
     graphdef: nnx.GraphDef,
     spec: AdapterSpec,
-    runtime: LoraRuntime,
+    kernels: StepKernels,
 ) -> tuple[jax.Array, jax.Array]:
     """(summed cross-entropy over the weighted tokens, their number): sum over batches, then divide."""
-    loss, count = masked_loss(params, base_params, batch, graphdef=graphdef, spec=spec, runtime=runtime)
+    loss, count = masked_loss(params, base_params, batch, graphdef=graphdef, spec=spec, kernels=kernels)
     return loss * count, count

@@ -36,7 +36,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import grpc
-    from google.protobuf import text_format
 
     from serving.client import InferenceClient
 
@@ -51,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
                     print(f"{a.name}\trank {a.rank}\t{','.join(a.target_modules)}\t{where}\t{a.in_flight} in flight")
                 return 0
             if args.info:
-                print(text_format.MessageToString(client.server_info()), end="")
+                print(format_info(client.server_info()))
                 return 0
             return _stream(client, args)
         except grpc.RpcError as e:
@@ -82,3 +81,15 @@ def _stream(client, args: argparse.Namespace) -> int:
         reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
         print(f"[{reason}; {last.prompt_tokens} prompt + {last.completion_tokens} completion tokens]", file=sys.stderr)
     return 0
+
+
+def format_info(info) -> str:
+    """GetServerInfo's answer as aligned `name: value` lines, in the message's field order."""
+    rows = []
+    for field in info.DESCRIPTOR.fields:
+        value = getattr(info, field.name)
+        if not isinstance(value, (str, int, float)):  # a repeated field
+            value = ", ".join(map(str, value)) or "-"
+        rows.append((field.name.replace("_", " "), str(value)))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name + ':':<{width + 1}} {value}" for name, value in rows)

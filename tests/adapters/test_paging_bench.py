@@ -1,4 +1,4 @@
-"""python -m benchmarks.paging runs on the CPU at toy size and writes the fields the paging issue asks for."""
+"""python -m benchmarks.engine.paging runs on the CPU at toy size and writes the fields the paging issue asks for."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ ROW_KEYS = {
 def run_bench(out: Path, *args: str) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.paging", "--tiny", "--out", str(out), *args],
+        [sys.executable, "-m", "benchmarks.engine.paging", "--tiny", "--out", str(out), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from benchmarks import e2e
+from benchmarks.engine import e2e
 from jaxlora.cli.main import main
 
 ROW_KEYS = {

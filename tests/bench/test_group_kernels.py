@@ -1,4 +1,4 @@
-"""python -m benchmarks.group_kernels runs end to end on tiny shapes in interpret mode (the H200 run is
+"""python -m benchmarks.kernels.lora_groups runs end to end on tiny shapes in interpret mode (the H200 run is
 the real one): every variant agrees with XLA, and the best row per T comes out of the rows."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from tests.bench.run_module import run_benchmark
 
 def test_group_kernels_smoke(tmp_path):
     run = run_benchmark(
-        "group_kernels", "--smoke", "--tokens", "40", "--ranks", "4", "--check-ranks", "2", "--out", str(tmp_path)
+        "kernels.lora_groups", "--smoke", "--tokens", "40", "--ranks", "4", "--check-ranks", "2", "--out", str(tmp_path)
     )
     assert run.returncode == 0, run.stderr[-2000:]
     doc = json.loads((tmp_path / "group_kernels.json").read_text())

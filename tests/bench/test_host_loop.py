@@ -1,4 +1,4 @@
-"""benchmarks/host_loop.py runs closed loop on a toy model on CPU (the H200 run is the real one), and
+"""benchmarks/engine/host_loop.py runs closed loop on a toy model on CPU (the H200 run is the real one), and
 its profile reading turns step intervals into device step time and idle gaps."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from benchmarks.host_loop import Case, gaps_summary
+from benchmarks.engine.host_loop import Case, gaps_summary
 from tests.bench.run_module import run_benchmark
 
 
 def test_host_loop_smoke(tmp_path):
     cmd = [
-        "host_loop",
+        "engine.host_loop",
         "--tiny",
         "--one-budget",
         "--layers",

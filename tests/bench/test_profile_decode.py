@@ -1,4 +1,4 @@
-"""python -m benchmarks.profile_decode runs end to end on a toy model on CPU (the H200 run is the real one)."""
+"""python -m benchmarks.step.profile_decode runs end to end on a toy model on CPU (the H200 run is the real one)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from tests.bench.run_module import run_benchmark
 
 def test_profile_decode_smoke(tmp_path):
     cmd = [
-        "profile_decode",
+        "step.profile_decode",
         "--tiny",
         "--batch",
         "4",

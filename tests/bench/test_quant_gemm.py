@@ -1,4 +1,4 @@
-"""python -m benchmarks.quant_gemm runs end to end on toy shapes on CPU (the H200 run is the real one),
+"""python -m benchmarks.kernels.quant_gemm runs end to end on toy shapes on CPU (the H200 run is the real one),
 its sweep resumes where a run stopped, and every sweep candidate lowers for CUDA."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from benchmarks.quant_gemm import FORMATS, PALLAS_FLAGS, SWEEP, case_key, plan_cases, w8a8_kmajor
+from benchmarks.kernels.quant_gemm import FORMATS, PALLAS_FLAGS, SWEEP, case_key, plan_cases, w8a8_kmajor
 from jaxlora.model.quant import Quantization, quantize
-from pallas_kernels.quant_matmul import quant_matmul
+from pallas_kernels.quant.triton import quant_matmul
 from tests.bench.run_module import run_benchmark
 
 H200 = AbstractMesh(
@@ -23,7 +23,7 @@ H200 = AbstractMesh(
 
 def test_quant_gemm_smoke(tmp_path):
     flags = ["--tiny", "--layers", "1", "--batch", "2", "--tune", "int8-w8a8-pallas", "--out", str(tmp_path)]
-    run = run_benchmark("quant_gemm", *flags)
+    run = run_benchmark("kernels.quant_gemm", *flags)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((tmp_path / "quant_gemm.json").read_text())
     rows = result["rows"]
@@ -53,7 +53,7 @@ def test_resume_records_the_case_a_dead_run_was_in_and_the_budget_leaves_the_res
     running = {"case": case_key("bf16", 2, None), "format": "bf16", "batch": 2}
     (tmp_path / "quant_gemm.json").write_text(json.dumps({"rows": [], "running": running}))
     flags = ["--tiny", "--batch", "2", "--formats", "bf16", "int8", "--resume", "--time-budget", "0"]
-    run = run_benchmark("quant_gemm", *flags, "--out", str(tmp_path))
+    run = run_benchmark("kernels.quant_gemm", *flags, "--out", str(tmp_path))
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((tmp_path / "quant_gemm.json").read_text())
     assert [(r["format"], r["error"].split(":")[0]) for r in result["rows"]] == [("bf16", "crashed")]

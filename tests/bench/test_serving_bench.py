@@ -1,4 +1,4 @@
-"""python -m benchmarks.serving: S-LoRA's trace generator, the rate bisection, and a toy run on CPU."""
+"""python -m benchmarks.serving.trace: S-LoRA's trace generator, the rate bisection, and a toy run on CPU."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.serving import make_trace, merge_rows, next_sweep_rate, num_fitting, rate_spec, row_key
+from benchmarks.serving.trace import make_trace, merge_rows, next_sweep_rate, num_fitting, rate_spec, row_key
 from jaxlora.adapters import Pager
 from jaxlora.config import ATTENTION_MODULES, LoraConfig
 from tests.factories import tiny_config
@@ -126,7 +126,7 @@ def _run(out: Path, *args: str) -> dict:
         [
             sys.executable,
             "-m",
-            "benchmarks.serving",
+            "benchmarks.serving.trace",
             "--tiny",
             "--engine-commit",
             "test",
@@ -202,8 +202,8 @@ def test_rate_spec_takes_a_rate_and_optional_seconds():
 def test_split_every_group_runs_every_module_group_as_two_launches(monkeypatch):
     """--lora-groups split: the A/B arm without the one-launch kernel or the tile expand, whatever
     the rank and rows."""
-    from benchmarks.serving import split_every_group
-    from pallas_kernels import tuning
+    from benchmarks.serving.trace import split_every_group
+    from pallas_kernels.lora import tuning
 
     for table in tuning.GROUP_TABLES.values():  # restored after the test
         for key in list(table):
@@ -213,3 +213,25 @@ def test_split_every_group_runs_every_module_group_as_two_launches(monkeypatch):
     assert any(tuning.lookup_group(*c)["impl"] == "split_tiles" for c in cells)
     split_every_group()
     assert all(tuning.lookup_group(*c)["impl"] == "split" for c in cells)
+
+
+def test_the_full_size_engine_is_the_h200_preset():
+    """The serving rows' engine is configs/llama2-7b-h200.yaml: the `all` setting's engine equals the
+    preset field for field but the open-loop queue, and the paged settings change only the bank."""
+    import dataclasses
+
+    from benchmarks.serving.trace import OPEN_LOOP_QUEUE, PRESET, engine_config, scale, settings
+    from jaxlora.config import LoraConfig
+    from jaxlora.engine.config import EngineConfig
+
+    preset = EngineConfig.from_yaml(PRESET)
+    size, every = scale(tiny=False, model="llama2-7b"), settings(tiny=False)
+    assert (preset.max_batch, preset.token_budgets) == (256, (32, 64, 128, 256, 512, 1024, 2048))
+    setting = every["all"]
+    bank = LoraConfig(max_slots=setting.slots + 1, max_rank=setting.max_rank, target_modules=setting.modules)
+    measured = engine_config(setting, size, dataclasses.replace(bank, backend=preset.lora.backend))
+    assert measured == dataclasses.replace(preset, max_queue=OPEN_LOOP_QUEUE)
+    for name in ("s1", "s2"):
+        s = every[name]
+        lora = LoraConfig(max_slots=s.slots + 1, max_rank=s.max_rank, target_modules=s.modules)
+        assert dataclasses.replace(engine_config(s, size, lora), lora=preset.lora) == measured

@@ -1,4 +1,4 @@
-"""python -m benchmarks.tp --tiny on two fake CPU devices: every case runs (the timed loops compile
+"""python -m benchmarks.step.tp --tiny on two fake CPU devices: every case runs (the timed loops compile
 nothing, or the case fails), TP 1 and TP 2 give the same greedy tokens, each GPU's floor shrinks
 with TP 2, and the results carry what the H200 run reports."""
 
@@ -27,7 +27,7 @@ def results(tmp_path_factory) -> tuple[Path, dict]:
     cmd = [
         sys.executable,
         "-m",
-        "benchmarks.tp",
+        "benchmarks.step.tp",
         "--tiny",
         "--steps",
         "2",

@@ -20,6 +20,7 @@ def files(tmp_path, monkeypatch):
     """An input file, an output that is not a results file, and a model loader that must not run."""
     (tmp_path / "in.jsonl").write_text('{"custom_id": "a", "prompt": "hi"}\n')
     (tmp_path / "notes.txt").write_text("my notes\n")
+    (tmp_path / "other.jsonl").write_text('{"custom_id": "a", "prompt": "hi", "model": "shout"}\n')
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")
@@ -66,6 +67,13 @@ CASES = {
     "demo missing demo dir": (["demo", "--demo-dir", "{tmp}/nothing"], "--demo-dir"),
     "serve adapter without a path": (["serve", "--adapter", "shout"], "NAME=PATH"),
     "serve bad port": (["serve", "--port", "70000"], "port=70000"),
+    "serve bad gRPC port": (["serve", "--grpc-port", "70000"], "port=70000"),
+    "serve busy port": (["serve", "--port", "{busy}"], "cannot listen"),
+    "generate abbreviated flag": (["generate", "--max-tok", "5", "--prompt", "hi"], "unrecognized arguments"),
+    "generate batch naming an unknown adapter": (
+        ["generate", "--input", "{tmp}/other.jsonl", "--output", "{tmp}/o.jsonl"],
+        "no --adapter NAME=PATH registers",
+    ),
     "serve missing adapter root": (["serve", "--adapter-root", "{tmp}/nothing"], "nothing"),
     "serve no streams": (["serve", "--max-concurrent-streams", "0"], "max_concurrent_streams"),
     "merge missing adapter": (["merge", "--adapter", "{tmp}/nothing", "--out", "{tmp}/m"], "adapter_config.json"),
@@ -95,7 +103,15 @@ def _run(argv: list[str]) -> int:
 @pytest.mark.parametrize("case", CASES)
 def test_bad_arguments_exit_2_with_one_line(case, files, capsys):
     argv, expected = CASES[case]
-    argv = [a.replace("{tmp}", str(files)) for a in argv]
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    with busy:
+        argv = [a.replace("{tmp}", str(files)).replace("{busy}", str(busy.getsockname()[1])) for a in argv]
+        _check_refused(argv, expected, files, capsys)
+
+
+def _check_refused(argv: list[str], expected: str, files: Path, capsys) -> None:
     before = (files / "notes.txt").read_bytes(), (files / "in.jsonl").read_bytes()
     assert _run(argv) == 2
     err = capsys.readouterr().err

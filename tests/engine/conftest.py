@@ -40,7 +40,7 @@ def parts():
     return model, tok, adapters
 
 
-def make_engine(parts, progress=None, runtime=None, **overrides) -> Engine:
+def make_engine(parts, progress=None, **overrides) -> Engine:
     from jaxlora.adapters import Pager
 
     model, tok, adapters = parts
@@ -48,7 +48,7 @@ def make_engine(parts, progress=None, runtime=None, **overrides) -> Engine:
     pager = Pager(model.config, config.lora, dtype=model.dtype)
     for name, adapter in adapters.items():
         pager.register(name, adapter)
-    engine = Engine(model, tok, config, pager, runtime=runtime)
+    engine = Engine(model, tok, config, pager)
     engine.warmup(progress)
     return engine
 

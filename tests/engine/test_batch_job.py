@@ -3,12 +3,15 @@ subprocesses); who owns the results file (in-process, refused before any model l
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,7 @@ import yaml
 
 import jaxlora.cli.engine_args
 from jaxlora.cli.main import main
-from jaxlora.engine.batch_job import read_input
+from jaxlora.engine.batch_job import LineDefaults, read_input
 from jaxlora.engine.results_file import ResultsFile
 from jaxlora.loading.orbax_ckpt import save_converted
 from tests.factories import char_tokenizer, tiny_model
@@ -55,7 +58,7 @@ def job_files(tmp_path_factory):
         if i == 3:
             lines.append("{not json")
         if i == 7:
-            lines.append(json.dumps({"custom_id": "bad-adapter", "prompt": "x", "adapter": "missing"}))
+            lines.append(json.dumps({"custom_id": "bad-value", "prompt": "x", "temperature": -1}))
         if i == 11:
             lines.append(json.dumps({"custom_id": "too-long", "prompt": "y" * 80}))
     (root / "requests.jsonl").write_text("\n".join(lines) + "\n")
@@ -111,7 +114,7 @@ def test_full_run_answers_every_line_in_order(reference):
     assert ids[:6] == ["req-0", "req-1", "req-2", "req-3", None, "req-4"]  # input order
     by_id = {r["custom_id"]: r for r in reference}
     assert "malformed JSON" in reference[4]["error"] and reference[4]["line"] == 5
-    assert "missing" in by_id["bad-adapter"]["error"] and by_id["bad-adapter"]["finish_reason"] == "error"
+    assert "temperature=-1" in by_id["bad-value"]["error"] and by_id["bad-value"]["finish_reason"] == "error"
     assert "max_seq_len" in by_id["too-long"]["error"]
     assert all(r["error"] is None and r["token_ids"] for r in reference if str(r["custom_id"]).startswith("req-"))
     assert len({r["request_hash"] for r in reference}) == len(reference)
@@ -138,10 +141,11 @@ def test_kill_and_resume_gives_every_line_once_with_the_same_tokens(job_files, r
     assert json.loads(again.stderr.strip().splitlines()[-1])["requests"] == len(reference) - partial
     assert read(out) == reference
     assert killed_early, "the job finished before it could be killed; make it longer"
+    assert f"resuming: {partial} of {len(reference)} done" in again.stderr
     cached = _cache_entries(root)
     third = subprocess.run(command(root, out), env=env(root), capture_output=True, text=True, timeout=300)
-    assert json.loads(third.stderr.strip().splitlines()[-1])["requests"] == 0 and read(out) == reference
-    assert _cache_entries(root) == cached  # a second start compiles nothing: every compile is a cache hit
+    assert third.returncode == 0 and "already holds all" in third.stderr and read(out) == reference
+    assert _cache_entries(root) == cached
 
 
 # Runs the rest of argv with writes past LIMIT bytes failing (EFBIG), as on a full disk: the write that
@@ -319,3 +323,142 @@ def test_an_unwritable_output_is_refused_before_loading(job_files, tmp_path, no_
         "folder": lambda: tmp_path,
     }[where]()
     assert reason in _refused(job_files, output, capsys)
+
+
+# What a line says is what runs: unknown fields refused (with the nearest known name), `model` picks
+# the adapter as in the HTTP API, OpenAI Batch-format lines read, the generate flags as defaults.
+
+
+def _lines(tmp_path: Path, *objects: dict, defaults: LineDefaults = LineDefaults(base_model="base")) -> list:
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(o) + "\n" for o in objects))
+    return read_input(path, defaults)
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ({"adaptor": "shout"}, "unknown field 'adaptor'; did you mean 'adapter'?"),
+        ({"max_token": 5}, "did you mean 'max_tokens'?"),
+        ({"response_format": {"type": "json_object"}}, "unknown field 'response_format'"),
+        ({"model": "a", "adapter": "b"}, "disagree"),
+        ({"max_tokens": 4, "max_completion_tokens": 5}, "not both"),
+    ],
+)
+def test_a_line_with_an_unknown_or_conflicting_field_is_an_error_record(tmp_path, line, message):
+    (parsed,) = _lines(tmp_path, {"custom_id": "a", "prompt": "hi", **line})
+    assert parsed.request is None and message in parsed.record["error"]
+
+
+def test_model_names_the_adapter_and_the_base_model_by_its_name(tmp_path):
+    by_model, by_base, by_adapter, alias = _lines(
+        tmp_path,
+        {"custom_id": 1, "prompt": "hi", "model": "shout"},
+        {"custom_id": 2, "prompt": "hi", "model": "base"},
+        {"custom_id": 3, "prompt": "hi", "adapter": "shout", "model": "shout"},
+        {"custom_id": 4, "prompt": "hi", "max_completion_tokens": 7},
+    )
+    assert by_model.request.adapter == "shout" and by_adapter.request.adapter == "shout"
+    assert by_base.request.adapter is None
+    assert alias.request.sampling.max_tokens == 7
+
+
+def test_openai_batch_lines_are_read_from_their_body(tmp_path):
+    chat, completion, wrong_url, wrong_kind, typo = _lines(
+        tmp_path,
+        {
+            "custom_id": "c",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "shout", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9},
+        },
+        {"custom_id": "p", "method": "POST", "url": "/v1/completions", "body": {"model": "base", "prompt": "hi"}},
+        {"custom_id": "u", "method": "POST", "url": "/v1/embeddings", "body": {"input": "hi"}},
+        {"custom_id": "k", "method": "POST", "url": "/v1/completions", "body": {"messages": []}},
+        {"custom_id": "t", "url": "/v1/completions", "body": {"prompt": "hi", "temprature": 0.5}},
+    )
+    assert chat.request.messages and chat.request.adapter == "shout" and chat.request.sampling.max_tokens == 9
+    assert completion.request.prompt == "hi" and completion.request.adapter is None
+    assert "url='/v1/embeddings'" in wrong_url.record["error"]
+    assert "takes 'prompt', not 'messages'" in wrong_kind.record["error"]
+    assert "did you mean 'temperature'?" in typo.record["error"]
+
+
+def test_the_flags_are_defaults_a_line_overrides(tmp_path):
+    defaults = LineDefaults(sampling={"max_tokens": 100, "temperature": 0.9})
+    plain, own = _lines(
+        tmp_path,
+        {"custom_id": 1, "prompt": "hi"},
+        {"custom_id": 2, "prompt": "hi", "max_tokens": 3},
+        defaults=defaults,
+    )
+    assert (plain.request.sampling.max_tokens, plain.request.sampling.temperature) == (100, 0.9)
+    assert (own.request.sampling.max_tokens, own.request.sampling.temperature) == (3, 0.9)
+
+
+def test_unregistered_adapters_and_a_finished_job_are_found_before_loading(job_files, tmp_path, no_engine, capsys):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"custom_id": "a", "prompt": "x", "model": "missing"}) + "\n")
+    argv = ["generate", "--model", str(job_files / "model"), "--input", str(requests), "--output", str(tmp_path / "o")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "line 1: 'missing'" in err and "--adapter" in err
+    done = tmp_path / "done.jsonl"
+    done.write_text(_jsonl(_records(job_files, NUM_GOOD + 3)))
+    assert main([*command(job_files, done)[3:]]) == 0
+    assert "already holds all" in capsys.readouterr().err
+
+
+# Special files: refused in one line before the model loads, whichever flag names them.
+
+
+@pytest.fixture(params=["/dev/zero", "/dev/full", "/dev/null", "fifo", "socket"])
+def special_file(request, tmp_path) -> Iterator[tuple[Path, str]]:
+    if request.param.startswith("/dev/"):
+        yield Path(request.param), "character device"
+    elif request.param == "fifo":
+        os.mkfifo(tmp_path / "fifo")
+        yield tmp_path / "fifo", "FIFO"
+    else:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(tmp_path / "sock"))
+            yield tmp_path / "sock", "No such device or address"  # a socket file cannot be opened at all
+
+
+def test_a_special_output_is_refused_before_loading(job_files, special_file, no_engine, capsys):
+    path, what = special_file
+    err = _refused(job_files, path, capsys)
+    assert what in err and "--output" in err
+
+
+def test_a_special_input_is_refused_before_loading(job_files, special_file, tmp_path, no_engine, capsys):
+    path, what = special_file
+    output = tmp_path / "out.jsonl"
+    argv = ["generate", "--model", str(job_files / "model"), "--input", str(path), "--output", str(output)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert what in err and "--input" in err and not output.exists()
+
+
+def test_a_results_file_longer_than_the_input_can_produce_is_refused(job_files, tmp_path, no_engine, capsys):
+    lines = read_input(job_files / "requests.jsonl")
+    output = tmp_path / "out.jsonl"
+    output.write_text(_jsonl(_records(job_files, 2)) + '{"custom_id": "req-2", "text": "' + "z" * 2_000_000)
+    err = _refused(job_files, output, capsys)
+    assert f"line 3 holds a line longer than its result can be ({lines[2].max_record_bytes} bytes)" in err
+
+
+def test_a_byte_order_mark_is_dropped_and_bad_utf8_is_an_error_record(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(
+        codecs.BOM_UTF8
+        + b'{"custom_id": "first", "prompt": "a"}\n'
+        + b'{"custom_id": "bad-\xff-id", "prompt": "b"}\n'
+        + b'{"custom_id": "third", "prompt": "c\xc3\xa9"}\n'
+    )
+    first, bad, third = read_input(path)
+    assert first.record is None and first.custom_id == "first"
+    assert bad.record is not None and bad.custom_id is None and bad.fingerprint["line"] == 2
+    assert "line 2: not valid UTF-8 (byte 20: invalid start byte)" in bad.record["error"]
+    assert third.record is None and third.request.prompt == "cé"

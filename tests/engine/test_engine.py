@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.request import FinishReason, GenerationRequest, SamplingParams
 from jaxlora.errors import CapacityError, RequestError, UnknownAdapterError
 from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
@@ -640,3 +641,73 @@ def test_background_loop_serves_threads_and_drains_on_stop(engine):
         engine.submit(GenerationRequest(request_id="after", prompt_ids=[1, 8]))
     with pytest.raises(CapacityError):  # stopped for good: generate() raises instead of waiting forever
         engine.generate([GenerationRequest(request_id="after", prompt_ids=[1, 8])])
+
+
+def _solo(engine, name: str, **sampling) -> object:
+    request = GenerationRequest(request_id=name, prompt_ids=[1, 9, 10, 11], sampling=SamplingParams(**sampling))
+    return engine.generate([request])[0]
+
+
+def test_ignore_eos_and_min_tokens_run_past_what_would_stop(engine, monkeypatch):
+    """EOS is made the greedy run's second token (the stop set is read at submit; the sampler's EOS
+    ban is static, so it stays the tokenizer's): plain stops there, ignore_eos goes on to max_tokens
+    with the same tokens; a stop token id ends nothing before min_tokens tokens. No compiles."""
+    engine.run_until_idle()
+    plain = _solo(engine, "plain", max_tokens=8)
+    assert len(plain.token_ids) == 8, "the tiny model ended early: pick another prompt"
+    second = plain.token_ids[1]
+    monkeypatch.setattr(engine, "tokenizer", dataclasses.replace(engine.tokenizer, eos_token_ids=(second,)))
+    with jax.no_tracing():
+        stopped = _solo(engine, "eos", max_tokens=8)
+        ignored = _solo(engine, "ignore", max_tokens=8, ignore_eos=True)
+    assert stopped.finish_reason is FinishReason.STOP and stopped.token_ids == plain.token_ids[:2]
+    assert ignored.finish_reason is FinishReason.LENGTH and ignored.token_ids == plain.token_ids
+    monkeypatch.undo()
+    first = plain.token_ids[0]
+    with jax.no_tracing():
+        early = _solo(engine, "stop-id", max_tokens=8, stop_token_ids=(first,))
+        held = _solo(engine, "min", max_tokens=8, stop_token_ids=(first,), min_tokens=3)
+    assert early.token_ids == (first,) and early.finish_reason is FinishReason.STOP
+    assert held.token_ids[:3] == plain.token_ids[:3] and len(held.token_ids) >= 3
+    assert engine.compiles_after_warmup == 0
+
+
+def test_min_tokens_bans_eos_in_the_sampler_for_greedy_rows(engine, monkeypatch):
+    """A greedy row below its min_tokens goes through the sampler (EOS banned there), and only
+    while it is below: warmed up, no compiles."""
+    import jaxlora.engine.runner as runner_module
+
+    calls: list[int] = []
+    fn = runner_module.packed_sample
+    monkeypatch.setattr(runner_module, "packed_sample", lambda *a, **k: calls.append(1) or fn(*a, **k))
+    engine.run_until_idle()
+    with jax.no_tracing():
+        out = _solo(engine, "min-greedy", max_tokens=6, min_tokens=2)
+    assert len(calls) == 2 and len(out.token_ids) == 6 and engine.compiles_after_warmup == 0
+
+
+@pytest.mark.parametrize(
+    "is_chat, num_prompt, expected",
+    [(False, 10, 16), (True, 10, 32), (True, 50, 14), (False, 60, 4)],
+)
+def test_max_tokens_defaults_as_openai(is_chat, num_prompt, expected):
+    from jaxlora.engine.request import default_max_tokens
+
+    # max_seq_len 64, limit 32: chat gets the rest of the context within the limit, completions 16.
+    assert default_max_tokens(is_chat=is_chat, num_prompt=num_prompt, max_seq_len=64, max_new_tokens_limit=32) == (
+        expected
+    )
+
+
+def test_default_context_is_the_models_within_the_pool():
+    """No max_seq_len: the model's own maximum, within what the pool holds; the new-token limit is
+    what it leaves after one prompt token. Set sizes stay as they are."""
+    config = EngineConfig(max_batch=2, token_budgets=(8,))
+    assert config.max_seq_len is None and config.max_new_tokens_limit is None
+    derived = config.with_context(model_max=8192, pool_positions=3000)
+    assert (derived.max_seq_len, derived.max_new_tokens_limit) == (3000, 2999)
+    assert config.with_context(model_max=128, pool_positions=None).max_seq_len == 128
+    explicit = EngineConfig(max_seq_len=64, max_new_tokens_limit=32, token_budgets=(8,))
+    assert explicit.with_context(model_max=8192, pool_positions=16) == explicit
+    with pytest.raises(ValueError, match="no room"):
+        config.with_context(model_max=8192, pool_positions=1)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxlora.engine.request import GenerationRequest, SamplingParams
-from jaxlora.lora.apply import LoraRuntime
+from jaxlora.kernels import KernelConfig
 from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
 from jaxlora.model import quant
 from jaxlora.model.params import build_model, quantized_model
@@ -47,21 +47,23 @@ def _until_eos(ids: list[int]) -> list[int]:
 
 # The engine's budgets are 8 and 16 tokens (tests.engine.conftest): with the kernel's limit at 8 the
 # 8-token step programs run the Pallas 8-bit GEMM (interpreted) and the 16-token ones XLA's.
-SPLIT = LoraRuntime(quant_matmul="pallas", interpret=True, quant_kernel_max_tokens=8)
+SPLIT = KernelConfig(quant_matmul="pallas", quant_kernel_max_tokens=8)
 
 
-@pytest.mark.parametrize(("quantization", "runtime"), [("int8", None), ("fp8", None), ("int8", SPLIT)])
-def test_mixed_batch_on_quantized_base_equals_dequantized_weights(parts, quantization, runtime):
+@pytest.mark.parametrize(
+    ("quantization", "kernels"), [("int8", KernelConfig()), ("fp8", KernelConfig()), ("int8", SPLIT)]
+)
+def test_mixed_batch_on_quantized_base_equals_dequantized_weights(parts, quantization, kernels):
     model, tok, adapters = parts
     quantized = quantized_model(model, quantization)
     dequantized = build_model(model.config, dequantize_arrays(quantized.flat_params()), source="dequantized")
     expected = [_until_eos(ids) for ids in _reference(dequantized, adapters)]
     assert len({tuple(ids) for ids in expected}) == len(BATCH), "a swapped row must not go unnoticed"
 
-    engine = make_engine((quantized, tok, adapters), runtime=runtime)
+    engine = make_engine((quantized, tok, adapters), kernels=kernels)
     budgets = engine.config.token_budgets
-    if runtime is not None:
-        assert [runtime.uses_quant_kernel(b) for b in budgets] == [True, False], budgets
+    if kernels is SPLIT:
+        assert [engine.kernels.uses_quant_kernel(b) for b in budgets] == [True, False], budgets
     requests = [
         GenerationRequest(
             request_id=f"q{i}", prompt_ids=prompt, adapter=adapter, sampling=SamplingParams(max_tokens=NEW_TOKENS)
@@ -77,7 +79,7 @@ def test_mixed_batch_on_quantized_base_equals_dequantized_weights(parts, quantiz
 # The serving layout on the Mosaic GPU kernel: widths that are multiples of 64 (its tiles), bf16
 # (its activation dtype). Interpreted (the CPU), with the 8-token step programs on the kernel and
 # the 16-token ones on XLA's path, as `SPLIT` above does for the Triton kernel.
-MGPU_SPLIT = LoraRuntime(quant_matmul="mgpu", interpret=True, quant_kernel_max_tokens=8)
+MGPU_SPLIT = KernelConfig(quant_matmul="mgpu", quant_kernel_max_tokens=8)
 MGPU_SHAPES = dict(hidden_size=64, head_dim=16, intermediate_size=64)
 
 
@@ -99,7 +101,7 @@ def test_serving_layout_on_the_mosaic_kernel_gives_the_xla_paths_tokens(monkeypa
         )
         for i, (adapter, prompt) in enumerate(BATCH)
     ]
-    xla = make_engine((model, char_tokenizer(), adapters), runtime=LoraRuntime(quant_matmul="xla"))
+    xla = make_engine((model, char_tokenizer(), adapters), kernels=KernelConfig(quant_matmul="xla"))
     expected = [list(out.token_ids) for out in xla.generate(requests)]
     assert len({tuple(ids) for ids in expected}) == len(BATCH), "a swapped row must not go unnoticed"
 
@@ -108,7 +110,7 @@ def test_serving_layout_on_the_mosaic_kernel_gives_the_xla_paths_tokens(monkeypa
     monkeypatch.setattr(
         quant, "quant_matmul_mgpu", lambda x, q, *a, **k: widths.append((x.shape[0], q.shape[1])) or real(x, q, *a, **k)
     )
-    engine = make_engine((model, char_tokenizer(), adapters), runtime=MGPU_SPLIT)
+    engine = make_engine((model, char_tokenizer(), adapters), kernels=MGPU_SPLIT)
     assert sorted(set(widths)) == [(8, 64), (8, 128)], widths  # o/down (64), q|k|v and gate|up (128)
     # No `jax.no_tracing()` here: the Pallas GPU interpreter runs kernels through io_callback, and a
     # jitted program with callbacks always takes jit's Python path, which no_tracing refuses even on a

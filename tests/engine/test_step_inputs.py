@@ -66,7 +66,7 @@ def unpacked(layout: StepLayout, buffer: np.ndarray) -> dict:
     f.update(
         {k: getattr(batch, k) for k in ("q_start", "q_len", "kv_len", "block_tables", "write_page", "write_offset")}
     )
-    f.update({k: getattr(sampling, k) for k in ("temperature", "top_k", "top_p", "seed", "counter")})
+    f.update(vars(sampling))
     return {k: np.asarray(v) for k, v in f.items()}
 
 
@@ -142,6 +142,8 @@ def test_layout_round_trips_every_field(budget, rows, pages_per_seq):
         top_p=rng.uniform(0.1, 1.0, rows).astype(np.float32),
         seed=rng.integers(2**31, 2**32, rows, dtype=np.uint64).astype(np.uint32),
         counter=ints(rows),
+        min_p=rng.uniform(0.0, 1.0, rows).astype(np.float32),
+        min_tokens=ints(rows),
     )
     fields = dict(tokens=ints(budget), src=ints(budget), positions=ints(budget), slot_ids=ints(budget))
     got = unpacked(layout, layout.pack(**fields, batch=batch, sampling=sampling))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import lora_triton, tuning
+from pallas_kernels.lora import common, group, tuning
 from tests.kernels.kernel_data import random_array
 from tests.tolerances import assert_close
 
@@ -230,9 +230,9 @@ def test_fused_output_bad_columns_raise(rng):
     with pytest.raises(ValueError, match="one column offset per bank"):
         pk.lora_group(x, a, (y,), bs, slots, backend="xla", out_cols=(0,))
     # The Pallas decode wrapper writes the spans in place, so it refuses an overlap on its own too.
-    groups = lora_triton.make_row_groups(slots, num_slots=3, seg_len=None, block_rows=(16,))
+    groups = common.make_row_groups(slots, num_slots=3, seg_len=None, block_rows=(16,))
     with pytest.raises(ValueError, match="overlap"):
-        lora_triton.decode_group(x, a, (y,), bs, slots, groups, interpret=True, out_cols=(5, 0))
+        group.decode_group(x, a, (y,), bs, slots, groups, interpret=True, out_cols=(5, 0))
 
 
 def test_backend_names_are_listed_once():

@@ -1,4 +1,4 @@
-"""`lora_triton.decode_group` with the tile expand (b read once per work item) in interpret mode,
+"""`group.decode_group` with the tile expand (b read once per work item) in interpret mode,
 against the numpy row loop of test_lora_fused: NaN in slot 0 and in every unread layer, T not a
 multiple of the tile, module widths not multiples of block_out, rank 5 padded to 16."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import api, lora_triton, tuning
+from pallas_kernels.lora import api, common, group, tuning
 from tests.kernels.kernel_data import random_array
 from tests.kernels.test_lora_fused import LAYER, SLOT_PATTERNS, SLOTS, TOKENS, WIDTHS, _data, _poison, _reference
 from tests.tolerances import assert_close
@@ -37,8 +37,8 @@ def test_tile_expand_matches_the_row_loop(rng, monkeypatch, dtype, fused_output,
 
     @jax.jit
     def run(x, a, ys, bs, slots, layer):
-        groups = lora_triton.make_row_groups(slots, num_slots=SLOTS, seg_len=None, block_rows=(16,))
-        return lora_triton.decode_group(
+        groups = common.make_row_groups(slots, num_slots=SLOTS, seg_len=None, block_rows=(16,))
+        return group.decode_group(
             x, a, ys, bs, slots, groups, layer=layer, interpret=True, out_cols=out_cols, tiles=TILES
         )
 
@@ -67,8 +67,8 @@ def test_lora_group_takes_the_tile_expand_when_the_table_says_so(rng, monkeypatc
         calls.append(1)
         return tiles_call(*args, **kwargs)
 
-    tiles_call = lora_triton._expand_tiles_call
-    monkeypatch.setattr(lora_triton, "_expand_tiles_call", counting)
+    tiles_call = group._expand_tiles_call
+    monkeypatch.setattr(group, "_expand_tiles_call", counting)
     tokens, hidden, widths = 40, 96, (40, 24)
     x = random_array(rng, (tokens, hidden), jnp.float32)
     a = random_array(rng, (SLOTS, hidden, 2 * rank), jnp.float32, 0.1).at[0].set(0)
@@ -91,14 +91,14 @@ def test_tile_knobs_must_be_complete(rng):
     x, a, bs = _data(rng, jnp.float32)
     ys = tuple(random_array(rng, (TOKENS, w), jnp.float32) for w in WIDTHS)
     slots = jnp.ones(TOKENS, jnp.int32)
-    groups = lora_triton.make_row_groups(slots, num_slots=SLOTS, seg_len=None, block_rows=(16,))
+    groups = common.make_row_groups(slots, num_slots=SLOTS, seg_len=None, block_rows=(16,))
     args = (x, a[0], ys, tuple(b[0] for b in bs), slots, groups)
     with pytest.raises(ValueError, match="tile expand knobs"):
-        lora_triton.decode_group(*args, interpret=True, tiles=dict(block_out=16))
+        group.decode_group(*args, interpret=True, tiles=dict(block_out=16))
     with pytest.raises(ValueError, match="tile expand knobs"):
-        lora_triton.decode_group(*args, interpret=True, tiles=dict(TILES, split_k=2))
+        group.decode_group(*args, interpret=True, tiles=dict(TILES, split_k=2))
     with pytest.raises(ValueError, match="power of two"):
-        lora_triton.decode_group(*args, interpret=True, tiles=dict(TILES, block_out=24))
+        group.decode_group(*args, interpret=True, tiles=dict(TILES, block_out=24))
 
 
 @pytest.mark.parametrize("rank, tokens", [(16, 64), (16, 600), (32, 300), (8, 2048), (64, 600)])
@@ -106,8 +106,8 @@ def test_the_shipped_table_picks_the_expand_by_rank_and_rows(rng, monkeypatch, r
     """lora_group on pallas decode takes the tile expand exactly where tuning.py's measured table
     says split_tiles for (rank, T), with the plan's work items (none rebuilt per op)."""
     calls = []
-    tiles_call = lora_triton._expand_tiles_call
-    monkeypatch.setattr(lora_triton, "_expand_tiles_call", lambda *a, **k: calls.append(1) or tiles_call(*a, **k))
+    tiles_call = group._expand_tiles_call
+    monkeypatch.setattr(group, "_expand_tiles_call", lambda *a, **k: calls.append(1) or tiles_call(*a, **k))
     hidden, out = 32, 24
     x = random_array(rng, (tokens, hidden), jnp.bfloat16)
     a = random_array(rng, (SLOTS, hidden, rank), jnp.bfloat16, 0.1).at[0].set(0)

@@ -1,4 +1,4 @@
-"""The one-launch group kernel (`lora_fused`) in interpret mode against a numpy loop over rows.
+"""The one-launch group kernel (`lora.fused`) in interpret mode against a numpy loop over rows.
 
 Banks hold NaN in slot 0 and in every layer but the one read, so a stray read shows; shapes are
 awkward (T not a multiple of the tile, D not a multiple of block_k, module widths not multiples of
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import lora_fused, lora_triton, tuning
+from pallas_kernels.lora import common, fused, tuning
 from tests.kernels.kernel_data import random_array
 from tests.tolerances import assert_close
 
@@ -72,8 +72,8 @@ def test_fused_group_matches_the_row_loop(rng, dtype, fused_output):
 
     @jax.jit
     def run(x, a, ys, bs, slots, layer):
-        groups = lora_triton.make_row_groups(slots, num_slots=SLOTS, seg_len=None, block_rows=(16,))
-        return lora_fused.fused_group(
+        groups = common.make_row_groups(slots, num_slots=SLOTS, seg_len=None, block_rows=(16,))
+        return fused.fused_group(
             x, a, ys, bs, groups, mode="decode", layer=layer, out_cols=out_cols, interpret=True, **SMALL
         )
 
@@ -96,8 +96,8 @@ def test_fused_group_on_prefill_segments(rng):
     x = x[:tokens]
     ys = tuple(random_array(rng, (tokens, w), dtype) for w in WIDTHS)
     slots = np.repeat(rng.choice([0, 3, 3, 8], tokens // seg_len), seg_len).astype(np.int32)
-    groups = lora_triton.make_row_groups(jnp.asarray(slots), num_slots=SLOTS, seg_len=seg_len, block_rows=())
-    got = lora_fused.fused_group(
+    groups = common.make_row_groups(jnp.asarray(slots), num_slots=SLOTS, seg_len=seg_len, block_rows=())
+    got = fused.fused_group(
         x, a[LAYER], ys, tuple(b[LAYER] for b in bs), groups, mode="prefill", interpret=True, **SMALL
     )
     want = _reference(x, a[LAYER], ys, [b[LAYER] for b in bs], slots, None)
@@ -113,7 +113,7 @@ def test_lora_group_takes_the_fused_launch_when_the_table_says_so(rng, monkeypat
     for rank_bucket in list(table):
         monkeypatch.setitem(table, rank_bucket, {1 << 30: dict(impl="fused", **SMALL)})
     calls = []
-    monkeypatch.setattr(lora_fused, "_call", _counting(lora_fused._call, calls))
+    monkeypatch.setattr(fused, "_call", _counting(fused._call, calls))
     tokens, hidden, rank, out = 24, 96, 64, 40
     x = random_array(rng, (tokens, hidden), jnp.float32)
     a = random_array(rng, (SLOTS, hidden, rank), jnp.float32, 0.1).at[0].set(0)
@@ -139,18 +139,18 @@ def _counting(fn, calls):
 def test_bad_knobs_raise(rng):
     x, a, bs = _data(rng, jnp.float32)
     ys = tuple(random_array(rng, (TOKENS, w), jnp.float32) for w in WIDTHS)
-    groups = lora_triton.make_row_groups(jnp.zeros(TOKENS, jnp.int32), num_slots=SLOTS, seg_len=None, block_rows=())
+    groups = common.make_row_groups(jnp.zeros(TOKENS, jnp.int32), num_slots=SLOTS, seg_len=None, block_rows=())
     args = (x, a[0], ys, tuple(b[0] for b in bs), groups)
     with pytest.raises(ValueError, match="power of two"):
-        lora_fused.fused_group(*args, mode="decode", interpret=True, **{**SMALL, "block_k": 96})
+        fused.fused_group(*args, mode="decode", interpret=True, **{**SMALL, "block_k": 96})
     with pytest.raises(ValueError, match="block_rows"):
-        lora_fused.fused_group(*args, mode="decode", interpret=True, **{**SMALL, "block_rows": 8})
+        fused.fused_group(*args, mode="decode", interpret=True, **{**SMALL, "block_rows": 8})
     with pytest.raises(ValueError, match="col_split"):
-        lora_fused.fused_group(*args, mode="decode", interpret=True, **{**SMALL, "col_split": 0})
+        fused.fused_group(*args, mode="decode", interpret=True, **{**SMALL, "col_split": 0})
     with pytest.raises(ValueError, match="unknown fused-group knobs"):
-        lora_fused.fused_group(*args, mode="decode", interpret=True, split_k=2)
+        fused.fused_group(*args, mode="decode", interpret=True, split_k=2)
     with pytest.raises(ValueError, match="stack G=3 ranks"):
-        lora_fused.fused_group(x, a[0][..., :-1], ys, tuple(b[0] for b in bs), groups, mode="decode", interpret=True)
+        fused.fused_group(x, a[0][..., :-1], ys, tuple(b[0] for b in bs), groups, mode="decode", interpret=True)
 
 
 @pytest.mark.parametrize("rank, tokens", [(16, 64), (16, 1100), (64, 64), (64, 300), (128, 1100)])
@@ -158,8 +158,8 @@ def test_the_shipped_table_picks_the_launch_by_rank_and_rows(rng, monkeypatch, r
     """lora_group on pallas decode takes the one-launch kernel exactly where tuning.py's measured
     table says fused for (rank, T), and the step plan already holds that kernel's work items."""
     calls = []
-    monkeypatch.setattr(lora_fused, "_call", _counting(lora_fused._call, calls))
-    monkeypatch.setattr(lora_triton, "work_items", _counting(lora_triton.work_items, items_built := []))
+    monkeypatch.setattr(fused, "_call", _counting(fused._call, calls))
+    monkeypatch.setattr(common, "work_items", _counting(common.work_items, items_built := []))
     hidden, out = 32, 24
     x = random_array(rng, (tokens, hidden), jnp.bfloat16)
     a = random_array(rng, (SLOTS, hidden, rank), jnp.bfloat16, 0.1).at[0].set(0)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pallas_kernels as pk
-from pallas_kernels import lora_triton, reference, xla_backends
+from pallas_kernels.lora import common, reference, xla
 from tests.kernels.kernel_data import bank, random_array
 from tests.tolerances import assert_close
 
@@ -120,11 +120,11 @@ class TestTritonKernels:
         b = bank(rng, 8, (rank, out_dim), jnp.float32, range(8))
         x = random_array(rng, (NUM_TOKENS, hidden), jnp.float32)
         y = random_array(rng, (NUM_TOKENS, out_dim), jnp.float32)
-        h_ref = xla_backends.shrink_xla(x, a, tokens)
+        h_ref = xla.shrink_xla(x, a, tokens)
         assert_close(pk.sgmv_shrink(x, a, starts, seg_slots, interpret=self.INTERPRET), h_ref, jnp.float32)
         assert_close(
             pk.sgmv_expand(y, h_ref, b, starts, seg_slots, interpret=self.INTERPRET),
-            xla_backends.expand_xla(y, h_ref, b, tokens),
+            xla.expand_xla(y, h_ref, b, tokens),
             jnp.float32,
         )
 
@@ -136,7 +136,7 @@ def test_work_items_cover_every_row_once(lengths, block_rows):
     num_tokens = 8 * 40  # fixed, so the example shapes never change (no recompiles)
     seg_slots = np.arange(1, len(lengths) + 1, dtype=np.int32)
     tile, lo, hi, slot = map(
-        np.asarray, lora_triton.work_items(jnp.asarray(starts), jnp.asarray(seg_slots), num_tokens, block_rows)
+        np.asarray, common.work_items(jnp.asarray(starts), jnp.asarray(seg_slots), num_tokens, block_rows)
     )
     covered = np.zeros(num_tokens, int)
     for t, l, h, s in zip(tile, lo, hi, slot):
@@ -151,7 +151,7 @@ def test_work_items_cover_every_row_once(lengths, block_rows):
 @given(slots=st.lists(st.integers(0, 9), min_size=40, max_size=40))
 def test_group_rows_by_slot_is_a_stable_sort(slots):
     slots = np.asarray(slots, np.int32)
-    order, starts, seg_slots = map(np.asarray, lora_triton.group_rows_by_slot(jnp.asarray(slots), min(10, len(slots))))
+    order, starts, seg_slots = map(np.asarray, common.group_rows_by_slot(jnp.asarray(slots), min(10, len(slots))))
     np.testing.assert_array_equal(order, np.argsort(slots, kind="stable"))
     distinct = np.unique(slots)
     np.testing.assert_array_equal(seg_slots[: len(distinct)], distinct)

@@ -122,7 +122,7 @@ def test_one_launch_group_lowers_for_cuda(hidden, rank, dtype):
     """The fused group kernel (shrink and expand in one program): one Triton launch for three modules
     of a fused q|k|v output, the layer index traced, awkward widths; at hidden 4096 and a power-of-two
     rank the A tiles load unmasked (Triton then takes no fill value)."""
-    from pallas_kernels import lora_fused, lora_triton
+    from pallas_kernels.lora import common, fused
 
     sd = jax.ShapeDtypeStruct
     x, slots = sd((37, hidden), dtype), sd((37,), jnp.int32)
@@ -131,11 +131,9 @@ def test_one_launch_group_lowers_for_cuda(hidden, rank, dtype):
     y = sd((37, 1068), dtype)
 
     def step(x, a, y, bs, slots, layer):
-        groups = lora_triton.make_row_groups(slots, num_slots=5, seg_len=None, block_rows=(16,))
+        groups = common.make_row_groups(slots, num_slots=5, seg_len=None, block_rows=(16,))
         knobs = dict(block_rows=16, block_k=128, block_out=256, col_split=2, num_warps=4, num_stages=3)
-        return lora_fused.fused_group(
-            x, a, (y,), bs, groups, mode="decode", layer=layer, out_cols=(0, 576, 768), **knobs
-        )
+        return fused.fused_group(x, a, (y,), bs, groups, mode="decode", layer=layer, out_cols=(0, 576, 768), **knobs)
 
     text = _lower_for_cuda(step, x, a, y, bs, slots, sd((), jnp.int32))
     assert text.count("__gpu$xla.gpu.triton") == 1

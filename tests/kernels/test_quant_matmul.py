@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from jaxlora.model.quant import Quantization, matmul, quantize
-from pallas_kernels.quant_matmul import MAX_INT8_W8A8_DEPTH, int8_to_float, quant_matmul, quantize_rows
+from pallas_kernels.quant.triton import MAX_INT8_W8A8_DEPTH, int8_to_float, quant_matmul, quantize_rows
 from tests.tolerances import assert_close
 
 H200 = AbstractMesh(

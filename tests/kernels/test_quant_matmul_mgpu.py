@@ -1,4 +1,4 @@
-"""The Mosaic GPU weight-only 8-bit GEMM (`pallas_kernels.quant_matmul_mgpu`) on CPU.
+"""The Mosaic GPU weight-only 8-bit GEMM (`pallas_kernels.quant.mgpu`) on CPU.
 
 References, sharing no index math with the kernel: a float64 numpy product
 x @ (q[layer] * scale[layer][:, None]).T (every int8 and e4m3 value, and every bf16 / f16 x, is
@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from jaxlora.model.quant import Quantization, quantize
-from pallas_kernels.quant_matmul_mgpu import SMEM_BYTES, MgpuKnobs, pick_splits, quant_matmul_mgpu, smem_bytes
+from pallas_kernels.quant.mgpu import SMEM_BYTES, MgpuKnobs, pick_splits, quant_matmul_mgpu, smem_bytes
 from tests.tolerances import assert_close
 
 H200 = AbstractMesh(

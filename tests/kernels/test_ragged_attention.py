@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_kernels import ragged_paged_attention
-from pallas_kernels.ragged_attention import q_block_schedule
-from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference
+from pallas_kernels.attention.ragged import q_block_schedule
+from pallas_kernels.attention.reference import ragged_paged_attention_reference
 from tests.kernels.paged_data import ragged_batch
 from tests.tolerances import assert_close
 

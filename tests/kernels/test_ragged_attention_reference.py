@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference
+from pallas_kernels.attention.reference import ragged_paged_attention_reference
 from tests.kernels.paged_data import ragged_batch
 from tests.tolerances import assert_close
 

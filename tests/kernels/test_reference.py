@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import reference, xla_backends
+from pallas_kernels.lora import reference, xla
 from tests.kernels.kernel_data import random_array
 from tests.tolerances import assert_close
 
@@ -22,9 +22,9 @@ def test_hand_computed_case():
     y = jnp.full((2, 3), 10.0)
     for shrink, expand in [
         (reference.shrink_loop, reference.expand_loop),
-        (xla_backends.shrink_xla, xla_backends.expand_xla),
+        (xla.shrink_xla, xla.expand_xla),
         (reference.shrink_onehot, reference.expand_onehot),
-        (xla_backends.shrink_ragged, xla_backends.expand_ragged),
+        (xla.shrink_ragged, xla.expand_ragged),
     ]:
         h = shrink(x, a, slots)
         np.testing.assert_array_equal(h, [[3.0, 2.0], [0.0, 0.0]])
@@ -45,11 +45,11 @@ def test_references_agree(rng, dtype, seg_len):
         slots = jnp.repeat(jnp.asarray(rng.integers(0, num_slots, num_tokens // seg_len), jnp.int32), seg_len)
     h_ref = reference.shrink_loop(x, a, slots)
     y_ref = reference.expand_loop(y, h_ref, b, slots)
-    assert_close(xla_backends.shrink_xla(x, a, slots, seg_len), h_ref, dtype)
-    assert_close(xla_backends.expand_xla(y, h_ref, b, slots, seg_len), y_ref, dtype)
+    assert_close(xla.shrink_xla(x, a, slots, seg_len), h_ref, dtype)
+    assert_close(xla.expand_xla(y, h_ref, b, slots, seg_len), y_ref, dtype)
     for shrink, expand in [
         (reference.shrink_onehot, reference.expand_onehot),
-        (xla_backends.shrink_ragged, xla_backends.expand_ragged),
+        (xla.shrink_ragged, xla.expand_ragged),
     ]:
         assert_close(shrink(x, a, slots), h_ref, dtype)
         assert_close(expand(y, h_ref, b, slots), y_ref, dtype)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import lora_tpu, reference
+from pallas_kernels.lora import reference, tpu
 from tests.kernels.kernel_data import bank, random_array, zero_slot0
 from tests.tolerances import assert_close
 
@@ -53,11 +53,11 @@ def test_bgmv_matches_loop(rng, dtype, hidden, rank, out, pattern, block_k, bloc
     a = bank(rng, num_slots, (hidden, rank), dtype, slot_ids, nan_slot0=True)
     b = bank(rng, num_slots, (rank, out), dtype, slot_ids, nan_slot0=True)
 
-    h = lora_tpu.bgmv_shrink(x, a, slot_ids, block_k=block_k, interpret=INTERPRET)
+    h = tpu.bgmv_shrink(x, a, slot_ids, block_k=block_k, interpret=INTERPRET)
     h_ref = reference.shrink_loop(x, zero_slot0(a), slot_ids)
     assert_close(h, h_ref, dtype)
     # Expand from the reference h, so a shrink error cannot hide an expand error.
-    y_new = lora_tpu.bgmv_expand(y, h_ref, b, slot_ids, block_o=block_o, interpret=INTERPRET)
+    y_new = tpu.bgmv_expand(y, h_ref, b, slot_ids, block_o=block_o, interpret=INTERPRET)
     assert_close(y_new, reference.expand_loop(y, h_ref, zero_slot0(b), slot_ids), dtype)
     _check_slot0_rows(slot_ids, h, y_new, y)
 
@@ -79,10 +79,10 @@ def test_sgmv_matches_loop(rng, dtype, rank, seg_starts, seg_slots):
     a = bank(rng, num_slots, (hidden, rank), dtype, slot_ids, nan_slot0=True)
     b = bank(rng, num_slots, (rank, out), dtype, slot_ids, nan_slot0=True)
 
-    h = lora_tpu.sgmv_shrink(x, a, seg_starts, seg_slots, block_rows=8, block_k=128, interpret=INTERPRET)
+    h = tpu.sgmv_shrink(x, a, seg_starts, seg_slots, block_rows=8, block_k=128, interpret=INTERPRET)
     h_ref = reference.shrink_loop(x, zero_slot0(a), slot_ids)
     assert_close(h, h_ref, dtype)
-    y_new = lora_tpu.sgmv_expand(y, h_ref, b, seg_starts, seg_slots, block_rows=8, block_o=1024, interpret=INTERPRET)
+    y_new = tpu.sgmv_expand(y, h_ref, b, seg_starts, seg_slots, block_rows=8, block_o=1024, interpret=INTERPRET)
     assert_close(y_new, reference.expand_loop(y, h_ref, zero_slot0(b), slot_ids), dtype)
     _check_slot0_rows(slot_ids, h, y_new, y)
 
@@ -122,10 +122,10 @@ def test_lowers_for_tpu():
     h, slot_ids = spec((tokens, 2 * rank), jnp.bfloat16), spec((tokens,), jnp.int32)
     starts, seg_slots = spec((4,), jnp.int32), spec((3,), jnp.int32)
     calls = [
-        (functools.partial(lora_tpu.bgmv_shrink, block_k=512), (x, a, slot_ids)),
-        (functools.partial(lora_tpu.bgmv_expand, h_col=rank, block_o=256), (y, h, b, slot_ids)),
-        (functools.partial(lora_tpu.sgmv_shrink, block_rows=16), (x, a, starts, seg_slots)),
-        (functools.partial(lora_tpu.sgmv_expand, h_col=rank, block_rows=8), (y, h, b, starts, seg_slots)),
+        (functools.partial(tpu.bgmv_shrink, block_k=512), (x, a, slot_ids)),
+        (functools.partial(tpu.bgmv_expand, h_col=rank, block_o=256), (y, h, b, slot_ids)),
+        (functools.partial(tpu.sgmv_shrink, block_rows=16), (x, a, starts, seg_slots)),
+        (functools.partial(tpu.sgmv_expand, h_col=rank, block_rows=8), (y, h, b, starts, seg_slots)),
     ]
     for fn, args in calls:
         assert "tpu_custom_call" in jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
@@ -138,17 +138,17 @@ def test_bad_input_raises(rng):
     slot_ids = jnp.zeros(8, jnp.int32)
     starts, seg_slots = jnp.asarray([0, 8], jnp.int32), jnp.asarray([1], jnp.int32)
     with pytest.raises(ValueError, match="block_k=100"):
-        lora_tpu.bgmv_shrink(x, a, slot_ids, block_k=100)
+        tpu.bgmv_shrink(x, a, slot_ids, block_k=100)
     with pytest.raises(ValueError, match="block_rows=12"):
-        lora_tpu.sgmv_shrink(x, a, starts, seg_slots, block_rows=12)
+        tpu.sgmv_shrink(x, a, starts, seg_slots, block_rows=12)
     with pytest.raises(ValueError, match="shrink needs"):
-        lora_tpu.bgmv_shrink(x, a[:, :128], slot_ids)
+        tpu.bgmv_shrink(x, a[:, :128], slot_ids)
     with pytest.raises(ValueError, match="h_col=2"):
-        lora_tpu.bgmv_expand(x, x[:, :4], b, slot_ids, h_col=2)
+        tpu.bgmv_expand(x, x[:, :4], b, slot_ids, h_col=2)
     with pytest.raises(ValueError, match="slot_ids"):
-        lora_tpu.bgmv_shrink(x, a, slot_ids[:5])
+        tpu.bgmv_shrink(x, a, slot_ids[:5])
     with pytest.raises(ValueError, match="seg_starts"):
-        lora_tpu.sgmv_expand(x, x[:, :4], b, starts[:1], seg_slots)
+        tpu.sgmv_expand(x, x[:, :4], b, starts[:1], seg_slots)
     with pytest.raises(ValueError, match="plan"):
         plan = pk.lora_plan(slot_ids, num_slots=3, backend="xla")
         pk.lora_shrink(x, a, None, backend="pallas_tpu", plan=plan)

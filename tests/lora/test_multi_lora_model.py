@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxlora.config import TARGET_MODULES, AttentionBackend, LoraBackend, LoraConfig
-from jaxlora.lora.apply import LoraRuntime
+from jaxlora.kernels import StepKernels
 from jaxlora.lora.bank import init_bank, reset_slot, set_slot, slot_arrays
 from jaxlora.lora.merge import merged_params
 from jaxlora.model import init_kv_cache
@@ -57,7 +57,7 @@ def _logits(model, tokens, bank=None, slots=None, backend=LoraBackend.XLA):
     b, t = tokens.shape
     kv = init_kv_cache(CFG, b, 16)
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-    runtime = LoraRuntime.for_platform(backend)
+    kernels = StepKernels.for_platform(backend)
     return np.asarray(
         forward_logits(
             model.graphdef,
@@ -67,7 +67,7 @@ def _logits(model, tokens, bank=None, slots=None, backend=LoraBackend.XLA):
             kv,
             bank,
             None if slots is None else jnp.asarray(slots, jnp.int32),
-            runtime=runtime,
+            kernels=kernels,
         )[0]
     )
 
@@ -135,13 +135,17 @@ def jax_copy(tree):
 
 def test_attention_names_come_from_one_enum():
     from jaxlora.engine.config import EngineConfig
+    from jaxlora.kernels import KernelConfig
 
-    assert EngineConfig().attention is AttentionBackend.AUTO
-    assert EngineConfig(attention="xla").attention is AttentionBackend.XLA
+    assert EngineConfig().kernels.attention is AttentionBackend.AUTO
+    assert EngineConfig(kernels=KernelConfig(attention="xla")).kernels.attention is AttentionBackend.XLA
+    assert EngineConfig.from_dict({"kernels": {"attention": "xla"}}).kernels.attention is AttentionBackend.XLA
     with pytest.raises(ValueError, match="attention='flash' must be one of"):
-        EngineConfig(attention="flash")
-    assert LoraRuntime.for_platform("xla", "gpu").attention is AttentionBackend.PALLAS
-    assert LoraRuntime.for_platform("xla", "cpu", attention="auto").attention is AttentionBackend.XLA
-    assert LoraRuntime(attention="pallas").attention is AttentionBackend.PALLAS
+        KernelConfig(attention="flash")
+    with pytest.raises(ValueError, match=r"unknown kernels config key\(s\) \['flash'\]"):
+        EngineConfig.from_dict({"kernels": {"flash": True}})
+    assert StepKernels.for_platform("xla", "gpu").attention is AttentionBackend.PALLAS
+    assert StepKernels.for_platform("xla", "cpu", attention="auto").attention is AttentionBackend.XLA
+    assert StepKernels(attention="pallas").attention is AttentionBackend.PALLAS
     with pytest.raises(ValueError, match="attention='auto' must be one of"):
-        LoraRuntime(attention="auto")  # for_platform resolves auto
+        StepKernels(attention="auto")  # for_platform resolves auto

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxlora.config import TARGET_MODULES, LoraBackend, LoraConfig
 from jaxlora.errors import ModelLoadError
-from jaxlora.lora.apply import LoraRuntime, gemm_compiler_options
+from jaxlora.kernels import KernelConfig, StepKernels, gemm_compiler_options
 from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
 from jaxlora.model import init_kv_cache
 from jaxlora.model.forward import forward_logits
@@ -87,7 +87,7 @@ def test_misshapen_pieces_are_refused_before_fusing():
 
 def test_cublas_gemms_follow_the_projection_layout():
     pick = lambda platform, fused: (
-        LoraRuntime.for_platform(  # noqa: E731
+        StepKernels.for_platform(  # noqa: E731
             "xla", platform, fused_projections=fused
         ).gemm.value
     )
@@ -100,13 +100,13 @@ def _logits(model, bank, slots, backend, quant_matmul="xla"):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (4, 5)), jnp.int32)
     kv = init_kv_cache(CFG, 4, 16)
     pos = jnp.broadcast_to(jnp.arange(5), (4, 5))
-    runtime = LoraRuntime.for_platform(backend, quant_matmul=quant_matmul)
+    kernels = StepKernels.for_platform(backend, quant_matmul=quant_matmul)
     slots = jnp.asarray(slots, jnp.int32)
     prefill, kv = forward_logits(
-        model.graphdef, model.params, tokens[:, :4], pos[:, :4], kv, bank, slots, runtime=runtime
+        model.graphdef, model.params, tokens[:, :4], pos[:, :4], kv, bank, slots, kernels=kernels
     )
     decode, _ = forward_logits(
-        model.graphdef, model.params, tokens[:, 4:], pos[:, 4:], kv, bank, slots, runtime=runtime
+        model.graphdef, model.params, tokens[:, 4:], pos[:, 4:], kv, bank, slots, kernels=kernels
     )
     return np.asarray(prefill), np.asarray(decode)
 
@@ -170,20 +170,20 @@ def test_engine_greedy_tokens_equal_separate_layout_with_zero_compiles():
     outputs = {}
     # The cuBLAS choice is the step programs' other jit (an XLA compile option, accepted on CPU too):
     # warm-up must compile it, and calls must reach it, with nothing compiled while serving.
-    cublas = LoraRuntime.for_platform(LoraBackend.XLA, gemm="cublas")
+    cublas = KernelConfig(gemm="cublas")
     # And with the smallest budget's program compiled without CONCURRENT scheduling, the others with it.
     split = dataclasses.replace(cublas, concurrent_min_tokens=16)
     variants = (
-        ("separate", separate, None),
-        ("fused", fused, None),
+        ("separate", separate, KernelConfig()),
+        ("fused", fused, KernelConfig()),
         ("cublas", fused, cublas),
         ("split", fused, split),
     )
-    for name, model, runtime in variants:
-        engine = make_engine((model, tok, adapters), runtime=runtime)
+    for name, model, kernels in variants:
+        engine = make_engine((model, tok, adapters), kernels=kernels)
         outputs[name] = [r.token_ids for r in engine.generate(requests)]
         assert engine.compiles_after_warmup == 0, name
-    options = [split.compiler_options(b) for b in engine.config.token_budgets]  # budgets 8 and 16
+    options = [engine.kernels.compiler_options(b) for b in engine.config.token_budgets]  # budgets 8 and 16
     assert options == [
         gemm_compiler_options("cublas", concurrent=False),
         gemm_compiler_options("cublas", concurrent=True),

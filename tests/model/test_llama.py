@@ -86,20 +86,14 @@ def test_bfloat16_runs_close_to_float32():
     np.testing.assert_allclose(_full(bf, tokens), _full(model, tokens), atol=5e-2, rtol=5e-2)
 
 
-@pytest.mark.parametrize(
-    "runtime",
-    [
-        dict(attention="pallas", interpret=True),
-        dict(unroll_layers=True),
-        dict(attention="pallas", interpret=True, unroll_layers=True),
-    ],
-)
-def test_decode_kernels_and_unrolled_layers_give_the_same_tokens(runtime):
-    """Pallas decode attention (interpret mode) and the unrolled layer loop change no greedy token."""
-    from jaxlora.lora.apply import LoraRuntime
+def test_unrolled_layers_give_the_same_tokens():
+    """The unrolled layer loop (decode steps) changes no greedy token against the scan."""
+    from jaxlora.kernels import StepKernels
 
     model = random_model(tiny_config(head_dim=16, num_layers=3), seed=3)
     prompts = [[5, 6, 7, 8, 9], [11, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
     want = batched_greedy(model, prompts, [0, 0, 0], 6)
-    got = batched_greedy(model, prompts, [0, 0, 0], 6, runtime=LoraRuntime(**runtime))
+    kernels = StepKernels(unroll_layers=True)
+    assert kernels.unrolls(len(prompts)) and not kernels.unrolls(len(prompts), tokens_per_row=2)
+    got = batched_greedy(model, prompts, [0, 0, 0], 6, kernels=kernels)
     assert got == want

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxlora.errors import ModelLoadError
-from jaxlora.lora.apply import QUANT_KERNEL_MAX_TOKENS, LoraRuntime, QuantMatmul
+from jaxlora.kernels import QUANT_KERNEL_MAX_TOKENS, QuantMatmul, StepKernels
 from jaxlora.lora.merge import merged_params
 from jaxlora.model import init_kv_cache
 from jaxlora.model import quant as quant_module
@@ -28,7 +28,7 @@ from jaxlora.model.quant import (
     quantize,
     to_kmajor_arrays,
 )
-from pallas_kernels.quant_mgpu_tuning import mgpu_knobs
+from pallas_kernels.quant.tuning import mgpu_knobs
 from tests.factories import tiny_config
 from tests.greedy import batched_greedy
 from tests.tolerances import assert_close
@@ -143,68 +143,68 @@ def test_merging_into_a_quantized_base_is_refused():
         merged_params(model.flat_params(), {}, quantization=model.quantization)
 
 
-def _runs_quant_kernel(model, runtime: LoraRuntime) -> bool:
-    """Whether the model's one-token step traces a pallas_kernels.quant_matmul call."""
+def _runs_quant_kernel(model, kernels: StepKernels) -> bool:
+    """Whether the model's one-token step traces a pallas_kernels.quant.triton call."""
     kv = init_kv_cache(model.config, 1, 8)
     tokens, positions = jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32)
-    jaxpr = jax.make_jaxpr(lambda p, kv: forward_logits(model.graphdef, p, tokens, positions, kv, runtime=runtime))
+    jaxpr = jax.make_jaxpr(lambda p, kv: forward_logits(model.graphdef, p, tokens, positions, kv, kernels=kernels))
     return "quant_matmul" in str(jaxpr(model.params, kv))
 
 
 @pytest.mark.parametrize(("quantization", "unroll_layers"), [("int8", False), ("fp8", True)])
 def test_kernel_path_gives_the_greedy_tokens_of_the_xla_path(quantization, unroll_layers):
-    """The model with its quantized GEMMs in pallas_kernels.quant_matmul (interpret mode; the stacked
+    """The model with its quantized GEMMs in pallas_kernels.quant.triton (interpret mode; the stacked
     weights read in place by the scan's traced layer index, or a static one unrolled) against XLA."""
     model = quantized_model(random_model(tiny_config(head_dim=16, num_layers=3), seed=3), quantization)
     prompts = [[5, 6, 7, 8, 9], [11, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
-    xla = LoraRuntime(unroll_layers=unroll_layers)
-    kernel = LoraRuntime(quant_matmul="pallas", interpret=True, unroll_layers=unroll_layers)
+    xla = StepKernels(unroll_layers=unroll_layers)
+    kernel = StepKernels(quant_matmul="pallas", interpret=True, unroll_layers=unroll_layers)
     assert _runs_quant_kernel(model, kernel) and not _runs_quant_kernel(model, xla)
-    want = batched_greedy(model, prompts, [0, 0, 0], 6, runtime=xla)
+    want = batched_greedy(model, prompts, [0, 0, 0], 6, kernels=xla)
     assert len({tuple(ids) for ids in want}) == len(prompts), "rows must differ for a swap to show"
-    assert batched_greedy(model, prompts, [0, 0, 0], 6, runtime=kernel) == want
+    assert batched_greedy(model, prompts, [0, 0, 0], 6, kernels=kernel) == want
 
 
 def test_quant_matmul_choice_is_resolved_per_platform():
-    gpu = LoraRuntime.for_platform("xla", "gpu", compute_capability="9.0")  # an H100 / H200
+    gpu = StepKernels.for_platform("xla", "gpu", compute_capability="9.0")  # an H100 / H200
     assert gpu.quant_matmul is QuantMatmul.BEST and gpu.quant_kernel_max_tokens == QUANT_KERNEL_MAX_TOKENS
     assert gpu.uses_quant_kernel(QUANT_KERNEL_MAX_TOKENS) and not gpu.uses_quant_kernel(QUANT_KERNEL_MAX_TOKENS + 1)
-    assert gpu.quant_kernel == "best" and LoraRuntime(quant_matmul="pallas").quant_kernel == "triton"
+    assert gpu.quant_kernel == "best" and StepKernels(quant_matmul="pallas").quant_kernel == "triton"
     # Not a Hopper (an A100; Blackwell has no wgmma either; no GPU at all reads as unknown): Triton.
     for capability in ("8.0", "10.0"):
-        other = LoraRuntime.for_platform("xla", "gpu", compute_capability=capability)
+        other = StepKernels.for_platform("xla", "gpu", compute_capability=capability)
         assert other.quant_matmul is QuantMatmul.PALLAS and other.quant_kernel_max_tokens == QUANT_KERNEL_MAX_TOKENS
         for kernel in ("mgpu", "best"):
             with pytest.raises(ValueError, match="needs a Hopper GPU"):
-                LoraRuntime.for_platform("xla", "gpu", compute_capability=capability, quant_matmul=kernel)
+                StepKernels.for_platform("xla", "gpu", compute_capability=capability, quant_matmul=kernel)
     if jax.default_backend() == "cpu":  # no GPU to read a capability from: not known to be a Hopper
-        assert LoraRuntime.for_platform("xla", "gpu").quant_matmul is QuantMatmul.PALLAS
-    mgpu = LoraRuntime.for_platform("xla", "gpu", compute_capability="9.0", quant_matmul="mgpu")
+        assert StepKernels.for_platform("xla", "gpu").quant_matmul is QuantMatmul.PALLAS
+    mgpu = StepKernels.for_platform("xla", "gpu", compute_capability="9.0", quant_matmul="mgpu")
     assert mgpu.quant_kernel == "mgpu" and mgpu.quant_kernel_max_tokens == QUANT_KERNEL_MAX_TOKENS
     with pytest.raises(ValueError, match="K-major int8 weights"):
-        LoraRuntime.for_platform("xla", "gpu", compute_capability="9.0", quant_matmul="mgpu", fused_projections=False)
+        StepKernels.for_platform("xla", "gpu", compute_capability="9.0", quant_matmul="mgpu", fused_projections=False)
     for kernel, limit in (("mgpu", None), ("best", 257)):
         with pytest.raises(ValueError, match="at most 256 rows"):
-            LoraRuntime(quant_matmul=kernel, quant_kernel_max_tokens=limit)
+            StepKernels(quant_matmul=kernel, quant_kernel_max_tokens=limit)
     # The kernel was measured in the serving layout only; the separate one (tensor parallelism) keeps XLA.
-    assert not LoraRuntime.for_platform("xla", "gpu", fused_projections=False).uses_quant_kernel(1)
-    explicit = LoraRuntime.for_platform("xla", "gpu", quant_matmul="pallas")
+    assert not StepKernels.for_platform("xla", "gpu", fused_projections=False).uses_quant_kernel(1)
+    explicit = StepKernels.for_platform("xla", "gpu", quant_matmul="pallas")
     assert explicit.quant_matmul is QuantMatmul.PALLAS and explicit.uses_quant_kernel(1 << 20)
-    assert not LoraRuntime.for_platform("xla", "gpu", quant_matmul="xla").uses_quant_kernel(1)
-    cpu = LoraRuntime.for_platform("xla", "cpu")
+    assert not StepKernels.for_platform("xla", "gpu", quant_matmul="xla").uses_quant_kernel(1)
+    cpu = StepKernels.for_platform("xla", "cpu")
     assert cpu.quant_matmul is QuantMatmul.XLA and not cpu.interpret
-    assert LoraRuntime.for_platform("xla", "cpu", quant_matmul="pallas").interpret
-    assert LoraRuntime.for_platform("xla", "cpu", quant_matmul="mgpu").interpret
+    assert StepKernels.for_platform("xla", "cpu", quant_matmul="pallas").interpret
+    assert StepKernels.for_platform("xla", "cpu", quant_matmul="mgpu").interpret
     for kernel in ("pallas", "mgpu", "best"):
         with pytest.raises(ValueError, match=f"quant_matmul={kernel} is a GPU kernel"):
-            LoraRuntime.for_platform("xla", "tpu", quant_matmul=kernel)
+            StepKernels.for_platform("xla", "tpu", quant_matmul=kernel)
     with pytest.raises(ValueError, match="quant_matmul='auto' must be one of"):
-        LoraRuntime(quant_matmul="auto")
+        StepKernels(quant_matmul="auto")
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="quant_kernel_max_tokens"):
-            LoraRuntime(quant_matmul="pallas", quant_kernel_max_tokens=bad)
+            StepKernels(quant_matmul="pallas", quant_kernel_max_tokens=bad)
         with pytest.raises(ValueError, match="concurrent_min_tokens"):
-            LoraRuntime(concurrent_min_tokens=bad)
+            StepKernels(concurrent_min_tokens=bad)
 
 
 def test_quant_kernel_runs_only_steps_within_its_token_limit():
@@ -212,20 +212,20 @@ def test_quant_kernel_runs_only_steps_within_its_token_limit():
     XLA path's greedy tokens. The limit counts a step's tokens, rows x tokens a row: two rows
     decoding are a step of 2, a prompt of 4 a step of 4."""
     model = quantized_model(random_model(tiny_config(head_dim=16, num_layers=2), seed=5), "int8")
-    limited = LoraRuntime(quant_matmul="pallas", interpret=True, quant_kernel_max_tokens=2)
+    limited = StepKernels(quant_matmul="pallas", interpret=True, quant_kernel_max_tokens=2)
 
     def traces_kernel(rows: int, tokens_per_row: int) -> bool:
         kv = init_kv_cache(model.config, rows, 8)
         tokens = jnp.zeros((rows, tokens_per_row), jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(tokens_per_row, dtype=jnp.int32), (rows, tokens_per_row))
-        step = lambda p, kv: forward_logits(model.graphdef, p, tokens, positions, kv, runtime=limited)  # noqa: E731
+        step = lambda p, kv: forward_logits(model.graphdef, p, tokens, positions, kv, kernels=limited)  # noqa: E731
         return "quant_matmul" in str(jax.make_jaxpr(step)(model.params, kv))
 
     assert traces_kernel(2, 1) and traces_kernel(1, 1)
     assert not traces_kernel(1, 4) and not traces_kernel(2, 2)
     prompts = [[5, 6, 7, 8, 9], [11, 3]]
-    want = batched_greedy(model, prompts, [0, 0], 4, runtime=LoraRuntime())
-    assert batched_greedy(model, prompts, [0, 0], 4, runtime=limited) == want
+    want = batched_greedy(model, prompts, [0, 0], 4, kernels=StepKernels())
+    assert batched_greedy(model, prompts, [0, 0], 4, kernels=limited) == want
 
 
 def test_a_stacked_quant_linear_needs_its_layer():
@@ -246,12 +246,12 @@ def test_kernel_path_reads_the_stacked_weights_in_place_on_cuda(unroll_layers):
         (1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     )
     model = quantized_model(random_model(tiny_config(hidden_size=64, intermediate_size=96), seed=4), "int8")
-    runtime = LoraRuntime(quant_matmul="pallas", unroll_layers=unroll_layers)
+    kernels = StepKernels(quant_matmul="pallas", unroll_layers=unroll_layers)
     kv = init_kv_cache(model.config, 2, 8)
     tokens, positions = jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32)
 
     def step(params, kv):
-        return forward_logits(model.graphdef, params, tokens, positions, kv, runtime=runtime)
+        return forward_logits(model.graphdef, params, tokens, positions, kv, kernels=kernels)
 
     with jax.sharding.use_abstract_mesh(h200):
         text = jax.jit(step).trace(model.params, kv).lower(lowering_platforms=("cuda",)).as_text()
@@ -352,12 +352,12 @@ def test_serving_layout_on_the_mosaic_kernel_reads_the_kmajor_stacks_in_place_on
     cfg = tiny_config(hidden_size=64, head_dim=16, intermediate_size=64)
     dense = random_model(cfg, seed=4, dtype=jnp.bfloat16, fused=True)
     model = quantized_model(dense, "int8")
-    runtime = LoraRuntime(quant_matmul="best", unroll_layers=unroll_layers, quant_kernel_max_tokens=256)
+    kernels = StepKernels(quant_matmul="best", unroll_layers=unroll_layers, quant_kernel_max_tokens=256)
     kv = init_kv_cache(model.config, 2, 8, dtype=jnp.bfloat16)
     tokens, positions = jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32)
 
     def step(params, kv):
-        return forward_logits(model.graphdef, params, tokens, positions, kv, runtime=runtime)
+        return forward_logits(model.graphdef, params, tokens, positions, kv, kernels=kernels)
 
     with jax.sharding.use_abstract_mesh(h200):
         text = jax.jit(step).trace(model.params, kv).lower(lowering_platforms=("cuda",)).as_text()

@@ -21,7 +21,7 @@ from jaxlora.engine.request import GenerationRequest, SamplingParams
 from jaxlora.engine.runner import ragged_step
 from jaxlora.engine.sampling import SamplingArrays
 from jaxlora.engine.static_arg import Hashed
-from jaxlora.lora.apply import LoraRuntime
+from jaxlora.kernels import StepKernels
 from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
 from jaxlora.model import RaggedBatch, init_kv_cache, init_paged_kv_cache
 from jaxlora.model.forward import forward_logits
@@ -86,7 +86,7 @@ def raw_greedy(model, bank, mesh, backend: str) -> tuple[list[list[int]], np.nda
     per row and the prefill logits."""
     cfg = model.config
     rows = len(RAW_SLOTS)
-    runtime = LoraRuntime.for_platform(backend)
+    kernels = StepKernels.for_platform(backend)
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (rows, PROMPT_LEN)), jnp.int32)
     slots = jnp.asarray(RAW_SLOTS, jnp.int32)
     kv = init_kv_cache(cfg, rows, PROMPT_LEN + NEW_TOKENS)
@@ -95,7 +95,7 @@ def raw_greedy(model, bank, mesh, backend: str) -> tuple[list[list[int]], np.nda
         params, bank, kv = shard_model(model, mesh).params, shard_bank(bank, mesh), shard_kv(kv, mesh)
 
     def forward(tok, pos, kv):
-        return forward_logits(model.graphdef, params, tok, pos, kv, bank, slots, runtime=runtime, mesh=mesh)
+        return forward_logits(model.graphdef, params, tok, pos, kv, bank, slots, kernels=kernels, mesh=mesh)
 
     positions = jnp.broadcast_to(jnp.arange(PROMPT_LEN, dtype=jnp.int32), (rows, PROMPT_LEN))
     logits, kv = forward(tokens, positions, kv)
@@ -122,7 +122,7 @@ def check_raw(result: dict) -> None:
         result["raw"][f"tp{n}_max_logit_diff"] = float(np.abs(logits - ref_logits).max())
     # Pallas kernels per shard (interpreted on CPU: slow, so decode-shaped prefill of one token).
     mesh = make_mesh(MeshConfig(tensor=2))
-    runtime = LoraRuntime.for_platform("pallas")
+    kernels = StepKernels.for_platform("pallas")
     tok = jnp.asarray(np.arange(len(RAW_SLOTS))[:, None] + 7, jnp.int32)
     pos = jnp.zeros_like(tok)
     slots = jnp.asarray(RAW_SLOTS, jnp.int32)
@@ -134,7 +134,7 @@ def check_raw(result: dict) -> None:
         init_kv_cache(RAW_CONFIG, len(RAW_SLOTS), 4),
         bank,
         slots,
-        runtime=runtime,
+        kernels=kernels,
     )
     got, _ = forward_logits(
         model.graphdef,
@@ -145,7 +145,7 @@ def check_raw(result: dict) -> None:
         shard_bank(bank, mesh),
         slots,
         mesh=mesh,
-        runtime=runtime,
+        kernels=kernels,
     )
     result["raw"]["pallas_tp2_max_logit_diff"] = float(np.abs(np.asarray(got) - np.asarray(ref)).max())
 
@@ -307,7 +307,7 @@ def check_raw_hlo(result: dict, quantization: str | None = None) -> None:
             shard_bank(raw_bank(RAW_CONFIG, RAW_LORA), mesh),
             jnp.asarray(RAW_SLOTS, jnp.int32),
             mesh=mesh,
-            runtime=LoraRuntime.for_platform("xla"),
+            kernels=StepKernels.for_platform("xla"),
         )
         .compile()
         .as_text()
@@ -368,7 +368,7 @@ def check_engine_shape_hlo(result: dict) -> None:
         block_tables=jax.ShapeDtypeStruct((B, pages_per_seq), jnp.int32),
     )
     sampling = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), SamplingArrays.zeros(B))
-    runtime = LoraRuntime(backend="xla", attention="xla", unroll_layers=False)
+    kernels = StepKernels(lora="xla", attention="xla", unroll_layers=False)
     hlo = (
         ragged_step.trace(
             params,
@@ -382,7 +382,7 @@ def check_engine_shape_hlo(result: dict) -> None:
             sampling,
             rows,
             graphdef=Hashed(graphdef),
-            runtime=runtime,
+            kernels=kernels,
             mesh=mesh,
         )
         .lower()

@@ -43,7 +43,9 @@ def write_adapter(folder: Path, model_config, *, seed: int, rank: int = 4) -> Pa
 
 @contextlib.contextmanager
 def running_server(engine: Engine, **options) -> Iterator[InferenceServer]:
-    """A started, warmed-up server on an ephemeral loopback port; shut down (cancelling) on exit."""
+    """A started, warmed-up server on an ephemeral loopback port; shut down (cancelling) on exit.
+    Runtime adapter changes are on unless `options` say otherwise: most tests load adapters keyless."""
+    options.setdefault("allow_runtime_updates", True)
     server, port = build_server(engine, ServerOptions(port=0, **options))
     assert port > 0
     server.start()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from jaxlora.engine.request import FinishReason, GenerationRequest, RequestOutput
+from jaxlora.engine.request import FinishReason, GenerationRequest, RequestOutput, SamplingParams
 from jaxlora.errors import (
     AdapterError,
     AdapterInUseError,
@@ -155,6 +155,13 @@ def test_openai_fields_and_defaults():
         ({"messages": []}, True, "messages"),
         ({"messages": [{"content": "no role"}]}, True, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, True, "messages"),
+        ({"prompt": "hi", "response_format": {"type": "json_object"}}, False, "response_format"),
+        ({"messages": [{"role": "user", "content": "x"}], "guided_json": {"type": "object"}}, True, "guided_json"),
+        ({"prompt": "hi", "repetition_penalty": 1.2}, False, "repetition_penalty"),
+        ({"prompt": "hi", "presence_penalty": 0.5}, False, "presence_penalty"),
+        ({"prompt": "hi", "adapter": "shout"}, False, "adapter"),
+        ({"prompt": "hi", "max_token": 5}, False, "max_token"),
+        ({"prompt": "hi", "messages": []}, False, "messages"),
     ],
 )
 def test_openai_request_errors_name_the_field(body, chat, param):
@@ -167,6 +174,25 @@ def test_openai_request_errors_name_the_field(body, chat, param):
         "param": param,
         "code": "invalid_argument",
     }
+
+
+def test_unknown_fields_name_the_nearest_known_one_and_unbuilt_ones_say_so():
+    with pytest.raises(ApiError, match="did you mean 'max_tokens'"):
+        parse_request({"prompt": "hi", "max_token": 5}, chat=False, base_model="base")
+    with pytest.raises(ApiError, match="JSON mode and structured outputs are not built"):
+        parse_request({"prompt": "hi", "response_format": {"type": "json_object"}}, chat=False, base_model="base")
+    neutral = {"response_format": {"type": "text"}, "presence_penalty": 0, "logprobs": False, "user": "u", "n": 1}
+    assert parse_request({"prompt": "hi", **neutral}, chat=False, base_model="base").prompt == "hi"
+
+
+def test_vllm_extra_fields_reach_the_sampling_params():
+    body = {"prompt": "hi", "min_p": 0.1, "min_tokens": 2, "ignore_eos": True, "max_tokens": 5}
+    p = parse_request(body, chat=False, base_model="base")
+    params = SamplingParams(**p.sampling)
+    assert (params.min_p, params.min_tokens, params.ignore_eos, params.max_tokens) == (0.1, 2, True, 5)
+    assert parse_request({"messages": [{"role": "user", "content": "x"}]}, chat=True, base_model="b").sampling == {
+        "temperature": 1.0
+    }  # max_tokens left to the engine: the rest of the context for a chat
 
 
 def test_stream_chunks_have_openai_shapes():

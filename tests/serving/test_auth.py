@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import grpc
+import openai
 import pytest
 
 from serving.security import AuthInterceptor
-from tests.serving.support import connect, running_server, status_of
+from tests.serving.support import connect, rpc_error, running_server, status_of
 
 Code = grpc.StatusCode
 
@@ -75,3 +76,69 @@ def test_admin_key_alone_leaves_generation_open():
     )
     assert auth.check("/jaxlora.v1.Inference/LoadAdapter", (("authorization", "Bearer admin-key"),)) is None
     assert auth.check("/grpc.health.v1.Health/Check", ()) is None
+
+
+LOAD, UNLOAD, GENERATE = (
+    "/jaxlora.v1.Inference/LoadAdapter",
+    "/jaxlora.v1.Inference/UnloadAdapter",
+    "/jaxlora.v1.Inference/Generate",
+)
+
+
+def _bearer(key: str | None) -> tuple:
+    return () if key is None else (("authorization", f"Bearer {key}"),)
+
+
+@pytest.mark.parametrize(
+    "keys, allow, caller, admin_call",
+    [
+        # No keys: refused unless the flag lets everyone.
+        ({}, False, None, Code.PERMISSION_DENIED),
+        ({}, True, None, None),
+        # Only an API key: refused unless the flag lets every key holder (and only them).
+        ({"api_key": "u"}, False, "u", Code.PERMISSION_DENIED),
+        ({"api_key": "u"}, True, "u", None),
+        ({"api_key": "u"}, True, None, Code.UNAUTHENTICATED),
+        # Both keys: the admin alone, flag or not.
+        ({"api_key": "u", "admin_key": "a"}, False, "a", None),
+        ({"api_key": "u", "admin_key": "a"}, True, "u", Code.PERMISSION_DENIED),
+        ({"api_key": "u", "admin_key": "a"}, False, "u", Code.PERMISSION_DENIED),
+    ],
+)
+def test_who_may_change_adapters_at_run_time(keys, allow, caller, admin_call):
+    auth = AuthInterceptor(**{"api_key": None, "admin_key": None, **keys}, allow_runtime_updates=allow)
+    for method in (LOAD, UNLOAD):
+        denied = auth.check(method, _bearer(caller))
+        assert (denied and denied.code) == admin_call, (method, denied)
+    if admin_call is Code.PERMISSION_DENIED and "admin_key" not in keys:
+        assert "--admin-key" in denied.message and "--allow-runtime-lora-updating" in denied.message
+    if caller is not None:
+        assert auth.check(GENERATE, _bearer(caller)) is None  # generation is never affected
+
+
+def test_without_an_admin_key_runtime_changes_are_refused_on_both_apis(engine, adapter_root):
+    with running_server(engine, http_port=0, adapter_roots=(str(adapter_root),), allow_runtime_updates=False) as srv:
+        with connect(srv) as client:
+            for call in (lambda: client.load_adapter("spare-2", "spare-2"), lambda: client.unload_adapter("alpha")):
+                e = rpc_error(call)
+                assert e.code() is Code.PERMISSION_DENIED and "--admin-key" in e.details()
+        http = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1", api_key="x", max_retries=0)
+        for path, body in (
+            ("/unload_lora_adapter", {"lora_name": "alpha"}),
+            ("/load_lora_adapter", {"lora_name": "x", "lora_path": "spare-2"}),
+        ):
+            with pytest.raises(openai.PermissionDeniedError, match="--admin-key"):
+                http.post(path, body=body, cast_to=str)
+        assert "alpha" in {a.name for a in engine.list_adapters()}
+
+
+def test_an_admin_reloads_a_start_up_adapter_from_its_folder_without_a_root(engine, adapter_root):
+    with running_server(engine, admin_key="admin-key") as srv, connect(srv, api_key="admin-key") as admin:
+        admin.unload_adapter("alpha")
+        try:
+            assert "alpha" not in {a.name for a in admin.list_adapters()}
+            e = rpc_error(lambda: admin.load_adapter("spare-0", str(adapter_root / "spare-0")))
+            assert e.code() is Code.PERMISSION_DENIED  # not a start-up folder, and no root
+        finally:
+            admin.load_adapter("alpha", str(adapter_root / "alpha"))
+        assert admin.generate("hi", adapter="alpha", max_tokens=2).completion_tokens == 2

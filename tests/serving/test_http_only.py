@@ -3,6 +3,9 @@ command's `--no-grpc` (`jaxlora serve --http-port` as a process is in test_lifec
 
 from __future__ import annotations
 
+import signal
+import threading
+
 import openai
 import pytest
 
@@ -34,6 +37,32 @@ def test_some_protocol_is_needed():
         ServerOptions(http_port=70000)
 
 
-def test_no_grpc_needs_an_http_port(capsys):
-    assert jaxlora_main(["serve", "--no-grpc"]) == 2
-    assert "--no-grpc needs --http-port" in capsys.readouterr().err
+def test_no_grpc_with_a_grpc_port_is_refused(capsys):
+    assert jaxlora_main(["serve", "--no-grpc", "--grpc-port", "1"]) == 2
+    assert "--no-grpc and --grpc-port contradict" in capsys.readouterr().err
+
+
+def test_a_second_signal_exits_at_once(monkeypatch, capsys):
+    from serving.cli import serve
+
+    exits = []
+    monkeypatch.setattr(serve.os, "_exit", exits.append)
+    stop = threading.Event()
+    handle = serve._on_signal(stop)
+    handle(signal.SIGTERM, None)
+    assert stop.is_set() and exits == []  # the first one drains
+    handle(signal.SIGINT, None)
+    assert exits == [128 + signal.SIGINT] and "second signal" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(http_keep_alive_seconds=0), "http_keep_alive_seconds=0"),
+        (dict(max_connections=0), "max_connections=0"),
+        (dict(max_header_bytes=100), "max_header_bytes=100"),
+    ],
+)
+def test_connection_limits_are_checked(kw, message):
+    with pytest.raises(ValueError, match=message):
+        ServerOptions(**kw)

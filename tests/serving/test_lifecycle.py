@@ -66,6 +66,11 @@ def test_many_cancelled_streams_leave_capacity_whole(engine, server, client):
     for s in deadlines:
         assert s.join().code is grpc.StatusCode.DEADLINE_EXCEEDED
     assert_capacity_whole(engine, server)
+    cancels = lambda reason: server.metrics.registry.get_sample_value(  # noqa: E731
+        "jaxlora_client_cancels_total", {"reason": reason}
+    )
+    wait_until(lambda: cancels("deadline") == len(deadlines))
+    assert 30 <= cancels("cancelled") <= codes.count(grpc.StatusCode.CANCELLED)
     full = [BackgroundStream(client, f"after {i}", max_tokens=20) for i in range(engine.config.max_batch)]
     assert all(len(s.join().token_ids) == 20 for s in full)
     assert_capacity_whole(engine, server)
@@ -86,9 +91,9 @@ def tiny_hf_folder(tmp_path_factory) -> Path:
 
 @contextlib.contextmanager
 def serve_process(args: list[str], timeout: float = 180):
-    """`jaxlora serve ARGS --port 0` as a subprocess; yields (process, port) once it is ready."""
+    """`jaxlora serve --grpc-port 0 --port 0 ARGS` as a subprocess; yields (process, gRPC port) once it is ready."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxlora.cli.main", "serve", "--port", "0", *args],
+        [sys.executable, "-m", "jaxlora.cli.main", "serve", "--grpc-port", "0", "--port", "0", *args],
         cwd=REPO,
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,

@@ -226,3 +226,31 @@ def test_invalid_argument_undecodable_request(server, caplog, method, payload):
     assert e.code() is Code.INVALID_ARGUMENT and "does not decode" in e.details(), e.details()
     assert "Exception deserializing" not in caplog.text and "Traceback" not in caplog.text
     assert [r.levelname for r in caplog.records if "undecodable request" in r.getMessage()] == ["WARNING"]
+
+
+def test_invalid_argument_unknown_field_from_a_newer_client(server):
+    """A GenerateRequest field this server does not know would be dropped by protobuf: refused."""
+    from serving.gen import inference_pb2 as pb
+
+    payload = pb.GenerateRequest(prompt="hi", max_tokens=2).SerializeToString() + b"\xf8\x3f\x01"  # field 1023
+    e = rpc_error(lambda: _raw_call(server, "/jaxlora.v1.Inference/Generate", payload, streaming=True))
+    assert e.code() is Code.INVALID_ARGUMENT and "[1023]" in e.details(), e.details()
+
+
+@pytest.mark.parametrize(
+    "messages, reason",
+    [
+        ([{"role": "x" * 30_000, "content": "hi"}], "longer than 20480 bytes as rendered"),  # the role counts
+        ([{"role": "user", "content": ""}] * 5000, "5000 messages cannot fit max_seq_len=4096"),
+    ],
+    ids=["huge-role", "many-empty-messages"],
+)
+def test_a_chat_too_large_as_rendered_is_refused_before_templating(engine, client, monkeypatch, messages, reason):
+    assert engine.tokenizer.chat_overhead.tokens_per_message == 1  # measured (with the template) before
+
+    def no_templating(*args, **kwargs):
+        raise AssertionError("the chat was templated before its size was checked")
+
+    monkeypatch.setattr(type(engine.tokenizer), "apply_chat_template", no_templating)
+    e = rpc_error(lambda: client.generate(messages=messages, max_tokens=2))
+    assert e.code() is Code.INVALID_ARGUMENT and reason in e.details(), e.details()

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxlora.kernels import StepKernels
 from jaxlora.loading.hf_folder import load_hf_arrays
-from jaxlora.lora.apply import LoraRuntime
 from jaxlora.model.kv_cache import init_kv_cache
 from jaxlora.model.params import build_model
 from jaxlora.train.data import Example
@@ -52,7 +52,7 @@ def test_trained_adapter_matches_peft(reference, tmp_path):
     for row in peft["rows"]:
         tokens = jnp.asarray([PROMPTS[row["prompt"]]], jnp.int32)
         ours = lora_logits(
-            result.params, model.params, tokens, graphdef=model.graphdef, spec=spec, runtime=LoraRuntime()
+            result.params, model.params, tokens, graphdef=model.graphdef, spec=spec, kernels=StepKernels()
         )[0]
         if row["adapter"] is None:  # the base rows: PEFT with the adapter disabled
             base = model.module()

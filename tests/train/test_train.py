@@ -15,7 +15,7 @@ import pytest
 from jaxlora.adapters import Pager
 from jaxlora.config import LoraConfig
 from jaxlora.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-from jaxlora.lora.apply import LoraRuntime
+from jaxlora.kernels import StepKernels
 from jaxlora.lora.peft_format import load_peft_adapter
 from jaxlora.model.kv_cache import init_kv_cache
 from jaxlora.train.data import Example, make_batch
@@ -92,7 +92,7 @@ def _training_greedy(model, params, spec, prompt: list[int], max_tokens: int, eo
     out: list[int] = []
     while len(out) < max_tokens and eos not in out:
         logits = lora_logits(
-            params, model.params, jnp.asarray(tokens), graphdef=model.graphdef, spec=spec, runtime=LoraRuntime()
+            params, model.params, jnp.asarray(tokens), graphdef=model.graphdef, spec=spec, kernels=StepKernels()
         )
         out.append(int(np.asarray(logits)[0, len(prompt) + len(out) - 1].argmax()))
         tokens[0, len(prompt) + len(out) - 1] = out[-1]
@@ -124,7 +124,7 @@ def test_fresh_adapter_is_the_base_model_exactly(tiny_model):
     params = init_lora_params(jax.random.key(0), tiny_model.config, spec)
     assert all(np.any(np.asarray(p["a"]) != 0) and not np.any(np.asarray(p["b"])) for p in params.values())
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 12)), jnp.int32)
-    got = lora_logits(params, tiny_model.params, tokens, graphdef=tiny_model.graphdef, spec=spec, runtime=LoraRuntime())
+    got = lora_logits(params, tiny_model.params, tokens, graphdef=tiny_model.graphdef, spec=spec, kernels=StepKernels())
     np.testing.assert_array_equal(np.asarray(got), np.asarray(_base_logits(tiny_model, tokens)))
 
 
@@ -140,7 +140,7 @@ def test_saved_adapter_loads_back_with_the_same_logits(tiny_model, tmp_path, dty
         params = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 96, (3, 10)), jnp.int32)
     expected = lora_logits(
-        params, tiny_model.params, tokens, graphdef=tiny_model.graphdef, spec=config.spec, runtime=LoraRuntime()
+        params, tiny_model.params, tokens, graphdef=tiny_model.graphdef, spec=config.spec, kernels=StepKernels()
     )
     pager = _serving_pager(tiny_model, adapter)
     module = tiny_model.module()

@@ -1,0 +1,695 @@
+"""Named device runs: each recipe is the benchmark parts one device call runs, in order, under one wall
+clock (`benchmarks/run.sh RECIPE`). Parts are data, so what a results README calls "the floor run" or
+"the serving probe" is reproducible by name.
+
+In a part's arguments, `{out}` is the part's output folder, `{budget_s}` the seconds the part may
+spend (its timeout less `margin_s`, for benchmarks that stop adding cases in time), and any other
+`{name}` a recipe variable (defaults in `Recipe.variables`, set with `--set name=value`).
+Standard library only: the runner imports this without JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+CUBLAS = "--xla_gpu_enable_triton_gemm=false"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Part:
+    """One benchmark process: `python -m benchmarks.<module> *args` under `timeout`."""
+
+    module: str  # GROUP.NAME under benchmarks/, e.g. "serving.trace"
+    args: tuple[str, ...] = ()
+    label: str = ""  # tells two parts of one module apart in the run folder's name
+    xla_flags: str | None = None  # XLA_FLAGS for this part; None inherits the caller's
+    cap_s: int | None = None  # the most seconds this part may run
+    reserve_s: int = 0  # seconds kept for the parts after this one
+    share: float = 1.0  # of the time left (less reserve_s): 1/2 then 1 splits the rest evenly in two
+    margin_s: int = 0  # {budget_s} = timeout - margin_s
+    min_s: int = 25  # skipped when less than this is left for it
+    drop: tuple[str, ...] = ()  # extra log lines to drop (regexes), beside the runner's noise filter
+
+    def __post_init__(self):
+        if self.cap_s is not None and self.cap_s < self.min_s:
+            raise ValueError(f"{self.module}: {self.cap_s=} must be >= {self.min_s=}")
+        if not 0 < self.share <= 1:
+            raise ValueError(f"{self.module}: {self.share=} must be in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recipe:
+    doc: str
+    parts: tuple[Part, ...]
+    total_s: int = 560  # the default wall clock (one device command runs 600 s at most)
+    variables: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+HOST_FLAG_SETS = (
+    ("default", ""),
+    ("nocb", "--xla_gpu_enable_command_buffer="),
+    ("min1", "--xla_gpu_graph_min_graph_size=1"),
+    ("cublas", CUBLAS),
+    ("cublas_nocb", f"{CUBLAS} --xla_gpu_enable_command_buffer="),
+)
+E2E_ROWS = ("--no-plots",)
+E2E_JSON_ROWS = (r"^  \{",)  # e2e prints every row as JSON too; the table lines say the same
+
+RECIPES: dict[str, Recipe] = {
+    "e2e": Recipe(
+        doc="`jaxlora bench`'s plan on the 7B shape, every group in plan order (the e2e table).",
+        total_s=580,
+        parts=(Part(module="engine.e2e", args=("--out", "{out}", "--budget-s", "{budget_s}", *E2E_ROWS), margin_s=35),),
+    ),
+    "e2e_check": Recipe(
+        doc="The engine checked on the GPU (fused layout + cuBLAS + Pallas against separate + XLA: same "
+        "greedy tokens), then `jaxlora bench`'s closed-loop rows for the pallas and xla backends.",
+        parts=(
+            Part(module="engine.gpu_check", args=("--out", "{out}"), cap_s=150),
+            Part(
+                module="engine.e2e",
+                args=(
+                    "--backend",
+                    "pallas",
+                    "--backend",
+                    "xla",
+                    "--budget-s",
+                    "{budget_s}",
+                    "--out",
+                    "{out}",
+                    *E2E_ROWS,
+                ),
+                margin_s=40,
+                drop=E2E_JSON_ROWS,
+            ),
+        ),
+    ),
+    "e2e_formats": Recipe(
+        doc="`jaxlora bench`'s first group on bf16, FP8 and int8 bases in one process, then the "
+        "closed-loop rows of the pallas and xla backends.",
+        total_s=580,
+        variables={"formats_s": "190"},
+        parts=(
+            Part(
+                module="engine.e2e",
+                label="formats",
+                args=(
+                    "--backend",
+                    "pallas",
+                    "--quantize",
+                    "bf16",
+                    "fp8",
+                    "int8",
+                    "--budget-s",
+                    "{formats_s}",
+                    "--out",
+                    "{out}",
+                    *E2E_ROWS,
+                ),
+                cap_s=250,
+                drop=E2E_JSON_ROWS,
+            ),
+            Part(
+                module="engine.e2e",
+                label="backends",
+                args=(
+                    "--backend",
+                    "pallas",
+                    "--backend",
+                    "xla",
+                    "--budget-s",
+                    "{budget_s}",
+                    "--out",
+                    "{out}",
+                    *E2E_ROWS,
+                ),
+                margin_s=45,
+                drop=E2E_JSON_ROWS,
+            ),
+        ),
+    ),
+    "mgpu": Recipe(
+        doc="The Mosaic GPU 8-bit GEMM checked and timed, then `jaxlora bench` on bf16 / int8 / fp8 bases "
+        "for plan groups e2e_groups (B=64, 16, 128), then the one-row CONCURRENT A/B of the host loop (each part "
+        "skipped when the clock has run out).",
+        total_s=560,
+        variables={"e2e_s": "200", "e2e_groups": "0 2 4"},
+        parts=(
+            Part(module="kernels.quant_mgpu", args=("--out", "{out}"), reserve_s=230, drop=("^gemm",)),
+            Part(
+                module="engine.e2e",
+                args=(
+                    "--backend",
+                    "pallas",
+                    "--quantize",
+                    "bf16",
+                    "int8",
+                    "fp8",
+                    "--groups",
+                    "{e2e_groups}",
+                    "--budget-s",
+                    "{e2e_s}",
+                    "--out",
+                    "{out}",
+                    *E2E_ROWS,
+                ),
+                reserve_s=150,
+                drop=E2E_JSON_ROWS,
+            ),
+            *(
+                Part(
+                    module="engine.host_loop",
+                    label=f"cmt{cmt}",
+                    args=(
+                        "--cases",
+                        "1:1",
+                        "16:16",
+                        "--steps",
+                        "40",
+                        "--warmup-steps",
+                        "10",
+                        "--profile-steps",
+                        "0",
+                        "--probe-reps",
+                        "0",
+                        "--concurrent-min-tokens",
+                        str(cmt),
+                        "--out",
+                        "{out}",
+                    ),
+                    cap_s=70,
+                )
+                for cmt in (1, 100000)
+            ),
+        ),
+    ),
+    "decode_floor": Recipe(
+        doc="The 8-bit GEMMs in the serving layout (kernels against XLA and bf16 cuBLAS, 16-256 rows), the "
+        "engine's host loop at full depth with a profile of the idle gap between steps, and the LoRA "
+        "kernel table.",
+        parts=(
+            Part(
+                module="kernels.quant_gemm",
+                args=(
+                    "--layers",
+                    "8",
+                    "--batch",
+                    "16",
+                    "64",
+                    "128",
+                    "256",
+                    "--formats",
+                    "bf16-fused",
+                    "int8-fused",
+                    "int8-fused-pallas",
+                    "fp8-fused-pallas",
+                    "--time-budget",
+                    "110",
+                    "--out",
+                    "{out}",
+                ),
+                xla_flags=CUBLAS,
+                cap_s=130,
+            ),
+            Part(
+                module="engine.host_loop",
+                args=(
+                    "--cases",
+                    "64:64",
+                    "256:256",
+                    "--steps",
+                    "60",
+                    "--warmup-steps",
+                    "20",
+                    "--profile-steps",
+                    "12",
+                    "--probe-reps",
+                    "5",
+                    "--out",
+                    "{out}",
+                ),
+                cap_s=170,
+            ),
+            Part(
+                module="kernels.lora",
+                args=("all", "--out", "{out}", "--budget-s", "{budget_s}", "--layers", "8"),
+                margin_s=30,
+            ),
+        ),
+    ),
+    "floor": Recipe(
+        doc="Where a ragged decode step's time goes: the 8-bit GEMMs under several XLA_FLAGS sets, the step "
+        "per LoRA backend (decode 64 / 256 rows, no adapters and 64 rank-16 all-module ones), the same "
+        "op by op with command buffers off, and the host loop; 8 of the 32 layers.",
+        total_s=540,
+        parts=(
+            Part(
+                module="kernels.quant_gemm",
+                label="default",
+                args=(
+                    "--layers",
+                    "8",
+                    "--batch",
+                    "16",
+                    "64",
+                    "256",
+                    "--formats",
+                    "bf16",
+                    "bf16-fused",
+                    "int8",
+                    "fp8",
+                    "--out",
+                    "{out}",
+                ),
+                xla_flags="",
+                cap_s=120,
+                reserve_s=20,
+                min_s=30,
+            ),
+            Part(
+                module="kernels.quant_gemm",
+                label="cublas",
+                args=("--layers", "8", "--batch", "64", "256", "--formats", "bf16", "bf16-fused", "--out", "{out}"),
+                xla_flags=CUBLAS,
+                cap_s=60,
+                reserve_s=20,
+                min_s=30,
+            ),
+            Part(
+                module="kernels.quant_gemm",
+                label="triton_any",
+                args=("--layers", "8", "--batch", "64", "--formats", "bf16", "int8", "fp8", "--out", "{out}"),
+                xla_flags="--xla_gpu_triton_gemm_any=true",
+                cap_s=70,
+                reserve_s=20,
+                min_s=30,
+            ),
+            Part(
+                module="kernels.quant_gemm",
+                label="cublaslt",
+                args=("--layers", "8", "--batch", "64", "--formats", "bf16", "bf16-fused", "--out", "{out}"),
+                xla_flags="--xla_gpu_enable_cublaslt=true",
+                cap_s=50,
+                reserve_s=20,
+                min_s=30,
+            ),
+            Part(
+                module="step.profile",
+                label="steps",
+                args=(
+                    "--layers",
+                    "8",
+                    "--settings",
+                    "none",
+                    "all",
+                    "--backends",
+                    "pallas",
+                    "xla",
+                    "--mixes",
+                    "d64",
+                    "d256",
+                    "--reps",
+                    "20",
+                    "--out",
+                    "{out}",
+                ),
+                cap_s=130,
+                reserve_s=200,
+            ),
+            Part(
+                module="step.profile",
+                label="ops",
+                args=(
+                    "--layers",
+                    "8",
+                    "--settings",
+                    "none",
+                    "all",
+                    "--backends",
+                    "pallas",
+                    "--mixes",
+                    "d64",
+                    "--profile",
+                    "d64",
+                    "--reps",
+                    "10",
+                    "--out",
+                    "{out}",
+                ),
+                xla_flags="--xla_gpu_enable_command_buffer=",
+                cap_s=70,
+                reserve_s=140,
+            ),
+            Part(
+                module="engine.host_loop",
+                args=(
+                    "--layers",
+                    "8",
+                    "--cases",
+                    "64:64",
+                    "256:256",
+                    "--steps",
+                    "60",
+                    "--warmup-steps",
+                    "20",
+                    "--profile-steps",
+                    "0",
+                    "--out",
+                    "{out}",
+                ),
+                reserve_s=10,
+                min_s=40,
+            ),
+        ),
+    ),
+    "layout": Recipe(
+        doc="The step before and after the serving layout (q|k|v, gate|up fused) and cuBLAS GEMMs in one "
+        "process, and the H200's native FP8 GEMM; 8 of the 32 layers.",
+        total_s=540,
+        parts=(
+            Part(
+                module="step.profile",
+                label="pallas",
+                args=(
+                    "--layers",
+                    "8",
+                    "--settings",
+                    "none",
+                    "all",
+                    "--backends",
+                    "pallas",
+                    "--mixes",
+                    "d64",
+                    "d256",
+                    "p512",
+                    "--variants",
+                    "separate/xla",
+                    "fused/xla",
+                    "fused/cublas",
+                    "--reps",
+                    "20",
+                    "--out",
+                    "{out}",
+                ),
+                cap_s=330,
+                reserve_s=150,
+            ),
+            Part(
+                module="step.profile",
+                label="xla",
+                args=(
+                    "--layers",
+                    "8",
+                    "--settings",
+                    "all",
+                    "--backends",
+                    "xla",
+                    "--mixes",
+                    "d64",
+                    "d256",
+                    "--variants",
+                    "separate/xla",
+                    "fused/cublas",
+                    "--reps",
+                    "20",
+                    "--out",
+                    "{out}",
+                ),
+                cap_s=60,
+                reserve_s=120,
+            ),
+            *(
+                Part(
+                    module="kernels.quant_gemm",
+                    label=label,
+                    args=(
+                        "--layers",
+                        "8",
+                        "--batch",
+                        "16",
+                        "64",
+                        "256",
+                        "--formats",
+                        "bf16-fused",
+                        "fp8-native",
+                        "int8-pallas",
+                        "--out",
+                        "{out}",
+                    ),
+                    xla_flags=flags,
+                    cap_s=60,
+                    reserve_s=10,
+                )
+                for label, flags in (("fp8", ""), ("fp8_cublas", CUBLAS))
+            ),
+        ),
+    ),
+    "e2e_quant": Recipe(
+        doc="8-bit GEMMs without a slice of the stacked weights, then `jaxlora bench`'s closed-loop rows and "
+        "its first group on fp8 / int8 bases.",
+        total_s=575,
+        parts=(
+            Part(
+                module="kernels.quant_gemm",
+                label="layers",
+                args=(
+                    "--layers",
+                    "8",
+                    "--batch",
+                    "16",
+                    "64",
+                    "256",
+                    "--formats",
+                    "bf16-fused",
+                    "fp8-kmajor-layers",
+                    "int8-kmajor-layers",
+                    "--out",
+                    "{out}",
+                ),
+                xla_flags=CUBLAS,
+                cap_s=80,
+            ),
+            Part(
+                module="kernels.quant_gemm",
+                label="dsfusion",
+                args=("--layers", "8", "--batch", "64", "--formats", "fp8-kmajor", "int8-kmajor", "--out", "{out}"),
+                xla_flags=f"{CUBLAS} --xla_gpu_enable_dynamic_slice_fusion=true",
+                cap_s=45,
+            ),
+            Part(
+                module="engine.e2e",
+                label="bf16",
+                args=(
+                    "--backend",
+                    "pallas",
+                    "--backend",
+                    "xla",
+                    "--budget-s",
+                    "{budget_s}",
+                    "--out",
+                    "{out}",
+                    *E2E_ROWS,
+                ),
+                reserve_s=150,
+                margin_s=40,
+            ),
+            Part(
+                module="engine.e2e",
+                label="quant",
+                args=(
+                    "--backend",
+                    "pallas",
+                    "--quantize",
+                    "fp8",
+                    "int8",
+                    "--budget-s",
+                    "{budget_s}",
+                    "--out",
+                    "{out}",
+                    *E2E_ROWS,
+                ),
+                margin_s=40,
+            ),
+        ),
+    ),
+    "lora_groups": Recipe(
+        doc="The four LoRA module groups of a 7B layer (8 layers): split launches with the per-row or the "
+        "tile expand, the one-launch candidates and XLA, per slot pattern.",
+        total_s=540,
+        parts=(
+            Part(
+                module="kernels.lora_groups",
+                args=(
+                    "--layers",
+                    "8",
+                    "--tokens",
+                    "64",
+                    "256",
+                    "16",
+                    "512",
+                    "--ranks",
+                    "16",
+                    "64",
+                    "--check-ranks",
+                    "8",
+                    "32",
+                    "--budget-s",
+                    "{budget_s}",
+                    "--out",
+                    "{out}",
+                ),
+                margin_s=50,
+                drop=("return rule\\(ctx",),
+            ),
+        ),
+    ),
+    "paging_hf": Recipe(
+        doc="Adapter paging on S-LoRA's S1 setting (2,000 registered, power-law exponents 1 and 0.1), then "
+        "the Hugging Face peer in its own process (torch).",
+        total_s=580,
+        parts=(
+            Part(
+                module="engine.paging",
+                args=(
+                    "--setting",
+                    "s1",
+                    "--exponents",
+                    "1",
+                    "0.1",
+                    "--registered",
+                    "2000",
+                    "--requests",
+                    "512",
+                    "--budget-s",
+                    "{budget_s}",
+                    "--out",
+                    "{out}",
+                ),
+                reserve_s=150,
+                margin_s=25,
+            ),
+            Part(
+                module="engine.hf_peer",
+                args=("--out", "{out}/hf_peer.json", "--gen-len", "128", "--mixed-gen-len", "4"),
+                drop=("Warning",),
+            ),
+        ),
+    ),
+    "host_flags": Recipe(
+        doc="The full-depth host loop once per XLA_FLAGS set, the clock split evenly: host ms a step and "
+        "the token digest per set.",
+        total_s=560,
+        variables={"cases": "64:64"},
+        parts=tuple(
+            Part(
+                module="engine.host_loop",
+                label=label,
+                args=(
+                    "--cases",
+                    "{cases}",
+                    "--steps",
+                    "60",
+                    "--warmup-steps",
+                    "20",
+                    "--profile-steps",
+                    "0",
+                    "--probe-reps",
+                    "0",
+                    "--out",
+                    "{out}",
+                ),
+                xla_flags=flags,
+                share=1 / (len(HOST_FLAG_SETS) - i),
+            )
+            for i, (label, flags) in enumerate(HOST_FLAG_SETS)
+        ),
+    ),
+    "serving_probe": Recipe(
+        doc="The K-major W8A8 GEMMs (default flags and cuBLAS), then S-LoRA's trace on setting s1 at 40, 10 "
+        "and 4 req/s (25 s of arrivals, 20 s drain cap).",
+        total_s=570,
+        parts=(
+            *(
+                Part(
+                    module="kernels.quant_gemm",
+                    label=label,
+                    args=(
+                        "--layers",
+                        "8",
+                        "--batch",
+                        "16",
+                        "64",
+                        "256",
+                        "--formats",
+                        "bf16-fused",
+                        "fp8-kmajor",
+                        "int8-kmajor",
+                        "--out",
+                        "{out}",
+                    ),
+                    xla_flags=flags,
+                    cap_s=75,
+                )
+                for label, flags in (("kmajor_cublas", CUBLAS), ("kmajor", ""))
+            ),
+            Part(
+                module="serving.trace",
+                args=(
+                    "--settings",
+                    "s1",
+                    "--rates",
+                    "40",
+                    "10",
+                    "4",
+                    "--duration",
+                    "25",
+                    "--max-drain-s",
+                    "20",
+                    "--budget-s",
+                    "{budget_s}",
+                    "--setup-s",
+                    "150",
+                    "--out",
+                    "{out}",
+                ),
+                margin_s=10,
+                reserve_s=5,
+            ),
+        ),
+    ),
+    "serving_ab": Recipe(
+        doc="An A/B of the LoRA group rule on S-LoRA's trace, one process per arm (--lora-groups split, then "
+        "tuned), the same draw, the clock split evenly; setup_s is the set-up time the benchmark budgets for.",
+        total_s=560,
+        variables={"setting": "all", "rate": "40", "setup_s": "150"},
+        parts=tuple(
+            Part(
+                module="serving.trace",
+                label=arm,
+                args=(
+                    "--settings",
+                    "{setting}",
+                    "--rates",
+                    "{rate}",
+                    "--duration",
+                    "25",
+                    "--max-drain-s",
+                    "20",
+                    "--probe-steps",
+                    "0",
+                    "--budget-s",
+                    "{budget_s}",
+                    "--setup-s",
+                    "{setup_s}",
+                    "--lora-groups",
+                    arm,
+                    "--out",
+                    "{out}",
+                ),
+                share=share,
+                margin_s=8,
+            )
+            for arm, share in (("split", 0.5), ("tuned", 1.0))
+        ),
+    ),
+}

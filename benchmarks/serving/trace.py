@@ -1,0 +1,1101 @@
+"""Open-loop serving benchmark: req/s at an SLO, TTFT and TPOT under S-LoRA's synthetic trace.
+
+The trace (`make_trace`) is S-LoRA's `benchmarks/trace.py::generate_requests`, draw for draw: with
+`numpy.random.RandomState(seed)` (the generator behind S-LoRA's `np.random.seed(seed)`) it draws, in
+this order,
+  - `int(rate * duration)` requests;
+  - each request's adapter `int(power(alpha) * n)`: `numpy.random.power(alpha)` has density
+    alpha * x**(alpha - 1) on [0, 1), so alpha = 1 is uniform over the n adapters and a smaller alpha
+    concentrates requests on the low-numbered adapters (0.1: very skewed), as `benchmarks/engine/paging.py`;
+  - input lengths, then output lengths, uniform integers in [8, 512) (`randint(8, 512)`);
+  - inter-arrival times Gamma(shape = 1 / cv**2, scale = cv**2 / rate): mean 1 / rate, coefficient
+    of variation cv (cv = 1 is a Poisson process); request i arrives at the sum of the first i + 1.
+With the same seed (default 42, S-LoRA's) the trace is S-LoRA's. Prompts are random token ids; the
+models have random weights and a word tokenizer without an end-of-sequence id, and requests carry
+no stop ids or strings, so every request generates exactly its output length (checked).
+
+What runs: the real `Engine` (background loop, `engine.start()`) with the real `Pager` over a
+random-weight Llama-2-7B-shape model in bf16 (Pallas LoRA kernels on GPU). A driver thread submits
+each request at its arrival time; the request's callback (on the engine thread) timestamps every
+token. Settings (S-LoRA's S1 and S2, plus one with adapters on all seven modules):
+  s1   rank 8 on q/k/v/o, 2,000 registered adapters, 256 device slots (paged);
+  s2   ranks 64/32/16/8 on q/k/v/o (adapter i has rank (64, 32, 16, 8)[i % 4], as S-LoRA's S2 list),
+       2,000 asked; the pager keeps each host copy at its rank class (8-64: 17-134 MB, 63 MB on
+       average), so `--host-gb` caps n (the default 64 GB holds 1,016) and the rows record the n
+       that ran;
+  all  rank 16 on all seven modules, 64 adapters, all resident in the 64 slots.
+
+Per run (one offered rate) a row records:
+  served_req_s / served_tok_s: completed requests / tokens generated, over the window from the first
+    arrival to the last completion;
+  ttft_ms_*: first token time - arrival time (the scheduled one: submission delays are the server's);
+  tpot_ms_*: (last token time - first token time) / (tokens - 1), completed requests;
+  e2e_ms_*: last token time - arrival time, completed requests;
+  slo_attainment: share of ALL arrived requests whose first token came within 6 s (no first token, a
+    rejected submission or one still waiting at the drain cap is a miss);
+  unfinished: requests not finished `--max-drain-s` after the last arrival (then cancelled; the
+    engine is idle again before the next run starts);
+  steps, prefill_tokens_per_step, decode_tokens_per_step, padding_share: from `engine.stats()`
+    (`TokenCounter`): each step computes its padded token budget; padding_share is the share of
+    those token slots that held no request's token. (The "bucketed" rows came from the engine
+    that ran prefill calls of prefill_batch x bucket slots apart from a decode call of max_batch rows,
+    counted by wrapping those calls, at the commit in their `engine_commit`.)
+`--sweep K` adds up to K runs per setting that bisect for the highest rate at SLO attainment >= 0.9.
+
+The engine is the preset configs/llama2-7b-h200.yaml (what `jaxlora serve --config` runs) with each
+setting's adapter bank; `all` is the preset's own bank. One model for the whole invocation; per
+setting one pager and one engine (compiled and warmed up once), serving its rates one after another: each run starts with an idle engine, and with the
+adapters the previous run left resident (a paged setting's first run starts with no adapter on the
+device; `all` pages its 64 in before the first).
+
+    python -m benchmarks.serving.trace --tiny                                  # CPU smoke run
+    python -m benchmarks.serving.trace --settings all s1 --rates 4 10 40 --duration 30 --max-drain-s 30
+    python -m benchmarks.serving.trace --settings s2 --rates 4 10 40 --sweep 3 --merge
+    python -m benchmarks.serving.trace --render                                # md + png from the JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import dataclasses
+import gc
+import json
+import math
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import LLAMA2_7B, TINY, slot_pattern, time_decode, word_tokenizer
+from benchmarks.engine.paging import pool_adapters, register_copies, weight_pool
+from benchmarks.paths import results_dir
+from jaxlora.adapters import Pager
+from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig
+from jaxlora.engine.config import ENGINE_KIND, EngineConfig
+from jaxlora.engine.engine import Engine
+from jaxlora.engine.request import FinishReason, GenerationRequest, RequestOutput, SamplingParams
+from jaxlora.errors import JaxloraError
+from jaxlora.model.params import LoadedModel, random_model
+from pallas_kernels.lora import tuning
+
+ROOT = Path(__file__).resolve().parents[2]
+PRESET = ROOT / "configs" / "llama2-7b-h200.yaml"  # the engine of the full-size rows
+OPEN_LOOP_QUEUE = 1 << 20
+SLO_TTFT_S = 6.0  # S-LoRA's SLO: the first token within 6 s
+# What --merge replaces rows by: a run of another arrival window is another row.
+KEY_FIELDS = ("engine", "setting", "n", "rate", "duration_s", "cv", "alpha", "temperature")
+KEY_DEFAULTS = {"temperature": 0.0}  # rows written before the field existed were greedy
+RESULTS = "serving.json"
+
+
+# -- the trace --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TraceRequest:
+    arrival_s: float  # since the start of the run
+    adapter: int  # index in [0, n)
+    prompt_len: int
+    output_len: int
+
+
+def make_trace(
+    *,
+    n: int,
+    alpha: float,
+    rate: float,
+    cv: float,
+    duration_s: float,
+    input_range: tuple[int, int] = (8, 512),
+    output_range: tuple[int, int] = (8, 512),
+    seed: int = 42,
+) -> list[TraceRequest]:
+    """S-LoRA's `generate_requests` (see the module docstring): same draws, same order, same seed."""
+    if n < 1 or rate <= 0 or cv <= 0 or alpha <= 0 or duration_s <= 0:
+        raise ValueError(
+            f"need n >= 1 and rate, cv, alpha, duration_s > 0; got {n=} {rate=} {cv=} {alpha=} {duration_s=}"
+        )
+    for name, (lo, hi) in (("input_range", input_range), ("output_range", output_range)):
+        if not 1 <= lo < hi:
+            raise ValueError(f"{name}=({lo}, {hi}) must satisfy 1 <= low < high")
+    rng = np.random.RandomState(seed)
+    total = int(rate * duration_s)
+    adapters = (rng.power(alpha, total) * n).astype(int)
+    inputs = rng.randint(input_range[0], input_range[1], total)
+    outputs = rng.randint(output_range[0], output_range[1], total)
+    arrivals = np.cumsum(rng.gamma(1.0 / (cv * cv), cv * cv / rate, total))
+    return [
+        TraceRequest(arrival_s=float(t), adapter=int(a), prompt_len=int(i), output_len=int(o))
+        for t, a, i, o in zip(arrivals, adapters, inputs, outputs)
+    ]
+
+
+# -- settings and the engine ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Setting:
+    name: str
+    ranks: tuple[int, ...]  # adapter i has rank ranks[i % len(ranks)]
+    modules: tuple[str, ...]
+    n: int  # adapters asked for (the host budget may hold fewer)
+    slots: int  # device slots for adapters; the bank has slots + 1 (slot 0 is the base model)
+
+    @property
+    def max_rank(self) -> int:
+        return max(self.ranks)
+
+
+def settings(tiny: bool) -> dict[str, Setting]:
+    if tiny:
+        return {
+            "s1": Setting(name="s1", ranks=(4,), modules=ATTENTION_MODULES, n=24, slots=4),
+            "s2": Setting(name="s2", ranks=(8, 4, 2, 1), modules=ATTENTION_MODULES, n=24, slots=4),
+            "all": Setting(name="all", ranks=(4,), modules=TARGET_MODULES, n=4, slots=4),
+        }
+    return {
+        # Slots: enough distinct adapters for the 256 rows under the power law (about 130 distinct of
+        # 2,000 at alpha 1); s2's bank pads every slot to rank 64, so it keeps fewer to leave HBM for KV.
+        "s1": Setting(name="s1", ranks=(8,), modules=ATTENTION_MODULES, n=2000, slots=256),
+        "s2": Setting(name="s2", ranks=(64, 32, 16, 8), modules=ATTENTION_MODULES, n=2000, slots=160),
+        "all": Setting(name="all", ranks=(16,), modules=TARGET_MODULES, n=64, slots=64),
+    }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Scale:
+    """Model, request lengths and engine of one benchmark size. The engine's LoRA limits are each
+    setting's (`make_engine`); the full size's `all` setting is the preset's own."""
+
+    model: ModelConfig
+    input_range: tuple[int, int]
+    output_range: tuple[int, int]
+    engine: EngineConfig
+
+    @property
+    def dtype(self) -> str:
+        return self.engine.dtype
+
+
+def scale(tiny: bool, model: str) -> Scale:
+    """--tiny: toy everything. Else the preset's engine (configs/llama2-7b-h200.yaml), on the 7B shape
+    or (model "tiny", a CPU check of the full-size schedule) on the toy model in float32 with
+    positions for the full lengths."""
+    if tiny:
+        engine = EngineConfig(
+            max_batch=8,
+            max_seq_len=64,
+            token_budgets=(8, 32),
+            page_size=8,
+            max_new_tokens_limit=32,
+            dtype="float32",
+            bank_free_steps=False,
+        )
+        return Scale(model=TINY, input_range=(8, 24), output_range=(8, 24), engine=engine)
+    engine = EngineConfig.from_yaml(PRESET)
+    if model == "llama2-7b":
+        return Scale(model=LLAMA2_7B, input_range=(8, 512), output_range=(8, 512), engine=engine)
+    toy = dataclasses.replace(TINY, max_position_embeddings=1024)
+    return Scale(
+        model=toy, input_range=(8, 512), output_range=(8, 512), engine=dataclasses.replace(engine, dtype="float32")
+    )
+
+
+def engine_config(setting: Setting, size: Scale, lora: LoraConfig) -> EngineConfig:
+    """The size's engine with the setting's adapter bank (`lora`, from its pager), checked against the
+    trace's lengths. The queue is unbounded: an open-loop trace submits every arrival, and an overloaded
+    run must show as queueing delay, not as refused requests."""
+    engine = size.engine
+    longest = size.input_range[1] - 1 + size.output_range[1] - 1
+    if longest > engine.max_seq_len:
+        raise ValueError(f"a request may need {longest} positions, more than max_seq_len={engine.max_seq_len}")
+    if size.output_range[1] - 1 > engine.max_new_tokens_limit:
+        raise ValueError(f"outputs up to {size.output_range[1] - 1} tokens, more than {engine.max_new_tokens_limit=}")
+    if setting.slots + 1 != lora.max_slots:
+        raise ValueError(f"setting {setting.name} has {setting.slots} slots, the pager {lora.max_slots - 1}")
+    return dataclasses.replace(engine, max_queue=OPEN_LOOP_QUEUE, lora=lora)
+
+
+def make_engine(setting: Setting, model: LoadedModel, pager: Pager, size: Scale, backend: str) -> Engine:
+    """The engine under test, built in this one place so that another engine kind swaps in here."""
+    lora = dataclasses.replace(pager.lora_config, backend=backend)
+    engine = Engine(model, word_tokenizer(model.config.vocab_size), engine_config(setting, size, lora), pager)
+    if engine.tokenizer.eos_token_ids:
+        raise ValueError("the benchmark tokenizer must have no end-of-sequence id: requests run to max_tokens")
+    return engine
+
+
+class TokenCounter:
+    """Token slots of the engine's steps, from `engine.stats()`: every step computes its padded
+    token budget and fills it with decode tokens and prompt chunks. Decode tokens take no padding
+    (no per-row shape), so a step's padding is counted against its prefill share."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def snapshot(self) -> dict[str, int]:
+        s = self.engine.stats()
+        return dict(
+            prefill_tokens=s["prefill_tokens"],
+            prefill_slots=s["padded_tokens"] - s["decode_tokens"],
+            decode_tokens=s["decode_tokens"],
+            decode_slots=s["decode_tokens"],
+        )
+
+
+def token_counter(engine: Engine) -> TokenCounter:
+    return TokenCounter(engine)
+
+
+def make_pager(
+    setting: Setting, model: LoadedModel, size: Scale, backend: str, host_bytes: int | None
+) -> tuple[Pager, int, float]:
+    """A pager with the setting's adapters registered as a0..a{n-1} (n capped by `host_bytes`);
+    returns (pager, n, registration seconds). Adapters share a few random weight sets per rank."""
+    lora = LoraConfig(
+        max_slots=setting.slots + 1, max_rank=setting.max_rank, target_modules=setting.modules, backend=backend
+    )
+    # Page-ins per commit: the pager's default 16, or fewer with fewer slots (each size up to it compiles).
+    pager = Pager(
+        model.config,
+        lora,
+        dtype=jnp.dtype(size.dtype),
+        host_capacity_bytes=host_bytes,
+        max_page_ins_per_commit=min(16, setting.slots),
+    )
+    n = num_fitting(pager, setting.ranks, setting.n, host_bytes)
+    if n < 1:
+        raise ValueError(f"--host-gb holds no {pager.host_nbytes(setting.ranks[0]) / 1e6:.0f} MB adapter")
+    per_rank = 2 if len(setting.ranks) > 1 else 8
+    pools = {
+        r: pool_adapters(weight_pool(model.config, r, setting.modules, per_rank, seed=r), r, setting.modules)
+        for r in setting.ranks
+    }
+    # Interleaved so that a{i}, a copy of adapters[i % len(adapters)], has rank ranks[i % len(ranks)].
+    adapters = [pools[r][j] for j in range(per_rank) for r in setting.ranks]
+    seconds = register_copies(pager, adapters, n)
+    if n <= setting.slots:  # all resident: page them all in before serving
+        pager.prefetch([f"a{i}" for i in range(n)])
+        while pager.snapshot()["pending"]:
+            pager.commit()
+    return pager, n, seconds
+
+
+def num_fitting(pager: Pager, ranks: Sequence[int], n: int, host_bytes: int | None) -> int:
+    """How many of a0..a{n-1} (a{i} of rank ranks[i % len(ranks)], at its rank class's host bytes)
+    fit in `host_bytes` (None: all n)."""
+    if host_bytes is None:
+        return n
+    sizes = np.array([pager.host_nbytes(ranks[i % len(ranks)]) for i in range(n)])
+    return int(np.searchsorted(np.cumsum(sizes), host_bytes, side="right"))
+
+
+# -- one open-loop run ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Timeline:
+    """What the callback saw of one request (perf_counter seconds)."""
+
+    arrival: float
+    prompt_len: int
+    output_len: int
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+    finished: float | None = None
+    reason: FinishReason | None = None
+    rejected: str | None = None
+
+
+class _Recorder:
+    """Timestamps every streamed token; ignores callbacks after `close` (the drain cap)."""
+
+    def __init__(self, n: int) -> None:
+        self.lock = threading.Lock()
+        self.token_times: list[float] = []  # every token, in arrival order
+        self.remaining = n
+        self.all_done = threading.Event()
+        self.closed = False
+        if n == 0:
+            self.all_done.set()
+
+    def callback(self, line: _Timeline) -> Callable[[RequestOutput], None]:
+        def on_output(out: RequestOutput) -> None:
+            now = time.perf_counter()
+            with self.lock:
+                if self.closed:
+                    return
+                if out.token_ids:
+                    if line.first is None:
+                        line.first = now
+                    line.last = now
+                    line.tokens += len(out.token_ids)
+                    self.token_times.extend([now] * len(out.token_ids))
+                if out.finished:
+                    line.finished, line.reason = now, out.finish_reason
+                    self._done_one()
+
+        return on_output
+
+    def reject(self, line: _Timeline, error: str) -> None:
+        with self.lock:
+            line.rejected = error
+            self._done_one()
+
+    def _done_one(self) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.all_done.set()
+
+
+def _engine_counts(engine: Engine, tokens: TokenCounter) -> dict[str, int]:
+    s = engine.stats()
+    out = {k: s[k] for k in ("steps", "preemptions")}
+    out["compiles"] = s["compiles"]
+    out.update(tokens.snapshot())
+    out.update({f"pager_{k}": v for k, v in s.get("pager", {}).items()})
+    return out
+
+
+def run_trace(
+    engine: Engine,
+    tokens: TokenCounter,
+    trace: Sequence[TraceRequest],
+    *,
+    vocab: int,
+    max_drain_s: float,
+    run_id: str,
+    seed: int,
+    temperature: float = 0.0,
+) -> dict:
+    """Submits `trace` open loop to the running engine, waits for the last completion or the drain
+    cap, cancels what is left and waits until the engine is idle. Returns the run's measurements.
+    temperature 0: greedy requests (S-LoRA's workload); above 0 every request samples (seeded), so
+    every step also runs the sampler program."""
+    rng = np.random.default_rng(seed)
+    requests = [
+        GenerationRequest(
+            request_id=f"{run_id}-{i}",
+            adapter=f"a{r.adapter}",
+            prompt_ids=rng.integers(0, vocab, r.prompt_len).tolist(),
+            sampling=SamplingParams(max_tokens=r.output_len, stop_token_ids=(), temperature=temperature, seed=i),
+        )
+        for i, r in enumerate(trace)
+    ]
+    recorder = _Recorder(len(trace))
+    lag: list[float] = []
+    before = _engine_counts(engine, tokens)
+    t0 = time.perf_counter() + 0.05
+    lines = [_Timeline(arrival=t0 + r.arrival_s, prompt_len=r.prompt_len, output_len=r.output_len) for r in trace]
+
+    def drive() -> None:
+        for req, line in zip(requests, lines):
+            delay = line.arrival - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            lag.append(time.perf_counter() - line.arrival)
+            try:
+                engine.submit(req, callback=recorder.callback(line))
+            except JaxloraError as e:
+                recorder.reject(line, f"{type(e).__name__}: {e}")
+
+    driver = threading.Thread(target=drive, name="serving-driver", daemon=True)
+    driver.start()
+    driver.join()
+    cap = (lines[-1].arrival if lines else t0) + max_drain_s
+    recorder.all_done.wait(max(0.0, cap - time.perf_counter()))
+    with recorder.lock:
+        recorder.closed = True
+        t_close = time.perf_counter()
+    after = _engine_counts(engine, tokens)
+    unfinished = [
+        req.request_id for req, line in zip(requests, lines) if line.finished is None and line.rejected is None
+    ]
+    for rid in unfinished:
+        engine.cancel(rid)
+    _wait_idle(engine, timeout_s=120.0)
+    counts = {k: after[k] - before[k] for k in after}
+    return summarize(lines, recorder.token_times, counts, t_close=t_close, lag_s=lag)
+
+
+def _wait_idle(engine: Engine, timeout_s: float) -> None:
+    deadline = time.perf_counter() + timeout_s
+    while engine.has_work():
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"the engine still had work {timeout_s} s after the run's requests were cancelled")
+        time.sleep(0.01)
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return round(float(np.mean(xs)), 1) if len(xs) else None
+
+
+def _ms(xs: Sequence[float], q: float) -> float | None:
+    return round(float(np.percentile(xs, q)) * 1e3, 2) if len(xs) else None
+
+
+def summarize(
+    lines: Sequence[_Timeline],
+    token_times: Sequence[float],
+    counts: Mapping[str, int],
+    *,
+    t_close: float,
+    lag_s: Sequence[float],
+) -> dict:
+    """One run's row fields from the request timelines and the engine counter deltas."""
+    completed = [x for x in lines if x.reason is FinishReason.LENGTH]
+    wrong = [x for x in completed if x.tokens != x.output_len]
+    if wrong:
+        raise RuntimeError(f"{len(wrong)} requests finished with a token count other than their output length")
+    stopped = [x for x in lines if x.reason is not None and x.reason is not FinishReason.LENGTH]
+    rejected = [x for x in lines if x.rejected is not None]
+    unfinished = [x for x in lines if x.reason is None and x.rejected is None]
+    if len(completed) + len(stopped) + len(rejected) + len(unfinished) != len(lines):
+        raise RuntimeError("a request is both finished and rejected")
+    start = min((x.arrival for x in lines), default=t_close)
+    end = max((x.finished for x in completed), default=t_close)
+    window = max(end - start, 1e-9)
+    span = max((x.arrival for x in lines), default=start) - start
+    tokens_in_window = bisect.bisect_right(token_times, end) - bisect.bisect_left(token_times, start)
+    ttft = [x.first - x.arrival for x in lines if x.first is not None]
+    tpot = [(x.last - x.first) / (x.tokens - 1) for x in completed if x.tokens > 1]
+    e2e = [x.last - x.arrival for x in completed]
+    met = sum(1 for x in lines if x.first is not None and x.first - x.arrival <= SLO_TTFT_S)
+    steps = counts["steps"]
+    slots = counts["prefill_slots"] + counts["decode_slots"]
+    filled = counts["prefill_tokens"] + counts["decode_tokens"]
+
+    def share(free: int, total: int) -> float | None:
+        return round(free / total, 4) if total else None
+
+    row = {
+        "requests": len(lines),
+        "completed": len(completed),
+        "unfinished": len(unfinished),
+        "rejected": len(rejected),
+        "stopped_other": len(stopped),
+        "no_first_token": sum(1 for x in lines if x.first is None),
+        "served_req_s": round(len(completed) / window, 3),
+        "served_tok_s": round(tokens_in_window / window, 1),
+        "window_s": round(window, 2),
+        # What the trace's draw offered: requests over the first to the last arrival. Served req/s
+        # cannot exceed it (a Poisson draw of N requests at rate R spans about N / R +- sqrt(N) / R).
+        "arrival_span_s": round(span, 2),
+        "realized_rate": round(len(lines) / span, 3) if span > 0 else None,
+        "slo_attainment": round(met / len(lines), 4) if lines else None,
+        "slo_ttft_s": SLO_TTFT_S,
+        "steps": steps,
+        "preemptions": counts["preemptions"],
+        "prefill_tokens_per_step": round(counts["prefill_tokens"] / steps, 2) if steps else None,
+        "decode_tokens_per_step": round(counts["decode_tokens"] / steps, 2) if steps else None,
+        "padding_share": share(slots - filled, slots),
+        "prefill_padding_share": share(counts["prefill_slots"] - counts["prefill_tokens"], counts["prefill_slots"]),
+        "decode_padding_share": share(counts["decode_slots"] - counts["decode_tokens"], counts["decode_slots"]),
+        "page_ins": counts.get("pager_page_ins"),
+        "compiles_during_run": counts["compiles"],
+        "submit_lag_ms_p99": _ms(lag_s, 99),
+        "mean_prompt_len": _mean([x.prompt_len for x in lines]),
+        "mean_output_len": _mean([x.output_len for x in lines]),
+    }
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
+        for q in (50, 90, 99):
+            row[f"{name}_ms_p{q}"] = _ms(xs, q)
+    return row
+
+
+# -- the rate sweep ---------------------------------------------------------------------------------
+
+
+def next_sweep_rate(
+    slo_by_rate: Mapping[float, float], *, target: float = 0.9, resolution: float = 0.5
+) -> float | None:
+    """The next rate of a coarse bisection for the highest rate with SLO attainment >= target, or
+    None when the bracket is narrower than `resolution` (req/s). No passing rate yet: half the
+    lowest; no failing rate above the best pass: twice it."""
+    if not slo_by_rate:
+        return None
+    passing = [r for r, s in slo_by_rate.items() if s >= target]
+    lo = max(passing, default=None)
+    hi = min((r for r, s in slo_by_rate.items() if s < target and (lo is None or r > lo)), default=None)
+    if hi is None:
+        return 2 * lo
+    lo = 0.0 if lo is None else lo
+    if hi - lo <= resolution:
+        return None
+    mid = round((lo + hi) / 2 / resolution) * resolution
+    return mid if lo < mid < hi else None
+
+
+# -- output -----------------------------------------------------------------------------------------
+
+
+def key_field(row: Mapping, name: str):
+    """A key field of a row, or its default for rows written before the field existed."""
+    return row[name] if name in row else KEY_DEFAULTS[name]
+
+
+def row_key(row: Mapping) -> tuple:
+    return tuple(key_field(row, k) for k in KEY_FIELDS)
+
+
+def merge_rows(old: Iterable[dict], new: Iterable[dict]) -> list[dict]:
+    """`old` with each row of `new` replacing the row of the same key, or appended."""
+    rows = {row_key(r): r for r in old}
+    for r in new:
+        rows[row_key(r)] = r
+    return sorted(rows.values(), key=lambda r: (r["engine"], r["setting"], r["n"], r["cv"], r["alpha"], r["rate"]))
+
+
+MD_COLUMNS = [
+    "engine",
+    "setting",
+    "n",
+    "temperature",
+    "rate",
+    "realized_rate",
+    "duration_s",
+    "requests",
+    "served_req_s",
+    "served_tok_s",
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "tpot_ms_p50",
+    "tpot_ms_p99",
+    "decode_step_ms",
+    "tpot_over_decode_step",
+    "e2e_ms_p50",
+    "slo_attainment",
+    "unfinished",
+    "steps",
+    "prefill_tokens_per_step",
+    "decode_tokens_per_step",
+    "padding_share",
+    "page_ins",
+]
+
+
+def slo_summary(rows: Sequence[dict], target: float = 0.9) -> list[dict]:
+    """Per engine x setting x n x cv x alpha x duration: the highest measured rate at SLO >= target
+    and the lowest measured rate above it that missed."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        group = (r["engine"], r["setting"], r["n"], r["cv"], r["alpha"], r["duration_s"], key_field(r, "temperature"))
+        groups.setdefault(group, []).append(r)
+    out = []
+    for (engine, setting, n, cv, alpha, duration, temperature), rs in groups.items():
+        ok = [r["rate"] for r in rs if r["slo_attainment"] is not None and r["slo_attainment"] >= target]
+        best = max(ok, default=None)
+        miss = min(
+            (
+                r["rate"]
+                for r in rs
+                if r["slo_attainment"] is not None
+                and r["slo_attainment"] < target
+                and (best is None or r["rate"] > best)
+            ),
+            default=None,
+        )
+        out.append(
+            dict(
+                engine=engine,
+                setting=setting,
+                n=n,
+                cv=cv,
+                alpha=alpha,
+                duration_s=duration,
+                temperature=temperature,
+                max_rate_at_slo=best,
+                lowest_rate_missing=miss,
+            )
+        )
+    return out
+
+
+def write_markdown(payload: dict, out: Path) -> None:
+    rows = payload["rows"]
+    commands = list(dict.fromkeys(r["command"] for r in rows))
+    lines = (
+        [
+            f"# Open-loop serving ({payload['device']}, jax {payload['jax_version']})",
+            "",
+            "S-LoRA's synthetic trace: Gamma arrivals (cv), power-law adapter popularity (alpha), input and "
+            "output lengths uniform in [8, 512) (rows' `input_range`, `output_range`), EOS ignored. Served "
+            "req/s and tok/s: completed requests and generated tokens over the first arrival to the last "
+            "completion; realized_rate: the requests over the first to the last arrival of the trace's draw, "
+            "the most that can be served. SLO attainment: share of all "
+            f"arrived requests with a first token within {SLO_TTFT_S:g} s. unfinished: not done "
+            "`max_drain_s` after the last arrival. padding_share: share of the token slots computed by "
+            "prefill and decode calls that held no request's token. Times in ms.",
+            "",
+            "Commands:",
+            "",
+        ]
+        + [f"- `{c}`" for c in commands]
+        + ["", "| " + " | ".join(MD_COLUMNS) + " |", "|" + "---|" * len(MD_COLUMNS)]
+    )
+    cells = [{**KEY_DEFAULTS, **r} for r in rows]  # rows from before a key field existed show its default
+    lines += ["| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in MD_COLUMNS) + " |" for r in cells]
+    lines += [
+        "",
+        "Highest measured rate at SLO attainment >= 0.9 (and the lowest measured rate above it that missed):",
+        "",
+        "| engine | setting | n | cv | alpha | duration_s | temperature | max rate at SLO | lowest miss |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {s['engine']} | {s['setting']} | {s['n']} | {s['cv']} | {s['alpha']} | {s['duration_s']} | {s['temperature']} | "
+        f"{s['max_rate_at_slo']} | {s['lowest_rate_missing']} |"
+        for s in slo_summary(rows)
+    ]
+    notes = sorted({r["note"] for r in rows if r.get("note")})
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    (out / "serving.md").write_text("\n".join(lines) + "\n")
+
+
+def write_plot(payload: dict, out: Path) -> bool:
+    """served req/s and TTFT p99 against offered rate, one line per engine x setting; False without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = payload["rows"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+
+    def label_of(r: dict) -> tuple:
+        return r["engine"], r["setting"], r["n"], r["cv"], r["alpha"], key_field(r, "temperature")
+
+    for label in dict.fromkeys(label_of(r) for r in rows):
+        rs = sorted(
+            (r for r in rows if label_of(r) == label),
+            key=lambda r: r["rate"],
+        )
+        name = f"{label[0]} {label[1]} (n={label[2]}" + (f", T={label[5]:g})" if label[5] else ")")
+        xs = [r["rate"] for r in rs]
+        ax1.plot(xs, [r["served_req_s"] for r in rs], "o-", label=name)
+        ax2.plot(xs, [(r["ttft_ms_p99"] or float("nan")) / 1e3 for r in rs], "o-", label=name)
+    top = max((r["rate"] for r in rows), default=1)
+    ax1.plot([0, top], [0, top], color="gray", ls=":", lw=1, label="served = offered")
+    ax1.set(xlabel="offered rate (req/s)", ylabel="served req/s", title="throughput")
+    ax2.axhline(SLO_TTFT_S, color="gray", ls="--", lw=1, label=f"SLO {SLO_TTFT_S:g} s")
+    ax2.set(xlabel="offered rate (req/s)", ylabel="TTFT p99 (s)", title="time to first token, p99", yscale="log")
+    for ax in (ax1, ax2):
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"Open-loop serving, {payload['device']}")
+    fig.tight_layout()
+    fig.savefig(out / "serving.png", dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_results(payload: dict, out: Path, *, plot: bool = True) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RESULTS).write_text(json.dumps(payload, indent=1) + "\n")
+    write_markdown(payload, out)
+    if plot and payload["rows"] and not write_plot(payload, out):
+        print("matplotlib is not installed: serving.png not written", flush=True)
+
+
+def engine_commit() -> str:
+    """The checkout's HEAD (+"-dirty" with uncommitted changes). Raises without git."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
+
+    try:
+        head = git("rev-parse", "--short=12", "HEAD").strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no").strip()
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"cannot read the engine's commit ({e}); pass --engine-commit") from None
+    return head + ("-dirty" if dirty else "")
+
+
+# -- main -------------------------------------------------------------------------------------------
+
+
+def decode_step_probe(engine: Engine, row: Mapping, slots: int, steps: int) -> dict:
+    """The decode-only step at the run's batch size, timed on the run's own engine and bank: what
+    TPOT is measured against (issue 15: TPOT p50 <= 1.3x this). Rows: the run's mean decode tokens
+    per step, each on its own adapter (up to the slots), at the mean context of a decoding request
+    (prompt + half the output), padded to the budget the engine's scheduler picks for them."""
+    if not steps or not row.get("decode_tokens_per_step") or row.get("tpot_ms_p50") is None:
+        return {}
+    budgets = engine.config.token_budgets
+    rows = min(max(1, round(row["decode_tokens_per_step"])), engine.config.max_batch, budgets[-1])
+    budget = budgets[bisect.bisect_left(budgets, rows)]
+    context = min(round(row["mean_prompt_len"] + row["mean_output_len"] / 2), engine.config.max_seq_len - 1)
+    bank = engine.pager.bank if engine.pager is not None else None
+    ms = time_decode(engine.runner, bank, slot_pattern(rows, min(rows, slots)), context, steps, budget=budget)
+    return {
+        "decode_step_rows": rows,
+        "decode_step_budget": budget,
+        "decode_step_context": context,
+        "decode_step_ms": round(ms, 3),
+        "tpot_over_decode_step": round(row["tpot_ms_p50"] / ms, 3),
+    }
+
+
+def rate_spec(text: str) -> tuple[float, float | None]:
+    """RATE -> (rate, None); RATE@SECONDS -> (rate, seconds): the rate and its own arrival seconds."""
+    rate, at, duration = text.partition("@")
+    try:
+        out = float(rate), float(duration) if at else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not RATE or RATE@SECONDS") from None
+    if not all(math.isfinite(x) and x > 0 for x in out if x is not None):
+        raise argparse.ArgumentTypeError(f"{text!r}: the rate and the seconds must be finite and > 0")
+    return out
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="toy model, sizes and lengths (CPU, seconds)")
+    p.add_argument(
+        "--model",
+        choices=("llama2-7b", "tiny"),
+        default="llama2-7b",
+        help="without --tiny: the model under the 7B limits (tiny: a CPU check of the full schedule)",
+    )
+    p.add_argument("--settings", nargs="+", choices=("s1", "s2", "all"), default=["all", "s1", "s2"])
+    p.add_argument(
+        "--rates",
+        type=rate_spec,
+        nargs="*",
+        default=[(4.0, None), (10.0, None), (40.0, None)],
+        help="offered req/s; RATE@SECONDS gives that run its own seconds of arrivals (else --duration)",
+    )
+    p.add_argument(
+        "--sweep",
+        type=int,
+        default=0,
+        help="up to this many extra runs per setting bisecting for the highest rate at SLO attainment >= --slo-target",
+    )
+    p.add_argument(
+        "--sweep-settings",
+        nargs="+",
+        choices=("s1", "s2", "all"),
+        default=None,
+        help="the settings that get --sweep (default: every one run)",
+    )
+    p.add_argument("--slo-target", type=float, default=0.9)
+    p.add_argument("--sweep-resolution", type=float, default=0.5, help="req/s")
+    p.add_argument("--cv", type=float, default=1.0)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's sampling temperature (0: greedy, S-LoRA's workload; above 0 each step also runs the sampler)",
+    )
+    p.add_argument("--alpha", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument(
+        "--probe-steps",
+        type=int,
+        default=20,
+        help="decode-only steps timed after a setting's runs, at each run's batch size (0: no probe)",
+    )
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="device adapter slots of every setting (default: the "
+        "setting's, 64); with at most one distinct adapter per slot, this caps the batch's adapters",
+    )
+    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals (default 120; --tiny 2)")
+    p.add_argument("--max-drain-s", type=float, default=None, help="after the last arrival (default 60; --tiny 20)")
+    p.add_argument(
+        "--host-gb", type=float, default=None, help="host budget for registered adapters, GB (default: the preset's)"
+    )
+    p.add_argument(
+        "--budgets", type=int, nargs="+", default=None, help="the engine's token budgets (default 128-2048 by 2x)"
+    )
+    p.add_argument(
+        "--backend",
+        choices=[b.value for b in LoraBackend],
+        default=None,
+        help="LoRA backend (default: pallas on GPU, xla elsewhere)",
+    )
+    p.add_argument(
+        "--lora-groups",
+        choices=("tuned", "split"),
+        default="tuned",
+        help="pallas module groups: tuning.py's rule (tuned), or the split shrink + per-row expand launches "
+        "everywhere (the engine before the one-launch kernel and the tile expand; an A/B in the same tree)",
+    )
+    p.add_argument(
+        "--budget-s", type=float, default=None, help="start no run (or setting) that could end after this many seconds"
+    )
+    p.add_argument(
+        "--setup-s",
+        type=float,
+        default=None,
+        help="expected seconds to set up a setting, for --budget-s (default 150; --tiny 30)",
+    )
+    p.add_argument("--merge", action="store_true", help=f"add to --out/{RESULTS} (rows of the same key replaced)")
+    p.add_argument("--skip-measured", action="store_true", help="with --merge: skip rates the file has already")
+    p.add_argument("--render", action="store_true", help=f"only rewrite serving.md/png from --out/{RESULTS}")
+    p.add_argument("--engine-commit", default=None, help="recorded in the rows (default: git HEAD)")
+    p.add_argument("--out", type=Path, default=results_dir(__file__))
+    args = p.parse_args(argv)
+    if args.duration is None:
+        args.duration = 2.0 if args.tiny else 120.0
+    if args.max_drain_s is None:
+        args.max_drain_s = 20.0 if args.tiny else 60.0
+    if args.setup_s is None:
+        args.setup_s = 30.0 if args.tiny else 150.0
+    if args.skip_measured and not args.merge:
+        p.error("--skip-measured needs --merge")
+    return args
+
+
+class _Clock:
+    def __init__(self, budget_s: float | None) -> None:
+        self.start = time.perf_counter()
+        self.deadline = self.start + budget_s if budget_s is not None else float("inf")
+
+    def fits(self, seconds: float) -> bool:
+        return time.perf_counter() + seconds <= self.deadline
+
+
+def run_setting(
+    setting: Setting,
+    model: LoadedModel,
+    size: Scale,
+    args: argparse.Namespace,
+    *,
+    backend: str,
+    clock: _Clock,
+    previous: list[dict],
+    base_row: dict,
+    on_row: Callable[[dict], None],
+    not_run: list[str],
+) -> None:
+    """One engine for the setting; runs --rates, then the sweep; calls on_row after every run."""
+    host = None if args.tiny else int(args.host_gb * 1e9) if args.host_gb else size.engine.host_capacity_bytes
+    t0 = time.perf_counter()
+    pager, n, reg_s = make_pager(setting, model, size, backend, host)
+    note = None
+    if n < setting.n:
+        note = (
+            f"{setting.name}: {n} adapters registered, not {setting.n}: a {host / 1e9:g} GB host budget holds {n} "
+            f"host copies at their rank classes ({pager.registered_bytes / n / 1e6:.0f} MB on average)"
+        )
+    mb = pager.registered_bytes / max(n, 1) / 1e6
+    print(f"[{setting.name}] {n} adapters x {mb:.1f} MB on average registered in {reg_s:.1f} s", flush=True)
+    engine = make_engine(setting, model, pager, size, backend)
+    engine.warmup()
+    tokens = token_counter(engine)
+    print(f"[{setting.name}] set up in {time.perf_counter() - t0:.1f} s", flush=True)
+    key = dict(
+        engine=ENGINE_KIND, setting=setting.name, n=n, cv=args.cv, alpha=args.alpha, temperature=args.temperature
+    )
+    same = [
+        r for r in previous if all(key_field(r, k) == v for k, v in key.items()) and r["duration_s"] == args.duration
+    ]
+    slo = {r["rate"]: r["slo_attainment"] for r in same}
+    measured = set(slo) if args.skip_measured else set()
+    measured_here: list[dict] = []
+    engine.start()
+    try:
+
+        def run(rate: float, sweep: bool, duration: float) -> None:
+            if not clock.fits(duration + args.max_drain_s + 10.0):  # arrivals, drain cap, flush
+                print(f"[{setting.name}] time budget spent: rate {rate} not run", flush=True)
+                not_run.append(f"{setting.name}@{rate:g}")
+                return
+            trace = make_trace(
+                n=n,
+                alpha=args.alpha,
+                rate=rate,
+                cv=args.cv,
+                duration_s=duration,
+                input_range=size.input_range,
+                output_range=size.output_range,
+                seed=args.seed,
+            )
+            t_run = time.perf_counter()
+            result = run_trace(
+                engine,
+                tokens,
+                trace,
+                vocab=model.config.vocab_size,
+                max_drain_s=args.max_drain_s,
+                run_id=f"{setting.name}-{rate:g}",
+                seed=args.seed + 1,
+                temperature=args.temperature,
+            )
+            row = {
+                **base_row,
+                **key,
+                "rate": rate,
+                "duration_s": duration,
+                "max_drain_s": args.max_drain_s,
+                "seed": args.seed,
+                "input_range": list(size.input_range),
+                "output_range": list(size.output_range),
+                "ranks": list(setting.ranks),
+                "modules": list(setting.modules),
+                "n_asked": setting.n,
+                "slots": setting.slots,
+                "paged": n > setting.slots,
+                "max_batch": size.engine.max_batch,
+                "token_budgets": list(size.engine.token_budgets),
+                "registration_s": round(reg_s, 1),
+                "sweep": sweep,
+                **result,
+                "run_s": round(time.perf_counter() - t_run, 1),
+                "note": note,
+            }
+            if duration == args.duration:  # the sweep bisects over runs of --duration
+                slo[rate] = row["slo_attainment"]
+            measured_here.append(row)
+            print(
+                json.dumps(
+                    {
+                        k: row[k]
+                        for k in (
+                            "setting",
+                            "rate",
+                            "requests",
+                            "completed",
+                            "unfinished",
+                            "served_req_s",
+                            "served_tok_s",
+                            "ttft_ms_p50",
+                            "ttft_ms_p99",
+                            "tpot_ms_p50",
+                            "slo_attainment",
+                            "padding_share",
+                            "run_s",
+                        )
+                    }
+                ),
+                flush=True,
+            )
+            on_row(row)
+
+        for rate, duration in args.rates:
+            if rate in measured and duration in (None, args.duration):
+                print(f"[{setting.name}] rate {rate:g} already in the results: skipped", flush=True)
+                continue
+            run(rate, sweep=False, duration=args.duration if duration is None else duration)
+        sweeps = args.sweep if args.sweep_settings is None or setting.name in args.sweep_settings else 0
+        for _ in range(sweeps):
+            rate = next_sweep_rate(slo, target=args.slo_target, resolution=args.sweep_resolution)
+            if rate is None or not clock.fits(args.duration + args.max_drain_s + 10.0):
+                break
+            run(rate, sweep=True, duration=args.duration)
+    finally:
+        engine.stop(drain=False)
+    for row in measured_here:  # the engine's thread is gone: the probe may use its runner
+        try:
+            row.update(decode_step_probe(engine, row, setting.slots, args.probe_steps))
+        except Exception as e:  # the rows measured stand; the failure is recorded, not hidden
+            row["decode_step_error"] = f"{type(e).__name__}: {e}"
+            engine.runner.reset_pool()  # a failed call may have consumed the donated pool
+            print(f"[{setting.name}] decode-step probe failed: {row['decode_step_error']}", flush=True)
+        on_row(row)
+
+
+def split_every_group() -> None:
+    """Makes every pallas module group run as split shrink + per-row expand launches in this process."""
+    for table in tuning.GROUP_TABLES.values():
+        for rank_bucket, rows in table.items():
+            table[rank_bucket] = {t: dict(knobs, impl="split") for t, knobs in rows.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    path = args.out / RESULTS
+    if args.render:
+        write_results(json.loads(path.read_text()), args.out)
+        print(f"rendered {args.out / 'serving.md'}", flush=True)
+        return
+    clock = _Clock(args.budget_s)
+    commit = args.engine_commit or engine_commit()
+
+    size = scale(args.tiny, args.model)
+    if args.budgets:  # finer budgets: less padding, one more compile at set-up each
+        size = dataclasses.replace(
+            size, engine=dataclasses.replace(size.engine, token_budgets=tuple(sorted(set(args.budgets))))
+        )
+    dev = jax.devices()[0]
+    backend = args.backend or ("pallas" if dev.platform == "gpu" else "xla")
+    if args.lora_groups == "split":
+        split_every_group()
+    print(
+        f"device {dev.device_kind}, jax {jax.__version__}, engine {ENGINE_KIND} at {commit}, "
+        f"model {size.model.name}, LoRA backend {backend}",
+        flush=True,
+    )
+    previous = json.loads(path.read_text())["rows"] if args.merge and path.exists() else []
+    model = random_model(size.model, dtype=jnp.dtype(size.dtype), fused=True)  # the serving layout
+    jax.block_until_ready(model.params)
+    command = "python -m benchmarks.serving.trace " + " ".join(sys.argv[1:] if argv is None else argv)
+    base_row = {
+        "device": str(dev.device_kind),
+        "engine_commit": commit,
+        "model": size.model.name,
+        "lora_backend": backend,
+        "lora_groups": args.lora_groups,
+        "command": command,
+    }
+    new_rows: list[dict] = []
+    not_run: list[str] = []
+    payload = {
+        "device": str(dev.device_kind),
+        "jax_version": jax.__version__,
+        "engine_commit": commit,
+        "rows": previous,
+        "not_run": not_run,
+    }
+
+    def on_row(row: dict) -> None:  # results after every run: a cut run keeps what it measured
+        if not any(r is row for r in new_rows):  # a row comes again with its decode-step probe
+            new_rows.append(row)
+        payload["rows"] = merge_rows(previous, new_rows)
+        write_results(payload, args.out, plot=False)
+
+    for name in args.settings:
+        if not clock.fits(args.setup_s + args.duration + args.max_drain_s):
+            print(f"time budget spent: setting {name} not run", flush=True)
+            not_run.append(name)
+            continue
+        setting = settings(args.tiny)[name]
+        if args.slots is not None:
+            setting = dataclasses.replace(setting, slots=args.slots)
+        run_setting(
+            setting,
+            model,
+            size,
+            args,
+            backend=backend,
+            clock=clock,
+            previous=previous,
+            base_row=base_row,
+            on_row=on_row,
+            not_run=not_run,
+        )
+        gc.collect()  # the setting's engine (KV cache), bank and pinned host copies go before the next
+        live = sum(a.nbytes for a in jax.live_arrays())  # the next setting needs the KV cache's room
+        print(f"live arrays after {name}: {live / 2**30:.2f} GiB", flush=True)
+    payload["seconds"] = round(time.perf_counter() - clock.start, 1)
+    write_results(payload, args.out)
+    print(f"wrote {path} ({len(new_rows)} new rows)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,378 @@
+"""Which kernels a jitted model step runs: one frozen record, chosen once per engine.
+
+    KernelConfig   the `kernels:` section of EngineConfig and the YAML presets; "auto" allowed
+    StepKernels    the resolved choice (`KernelConfig.resolve`), a static argument of every step
+
+Six decisions, each with its rule per step size where one exists:
+
+    LoRA        lora.backend (the bank's config): xla | ragged | pallas
+    attention   the paged step's attention: the Pallas kernel or its plain-XLA twin
+    unroll      layers as an unrolled loop for steps of at most unroll_max_tokens tokens, else lax.scan
+    quant       how quantized projections multiply, per step size (`QUANT_AUTO`, `quant_matmul_at`)
+    gemm        the XLA compile options of the step programs' dense GEMMs (`GEMM_COMPILER_OPTIONS`)
+    concurrent  CONCURRENT command-buffer scheduling for steps of at least concurrent_min_tokens
+
+This module is the ground floor of the choice: it imports nothing of the model or the engine, which
+read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxlora.config import AttentionBackend, LoraBackend
+
+
+class QuantMatmul(enum.StrEnum):
+    """How the GEMM of a weight-only quantized projection runs (jaxlora.model.quant; same math)."""
+
+    AUTO = "auto"  # per GPU kind and step size, QUANT_AUTO (`KernelConfig.resolve`)
+    XLA = "xla"  # (x @ q.astype(x.dtype)) * scale: XLA writes a dequantized copy of the weight first
+    PALLAS = "pallas"  # pallas_kernels.quant.triton: converts tiles in registers, reads a layer in place
+    MGPU = "mgpu"  # pallas_kernels.quant.mgpu (Mosaic GPU, Hopper): TMA-fed wgmma, K-major weights
+    BEST = "best"  # per format, the fastest kernel whose output was checked on the GPU (BEST_KERNEL)
+
+
+class QuantKernel(enum.StrEnum):
+    """Which kernel multiplies a quantized projection that holds the whole stack (model.quant.project)."""
+
+    TRITON = "triton"  # pallas_kernels.quant.triton: any shape, either layout
+    MGPU = "mgpu"  # pallas_kernels.quant.mgpu: Hopper, K-major, <= 256 rows, widths of 64
+    BEST = "best"  # per format, the fastest kernel checked on the GPU: BEST_KERNEL
+
+
+# QuantKernel.BEST by storage dtype, and so the serving layout's storage (`model.quant.kmajor_serving`). H200,
+# the seven projections of 8 Llama-2-7B layers in the serving layout at 16 / 64 / 128 / 256 rows
+# (benchmarks/results/archive/mgpu_probe/): int8 on the Mosaic kernel 0.72 / 1.04 / 1.29 / 2.00 ms against
+# the Triton one's 1.20 / 1.43 / 1.75 / 2.88 (its output compared with a float64 product on the GPU,
+# with other tile knobs of the same code paths than the table's). e4m3 on the Mosaic kernel timed
+# 0.69 / 0.92 / 1.22 / 1.93 ms, but its output was never compared on the GPU (the probe skipped it),
+# so e4m3 stays on the Triton kernel in the [in, out] layout (1.59 / 1.90 / 2.07 / 3.35 ms,
+# benchmarks/results/archive/decode_floor_probe/) until it is.
+BEST_KERNEL: dict[jnp.dtype, QuantKernel] = {
+    jnp.dtype(jnp.int8): QuantKernel.MGPU,
+    jnp.dtype(jnp.float8_e4m3fn): QuantKernel.TRITON,
+}
+
+# QuantMatmul -> QuantKernel, for the choices that run a kernel.
+_QUANT_KERNELS = {
+    QuantMatmul.PALLAS: QuantKernel.TRITON,
+    QuantMatmul.MGPU: QuantKernel.MGPU,
+    QuantMatmul.BEST: QuantKernel.BEST,
+}
+_HOPPER_ONLY = (QuantMatmul.MGPU, QuantMatmul.BEST)  # wgmma and the TMA engine: compute capability 9.x
+# The Mosaic kernel's largest step (wgmma's N): MGPU and BEST run steps of at most this many tokens.
+QUANT_KERNEL_MAX_TOKENS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantRule:
+    """quant_matmul="auto" on one kind of GPU: `kernel` for steps of at most `max_tokens` tokens, XLA above."""
+
+    kernel: QuantMatmul
+    max_tokens: int
+
+
+# quant_matmul="auto" for a model in the serving layout on GPU, by GPU kind ("hopper": compute
+# capability 9.x; "gpu": any other): the rule's kernel for steps of at most max_tokens tokens, XLA above.
+# On a Hopper GPU the per-format kernel (BEST), up to the Mosaic kernel's limit (wgmma's N). H200, the seven projections of 8
+# Llama-2-7B layers in the serving layout, ms at 16 / 64 / 128 / 256 rows
+# (benchmarks/results/archive/mgpu_probe/): bf16 cuBLAS 0.93 / 0.95 / 1.04 / 1.31; int8 on the Mosaic kernel
+# 0.72 / 1.04 / 1.29 / 2.00, on the Triton kernel 1.20 / 1.43 / 1.75 / 2.88; FP8 on the Triton
+# kernel 1.59 / 1.90 / 2.07 / 3.35 and XLA's dequantize-then-GEMM (int8) 2.90 / 2.95 / 3.03 / 3.38
+# (decode_floor_probe/q). So each format's kernel beats XLA's path at every size it takes, and int8
+# beats bf16 at 16 rows (measured at 16, 64, 128 and 256 only).
+QUANT_AUTO: dict[str, QuantRule] = {
+    "hopper": QuantRule(QuantMatmul.BEST, QUANT_KERNEL_MAX_TOKENS),
+    "gpu": QuantRule(QuantMatmul.PALLAS, QUANT_KERNEL_MAX_TOKENS),
+}
+
+
+class GemmBackend(enum.StrEnum):
+    """Who runs the step's dense GEMMs on GPU (an XLA compile option of the step program; same math)."""
+
+    AUTO = "auto"  # CUBLAS on GPU for the serving layout, XLA elsewhere (`KernelConfig.resolve`)
+    XLA = "xla"  # XLA's own choice per GEMM: autotuned Triton fusions or cuBLAS
+    CUBLAS = "cublas"  # Triton GEMM fusions off: every GEMM a cuBLAS call
+
+
+# The XLA compile options of each choice (jax.jit(compiler_options=...)); none change the math, and
+# GPU options are ignored on other platforms. "cublas" (the one-device serving layout on GPU) also
+# lets the step's command buffer run commands that share no buffer side by side (CONCURRENT; XLA's
+# default keeps its thunk order): a module group's LoRA shrink, which reads only x, can then overlap
+# the base GEMM. H200, 7B shape, the engine's decode step: 64 rows on 64 adapters 7.78 -> 7.50 ms,
+# on one adapter 6.66 -> 6.30 ms, 256 rows 14.96 -> 14.91 ms, the same tokens; S-LoRA's `all` trace
+# at 40 req/s unchanged, 28.66 / 28.67 req/s (benchmarks/results/archive/probe_s11c, probe_s11d, probe_s11e).
+# Not on the "xla" choice: the tensor-parallel path's collectives were not run under it.
+GEMM_COMPILER_OPTIONS: dict[str, dict[str, bool | str]] = {
+    "xla": {},
+    "cublas": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
+}
+_SCHEDULING_OPTION = "xla_gpu_command_buffer_scheduling_mode"
+# Steps of fewer tokens compile without CONCURRENT scheduling (StepKernels.concurrent_min_tokens).
+# 1: every step has it, as measured at 64 and 256 rows. At one row the engine's dispatch took 8.5 ms
+# against a 4.8 ms device step in the first run under it, 4.7 against 5.2 ms in the run before
+# (benchmarks/results/archive/e2e_formats_probe/, e2e_probe_s9/); whether CONCURRENT causes that is not
+# measured yet: `benchmarks.host_loop --concurrent-min-tokens` is that A/B.
+CONCURRENT_MIN_TOKENS = 1
+# Steps of at most this many tokens unroll their layers where unrolling is on: small steps are bound
+# by reading the weights, where the scan's per-layer weight copy costs most; large ones are
+# compute-bound and keep the scan's short compile.
+UNROLL_MAX_TOKENS = 512
+
+
+def gemm_compiler_options(gemm: GemmBackend | str, *, concurrent: bool) -> dict[str, bool | str]:
+    """The compile options of a step program on `gemm`; without CONCURRENT scheduling unless `concurrent`."""
+    options = dict(GEMM_COMPILER_OPTIONS[GemmBackend(gemm).value])
+    if not concurrent:
+        options.pop(_SCHEDULING_OPTION, None)
+    return options
+
+
+def gpu_compute_capability() -> str | None:
+    """The default GPU's compute capability ("9.0" on an H100 / H200), or None without a CUDA GPU."""
+    try:
+        return getattr(jax.devices("gpu")[0], "compute_capability", None)
+    except RuntimeError:
+        return None
+
+
+def is_hopper(compute_capability: str | None) -> bool:
+    """Whether wgmma runs there: 9.x only (Blackwell, 10.x, has tcgen05 instead)."""
+    return compute_capability is not None and compute_capability.split(".")[0] == "9"
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _resolved(name: str, value: Any, kind: type[enum.StrEnum]) -> enum.StrEnum:
+    allowed = tuple(a.value for a in kind if a.value != "auto")
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} must be one of {allowed}")
+    return kind(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepKernels:
+    """Static kernel choices for one jitted model step (hashable, never traced; nothing here is "auto").
+
+    lora: how the LoRA term is computed (pallas_kernels.lora.api's backend).
+    interpret: run Pallas kernels in interpret mode (CPU).
+    attention: PALLAS runs the paged step's attention through `pallas_kernels.ragged_paged_attention`,
+      XLA through its plain-XLA twin (a dense KVCache always uses the masked einsum).
+    unroll_layers: run the layers as an unrolled Python loop instead of `lax.scan` for steps of one
+      token per row and at most `unroll_max_tokens` rows (same math; XLA then sees each layer's
+      weights as a static slice, at the cost of compile time growing with depth).
+    quant_matmul: how quantized projections multiply in steps of at most `quant_kernel_max_tokens`
+      tokens (None: every step, PALLAS only; MGPU and BEST need 1..QUANT_KERNEL_MAX_TOKENS); larger
+      steps take XLA's path (`quant_matmul_at`). With a kernel the model hands each quantized
+      projection its whole stack and the layer index (see `Llama.__call__`).
+    gemm: the XLA compile options of the engine's step programs for their dense GEMMs.
+    concurrent_min_tokens: step programs of fewer tokens compile without the choice's CONCURRENT
+      command-buffer scheduling (`compiler_options`): the command buffer of such a step is updated
+      on the host at every dispatch, and where the device step is short that update is what the
+      step waits for.
+    """
+
+    lora: LoraBackend = LoraBackend.XLA
+    interpret: bool = False
+    attention: AttentionBackend = AttentionBackend.XLA
+    unroll_layers: bool = False
+    unroll_max_tokens: int = UNROLL_MAX_TOKENS
+    quant_matmul: QuantMatmul = QuantMatmul.XLA
+    quant_kernel_max_tokens: int | None = None
+    gemm: GemmBackend = GemmBackend.XLA
+    concurrent_min_tokens: int = CONCURRENT_MIN_TOKENS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lora", LoraBackend(self.lora))  # accept the string form too
+        for name, kind in (("attention", AttentionBackend), ("quant_matmul", QuantMatmul), ("gemm", GemmBackend)):
+            object.__setattr__(self, name, _resolved(name, getattr(self, name), kind))
+        if self.quant_kernel_max_tokens is not None and not _is_positive_int(self.quant_kernel_max_tokens):
+            raise ValueError(f"quant_kernel_max_tokens={self.quant_kernel_max_tokens!r} must be a positive int or None")
+        limit = self.quant_kernel_max_tokens
+        if self.quant_matmul in _HOPPER_ONLY and (limit is None or limit > QUANT_KERNEL_MAX_TOKENS):
+            raise ValueError(
+                f"quant_matmul={self.quant_matmul.value} runs the Mosaic kernel, which takes at most "
+                f"{QUANT_KERNEL_MAX_TOKENS} rows: quant_kernel_max_tokens={limit!r} must be 1..{QUANT_KERNEL_MAX_TOKENS}"
+            )
+        for name in ("concurrent_min_tokens", "unroll_max_tokens"):
+            if not _is_positive_int(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive int")
+
+    @classmethod
+    def for_platform(
+        cls,
+        lora: LoraBackend | str,
+        platform: str | None = None,
+        *,
+        fused_projections: bool = True,
+        compute_capability: str | None = None,
+        **choices: Any,
+    ) -> StepKernels:
+        """`KernelConfig(**choices).resolve(...)`: the kernels of a model on `platform`, "auto" where
+        `choices` does not say."""
+        return KernelConfig(**choices).resolve(
+            lora, platform, fused_projections=fused_projections, compute_capability=compute_capability
+        )
+
+    def compiler_options(self, num_tokens: int) -> dict[str, bool | str]:
+        """The XLA compile options of a step program of `num_tokens` tokens."""
+        return gemm_compiler_options(self.gemm, concurrent=num_tokens >= self.concurrent_min_tokens)
+
+    def quant_matmul_at(self, num_tokens: int) -> QuantMatmul:
+        """How a step of `num_tokens` tokens multiplies its quantized projections."""
+        limit = self.quant_kernel_max_tokens
+        return self.quant_matmul if limit is None or num_tokens <= limit else QuantMatmul.XLA
+
+    def uses_quant_kernel(self, num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` tokens runs its quantized GEMMs in a Pallas kernel."""
+        return self.quant_matmul_at(num_tokens) in _QUANT_KERNELS
+
+    @property
+    def quant_kernel(self) -> QuantKernel:
+        """The kernel a quantized projection holding its stack runs (model.quant.project)."""
+        return _QUANT_KERNELS.get(self.quant_matmul, QuantKernel.TRITON)
+
+    def unrolls(self, rows: int, tokens_per_row: int = 1) -> bool:
+        """Whether a step of `rows` rows of `tokens_per_row` tokens runs its layers unrolled."""
+        return self.unroll_layers and tokens_per_row == 1 and rows <= self.unroll_max_tokens
+
+    def describe(self, num_tokens: int) -> str:
+        """What a step of `num_tokens` tokens (one per row) runs, for the warm-up's log."""
+        options = self.compiler_options(num_tokens)
+        return (
+            f"lora={self.lora.value} attention={self.attention.value} "
+            f"layers={'unrolled' if self.unrolls(num_tokens) else 'scan'} "
+            f"quant={self.quant_matmul_at(num_tokens).value} "
+            f"gemm={self.gemm.value}{' concurrent' if _SCHEDULING_OPTION in options else ''}"
+            f"{' interpret' if self.interpret else ''}"
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+    """The `kernels:` section of an engine config: every choice but the LoRA backend (the bank's
+    config, `lora.backend`), "auto" allowed; `resolve` turns it into a StepKernels.
+
+    attention: "auto" (the Pallas kernel on GPU, XLA elsewhere) | "pallas" | "xla".
+    unroll_layers: "auto" (on GPU) | true | false; unroll_max_tokens: the largest step that unrolls.
+    quant_matmul: "auto" (on GPU and for the serving layout, QUANT_AUTO's rule for the GPU kind; XLA
+      otherwise) | "xla" | "pallas" (the Triton kernel, every step) | "mgpu" | "best" (Hopper only).
+    quant_kernel_max_tokens: the largest step a quant kernel runs (None: the rule's; XLA above).
+    gemm: "auto" (cuBLAS on GPU for the serving layout, XLA otherwise) | "xla" | "cublas".
+    concurrent_min_tokens: the smallest step compiled with CONCURRENT scheduling (on "cublas").
+    """
+
+    attention: AttentionBackend = AttentionBackend.AUTO
+    unroll_layers: bool | str = "auto"
+    unroll_max_tokens: int = UNROLL_MAX_TOKENS
+    quant_matmul: QuantMatmul = QuantMatmul.AUTO
+    quant_kernel_max_tokens: int | None = None
+    gemm: GemmBackend = GemmBackend.AUTO
+    concurrent_min_tokens: int = CONCURRENT_MIN_TOKENS
+
+    def __post_init__(self) -> None:
+        for name, kind in (("attention", AttentionBackend), ("quant_matmul", QuantMatmul), ("gemm", GemmBackend)):
+            if getattr(self, name) not in tuple(kind):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {tuple(a.value for a in kind)}")
+            object.__setattr__(self, name, kind(getattr(self, name)))
+        if self.unroll_layers not in (True, False, "auto"):
+            raise ValueError(f"unroll_layers={self.unroll_layers!r} must be true, false or 'auto'")
+        if self.quant_kernel_max_tokens is not None and not _is_positive_int(self.quant_kernel_max_tokens):
+            raise ValueError(f"quant_kernel_max_tokens={self.quant_kernel_max_tokens!r} must be a positive int or None")
+        for name in ("concurrent_min_tokens", "unroll_max_tokens"):
+            if not _is_positive_int(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive int")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> KernelConfig:
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown kernels config key(s) {sorted(unknown)}")
+        return cls(**d)
+
+    def resolve(
+        self,
+        lora: LoraBackend | str,
+        platform: str | None = None,
+        *,
+        fused_projections: bool = True,
+        compute_capability: str | None = None,
+    ) -> StepKernels:
+        """The StepKernels of a model on `platform` (None: JAX's default backend).
+
+        Pallas runs natively on GPU; on CPU the only way to run it is the interpreter. A quant kernel
+        by name: "pallas" runs the Triton kernel in every step (up to quant_kernel_max_tokens when
+        given); "mgpu" (which reads only the serving layout's K-major int8 weights) and "best" need a
+        Hopper GPU (`compute_capability` 9.x; None reads the default GPU's) or the interpreter on CPU,
+        and run steps of up to QUANT_KERNEL_MAX_TOKENS (XLA above). Every quant kernel is a GPU one,
+        so any on a TPU raises ValueError, as do "mgpu" for the separate layout
+        (`fused_projections` False: tensor parallelism, where no kernel was run on shards) and
+        "mgpu" / "best" on a GPU that is not a Hopper. gemm="auto" picks cuBLAS only for the serving
+        layout (jaxlora.model.fused: its wide q|k|v and gate|up GEMMs stream their weights faster
+        through cuBLAS at decode sizes): with one matrix per module cuBLAS was the slower choice at 64
+        rows (8 layers of the 7B projections: 1.31 against 1.23 ms, benchmarks/results/archive/floor_probe_s8/).
+        """
+        platform = platform or jax.default_backend()
+        lora = LoraBackend(lora)
+        attention = self.attention
+        if attention is AttentionBackend.AUTO:
+            attention = AttentionBackend.PALLAS if platform == "gpu" else AttentionBackend.XLA
+        unroll = platform == "gpu" if self.unroll_layers == "auto" else bool(self.unroll_layers)
+        if platform == "gpu" and compute_capability is None:
+            compute_capability = gpu_compute_capability()
+        hopper = platform == "cpu" or is_hopper(compute_capability)  # the interpreter runs anything
+        quant_matmul, limit = self._quant(platform, hopper, fused_projections, compute_capability)
+        gemm = self.gemm
+        if gemm is GemmBackend.AUTO:
+            gemm = GemmBackend.CUBLAS if platform == "gpu" and fused_projections else GemmBackend.XLA
+        uses_pallas = (
+            lora is LoraBackend.PALLAS or attention is AttentionBackend.PALLAS or quant_matmul in _QUANT_KERNELS
+        )
+        return StepKernels(
+            lora=lora,
+            interpret=uses_pallas and platform == "cpu",
+            attention=attention,
+            unroll_layers=unroll,
+            unroll_max_tokens=self.unroll_max_tokens,
+            quant_matmul=quant_matmul,
+            quant_kernel_max_tokens=limit,
+            gemm=gemm,
+            concurrent_min_tokens=self.concurrent_min_tokens,
+        )
+
+    def _quant(
+        self, platform: str, hopper: bool, fused_projections: bool, compute_capability: str | None
+    ) -> tuple[QuantMatmul, int | None]:
+        """(quant_matmul, quant_kernel_max_tokens) of the resolved choice; raises ValueError where it cannot run."""
+        quant_matmul, limit = self.quant_matmul, self.quant_kernel_max_tokens
+        if quant_matmul is QuantMatmul.AUTO:
+            if platform != "gpu" or not fused_projections:
+                return QuantMatmul.XLA, None
+            rule = QUANT_AUTO["hopper" if hopper else "gpu"]
+            quant_matmul, limit = rule.kernel, min(rule.max_tokens, limit or rule.max_tokens)
+        if quant_matmul in _HOPPER_ONLY:
+            if platform == "gpu" and not hopper:
+                raise ValueError(
+                    f"quant_matmul={quant_matmul.value} runs wgmma: it needs a Hopper GPU (compute capability 9.x), "
+                    f"not {compute_capability}; use 'pallas'"
+                )
+            if quant_matmul is QuantMatmul.MGPU and not fused_projections:
+                raise ValueError(
+                    "quant_matmul=mgpu reads the serving layout's K-major int8 weights; the separate layout "
+                    "(tensor parallelism) has none: use 'pallas' or 'best'"
+                )
+            limit = min(limit or QUANT_KERNEL_MAX_TOKENS, QUANT_KERNEL_MAX_TOKENS)
+        if quant_matmul in _QUANT_KERNELS and platform not in ("gpu", "cpu"):
+            raise ValueError(
+                f"quant_matmul={quant_matmul.value} is a GPU kernel: it runs on GPU (or interpreted on CPU), not {platform}"
+            )
+        return quant_matmul, limit

@@ -1,0 +1,126 @@
+"""Tuned block sizes for the Triton LoRA kernels, as data.
+
+Each table maps a token-count bucket (the smallest bucket >= T wins, the last one covers the rest)
+to the knobs of one kernel. `benchmarks/kernels/lora.py --tune` measures candidates on the GPU and prints
+rows in this format; paste them here. Keys:
+
+  block_rows: rows (tokens) per tile, power of two >= 16 (Triton dots need M >= 16).
+  block_k:    shrink only, hidden-size chunk per loop step.
+  split_k:    shrink only, programs sharing one tile's hidden size (more parallelism for small T).
+  block_out:  expand only, output columns per loop step.
+  out_split:  expand only, programs sharing one tile's output columns (each loops over its share).
+  impl:       decode expand only, "grouped" (rows sorted by slot, b read once per tile) or "rows"
+              (each row reads its own b columns; no grouping). block_rows may go below 16 for
+              expand: under 16 rows the product is a multiply-and-sum, not a tensor-core dot.
+  num_warps, num_stages: Triton compiler parameters.
+
+The static rule for decode expand: the bucket's impl is the one with the smaller summed time over
+the benchmark's distinct-adapter counts at that row count (1, 16, T/4, T), since how many adapters a
+batch uses is data, not shape.
+"""
+
+from __future__ import annotations
+
+# Decode (BGMV). Measured on the H200, JAX 0.11.2, `benchmarks/kernels/lora.py tune` (summed over 16 and T
+# distinct adapters, rank 16, D = O = 4096). At T=64: shrink 7.2 / 10.7 us, expand 7.1 / 9.4 us at
+# 16 / 64 distinct; the 512 bucket's expand 17.1 / 31.2 us.
+SHRINK_DECODE: dict[int, dict[str, int | str]] = {
+    16: dict(block_rows=16, block_k=256, split_k=8, num_warps=4, num_stages=3),
+    64: dict(block_rows=16, block_k=256, split_k=8, num_warps=4, num_stages=3),
+    256: dict(block_rows=16, block_k=256, split_k=8, num_warps=4, num_stages=3),
+    512: dict(block_rows=16, block_k=256, split_k=1, num_warps=4, num_stages=3),
+}
+EXPAND_DECODE: dict[int, dict[str, int | str]] = {
+    16: dict(impl="rows", block_rows=1, block_out=512, out_split=1, num_warps=4, num_stages=1),
+    64: dict(impl="rows", block_rows=1, block_out=512, out_split=1, num_warps=4, num_stages=1),
+    256: dict(impl="rows", block_rows=1, block_out=512, out_split=1, num_warps=4, num_stages=1),
+    512: dict(impl="rows", block_rows=1, block_out=512, out_split=1, num_warps=4, num_stages=1),
+}
+
+# Prefill (SGMV: contiguous segments of tokens sharing a slot).
+SHRINK_PREFILL: dict[int, dict[str, int | str]] = {
+    1024: dict(block_rows=32, block_k=128, split_k=1, num_warps=4, num_stages=3),
+    1 << 30: dict(block_rows=64, block_k=128, split_k=1, num_warps=4, num_stages=3),
+}
+EXPAND_PREFILL: dict[int, dict[str, int | str]] = {
+    1024: dict(block_rows=32, block_out=128, out_split=8, num_warps=4, num_stages=3),
+    1 << 30: dict(block_rows=64, block_out=128, out_split=8, num_warps=4, num_stages=3),
+}
+
+# A module group's whole LoRA term (`api.lora_group` on "pallas"): impl "fused" runs it as one launch
+# (`fused`: each work item's shrink computed in the program that expands it), "split" as the
+# shrink and expand launches above (decode: `group.decode_group`, two launches a group, the
+# expand per row), "split_tiles" as the same shrink and a tile expand (`decode_group(tiles=...)`:
+# program (16-row work item, column block), each b column block read once per item, a tensor-core
+# dot). Keys besides impl: `fused`'s knobs for "fused" (block_rows: work-item height, >= 16 for
+# the tensor-core dots; block_k: shrink depth per loop step; block_out: output columns per step;
+# col_split: runs of each module's column blocks, one program each, each recomputing its item's
+# shrink), the tile expand's for "split_tiles" (block_out, num_warps, num_stages; its items are the
+# shrink's).
+#
+# Keyed by the bank's rank, then T (smallest bucket >= each wins). Measured with
+# `benchmarks/kernels/lora_groups.py` (the four groups of a 7B layer, 8 layers; summed over 1, T/4 and T
+# distinct adapters, and 400-token prompt chunks at T >= 512). Rank 16, us per layer summed:
+#   T = 512 / 1,024 / 2,048 (H200, results/archive/probe_s11b/g): split 867 / 931 / 1,548, tiles 799 / 658 /
+#   829, fused 877 / 722 / 924. The per-row expand re-reads b for every row, the tile one once per
+#   16 rows: it wins wherever items hold several rows (one adapter at 1,024 rows: 272 -> 159 us).
+#   T <= 256 (H100, results/archive/group_probe_s11/g): split wins (T=256: 576 against 612 for tiles; at
+#   T distinct adapters an item holds one row, 15 of 16 tile rows are padding: 301 against 374).
+#   Rank 32: tiles 1,060 / 917 / 1,135 against split 1,338 / 1,524 / 2,505 at T = 512 / 1,024 /
+#   2,048; rank 8 at 512 (H100): a tie (718 / 723). Rank 64 at T = 512 / 1,024 / 2,048: fused
+#   1,586 / 1,302 / 1,588, tiles 1,686 / 1,406 / 1,717, split 2,347 / 2,735 / 4,698 (H200); at
+#   T = 256 fused 1,151 against split 1,478 (H200, results/archive/group_probe_s10/), tiles 1,790 against
+#   split 1,755 (H100).
+# The fused launch is latency-bound below ~1,000 rows (its shrink is a serial loop over D in few
+# programs). Ranks above 64 are unmeasured and stay split (the fused kernel's B tile grows with
+# the rank).
+_SPLIT = dict(impl="split", block_rows=16, block_k=128, block_out=256, col_split=1, num_warps=4, num_stages=3)
+_TILES = dict(impl="split_tiles", block_rows=16, block_out=256, num_warps=4, num_stages=1)
+_FUSED = dict(impl="fused", block_rows=16, block_k=256, block_out=256, col_split=1, num_warps=4, num_stages=3)
+GROUP_DECODE: dict[int, dict[int, dict[str, int | str]]] = {
+    32: {256: _SPLIT, 1 << 30: _TILES},
+    64: {128: _SPLIT, 1 << 30: _FUSED},
+    1 << 30: {1 << 30: _SPLIT},
+}
+GROUP_PREFILL: dict[int, dict[int, dict[str, int | str]]] = {
+    1 << 30: {1 << 30: dict(_SPLIT, block_rows=32)},
+}
+GROUP_TABLES = {"decode": GROUP_DECODE, "prefill": GROUP_PREFILL}
+
+
+def _bucket(table: dict, key: int):
+    for bucket in sorted(table):
+        if key <= bucket:
+            return table[bucket]
+    return table[max(table)]
+
+
+def lookup_group(mode: str, num_tokens: int, rank: int) -> dict[str, int | str]:
+    """Knobs (and impl) of a module group's LoRA term in `mode` at `num_tokens` rows, bank rank `rank`."""
+    return dict(_bucket(_bucket(GROUP_TABLES[mode], rank), num_tokens))
+
+
+def group_tile_heights(mode: str, num_tokens: int) -> tuple[int, ...]:
+    """The work-item heights the fused group launch may use at this T, over every rank bucket."""
+    return tuple(
+        sorted(
+            {
+                int(r["block_rows"])
+                for r in (_bucket(t, num_tokens) for t in GROUP_TABLES[mode].values())
+                if r["impl"] == "fused"
+            }
+        )  # fmt: skip
+    )
+
+
+TABLES: dict[tuple[str, str], dict[int, dict[str, int | str]]] = {
+    ("shrink", "decode"): SHRINK_DECODE,
+    ("expand", "decode"): EXPAND_DECODE,
+    ("shrink", "prefill"): SHRINK_PREFILL,
+    ("expand", "prefill"): EXPAND_PREFILL,
+}
+
+
+def lookup(op: str, mode: str, num_tokens: int) -> dict[str, int | str]:
+    """Knobs for `op` ("shrink" | "expand") in `mode` ("decode" | "prefill") at `num_tokens` rows."""
+    return dict(_bucket(TABLES[(op, mode)], num_tokens))
