@@ -24,8 +24,9 @@ class EngineSpec:
 
     Attributes:
       model: GGUF file, Hugging Face folder or converted checkpoint; None: the embedded default model.
-      config: an EngineConfig, or the path of an engine config YAML (a preset of configs/); None:
-        EngineConfig(). The bank's max rank is raised to the largest rank among `adapters`.
+      config: an EngineConfig, taken as is (an adapter of a larger rank than its bank's is refused),
+        or the path of an engine config YAML (a preset of configs/), or None: EngineConfig(); from a
+        path or None the bank's max rank is raised to the largest rank among `adapters`.
       adapters: name -> PEFT adapter folder, registered at start-up.
       quantize: "fp8" | "int8" weight-only storage of the seven projections, or None (dense).
       max_cpu_loras: host memory for this many adapters of the bank's max rank (None: the config's
@@ -40,13 +41,13 @@ class EngineSpec:
 
 
 def engine_config(spec: EngineSpec) -> EngineConfig:
-    """The spec's EngineConfig, its bank's rank raised to fit every adapter of the spec. Raises
-    AdapterError for an adapter_config.json that cannot be read, ValueError for a bad config."""
+    """The spec's EngineConfig (see EngineSpec.config). Raises AdapterError for an
+    adapter_config.json that cannot be read, ValueError for a bad config."""
     from jaxlora.lora.peft_format import read_lora_spec
 
-    config = spec.config
-    if not isinstance(config, EngineConfig):
-        config = EngineConfig.from_yaml(config) if config else EngineConfig()
+    if isinstance(spec.config, EngineConfig):
+        return spec.config
+    config = EngineConfig.from_yaml(spec.config) if spec.config else EngineConfig()
     max_rank = max([config.lora.max_rank, *(read_lora_spec(f).max_rank for f in spec.adapters.values())])
     if max_rank == config.lora.max_rank:
         return config
