@@ -1,10 +1,11 @@
 """`jaxlora generate --ray` against single-process `jaxlora generate` on the same requests and machine.
 
-    python -m benchmarks.ray_batch                       # CPU: the embedded SmolLM2, 1 and 2 replicas
-    python -m benchmarks.ray_batch --shape 7b            # GPU: a random Llama-2-7B-shape model, 1 replica
-    python -m benchmarks.ray_batch --smoke               # a tiny model, a few rows (checks the script)
+    python -m benchmarks.engine.ray_batch                       # CPU: the embedded SmolLM2, 1 and 2 replicas
+    python -m benchmarks.engine.ray_batch --shape 7b            # GPU: a random Llama-2-7B-shape model, 1 replica
+    python -m benchmarks.engine.ray_batch --smoke               # a tiny model, a few rows (checks the script)
 
-Every run is a `jaxlora` command in its own process, as a user runs it. Two rates per run:
+Every run is a `jaxlora` command in its own process, as a user runs it, with a compilation cache of
+its own (every run starts cold). Two rates per run:
 - `rows_per_s_e2e`: requests / the command's wall time, model load and warm-up included;
 - `rows_per_s` / `tokens_per_s`: generation alone. Single-process: the summary line's (measured
   after warm-up). Ray: the replicas warm up inside the job, so the rate counts only what arrives
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.paths import ROOT, results_dir
 
 SMOLLM2_ENGINE = {
     "max_batch": 16,
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=("smollm2", "7b"), default="smollm2")
     p.add_argument("--smoke", action="store_true", help="a tiny model and a few rows: checks the script")
     p.add_argument("--rows", type=int, default=None, help="requests (default: the case's)")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ray_batch.json")
+    p.add_argument("--out", type=Path, default=results_dir(__file__) / "ray_batch.json")
     p.add_argument("--note", default="", help="free text stored with the results (e.g. the machine's other load)")
     p.add_argument("--write-model", type=Path, default=None, help=argparse.SUPPRESS)  # the child that draws it
     args = p.parse_args(argv)
@@ -100,12 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         requests = _write_requests(work / "requests.jsonl", case)
         config = _config(case, work)
         base = ["--config", config, "--no-progress", "--input", str(requests), *(["--model", model] if model else [])]
-        env = {**os.environ, "JAXLORA_COMPILATION_CACHE": str(work / "jax-cache"), "PYTHONUNBUFFERED": "1"}
         load_before = os.getloadavg()
-        runs = [_run("single-process", [*base, "--output", str(work / "single.jsonl")], env)]
+        runs = [_run("single-process", [*base, "--output", str(work / "single.jsonl")], _env(work / "cache-single"))]
         for n in case.replicas:
             out = work / f"ray-{n}"
-            runs.append(_run(f"ray, {n} replica(s)", [*base, "--output", str(out), "--ray", "--replicas", str(n)], env))
+            flags = [*base, "--output", str(out), "--ray", "--replicas", str(n)]
+            runs.append(_run(f"ray, {n} replica(s)", flags, _env(work / f"cache-ray-{n}")))
             shutil.rmtree(out, ignore_errors=True)
     single = runs[0]
     for run in runs[1:]:
@@ -132,7 +133,7 @@ def _model(case: Case, smoke: bool, shape: str, work: Path) -> str | None:
         return None
     flags = ["--smoke"] if smoke else ["--shape", shape]
     subprocess.run(
-        [sys.executable, "-m", "benchmarks.ray_batch", *flags, "--write-model", str(work / "model")],
+        [sys.executable, "-m", "benchmarks.engine.ray_batch", *flags, "--write-model", str(work / "model")],
         check=True,
         cwd=ROOT,
     )
@@ -172,6 +173,11 @@ def _config(case: Case, work: Path) -> str:
     path = work / "engine.yaml"
     path.write_text(yaml.safe_dump({"engine": case.engine}))
     return str(path)
+
+
+def _env(cache: Path) -> dict[str, str]:
+    # A compilation cache of each run's own: every run starts cold, so wall times compare.
+    return {**os.environ, "JAXLORA_COMPILATION_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
 
 
 def _run(label: str, flags: list[str], env: dict[str, str]) -> dict[str, Any]:
