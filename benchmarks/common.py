@@ -1,5 +1,6 @@
-"""Helpers the benchmarks share: model shapes, the HBM copy bandwidth, random adapter banks, a toy
-tokenizer, and the engine's decode step timed on its own.
+"""Helpers the benchmarks share: model shapes, the HBM copy bandwidth and matmul rates, random adapter
+banks, a random FP8 base drawn on the device, a toy tokenizer, and the engine's decode step timed on
+its own.
 
 Run every benchmark from the repository root as a module (`python -m benchmarks.kernels.lora ...`), so
 that `benchmarks`, `jaxlora` and `pallas_kernels` import from this checkout.
@@ -23,6 +24,7 @@ from jaxlora.engine.compiles import backend_compiles, check_no_compiles
 from jaxlora.engine.runner import Runner, sampling_arrays
 from jaxlora.lora.bank import Bank, init_bank
 from jaxlora.model import RaggedBatch
+from jaxlora.model.params import LoadedModel, abstract_model, assemble_model
 from jaxlora.parallel.sharding import bank_shardings
 from jaxlora.tokenizer import Tokenizer
 
@@ -36,6 +38,18 @@ LLAMA2_7B = ModelConfig(
     head_dim=128,
     max_position_embeddings=4096,
     name="llama-2-7b-shape",
+)
+LLAMA3_70B = ModelConfig(
+    vocab_size=128256,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_layers=80,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    name="llama-3-70b-shape",
 )
 TINY = ModelConfig(
     vocab_size=128,
@@ -81,6 +95,49 @@ def matmul_tflops(n: int = 8192, dtype: jnp.dtype = jnp.bfloat16, reps: int = 10
     """Dense matmul rate in TFLOP/s: `reps` jitted [n, n] @ [n, n] products back to back, best of 3."""
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     return _best_rate(jax.jit(lambda x: x @ x), a, 2 * n**3, reps) / 1e12
+
+
+def matmul_tflops_8bit(n: int = 8192, dtype: jnp.dtype = jnp.float8_e4m3fn, reps: int = 10) -> float:
+    """[n, n] @ [n, n] of two 8-bit operands (XLA's FP8 / int8 GEMM: float32 / int32 result), TFLOP/s."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).clip(-100, 100).astype(dtype)
+    acc = jnp.int32 if jnp.dtype(dtype) == jnp.int8 else jnp.float32
+    dot = jax.jit(lambda x: jax.lax.dot_general(x, x, (((1,), (1,)), ((), ())), preferred_element_type=acc))
+    return _best_rate(dot, a, 2 * n**3, reps) / 1e12
+
+
+def random_fp8_model(config: ModelConfig, *, dtype: jnp.dtype = jnp.bfloat16, seed: int = 0) -> LoadedModel:
+    """A model in the serving layout with FP8 projections, drawn on the device in that format: no
+    dense copy of a projection ever exists (a 70B shape's would need 140 GB).
+
+    Each stacked FP8 leaf [L, in, out] is drawn one layer at a time as random bytes with the top
+    exponent bit cleared (|q| <= 1.875: no NaN pattern, 0x7F / 0xFF, can occur), with per-channel
+    scales 1 / sqrt(in) so that a projection keeps its input's scale; the rest (embeddings, norms,
+    head) is N(0, 0.02) in `dtype`, norm scales 1.
+    """
+    _, expected = abstract_model(config, dtype, "fp8", fused=True)
+    names = sorted(expected)
+
+    def fp8_layers(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+        def one(i):
+            bits = jax.random.bits(jax.random.fold_in(key, i), shape[1:], jnp.uint8) & jnp.uint8(0xBF)
+            return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)
+
+        return jax.lax.map(one, jnp.arange(shape[0], dtype=jnp.int32))
+
+    def value(key: jax.Array, name: str) -> jax.Array:
+        leaf = expected[name]
+        if leaf.dtype == jnp.float8_e4m3fn:
+            return fp8_layers(key, leaf.shape)
+        if name.endswith(".qscale"):
+            depth = expected[name.removesuffix(".qscale") + ".qkernel"].shape[-2]
+            return jnp.full(leaf.shape, 1.0 / math.sqrt(depth), leaf.dtype)
+        if name.endswith(".scale"):
+            return jnp.ones(leaf.shape, leaf.dtype)
+        return (0.02 * jax.random.normal(key, leaf.shape, jnp.float32)).astype(leaf.dtype)
+
+    draw = jax.jit(lambda key: {n: value(jax.random.fold_in(key, i), n) for i, n in enumerate(names)})
+    arrays = draw(jax.random.key(seed))
+    return assemble_model(config, arrays, dtype=dtype, quantization="fp8", fused=True, source="random_fp8_model")
 
 
 def random_bank(

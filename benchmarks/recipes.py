@@ -11,6 +11,7 @@ Standard library only: the runner imports this without JAX.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 
 CUBLAS = "--xla_gpu_enable_triton_gemm=false"
 
@@ -20,7 +21,7 @@ class Part:
     """One benchmark process: `python -m benchmarks.<module> *args` under `timeout`."""
 
     module: str  # GROUP.NAME under benchmarks/, e.g. "serving.trace"
-    args: tuple[str, ...] = ()
+    args: str = ""  # the module's arguments as a shell would read them (placeholders as words)
     label: str = ""  # tells two parts of one module apart in the run folder's name
     xla_flags: str | None = None  # XLA_FLAGS for this part; None inherits the caller's
     cap_s: int | None = None  # the most seconds this part may run
@@ -35,6 +36,10 @@ class Part:
             raise ValueError(f"{self.module}: {self.cap_s=} must be >= {self.min_s=}")
         if not 0 < self.share <= 1:
             raise ValueError(f"{self.module}: {self.share=} must be in (0, 1]")
+
+    @property
+    def words(self) -> list[str]:
+        return shlex.split(self.args)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,36 +57,24 @@ HOST_FLAG_SETS = (
     ("cublas", CUBLAS),
     ("cublas_nocb", f"{CUBLAS} --xla_gpu_enable_command_buffer="),
 )
-E2E_ROWS = ("--no-plots",)
 E2E_JSON_ROWS = (r"^  \{",)  # e2e prints every row as JSON too; the table lines say the same
+GEMM = "--layers 8 --out {out}"
+E2E = "--no-plots --budget-s {budget_s} --out {out}"
+HOST = "--steps 60 --warmup-steps 20 --profile-steps 0 --out {out}"
+TRACE = "--duration 25 --max-drain-s 20 --budget-s {budget_s} --out {out}"
 
 RECIPES: dict[str, Recipe] = {
     "e2e": Recipe(
         doc="`jaxlora bench`'s plan on the 7B shape, every group in plan order (the e2e table).",
         total_s=580,
-        parts=(Part(module="engine.e2e", args=("--out", "{out}", "--budget-s", "{budget_s}", *E2E_ROWS), margin_s=35),),
+        parts=(Part(module="engine.e2e", args=E2E, margin_s=35),),
     ),
     "e2e_check": Recipe(
         doc="The engine checked on the GPU (fused layout + cuBLAS + Pallas against separate + XLA: same "
         "greedy tokens), then `jaxlora bench`'s closed-loop rows for the pallas and xla backends.",
         parts=(
-            Part(module="engine.gpu_check", args=("--out", "{out}"), cap_s=150),
-            Part(
-                module="engine.e2e",
-                args=(
-                    "--backend",
-                    "pallas",
-                    "--backend",
-                    "xla",
-                    "--budget-s",
-                    "{budget_s}",
-                    "--out",
-                    "{out}",
-                    *E2E_ROWS,
-                ),
-                margin_s=40,
-                drop=E2E_JSON_ROWS,
-            ),
+            Part(module="engine.gpu_check", args="--out {out}", cap_s=150),
+            Part(module="engine.e2e", args=f"--backend pallas --backend xla {E2E}", margin_s=40, drop=E2E_JSON_ROWS),
         ),
     ),
     "e2e_formats": Recipe(
@@ -93,36 +86,14 @@ RECIPES: dict[str, Recipe] = {
             Part(
                 module="engine.e2e",
                 label="formats",
-                args=(
-                    "--backend",
-                    "pallas",
-                    "--quantize",
-                    "bf16",
-                    "fp8",
-                    "int8",
-                    "--budget-s",
-                    "{formats_s}",
-                    "--out",
-                    "{out}",
-                    *E2E_ROWS,
-                ),
+                args="--backend pallas --quantize bf16 fp8 int8 --budget-s {formats_s} --no-plots --out {out}",
                 cap_s=250,
                 drop=E2E_JSON_ROWS,
             ),
             Part(
                 module="engine.e2e",
                 label="backends",
-                args=(
-                    "--backend",
-                    "pallas",
-                    "--backend",
-                    "xla",
-                    "--budget-s",
-                    "{budget_s}",
-                    "--out",
-                    "{out}",
-                    *E2E_ROWS,
-                ),
+                args=f"--backend pallas --backend xla {E2E}",
                 margin_s=45,
                 drop=E2E_JSON_ROWS,
             ),
@@ -130,29 +101,15 @@ RECIPES: dict[str, Recipe] = {
     ),
     "mgpu": Recipe(
         doc="The Mosaic GPU 8-bit GEMM checked and timed, then `jaxlora bench` on bf16 / int8 / fp8 bases "
-        "for plan groups e2e_groups (B=64, 16, 128), then the one-row CONCURRENT A/B of the host loop (each part "
-        "skipped when the clock has run out).",
-        total_s=560,
+        "for plan groups e2e_groups (B=64, 16, 128), then the one-row CONCURRENT A/B of the host loop "
+        "(each part skipped when the clock has run out).",
         variables={"e2e_s": "200", "e2e_groups": "0 2 4"},
         parts=(
-            Part(module="kernels.quant_mgpu", args=("--out", "{out}"), reserve_s=230, drop=("^gemm",)),
+            Part(module="kernels.quant_mgpu", args="--out {out}", reserve_s=230, drop=("^gemm",)),
             Part(
                 module="engine.e2e",
-                args=(
-                    "--backend",
-                    "pallas",
-                    "--quantize",
-                    "bf16",
-                    "int8",
-                    "fp8",
-                    "--groups",
-                    "{e2e_groups}",
-                    "--budget-s",
-                    "{e2e_s}",
-                    "--out",
-                    "{out}",
-                    *E2E_ROWS,
-                ),
+                args="--backend pallas --quantize bf16 int8 fp8 --groups {e2e_groups} --budget-s {e2e_s} "
+                "--no-plots --out {out}",
                 reserve_s=150,
                 drop=E2E_JSON_ROWS,
             ),
@@ -160,23 +117,8 @@ RECIPES: dict[str, Recipe] = {
                 Part(
                     module="engine.host_loop",
                     label=f"cmt{cmt}",
-                    args=(
-                        "--cases",
-                        "1:1",
-                        "16:16",
-                        "--steps",
-                        "40",
-                        "--warmup-steps",
-                        "10",
-                        "--profile-steps",
-                        "0",
-                        "--probe-reps",
-                        "0",
-                        "--concurrent-min-tokens",
-                        str(cmt),
-                        "--out",
-                        "{out}",
-                    ),
+                    args=f"--cases 1:1 16:16 --steps 40 --warmup-steps 10 --profile-steps 0 --probe-reps 0 "
+                    f"--concurrent-min-tokens {cmt} --out {{out}}",
                     cap_s=70,
                 )
                 for cmt in (1, 100000)
@@ -190,51 +132,17 @@ RECIPES: dict[str, Recipe] = {
         parts=(
             Part(
                 module="kernels.quant_gemm",
-                args=(
-                    "--layers",
-                    "8",
-                    "--batch",
-                    "16",
-                    "64",
-                    "128",
-                    "256",
-                    "--formats",
-                    "bf16-fused",
-                    "int8-fused",
-                    "int8-fused-pallas",
-                    "fp8-fused-pallas",
-                    "--time-budget",
-                    "110",
-                    "--out",
-                    "{out}",
-                ),
+                args=f"{GEMM} --batch 16 64 128 256 --formats bf16-fused int8-fused int8-fused-pallas "
+                "fp8-fused-pallas --time-budget 110",
                 xla_flags=CUBLAS,
                 cap_s=130,
             ),
             Part(
                 module="engine.host_loop",
-                args=(
-                    "--cases",
-                    "64:64",
-                    "256:256",
-                    "--steps",
-                    "60",
-                    "--warmup-steps",
-                    "20",
-                    "--profile-steps",
-                    "12",
-                    "--probe-reps",
-                    "5",
-                    "--out",
-                    "{out}",
-                ),
+                args="--cases 64:64 256:256 --steps 60 --warmup-steps 20 --profile-steps 12 --probe-reps 5 --out {out}",
                 cap_s=170,
             ),
-            Part(
-                module="kernels.lora",
-                args=("all", "--out", "{out}", "--budget-s", "{budget_s}", "--layers", "8"),
-                margin_s=30,
-            ),
+            Part(module="kernels.lora", args="all --out {out} --budget-s {budget_s} --layers 8", margin_s=30),
         ),
     ),
     "floor": Recipe(
@@ -243,123 +151,39 @@ RECIPES: dict[str, Recipe] = {
         "op by op with command buffers off, and the host loop; 8 of the 32 layers.",
         total_s=540,
         parts=(
-            Part(
-                module="kernels.quant_gemm",
-                label="default",
-                args=(
-                    "--layers",
-                    "8",
-                    "--batch",
-                    "16",
-                    "64",
-                    "256",
-                    "--formats",
-                    "bf16",
-                    "bf16-fused",
-                    "int8",
-                    "fp8",
-                    "--out",
-                    "{out}",
-                ),
-                xla_flags="",
-                cap_s=120,
-                reserve_s=20,
-                min_s=30,
-            ),
-            Part(
-                module="kernels.quant_gemm",
-                label="cublas",
-                args=("--layers", "8", "--batch", "64", "256", "--formats", "bf16", "bf16-fused", "--out", "{out}"),
-                xla_flags=CUBLAS,
-                cap_s=60,
-                reserve_s=20,
-                min_s=30,
-            ),
-            Part(
-                module="kernels.quant_gemm",
-                label="triton_any",
-                args=("--layers", "8", "--batch", "64", "--formats", "bf16", "int8", "fp8", "--out", "{out}"),
-                xla_flags="--xla_gpu_triton_gemm_any=true",
-                cap_s=70,
-                reserve_s=20,
-                min_s=30,
-            ),
-            Part(
-                module="kernels.quant_gemm",
-                label="cublaslt",
-                args=("--layers", "8", "--batch", "64", "--formats", "bf16", "bf16-fused", "--out", "{out}"),
-                xla_flags="--xla_gpu_enable_cublaslt=true",
-                cap_s=50,
-                reserve_s=20,
-                min_s=30,
+            *(
+                Part(
+                    module="kernels.quant_gemm",
+                    label=label,
+                    args=f"{GEMM} {cases}",
+                    xla_flags=flags,
+                    cap_s=cap,
+                    reserve_s=20,
+                    min_s=30,
+                )
+                for label, flags, cap, cases in (
+                    ("default", "", 120, "--batch 16 64 256 --formats bf16 bf16-fused int8 fp8"),
+                    ("cublas", CUBLAS, 60, "--batch 64 256 --formats bf16 bf16-fused"),
+                    ("triton_any", "--xla_gpu_triton_gemm_any=true", 70, "--batch 64 --formats bf16 int8 fp8"),
+                    ("cublaslt", "--xla_gpu_enable_cublaslt=true", 50, "--batch 64 --formats bf16 bf16-fused"),
+                )
             ),
             Part(
                 module="step.profile",
                 label="steps",
-                args=(
-                    "--layers",
-                    "8",
-                    "--settings",
-                    "none",
-                    "all",
-                    "--backends",
-                    "pallas",
-                    "xla",
-                    "--mixes",
-                    "d64",
-                    "d256",
-                    "--reps",
-                    "20",
-                    "--out",
-                    "{out}",
-                ),
+                args="--layers 8 --settings none all --backends pallas xla --mixes d64 d256 --reps 20 --out {out}",
                 cap_s=130,
                 reserve_s=200,
             ),
             Part(
                 module="step.profile",
                 label="ops",
-                args=(
-                    "--layers",
-                    "8",
-                    "--settings",
-                    "none",
-                    "all",
-                    "--backends",
-                    "pallas",
-                    "--mixes",
-                    "d64",
-                    "--profile",
-                    "d64",
-                    "--reps",
-                    "10",
-                    "--out",
-                    "{out}",
-                ),
+                args="--layers 8 --settings none all --backends pallas --mixes d64 --profile d64 --reps 10 --out {out}",
                 xla_flags="--xla_gpu_enable_command_buffer=",
                 cap_s=70,
                 reserve_s=140,
             ),
-            Part(
-                module="engine.host_loop",
-                args=(
-                    "--layers",
-                    "8",
-                    "--cases",
-                    "64:64",
-                    "256:256",
-                    "--steps",
-                    "60",
-                    "--warmup-steps",
-                    "20",
-                    "--profile-steps",
-                    "0",
-                    "--out",
-                    "{out}",
-                ),
-                reserve_s=10,
-                min_s=40,
-            ),
+            Part(module="engine.host_loop", args=f"--layers 8 --cases 64:64 256:256 {HOST}", reserve_s=10, min_s=40),
         ),
     ),
     "layout": Recipe(
@@ -370,51 +194,16 @@ RECIPES: dict[str, Recipe] = {
             Part(
                 module="step.profile",
                 label="pallas",
-                args=(
-                    "--layers",
-                    "8",
-                    "--settings",
-                    "none",
-                    "all",
-                    "--backends",
-                    "pallas",
-                    "--mixes",
-                    "d64",
-                    "d256",
-                    "p512",
-                    "--variants",
-                    "separate/xla",
-                    "fused/xla",
-                    "fused/cublas",
-                    "--reps",
-                    "20",
-                    "--out",
-                    "{out}",
-                ),
+                args="--layers 8 --settings none all --backends pallas --mixes d64 d256 p512 "
+                "--variants separate/xla fused/xla fused/cublas --reps 20 --out {out}",
                 cap_s=330,
                 reserve_s=150,
             ),
             Part(
                 module="step.profile",
                 label="xla",
-                args=(
-                    "--layers",
-                    "8",
-                    "--settings",
-                    "all",
-                    "--backends",
-                    "xla",
-                    "--mixes",
-                    "d64",
-                    "d256",
-                    "--variants",
-                    "separate/xla",
-                    "fused/cublas",
-                    "--reps",
-                    "20",
-                    "--out",
-                    "{out}",
-                ),
+                args="--layers 8 --settings all --backends xla --mixes d64 d256 "
+                "--variants separate/xla fused/cublas --reps 20 --out {out}",
                 cap_s=60,
                 reserve_s=120,
             ),
@@ -422,20 +211,7 @@ RECIPES: dict[str, Recipe] = {
                 Part(
                     module="kernels.quant_gemm",
                     label=label,
-                    args=(
-                        "--layers",
-                        "8",
-                        "--batch",
-                        "16",
-                        "64",
-                        "256",
-                        "--formats",
-                        "bf16-fused",
-                        "fp8-native",
-                        "int8-pallas",
-                        "--out",
-                        "{out}",
-                    ),
+                    args=f"{GEMM} --batch 16 64 256 --formats bf16-fused fp8-native int8-pallas",
                     xla_flags=flags,
                     cap_s=60,
                     reserve_s=10,
@@ -452,64 +228,25 @@ RECIPES: dict[str, Recipe] = {
             Part(
                 module="kernels.quant_gemm",
                 label="layers",
-                args=(
-                    "--layers",
-                    "8",
-                    "--batch",
-                    "16",
-                    "64",
-                    "256",
-                    "--formats",
-                    "bf16-fused",
-                    "fp8-kmajor-layers",
-                    "int8-kmajor-layers",
-                    "--out",
-                    "{out}",
-                ),
+                args=f"{GEMM} --batch 16 64 256 --formats bf16-fused fp8-kmajor-layers int8-kmajor-layers",
                 xla_flags=CUBLAS,
                 cap_s=80,
             ),
             Part(
                 module="kernels.quant_gemm",
                 label="dsfusion",
-                args=("--layers", "8", "--batch", "64", "--formats", "fp8-kmajor", "int8-kmajor", "--out", "{out}"),
+                args=f"{GEMM} --batch 64 --formats fp8-kmajor int8-kmajor",
                 xla_flags=f"{CUBLAS} --xla_gpu_enable_dynamic_slice_fusion=true",
                 cap_s=45,
             ),
             Part(
                 module="engine.e2e",
                 label="bf16",
-                args=(
-                    "--backend",
-                    "pallas",
-                    "--backend",
-                    "xla",
-                    "--budget-s",
-                    "{budget_s}",
-                    "--out",
-                    "{out}",
-                    *E2E_ROWS,
-                ),
+                args=f"--backend pallas --backend xla {E2E}",
                 reserve_s=150,
                 margin_s=40,
             ),
-            Part(
-                module="engine.e2e",
-                label="quant",
-                args=(
-                    "--backend",
-                    "pallas",
-                    "--quantize",
-                    "fp8",
-                    "int8",
-                    "--budget-s",
-                    "{budget_s}",
-                    "--out",
-                    "{out}",
-                    *E2E_ROWS,
-                ),
-                margin_s=40,
-            ),
+            Part(module="engine.e2e", label="quant", args=f"--backend pallas --quantize fp8 int8 {E2E}", margin_s=40),
         ),
     ),
     "lora_groups": Recipe(
@@ -519,25 +256,7 @@ RECIPES: dict[str, Recipe] = {
         parts=(
             Part(
                 module="kernels.lora_groups",
-                args=(
-                    "--layers",
-                    "8",
-                    "--tokens",
-                    "64",
-                    "256",
-                    "16",
-                    "512",
-                    "--ranks",
-                    "16",
-                    "64",
-                    "--check-ranks",
-                    "8",
-                    "32",
-                    "--budget-s",
-                    "{budget_s}",
-                    "--out",
-                    "{out}",
-                ),
+                args="--layers 8 --tokens 64 256 16 512 --ranks 16 64 --check-ranks 8 32 --budget-s {budget_s} --out {out}",
                 margin_s=50,
                 drop=("return rule\\(ctx",),
             ),
@@ -550,27 +269,13 @@ RECIPES: dict[str, Recipe] = {
         parts=(
             Part(
                 module="engine.paging",
-                args=(
-                    "--setting",
-                    "s1",
-                    "--exponents",
-                    "1",
-                    "0.1",
-                    "--registered",
-                    "2000",
-                    "--requests",
-                    "512",
-                    "--budget-s",
-                    "{budget_s}",
-                    "--out",
-                    "{out}",
-                ),
+                args="--setting s1 --exponents 1 0.1 --registered 2000 --requests 512 --budget-s {budget_s} --out {out}",
                 reserve_s=150,
                 margin_s=25,
             ),
             Part(
                 module="engine.hf_peer",
-                args=("--out", "{out}/hf_peer.json", "--gen-len", "128", "--mixed-gen-len", "4"),
+                args="--out {out}/hf_peer.json --gen-len 128 --mixed-gen-len 4",
                 drop=("Warning",),
             ),
         ),
@@ -578,26 +283,12 @@ RECIPES: dict[str, Recipe] = {
     "host_flags": Recipe(
         doc="The full-depth host loop once per XLA_FLAGS set, the clock split evenly: host ms a step and "
         "the token digest per set.",
-        total_s=560,
         variables={"cases": "64:64"},
         parts=tuple(
             Part(
                 module="engine.host_loop",
                 label=label,
-                args=(
-                    "--cases",
-                    "{cases}",
-                    "--steps",
-                    "60",
-                    "--warmup-steps",
-                    "20",
-                    "--profile-steps",
-                    "0",
-                    "--probe-reps",
-                    "0",
-                    "--out",
-                    "{out}",
-                ),
+                args=f"--cases {{cases}} --probe-reps 0 {HOST}",
                 xla_flags=flags,
                 share=1 / (len(HOST_FLAG_SETS) - i),
             )
@@ -613,20 +304,7 @@ RECIPES: dict[str, Recipe] = {
                 Part(
                     module="kernels.quant_gemm",
                     label=label,
-                    args=(
-                        "--layers",
-                        "8",
-                        "--batch",
-                        "16",
-                        "64",
-                        "256",
-                        "--formats",
-                        "bf16-fused",
-                        "fp8-kmajor",
-                        "int8-kmajor",
-                        "--out",
-                        "{out}",
-                    ),
+                    args=f"{GEMM} --batch 16 64 256 --formats bf16-fused fp8-kmajor int8-kmajor",
                     xla_flags=flags,
                     cap_s=75,
                 )
@@ -634,24 +312,7 @@ RECIPES: dict[str, Recipe] = {
             ),
             Part(
                 module="serving.trace",
-                args=(
-                    "--settings",
-                    "s1",
-                    "--rates",
-                    "40",
-                    "10",
-                    "4",
-                    "--duration",
-                    "25",
-                    "--max-drain-s",
-                    "20",
-                    "--budget-s",
-                    "{budget_s}",
-                    "--setup-s",
-                    "150",
-                    "--out",
-                    "{out}",
-                ),
+                args=f"--settings s1 --rates 40 10 4 --setup-s 150 {TRACE}",
                 margin_s=10,
                 reserve_s=5,
             ),
@@ -660,36 +321,37 @@ RECIPES: dict[str, Recipe] = {
     "serving_ab": Recipe(
         doc="An A/B of the LoRA group rule on S-LoRA's trace, one process per arm (--lora-groups split, then "
         "tuned), the same draw, the clock split evenly; setup_s is the set-up time the benchmark budgets for.",
-        total_s=560,
         variables={"setting": "all", "rate": "40", "setup_s": "150"},
         parts=tuple(
             Part(
                 module="serving.trace",
                 label=arm,
-                args=(
-                    "--settings",
-                    "{setting}",
-                    "--rates",
-                    "{rate}",
-                    "--duration",
-                    "25",
-                    "--max-drain-s",
-                    "20",
-                    "--probe-steps",
-                    "0",
-                    "--budget-s",
-                    "{budget_s}",
-                    "--setup-s",
-                    "{setup_s}",
-                    "--lora-groups",
-                    arm,
-                    "--out",
-                    "{out}",
-                ),
+                args=f"--settings {{setting}} --rates {{rate}} --probe-steps 0 --setup-s {{setup_s}} --lora-groups {arm} {TRACE}",
                 share=share,
                 margin_s=8,
             )
             for arm, share in (("split", 0.5), ("tuned", 1.0))
+        ),
+    ),
+    "prefix_cache": Recipe(
+        doc="The prefix cache on and off from one engine per setting: the multi-turn chat trace at 10 "
+        "conversations/s and at saturation (20), then S-LoRA's s1 at 40 req/s (no shared prefixes: what the "
+        "hashing and bookkeeping cost).",
+        total_s=500,
+        parts=(
+            Part(
+                module="serving.trace",
+                label="chat",
+                args="--trace chat --rates 10 20 --prefix-cache both --duration 10 --max-drain-s 25 --probe-steps 0 --budget-s '{budget_s}' --setup-s 120 --out '{out}'",
+                reserve_s=190,
+                margin_s=10,
+            ),
+            Part(
+                module="serving.trace",
+                label="s1",
+                args="--settings s1 --rates 40 --prefix-cache both --duration 15 --max-drain-s 15 --probe-steps 0 --budget-s '{budget_s}' --setup-s 110 --out '{out}'",
+                margin_s=8,
+            ),
         ),
     ),
 }

@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def module_recipe(module: str, args: list[str], xla_flags: str | None, total_s: 
         raise SystemExit(f"no benchmark {module!r}: {module_file(module)} does not exist (see --list)")
     if "--out" not in args:
         args = [*args, "--out", "{out}/" + OUT_FILES[module] if module in OUT_FILES else "{out}"]
-    return Recipe(doc=module, total_s=total_s, parts=(Part(module=module, args=tuple(args), xla_flags=xla_flags),))
+    return Recipe(doc=module, total_s=total_s, parts=(Part(module=module, args=shlex.join(args), xla_flags=xla_flags),))
 
 
 def fill(arg: str, values: dict[str, str]) -> list[str]:
@@ -115,7 +116,7 @@ def part_timeout_s(part: Part, left_s: float) -> int:
 def part_command(part: Part, folder: Path, timeout_s: int, variables: dict[str, str]) -> list[str]:
     """`python -m benchmarks.<module> args...` with the part's placeholders filled."""
     values = {**variables, "out": str(folder), "budget_s": str(timeout_s - part.margin_s)}
-    return ["python", "-m", f"benchmarks.{part.module}", *(a for arg in part.args for a in fill(arg, values))]
+    return ["python", "-m", f"benchmarks.{part.module}", *(a for word in part.words for a in fill(word, values))]
 
 
 def run_part(part: Part, folder: Path, timeout_s: int, variables: dict[str, str], commit: str | None) -> int:

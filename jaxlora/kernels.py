@@ -3,12 +3,14 @@
     KernelConfig   the `kernels:` section of EngineConfig and the YAML presets; "auto" allowed
     StepKernels    the resolved choice (`KernelConfig.resolve`), a static argument of every step
 
-Six decisions, each with its rule per step size where one exists:
+Seven decisions, each with its rule per step size where one exists:
 
     LoRA        lora.backend (the bank's config): xla | ragged | pallas
     attention   the paged step's attention: the Pallas kernel or its plain-XLA twin
     unroll      layers as an unrolled loop for steps of at most unroll_max_tokens tokens, else lax.scan
     quant       how quantized projections multiply, per step size (`QUANT_AUTO`, `quant_matmul_at`)
+    w8a8        per storage format, from which step size XLA's path quantizes the activations too
+                and runs an 8-bit GEMM (`W8A8_AUTO`, `w8a8_at`)
     gemm        the XLA compile options of the step programs' dense GEMMs (`GEMM_COMPILER_OPTIONS`)
     concurrent  CONCURRENT command-buffer scheduling for steps of at least concurrent_min_tokens
 
@@ -66,7 +68,15 @@ _QUANT_KERNELS = {
     QuantMatmul.MGPU: QuantKernel.MGPU,
     QuantMatmul.BEST: QuantKernel.BEST,
 }
-_HOPPER_ONLY = (QuantMatmul.MGPU, QuantMatmul.BEST)  # wgmma and the TMA engine: compute capability 9.x
+_HOPPER_ONLY = (QuantMatmul.MGPU, QuantMatmul.BEST)
+# KernelConfig.w8a8 (other than "auto") -> the storage dtypes that run W8A8.
+_W8A8_CHOICES: dict[bool | str, tuple[str, ...]] = {
+    "auto": (),
+    True: ("float8_e4m3fn", "int8"),
+    False: (),
+    "fp8": ("float8_e4m3fn",),
+    "int8": ("int8",),
+}  # wgmma and the TMA engine: compute capability 9.x
 # The Mosaic kernel's largest step (wgmma's N): MGPU and BEST run steps of at most this many tokens.
 QUANT_KERNEL_MAX_TOKENS = 256
 
@@ -91,6 +101,21 @@ class QuantRule:
 QUANT_AUTO: dict[str, QuantRule] = {
     "hopper": QuantRule(QuantMatmul.BEST, QUANT_KERNEL_MAX_TOKENS),
     "gpu": QuantRule(QuantMatmul.PALLAS, QUANT_KERNEL_MAX_TOKENS),
+}
+
+
+# W8A8 ("auto") by GPU kind and weight storage dtype: steps of at least this many tokens that take
+# XLA's path (no weight-only kernel takes them, `quant_matmul_at`) quantize their activations per
+# token and multiply 8-bit by 8-bit (jaxlora.model.w8a8); a format absent here stays weight-only
+# (XLA's dequantize-then-GEMM). FP8 on Hopper from the first step the weight-only kernel leaves to
+# XLA: XLA's path there writes a bf16 copy of every weight before a bf16 GEMM, where W8A8 reads the
+# 1-byte weights straight into cuBLASLt's FP8 GEMM at twice the bf16 rate, with the same weight
+# format the weight-only steps read. int8 W8A8 (int8 x int8 -> int32) is offered by name
+# (`KernelConfig.w8a8`) and joins this table where `benchmarks.engine.e2e --formats` measures it
+# faster than int8 weight-only. Other GPUs have no FP8 tensor cores (before 8.9) or were not measured.
+W8A8_AUTO: dict[str, dict[jnp.dtype, int]] = {
+    "hopper": {jnp.dtype(jnp.float8_e4m3fn): QUANT_KERNEL_MAX_TOKENS + 1},
+    "gpu": {},
 }
 
 
@@ -179,6 +204,9 @@ class StepKernels:
       command-buffer scheduling (`compiler_options`): the command buffer of such a step is updated
       on the host at every dispatch, and where the device step is short that update is what the
       step waits for.
+    w8a8_min_tokens: ((storage dtype name, min tokens), ...): steps of at least `min tokens` tokens
+      on XLA's path (`quant_matmul_at`) multiply weights of that storage dtype W8A8
+      (jaxlora.model.w8a8); formats not listed stay weight-only.
     """
 
     lora: LoraBackend = LoraBackend.XLA
@@ -190,8 +218,10 @@ class StepKernels:
     quant_kernel_max_tokens: int | None = None
     gemm: GemmBackend = GemmBackend.XLA
     concurrent_min_tokens: int = CONCURRENT_MIN_TOKENS
+    w8a8_min_tokens: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "w8a8_min_tokens", _w8a8_table(self.w8a8_min_tokens))
         object.__setattr__(self, "lora", LoraBackend(self.lora))  # accept the string form too
         for name, kind in (("attention", AttentionBackend), ("quant_matmul", QuantMatmul), ("gemm", GemmBackend)):
             object.__setattr__(self, name, _resolved(name, getattr(self, name), kind))
@@ -232,6 +262,13 @@ class StepKernels:
         limit = self.quant_kernel_max_tokens
         return self.quant_matmul if limit is None or num_tokens <= limit else QuantMatmul.XLA
 
+    def w8a8_at(self, num_tokens: int, storage_dtype: jnp.dtype) -> bool:
+        """Whether a step of `num_tokens` tokens multiplies weights of `storage_dtype` W8A8."""
+        if self.uses_quant_kernel(num_tokens):
+            return False
+        min_tokens = dict(self.w8a8_min_tokens).get(jnp.dtype(storage_dtype).name)
+        return min_tokens is not None and num_tokens >= min_tokens
+
     def uses_quant_kernel(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` tokens runs its quantized GEMMs in a Pallas kernel."""
         return self.quant_matmul_at(num_tokens) in _QUANT_KERNELS
@@ -251,10 +288,34 @@ class StepKernels:
         return (
             f"lora={self.lora.value} attention={self.attention.value} "
             f"layers={'unrolled' if self.unrolls(num_tokens) else 'scan'} "
-            f"quant={self.quant_matmul_at(num_tokens).value} "
+            f"quant={self.quant_matmul_at(num_tokens).value}{self._describe_w8a8(num_tokens)} "
             f"gemm={self.gemm.value}{' concurrent' if _SCHEDULING_OPTION in options else ''}"
             f"{' interpret' if self.interpret else ''}"
         )
+
+    def _describe_w8a8(self, num_tokens: int) -> str:
+        names = [name for name, _ in self.w8a8_min_tokens if self.w8a8_at(num_tokens, jnp.dtype(name))]
+        return f" w8a8={','.join(names)}" if names else ""
+
+
+_W8A8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn).name, jnp.dtype(jnp.int8).name)
+
+
+def _w8a8_table(table: Any) -> tuple[tuple[str, int], ...]:
+    """StepKernels.w8a8_min_tokens in its canonical form (sorted, dtype names); ValueError if malformed."""
+    try:
+        entries = dict(table)
+    except (TypeError, ValueError):
+        raise ValueError(f"w8a8_min_tokens={table!r} must be pairs of (storage dtype, min tokens)") from None
+    out = []
+    for dtype, min_tokens in entries.items():
+        name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
+        if name not in _W8A8_DTYPES:
+            raise ValueError(f"w8a8_min_tokens names {dtype!r}: W8A8 takes {_W8A8_DTYPES}")
+        if not _is_positive_int(min_tokens):
+            raise ValueError(f"w8a8_min_tokens[{name!r}]={min_tokens!r} must be a positive int")
+        out.append((name, min_tokens))
+    return tuple(sorted(out))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -269,6 +330,10 @@ class KernelConfig:
     quant_kernel_max_tokens: the largest step a quant kernel runs (None: the rule's; XLA above).
     gemm: "auto" (cuBLAS on GPU for the serving layout, XLA otherwise) | "xla" | "cublas".
     concurrent_min_tokens: the smallest step compiled with CONCURRENT scheduling (on "cublas").
+    w8a8: "auto" (on GPU and for the serving layout, W8A8_AUTO's table for the GPU kind; off
+      otherwise) | true (both 8-bit formats) | "fp8" | "int8" | false: which formats quantize their
+      activations in steps on XLA's path; w8a8_min_tokens: from which step size (None: the table's
+      for "auto", 1 otherwise).
     """
 
     attention: AttentionBackend = AttentionBackend.AUTO
@@ -278,8 +343,14 @@ class KernelConfig:
     quant_kernel_max_tokens: int | None = None
     gemm: GemmBackend = GemmBackend.AUTO
     concurrent_min_tokens: int = CONCURRENT_MIN_TOKENS
+    w8a8: bool | str = "auto"
+    w8a8_min_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.w8a8 not in _W8A8_CHOICES:
+            raise ValueError(f"w8a8={self.w8a8!r} must be one of {tuple(_W8A8_CHOICES)}")
+        if self.w8a8_min_tokens is not None and not _is_positive_int(self.w8a8_min_tokens):
+            raise ValueError(f"w8a8_min_tokens={self.w8a8_min_tokens!r} must be a positive int or None")
         for name, kind in (("attention", AttentionBackend), ("quant_matmul", QuantMatmul), ("gemm", GemmBackend)):
             if getattr(self, name) not in tuple(kind):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {tuple(a.value for a in kind)}")
@@ -347,7 +418,17 @@ class KernelConfig:
             quant_kernel_max_tokens=limit,
             gemm=gemm,
             concurrent_min_tokens=self.concurrent_min_tokens,
+            w8a8_min_tokens=self._w8a8(platform, hopper, fused_projections),
         )
+
+    def _w8a8(self, platform: str, hopper: bool, fused_projections: bool) -> tuple[tuple[str, int], ...]:
+        """StepKernels.w8a8_min_tokens of the resolved choice."""
+        if self.w8a8 == "auto":
+            if platform != "gpu" or not fused_projections:
+                return ()
+            table = W8A8_AUTO["hopper" if hopper else "gpu"]
+            return tuple((d.name, self.w8a8_min_tokens or n) for d, n in table.items())
+        return tuple((name, self.w8a8_min_tokens or 1) for name in _W8A8_CHOICES[self.w8a8])
 
     def _quant(
         self, platform: str, hopper: bool, fused_projections: bool, compute_capability: str | None

@@ -4,6 +4,8 @@
   and picks a backend from a table: the Triton kernels (`shrink`, `expand`, `group`, `fused`, their
   shared row grouping in `common`), the TPU scalar-prefetch variants (`tpu`), the XLA backends
   (`xla`), and the naive `reference` tests check everything against; tuned block sizes in `tuning`.
+  `paged`: shrink and expand reading adapters at true rank through page tables (`paged_reference`);
+  not yet wired into the engine.
 - `attention/`: the ragged paged-attention kernel of the flat-token-batch step (`ragged`), its
   plain-XLA twin (`ragged_xla`) and the reference (`reference`).
 - `quant/`: the 8-bit weight GEMMs, Triton (`triton`) and Mosaic GPU (`mgpu`), and their `tuning`.

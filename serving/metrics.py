@@ -10,6 +10,9 @@ For adapter-aware routers (the Gateway API inference extension's endpoint picker
     (queued); max_lora: device adapter slots. Its value is the scrape's Unix time, as vLLM's is the
     time its labels were set (routers take the newest series).
   vllm:num_requests_running / vllm:num_requests_waiting: the queue depths under vLLM's names.
+  vllm:prefix_cache_queries / vllm:prefix_cache_hits: prompt tokens looked up in the prefix cache at
+    admission, and those found cached (counters, vLLM's names); jaxlora_prefix_cache_evictions:
+    cached KV pages evicted because their memory was needed.
   vllm:num_preemptions_total: requests preempted (row and KV pages taken back, recomputed later).
   jaxlora_adapter_resident{adapter, tier}: 1 while the adapter is usable from that tier: "device"
     (written into a device slot: no page-in needed), "host" (in host memory: every registered
@@ -193,6 +196,7 @@ class _EngineCollector:
             yield GaugeMetricFamily(
                 f"{prefix}waiting", f"Requests queued for admission{suffix}.", value=stats["waiting"]
             )
+        yield from _prefix_cache(stats["prefix_cache"])
         yield CounterMetricFamily(
             "vllm:num_preemptions",
             "Requests preempted (row and KV pages taken back, recomputed later) (vLLM's name).",
@@ -207,6 +211,18 @@ class _EngineCollector:
         yield _lora_requests_info(adapters, self._in_flight.counts(), max_lora=pager.max_slots - 1)
         yield _residency(adapters)
         yield _page_in_histogram({"device": metrics.device_page_in, "host": metrics.host_load})
+
+
+def _prefix_cache(stats: dict) -> list[CounterMetricFamily]:
+    return [
+        CounterMetricFamily(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", value=stats["queries"]
+        ),
+        CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", value=stats["hits"]),
+        CounterMetricFamily(
+            "jaxlora_prefix_cache_evictions", "Cached KV pages evicted for memory.", value=stats["evictions"]
+        ),
+    ]
 
 
 def _lora_requests_info(adapters: list, in_flight: dict[str, int], *, max_lora: int) -> GaugeMetricFamily:

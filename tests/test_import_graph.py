@@ -215,6 +215,23 @@ def test_nothing_in_jaxlora_imports_the_cli(imports):
     assert not bad, "\n".join(map(str, bad))
 
 
+# The kernel choice is read by the model and the engine, so it may lean on nothing of jaxlora but
+# the plain config records.
+GROUND_FLOOR = {"jaxlora.kernels": {"jaxlora.config"}}
+
+
+def test_ground_floor_modules_import_nothing_above_them(imports):
+    for module, allowed in GROUND_FLOOR.items():
+        above = [
+            imp
+            for imp in imports
+            if imp.importer == module and _top(imp.imported) == "jaxlora" and imp.imported not in allowed
+        ]
+        assert not above, "\n".join(map(str, above))
+    seen = {(imp.importer, imp.imported) for imp in imports}
+    assert ("jaxlora.kernels", "jaxlora.config") in seen and ("jaxlora.engine.runner", "jaxlora.kernels") in seen
+
+
 def test_the_scan_sees_the_project(imports):
     """The checks above are vacuous if the scan finds nothing: it must see known edges of each kind."""
     seen = {(imp.importer, imp.imported) for imp in imports}

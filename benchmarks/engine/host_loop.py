@@ -107,6 +107,7 @@ class Options:
     one_budget: bool = False
     seed: int = 0
     concurrent_min_tokens: int = CONCURRENT_MIN_TOKENS
+    prefix_caching: bool = True
 
 
 # -- the closed loop ------------------------------------------------------------------------------
@@ -393,6 +394,7 @@ def build_engine(model, tokenizer, case: Case, opts: Options) -> Engine:
         max_queue=4 * case.batch,
         lora=lora,
         dtype=jnp.dtype(model.dtype).name,
+        enable_prefix_caching=opts.prefix_caching,
         kernels=KernelConfig(concurrent_min_tokens=opts.concurrent_min_tokens),
     )
     bank = random_bank(cfg, lora, num_adapters, model.dtype, seed=opts.seed)
@@ -497,6 +499,11 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path]:
         default=CONCURRENT_MIN_TOKENS,
         help="step programs of fewer tokens compile without CONCURRENT command-buffer scheduling (kernels.concurrent_min_tokens)",
     )
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="run the engine without prefix caching (the prompts are random: it only costs host time)",
+    )
     a = p.parse_args(argv)
 
     def pick(value, gpu, tiny):
@@ -517,6 +524,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path]:
         probe_reps=pick(a.probe_reps, 20, 3),
         one_budget=a.one_budget,
         concurrent_min_tokens=a.concurrent_min_tokens,
+        prefix_caching=not a.no_prefix_cache,
     )
     if opts.concurrent_min_tokens < 1:
         p.error(f"--concurrent-min-tokens {opts.concurrent_min_tokens} must be >= 1")

@@ -39,7 +39,7 @@ import numpy as np
 import pallas_kernels as pk
 from benchmarks.paths import results_dir
 from pallas_kernels.lora import common, tuning
-from pallas_kernels.lora.expand import EXPAND_IMPLS, decode_expand
+from pallas_kernels.lora.expand import decode_expand, grouped_expand
 from pallas_kernels.lora.shrink import grouped_shrink
 
 L2_BYTES = 60e6
@@ -134,7 +134,8 @@ def floor_bytes(op, num_tokens, hidden_in, hidden_out, rank, distinct) -> int:
 
 
 def make_fn(op: str, backend: str, seg_len: int | None, num_slots: int, knobs: dict | None = None):
-    """backend "pallas-rows" / "pallas-grouped" force the decode expand impl; knobs override tuning.py."""
+    """backend "pallas-rows" / "pallas-grouped" pick the decode expand: per row (the product's) or the
+    grouped candidate (rows sorted by slot, `grouped_expand(mode="decode")`); knobs override tuning.py."""
     impl = backend.split("-")[1] if "-" in backend else None
     backend = backend.split("-")[0]
     knobs = dict(knobs or {})
@@ -147,7 +148,7 @@ def make_fn(op: str, backend: str, seg_len: int | None, num_slots: int, knobs: d
             return pk.lora_plan(slots, num_slots=num_slots, seg_len=seg_len, backend=backend)
         shrink = {**tuning.lookup("shrink", mode, num_tokens), **knobs.get("shrink", {})}
         expand = {**tuning.lookup("expand", mode, num_tokens), **knobs.get("expand", {})}
-        heights = (shrink["block_rows"],) + ((expand["block_rows"],) if expand.get("impl") != "rows" else ())
+        heights = (shrink["block_rows"],) + ((expand["block_rows"],) if expand.get("impl") == "grouped" else ())
         groups = common.make_row_groups(slots, num_slots=num_slots, seg_len=seg_len, block_rows=heights)
         return pk.LoraPlan(
             slot_ids=slots,
@@ -166,7 +167,10 @@ def make_fn(op: str, backend: str, seg_len: int | None, num_slots: int, knobs: d
 
     def expand(y, h, b, plan):
         if backend == "pallas" and knobs and seg_len is None:
-            return decode_expand(y, h, b, plan.slot_ids, plan.groups, interpret=S.interpret, **knobs.get("expand", {}))
+            expand_knobs = dict(knobs.get("expand", {}))
+            if expand_knobs.pop("impl", "rows") == "grouped":
+                return grouped_expand(y, h, b, plan.groups, mode="decode", interpret=S.interpret, **expand_knobs)
+            return decode_expand(y, h, b, plan.slot_ids, interpret=S.interpret, **expand_knobs)
         return pk.lora_expand(y, h, b, None, backend=backend, seg_len=seg_len, plan=plan, interpret=S.interpret)
 
     def apply(layers, slots):
@@ -304,8 +308,11 @@ def check() -> bool:
             "expand+plan": pk.lora_expand(y, h_ref, b, None, backend="pallas", plan=plan, **kw),
         }
         if seg_len is None:
-            for impl in EXPAND_IMPLS:
-                got[f"expand:{impl}"] = pk.bgmv_expand(y, h_ref, b, slots, impl=impl, interpret=S.interpret)
+            groups = common.make_row_groups(slots, num_slots=b.shape[0], seg_len=None, block_rows=())
+            got["expand:rows"] = pk.bgmv_expand(y, h_ref, b, slots, interpret=S.interpret)
+            got["expand:grouped"] = grouped_expand(
+                y, h_ref, b, groups, mode="decode", interpret=S.interpret, block_rows=16, block_out=128
+            )
         base_rows = np.asarray(slots) == 0
         parts = []
         for name, value in got.items():
@@ -386,9 +393,13 @@ def tune(num_layers: int, deadline: float) -> dict:
 def install(best: dict) -> None:
     """Puts tuned knobs into tuning.py's tables for this process, and prints them as rows to paste."""
     for (op, tokens), knobs in best.items():
+        knobs = dict(knobs)
+        if knobs.pop("impl", "rows") == "grouped":  # a candidate the product has no decode form of
+            print(f"CANDIDATE WON expand T={tokens}: the grouped decode expand {knobs}; not installed", flush=True)
+            continue
         table = tuning.TABLES[(op, "decode")]
         bucket = min((b for b in table if b >= tokens), default=max(table))
-        table[bucket] = dict(knobs)
+        table[bucket] = knobs
     for op in ("shrink", "expand"):
         print(f"{op.upper()}_DECODE = {{", flush=True)
         for bucket, knobs in sorted(tuning.TABLES[(op, "decode")].items()):
@@ -502,7 +513,7 @@ def write_results(out: Path, rows: list[dict], model_rows: list[dict], tuned: di
     (out / "kernels.md").write_text(
         f"# LoRA kernels on {payload['device']} (JAX {jax.__version__}, HBM copy {HBM_GBPS:.0f} GB/s)\n\n"
         f"Median microseconds per layer; the step's `lora_plan` is built once per pass and shared by the layers.\n"
-        f"pallas = the backend as shipped (tuning.py's rule); pallas-rows / pallas-grouped force the decode expand impl.\n"
+        f"pallas = the backend as shipped (tuning.py's rule); pallas-rows / pallas-grouped: the per-row decode expand / the grouped candidate.\n"
         f"Command: `{command}`\n\n"
         + "\n".join(lines)
         + "\n\n## Model-level: qkv group in lax.scan over layers\n\n"

@@ -23,7 +23,10 @@ token. Settings (S-LoRA's S1 and S2, plus one with adapters on all seven modules
        2,000 asked; the pager keeps each host copy at its rank class (8-64: 17-134 MB, 63 MB on
        average), so `--host-gb` caps n (the default 64 GB holds 1,016) and the rows record the n
        that ran;
-  all  rank 16 on all seven modules, 64 adapters, all resident in the 64 slots.
+  all  rank 16 on all seven modules, 64 adapters, all resident in the 64 slots;
+  s70  a Llama-3-70B-shape base in FP8 on one GPU, 32 rank-16 adapters on q/k/v/o, all resident,
+       rows with "bound_req_s" (benchmarks/serving/s70.py); runs alone (its own model).
+Rows say which base weights served them: "weights": "bf16" | "fp8".
 
 Per run (one offered rate) a row records:
   served_req_s / served_tok_s: completed requests / tokens generated, over the window from the first
@@ -42,6 +45,17 @@ Per run (one offered rate) a row records:
     counted by wrapping those calls, at the commit in their `engine_commit`.)
 `--sweep K` adds up to K runs per setting that bisect for the highest rate at SLO attainment >= 0.9.
 
+`--trace chat` (setting `chat`): multi-turn conversations instead (`benchmarks/serving/chat_trace.py`): 64
+adapters, all resident, with Zipf popularity, each with its own 1,000-token system prompt; 4-8 turns
+of 50-200 new user tokens and 50-300 generated, the whole history resent each turn after a think
+time; Poisson conversation arrivals at `--rates` conversations/s. A row's requests are turns
+(served_req_s: turns/s), and it adds the conversation counts and the prefix cache's hits.
+
+`--prefix-cache on|off|both`: every run with the engine's prefix cache on, off, or once each (off
+first), on one engine (`Engine.set_prefix_caching`, which empties the cache: every run starts cold).
+Rows record "trace" ("s-lora" or "chat") and "prefix_cache" (true/false), and the prompt tokens the
+cache served (prefix_cache_hit_share).
+
 The engine is the preset configs/llama2-7b-h200.yaml (what `jaxlora serve --config` runs) with each
 setting's adapter bank; `all` is the preset's own bank. One model for the whole invocation; per
 setting one pager and one engine (compiled and warmed up once), serving its rates one after another: each run starts with an idle engine, and with the
@@ -52,6 +66,8 @@ device; `all` pages its 64 in before the first).
     python -m benchmarks.serving.trace --settings all s1 --rates 4 10 40 --duration 30 --max-drain-s 30
     python -m benchmarks.serving.trace --settings s2 --rates 4 10 40 --sweep 3 --merge
     python -m benchmarks.serving.trace --render                                # md + png from the JSON
+    python -m benchmarks.serving.trace --trace chat --rates 10 20 --prefix-cache both
+    python -m benchmarks.serving.trace --smoke --trace chat --prefix-cache both  # CPU smoke run
 """
 
 from __future__ import annotations
@@ -76,6 +92,16 @@ import numpy as np
 from benchmarks.common import LLAMA2_7B, TINY, slot_pattern, time_decode, word_tokenizer
 from benchmarks.engine.paging import pool_adapters, register_copies, weight_pool
 from benchmarks.paths import results_dir
+from benchmarks.serving import s70
+from benchmarks.serving.chat_trace import (
+    CHAT,
+    TINY_CHAT,
+    ChatShape,
+    ChatTrace,
+    conversation_fields,
+    drive_chat,
+    make_chat_trace,
+)
 from jaxlora.adapters import Pager
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig
 from jaxlora.engine.config import ENGINE_KIND, EngineConfig
@@ -90,8 +116,9 @@ PRESET = ROOT / "configs" / "llama2-7b-h200.yaml"  # the engine of the full-size
 OPEN_LOOP_QUEUE = 1 << 20
 SLO_TTFT_S = 6.0  # S-LoRA's SLO: the first token within 6 s
 # What --merge replaces rows by: a run of another arrival window is another row.
-KEY_FIELDS = ("engine", "setting", "n", "rate", "duration_s", "cv", "alpha", "temperature")
-KEY_DEFAULTS = {"temperature": 0.0}  # rows written before the field existed were greedy
+KEY_FIELDS = ("engine", "setting", "n", "rate", "duration_s", "cv", "alpha", "temperature", "trace", "prefix_cache")
+# Rows written before a field existed: greedy, S-LoRA's trace, no prefix cache.
+KEY_DEFAULTS = {"temperature": 0.0, "trace": "s-lora", "prefix_cache": False}
 RESULTS = "serving.json"
 
 
@@ -147,6 +174,7 @@ class Setting:
     modules: tuple[str, ...]
     n: int  # adapters asked for (the host budget may hold fewer)
     slots: int  # device slots for adapters; the bank has slots + 1 (slot 0 is the base model)
+    trace: str = "s-lora"  # or "chat" (`benchmarks/chat_trace.py`)
 
     @property
     def max_rank(self) -> int:
@@ -159,6 +187,8 @@ def settings(tiny: bool) -> dict[str, Setting]:
             "s1": Setting(name="s1", ranks=(4,), modules=ATTENTION_MODULES, n=24, slots=4),
             "s2": Setting(name="s2", ranks=(8, 4, 2, 1), modules=ATTENTION_MODULES, n=24, slots=4),
             "all": Setting(name="all", ranks=(4,), modules=TARGET_MODULES, n=4, slots=4),
+            "chat": Setting(name="chat", ranks=(4,), modules=ATTENTION_MODULES, n=4, slots=4, trace="chat"),
+            s70.NAME: Setting(name=s70.NAME, ranks=(4,), modules=ATTENTION_MODULES, n=4, slots=4),
         }
     return {
         # Slots: enough distinct adapters for the 256 rows under the power law (about 130 distinct of
@@ -166,6 +196,11 @@ def settings(tiny: bool) -> dict[str, Setting]:
         "s1": Setting(name="s1", ranks=(8,), modules=ATTENTION_MODULES, n=2000, slots=256),
         "s2": Setting(name="s2", ranks=(64, 32, 16, 8), modules=ATTENTION_MODULES, n=2000, slots=160),
         "all": Setting(name="all", ranks=(16,), modules=TARGET_MODULES, n=64, slots=64),
+        # Each adapter with its own system prompt, all 64 resident: the trace measures prefixes, not paging.
+        "chat": Setting(name="chat", ranks=(8,), modules=ATTENTION_MODULES, n=64, slots=64, trace="chat"),
+        s70.NAME: Setting(
+            name=s70.NAME, ranks=(s70.RANK,), modules=ATTENTION_MODULES, n=s70.NUM_ADAPTERS, slots=s70.NUM_ADAPTERS
+        ),
     }
 
 
@@ -221,6 +256,23 @@ def engine_config(setting: Setting, size: Scale, lora: LoraConfig) -> EngineConf
     if setting.slots + 1 != lora.max_slots:
         raise ValueError(f"setting {setting.name} has {setting.slots} slots, the pager {lora.max_slots - 1}")
     return dataclasses.replace(engine, max_queue=OPEN_LOOP_QUEUE, lora=lora)
+
+
+def chat_scale(size: Scale, shape: ChatShape) -> Scale:
+    """`size` with positions for the chat trace's longest conversation (up to the model's), and the
+    length ranges that `engine_config` checks the engine's limits against."""
+    engine = size.engine
+    page = engine.page_size
+    max_seq_len = min(-(-shape.max_positions // page) * page, size.model.max_position_embeddings)
+    longest_output = shape.output_len[1]
+    return dataclasses.replace(
+        size,
+        input_range=(1, max_seq_len - longest_output + 1),
+        output_range=(shape.output_len[0], longest_output + 1),
+        engine=dataclasses.replace(
+            engine, max_seq_len=max_seq_len, max_new_tokens_limit=max(engine.max_new_tokens_limit, longest_output)
+        ),
+    )
 
 
 def make_engine(setting: Setting, model: LoadedModel, pager: Pager, size: Scale, backend: str) -> Engine:
@@ -359,6 +411,7 @@ class _Recorder:
 def _engine_counts(engine: Engine, tokens: TokenCounter) -> dict[str, int]:
     s = engine.stats()
     out = {k: s[k] for k in ("steps", "preemptions")}
+    out.update({f"prefix_cache_{k}": s["prefix_cache"][k] for k in ("queries", "hits", "evictions")})
     out["compiles"] = s["compiles"]
     out.update(tokens.snapshot())
     out.update({f"pager_{k}": v for k, v in s.get("pager", {}).items()})
@@ -424,6 +477,20 @@ def run_trace(
     _wait_idle(engine, timeout_s=120.0)
     counts = {k: after[k] - before[k] for k in after}
     return summarize(lines, recorder.token_times, counts, t_close=t_close, lag_s=lag)
+
+
+def run_chat(
+    engine: Engine, tokens: TokenCounter, trace: ChatTrace, shape: ChatShape, *, max_drain_s: float, run_id: str
+) -> dict:
+    """Runs the chat trace closed loop (`benchmarks.chat_trace.drive_chat`) on the running engine
+    and waits until it is idle. Returns the run's measurements, a turn counting as a request."""
+    before = _engine_counts(engine, tokens)
+    run = drive_chat(engine, trace, max_drain_s=max_drain_s, run_id=run_id)
+    after = _engine_counts(engine, tokens)
+    _wait_idle(engine, timeout_s=120.0)
+    counts = {k: after[k] - before[k] for k in after}
+    row = summarize(run.turns, run.token_times, counts, t_close=run.t_close, lag_s=run.lag_s)
+    return {**row, "served_turns_s": row["served_req_s"], **conversation_fields(trace, run, shape)}
 
 
 def _wait_idle(engine: Engine, timeout_s: float) -> None:
@@ -500,6 +567,8 @@ def summarize(
         "prefill_padding_share": share(counts["prefill_slots"] - counts["prefill_tokens"], counts["prefill_slots"]),
         "decode_padding_share": share(counts["decode_slots"] - counts["decode_tokens"], counts["decode_slots"]),
         "page_ins": counts.get("pager_page_ins"),
+        "prefix_cache_hit_share": share(counts.get("prefix_cache_hits", 0), counts.get("prefix_cache_queries", 0)),
+        "prefix_cache_evictions": counts.get("prefix_cache_evictions"),
         "compiles_during_run": counts["compiles"],
         "submit_lag_ms_p99": _ms(lag_s, 99),
         "mean_prompt_len": _mean([x.prompt_len for x in lines]),
@@ -559,6 +628,8 @@ MD_COLUMNS = [
     "setting",
     "n",
     "temperature",
+    "trace",
+    "prefix_cache",
     "rate",
     "realized_rate",
     "duration_s",
@@ -579,18 +650,28 @@ MD_COLUMNS = [
     "decode_tokens_per_step",
     "padding_share",
     "page_ins",
+    "prefix_cache_hit_share",
 ]
 
 
 def slo_summary(rows: Sequence[dict], target: float = 0.9) -> list[dict]:
-    """Per engine x setting x n x cv x alpha x duration: the highest measured rate at SLO >= target
-    and the lowest measured rate above it that missed."""
+    """Per engine x setting x n x cv x alpha x duration x temperature x prefix cache: the highest
+    measured rate at SLO >= target and the lowest measured rate above it that missed."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        group = (r["engine"], r["setting"], r["n"], r["cv"], r["alpha"], r["duration_s"], key_field(r, "temperature"))
+        group = (
+            r["engine"],
+            r["setting"],
+            r["n"],
+            r["cv"],
+            r["alpha"],
+            r["duration_s"],
+            key_field(r, "temperature"),
+            key_field(r, "prefix_cache"),
+        )
         groups.setdefault(group, []).append(r)
     out = []
-    for (engine, setting, n, cv, alpha, duration, temperature), rs in groups.items():
+    for (engine, setting, n, cv, alpha, duration, temperature, prefix_cache), rs in groups.items():
         ok = [r["rate"] for r in rs if r["slo_attainment"] is not None and r["slo_attainment"] >= target]
         best = max(ok, default=None)
         miss = min(
@@ -612,6 +693,7 @@ def slo_summary(rows: Sequence[dict], target: float = 0.9) -> list[dict]:
                 alpha=alpha,
                 duration_s=duration,
                 temperature=temperature,
+                prefix_cache=prefix_cache,
                 max_rate_at_slo=best,
                 lowest_rate_missing=miss,
             )
@@ -633,7 +715,9 @@ def write_markdown(payload: dict, out: Path) -> None:
             "the most that can be served. SLO attainment: share of all "
             f"arrived requests with a first token within {SLO_TTFT_S:g} s. unfinished: not done "
             "`max_drain_s` after the last arrival. padding_share: share of the token slots computed by "
-            "prefill and decode calls that held no request's token. Times in ms.",
+            "prefill and decode calls that held no request's token. Times in ms. Rows of trace `chat`: "
+            "multi-turn conversations (benchmarks/chat_trace.py), rate in conversations/s, a request is "
+            "a turn; prefix_cache_hit_share: prompt tokens the prefix cache served.",
             "",
             "Commands:",
             "",
@@ -647,12 +731,12 @@ def write_markdown(payload: dict, out: Path) -> None:
         "",
         "Highest measured rate at SLO attainment >= 0.9 (and the lowest measured rate above it that missed):",
         "",
-        "| engine | setting | n | cv | alpha | duration_s | temperature | max rate at SLO | lowest miss |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| engine | setting | n | cv | alpha | duration_s | temperature | prefix_cache | max rate at SLO | lowest miss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {s['engine']} | {s['setting']} | {s['n']} | {s['cv']} | {s['alpha']} | {s['duration_s']} | {s['temperature']} | "
-        f"{s['max_rate_at_slo']} | {s['lowest_rate_missing']} |"
+        f"{s['prefix_cache']} | {s['max_rate_at_slo']} | {s['lowest_rate_missing']} |"
         for s in slo_summary(rows)
     ]
     notes = sorted({r["note"] for r in rows if r.get("note")})
@@ -764,12 +848,38 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy model, sizes and lengths (CPU, seconds)")
     p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="--tiny with one short run per setting by default (1 s of arrivals at 4/s): a CPU check",
+    )
+    p.add_argument(
+        "--trace",
+        choices=("s-lora", "chat"),
+        default="s-lora",
+        help="the default --settings: S-LoRA's trace (all s1 s2) or the multi-turn chat trace (chat)",
+    )
+    p.add_argument(
+        "--prefix-cache",
+        choices=("on", "off", "both"),
+        default="on",
+        help="every run with the engine's prefix cache on, off, or both (a row each, off first, one engine)",
+    )
+    p.add_argument(
+        "--think-s", type=float, default=None, help="chat: mean think time between turns (default 1; --tiny 0.05)"
+    )
+    p.add_argument(
         "--model",
         choices=("llama2-7b", "tiny"),
         default="llama2-7b",
         help="without --tiny: the model under the 7B limits (tiny: a CPU check of the full schedule)",
     )
-    p.add_argument("--settings", nargs="+", choices=("s1", "s2", "all"), default=["all", "s1", "s2"])
+    p.add_argument(
+        "--settings",
+        nargs="+",
+        choices=("s1", "s2", "all", "chat", s70.NAME),
+        default=None,
+        help="default: all s1 s2 (--trace s-lora) or chat (--trace chat)",
+    )
     p.add_argument(
         "--rates",
         type=rate_spec,
@@ -786,7 +896,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--sweep-settings",
         nargs="+",
-        choices=("s1", "s2", "all"),
+        choices=("s1", "s2", "all", "chat"),
         default=None,
         help="the settings that get --sweep (default: every one run)",
     )
@@ -850,6 +960,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--engine-commit", default=None, help="recorded in the rows (default: git HEAD)")
     p.add_argument("--out", type=Path, default=results_dir(__file__))
     args = p.parse_args(argv)
+    if args.smoke:
+        args.tiny = True
+        if args.rates == p.get_default("rates"):
+            args.rates = [(4.0, None)]
+        args.duration = 1.0 if args.duration is None else args.duration
+    if args.settings is None:
+        args.settings = ["chat"] if args.trace == "chat" else ["all", "s1", "s2"]
     if args.duration is None:
         args.duration = 2.0 if args.tiny else 120.0
     if args.max_drain_s is None:
@@ -883,7 +1000,14 @@ def run_setting(
     on_row: Callable[[dict], None],
     not_run: list[str],
 ) -> None:
-    """One engine for the setting; runs --rates, then the sweep; calls on_row after every run."""
+    """One engine for the setting; runs --rates, then the sweep, each with the prefix cache per
+    --prefix-cache; calls on_row after every run."""
+    chat = TINY_CHAT if args.tiny else CHAT
+    if args.think_s is not None:
+        chat = dataclasses.replace(chat, think_s=args.think_s)
+    if setting.trace == "chat":
+        size = chat_scale(size, chat)
+    caches = {"on": (True,), "off": (False,), "both": (False, True)}[args.prefix_cache]
     host = None if args.tiny else int(args.host_gb * 1e9) if args.host_gb else size.engine.host_capacity_bytes
     t0 = time.perf_counter()
     pager, n, reg_s = make_pager(setting, model, size, backend, host)
@@ -900,10 +1024,20 @@ def run_setting(
     tokens = token_counter(engine)
     print(f"[{setting.name}] set up in {time.perf_counter() - t0:.1f} s", flush=True)
     key = dict(
-        engine=ENGINE_KIND, setting=setting.name, n=n, cv=args.cv, alpha=args.alpha, temperature=args.temperature
+        engine=ENGINE_KIND,
+        setting=setting.name,
+        n=n,
+        cv=args.cv,
+        alpha=args.alpha,
+        temperature=args.temperature,
+        trace=setting.trace,
     )
-    same = [
-        r for r in previous if all(key_field(r, k) == v for k, v in key.items()) and r["duration_s"] == args.duration
+    same = [  # the sweep bisects over the runs with the last --prefix-cache mode
+        r
+        for r in previous
+        if all(key_field(r, k) == v for k, v in key.items())
+        and key_field(r, "prefix_cache") == caches[-1]
+        and r["duration_s"] == args.duration
     ]
     slo = {r["rate"]: r["slo_attainment"] for r in same}
     measured = set(slo) if args.skip_measured else set()
@@ -911,11 +1045,19 @@ def run_setting(
     engine.start()
     try:
 
-        def run(rate: float, sweep: bool, duration: float) -> None:
-            if not clock.fits(duration + args.max_drain_s + 10.0):  # arrivals, drain cap, flush
-                print(f"[{setting.name}] time budget spent: rate {rate} not run", flush=True)
-                not_run.append(f"{setting.name}@{rate:g}")
-                return
+        def run_once(rate: float, duration: float, cache: bool) -> dict:
+            engine.set_prefix_caching(cache)
+            run_id = f"{setting.name}-{rate:g}-{'cache' if cache else 'nocache'}"
+            if setting.trace == "chat":
+                trace = make_chat_trace(
+                    chat,
+                    rate=rate,
+                    duration_s=duration,
+                    vocab=model.config.vocab_size,
+                    max_seq_len=size.engine.max_seq_len,
+                    seed=args.seed,
+                )
+                return run_chat(engine, tokens, trace, chat, max_drain_s=args.max_drain_s, run_id=run_id)
             trace = make_trace(
                 n=n,
                 alpha=args.alpha,
@@ -926,20 +1068,32 @@ def run_setting(
                 output_range=size.output_range,
                 seed=args.seed,
             )
-            t_run = time.perf_counter()
-            result = run_trace(
+            return run_trace(
                 engine,
                 tokens,
                 trace,
                 vocab=model.config.vocab_size,
                 max_drain_s=args.max_drain_s,
-                run_id=f"{setting.name}-{rate:g}",
+                run_id=run_id,
                 seed=args.seed + 1,
                 temperature=args.temperature,
             )
+
+        def run(rate: float, sweep: bool, duration: float) -> None:
+            for cache in caches:
+                run_one(rate, sweep, duration, cache)
+
+        def run_one(rate: float, sweep: bool, duration: float, cache: bool) -> None:
+            if not clock.fits(duration + args.max_drain_s + 10.0):  # arrivals, drain cap, flush
+                print(f"[{setting.name}] time budget spent: rate {rate} not run", flush=True)
+                not_run.append(f"{setting.name}@{rate:g}{'' if cache else ' (no prefix cache)'}")
+                return
+            t_run = time.perf_counter()
+            result = run_once(rate, duration, cache)
             row = {
                 **base_row,
                 **key,
+                "prefix_cache": cache,
                 "rate": rate,
                 "duration_s": duration,
                 "max_drain_s": args.max_drain_s,
@@ -959,7 +1113,7 @@ def run_setting(
                 "run_s": round(time.perf_counter() - t_run, 1),
                 "note": note,
             }
-            if duration == args.duration:  # the sweep bisects over runs of --duration
+            if duration == args.duration and cache == caches[-1]:  # the sweep bisects over runs of --duration
                 slo[rate] = row["slo_attainment"]
             measured_here.append(row)
             print(
@@ -968,6 +1122,7 @@ def run_setting(
                         k: row[k]
                         for k in (
                             "setting",
+                            "prefix_cache",
                             "rate",
                             "requests",
                             "completed",
@@ -979,6 +1134,7 @@ def run_setting(
                             "tpot_ms_p50",
                             "slo_attainment",
                             "padding_share",
+                            "prefix_cache_hit_share",
                             "run_s",
                         )
                     }
@@ -1032,6 +1188,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         size = dataclasses.replace(
             size, engine=dataclasses.replace(size.engine, token_budgets=tuple(sorted(set(args.budgets))))
         )
+    is_s70 = s70.NAME in args.settings
+    if is_s70 and len(args.settings) > 1:
+        raise SystemExit(f"--settings {s70.NAME} runs alone: it serves its own 70B-shape FP8 model")
+    if is_s70:
+        size = dataclasses.replace(
+            size, model=s70.model_config(args.tiny), engine=s70.engine_config(size.engine, args.tiny)
+        )
     dev = jax.devices()[0]
     backend = args.backend or ("pallas" if dev.platform == "gpu" else "xla")
     if args.lora_groups == "split":
@@ -1042,8 +1205,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         flush=True,
     )
     previous = json.loads(path.read_text())["rows"] if args.merge and path.exists() else []
-    model = random_model(size.model, dtype=jnp.dtype(size.dtype), fused=True)  # the serving layout
+    if is_s70:
+        model = s70.base_model(size.model, size.dtype)
+    else:
+        model = random_model(size.model, dtype=jnp.dtype(size.dtype), fused=True)  # the serving layout
     jax.block_until_ready(model.params)
+    rates = s70.measure(args.tiny) if is_s70 else None
     command = "python -m benchmarks.serving.trace " + " ".join(sys.argv[1:] if argv is None else argv)
     base_row = {
         "device": str(dev.device_kind),
@@ -1052,6 +1219,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "lora_backend": backend,
         "lora_groups": args.lora_groups,
         "command": command,
+        "weights": model.quantization.value
+        if model.quantization is not None
+        else {"float32": "f32"}.get(size.dtype, "bf16"),
     }
     new_rows: list[dict] = []
     not_run: list[str] = []
@@ -1066,6 +1236,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     def on_row(row: dict) -> None:  # results after every run: a cut run keeps what it measured
         if not any(r is row for r in new_rows):  # a row comes again with its decode-step probe
             new_rows.append(row)
+        if rates is not None:
+            row.update(s70.bound(row, size.model, rates))
         payload["rows"] = merge_rows(previous, new_rows)
         write_results(payload, args.out, plot=False)
 

@@ -353,6 +353,15 @@ class Pager:
         with self._lock:
             return self._table.slot_of(name) is not None or (not self._waiting and self._table.can_assign())
 
+    def identity(self, name: str) -> bytes:
+        """The digest of the adapter's weights made when it was registered (`AdapterSource`); for a
+        pinned adapter also while it is being unregistered (its registration stays until released)."""
+        with self._lock:
+            adapter = self._registry.get(name)
+            if adapter is None:
+                raise UnknownAdapterError(f"adapter {name!r} is not registered")
+            return adapter.identity
+
     def prefetch(self, names: Iterable[str]) -> None:
         """Queues page-ins (no pin) for adapters of waiting requests, in order, while slots allow.
 

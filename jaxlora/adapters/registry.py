@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import hashlib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -174,6 +175,8 @@ class RegisteredAdapter:
       layout: where each entry lies in `flat` (shared by all adapters of its rank class).
       max_rank: the bank's R (what `entries` pads to).
       nbytes: host bytes of `flat` (what capacity accounting charges).
+      identity: a digest of the weights (`adapter_identity`), the
+        adapter's part of its prefix-cache keys: other weights under the same name share nothing.
     """
 
     name: str
@@ -184,12 +187,22 @@ class RegisteredAdapter:
     layout: FlatLayout
     max_rank: int
     nbytes: int
+    identity: bytes
 
     @property
     def entries(self) -> Bank:
         """One slot's entries at the bank's rank R, as a pytree of numpy arrays (what the slot holds
         once the adapter is paged in; copied off pinned_host memory if need be)."""
         return widen_slot_entries(self.layout.unpack(np.asarray(self.flat)), self.layout.rank, self.max_rank, xp=np)
+
+
+def adapter_identity(flat: np.ndarray) -> bytes:
+    """The identity of an adapter's weights (its part of prefix-cache keys,
+    `jaxlora.engine.prefix_hash`): a digest of its packed bank entries (`flat`, every weight with
+    its scale folded in, as one buffer), their dtype and length."""
+    h = hashlib.sha256(f"adapter {flat.dtype.str} {flat.size}:".encode())
+    h.update(np.ascontiguousarray(flat).view(np.uint8).data)
+    return h.digest()
 
 
 def widen_flat(flat: jax.Array, *, small: FlatLayout, full: FlatLayout) -> jax.Array:
@@ -313,6 +326,7 @@ def prepare_adapter(
     layouts = layouts or FlatLayout.classes_for_bank(model, lora, dtype)
     layout = layouts[rank_class(adapter.rank, layouts)]
     flat = layout.pack(adapter.weights, model, lora)
+    identity = adapter_identity(flat)
     if sharding is not None:
         flat = jax.block_until_ready(jax.device_put(flat, sharding))
     source_text = adapter.source if isinstance(source, HostAdapter) else str(source)
@@ -325,6 +339,7 @@ def prepare_adapter(
         layout=layout,
         max_rank=lora.max_rank,
         nbytes=flat.nbytes,
+        identity=identity,
     )
 
 

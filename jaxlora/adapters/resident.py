@@ -9,6 +9,8 @@ do, and adapters cannot be added or removed at run time (use `Pager` for that).
 from __future__ import annotations
 
 import collections
+import hashlib
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -46,6 +48,9 @@ class ResidentBank:
         self._pins: collections.Counter[str] = collections.Counter()
         self._rank, self._modules = _rank_and_modules(bank)
         self._slot_nbytes = sum(leaf.nbytes // self.max_slots for leaf in jax.tree.leaves(bank))
+        # The weights never change while this bank lives, so (this bank, slot) names them: no need to
+        # read gigabytes of device weights back to digest them.
+        self._nonce = os.urandom(16)
 
     # Slots: every adapter is written, so every query answers its slot at once.
     def acquire(self, name: str) -> int:
@@ -70,6 +75,9 @@ class ResidentBank:
 
     def can_place(self, name: str) -> bool:
         return name in self._slots
+
+    def identity(self, name: str) -> bytes:
+        return hashlib.sha256(self._nonce + self._slot(name).to_bytes(4, "little")).digest()
 
     # Device work: nothing is ever paged in, so there is nothing to copy, write or compile.
     def prefetch(self, names: Iterable[str]) -> None:

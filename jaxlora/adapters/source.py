@@ -35,6 +35,8 @@ class AdapterSource(Protocol):
       slot_at_commit(name): the slot if a step dispatched after the next `commit()` may read it.
       slot_of(name): the slot assigned to `name`, written or with its write still queued, else None.
       can_place(name): whether acquiring `name` now gets a slot without waiting for a release.
+      identity(name): a digest of the adapter's weights (prefix-cache keys; see
+        `jaxlora.engine.prefix_hash`): equal only for equal weights, whatever the name.
 
     Device work around each step (the engine thread):
       prefetch(names): queue page-ins, without pins, for adapters that waiting requests will need.
@@ -75,6 +77,8 @@ class AdapterSource(Protocol):
     def slot_of(self, name: str) -> int | None: ...
 
     def can_place(self, name: str) -> bool: ...
+
+    def identity(self, name: str) -> bytes: ...
 
     # Device work around each step.
     def prefetch(self, names: Iterable[str]) -> None: ...

@@ -83,6 +83,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, adapters_help: str = "registe
         default=None,
         help="decode attention: the Pallas kernel, XLA, or auto (Pallas on GPU; the config's by default)",
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV pages of a prompt prefix that another request on the same weights (base "
+        "model or the same adapter weights) computed; never shared across adapters (default: the "
+        "config's, on)",
+    )
     add_tensor_parallel_arg(p)
 
 
@@ -211,6 +219,8 @@ def engine_config(args: argparse.Namespace, adapters: dict[str, str] | None = No
         config = dataclasses.replace(config, kernels=dataclasses.replace(config.kernels, attention=args.attention))
     if getattr(args, "prefetch_adapters", None) is not None:
         config = dataclasses.replace(config, prefetch_adapters=args.prefetch_adapters)
+    if getattr(args, "enable_prefix_caching", None) is not None:
+        config = dataclasses.replace(config, enable_prefix_caching=args.enable_prefix_caching)
     return with_tensor_parallel(config, getattr(args, "tensor_parallel", None))
 
 

@@ -64,6 +64,10 @@ class EngineConfig:
         has an adapter (they skip the LoRA launches). False halves the warm-up's compiles; such
         steps then run with the bank (the same tokens: slot 0 is all zero). For deployments where
         nearly every request names an adapter.
+      enable_prefix_caching: share the KV pages of a prefix between requests on the same weights
+        (the base model, or one adapter's weights: never across adapters; see
+        `jaxlora.engine.scheduler`). A request whose prompt starts with full pages another request
+        computed skips their prefill; a finished request's pages stay cached until memory is needed.
       seed: seeds the sampling seeds drawn for requests that give none, so that a re-run of the
         same requests in the same order gives the same tokens (None: drawn from the OS).
     """
@@ -85,6 +89,7 @@ class EngineConfig:
     kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
     prefetch_adapters: int = 16
     bank_free_steps: bool = True
+    enable_prefix_caching: bool = True
     seed: int | None = None
 
     def __post_init__(self) -> None:

@@ -190,11 +190,13 @@ class Engine:
             max_wait_steps=config.max_wait_steps,
             slots=pager,
             reserve_pages=max(1, self.runner.num_pages // 100),
+            prefix_caching=config.enable_prefix_caching,
         )
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox: list[_Live] = []
         self._cancels: list[str] = []
+        self._prefix_caching_next: bool | None = None  # set_prefix_caching's, applied by the loop
         self._live: dict[str, _Live] = {}  # submitted and not finished, by request id
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
@@ -238,6 +240,13 @@ class Engine:
             self._inbox.append(live)
             self._wake.notify_all()
         return live.handle
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Turns prefix caching on or off from the next step, with an empty cache either way (for A/B
+        runs on one engine). Thread-safe: the loop applies it between steps."""
+        with self._lock:
+            self._prefix_caching_next = bool(enabled)
+            self._wake.notify_all()
 
     def cancel(self, request_id: str) -> bool:
         """Cancels a request at the next step (its row and adapter pin are freed). False if unknown."""
@@ -486,6 +495,7 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             "free_pages": self.pages.num_free,
             "num_pages": self.pages.num_pages,
+            "prefix_cache": self._prefix_cache_stats(),
             "prompt_tokens": c.prompt_tokens,
             "generated_tokens": c.generated_tokens,
             "finished": c.finished,
@@ -501,6 +511,20 @@ class Engine:
             # millisecond, and raced with the engine thread appending to them.
             out["pager"] = self.pager.metrics.counters()
         return out
+
+    def _prefix_cache_stats(self) -> dict[str, Any]:
+        """Prompt tokens looked up at admission (queries) and found cached (hits), their ratio (the
+        cached share of admitted prompts), cached pages nobody holds, and pages evicted for memory."""
+        s = self.scheduler
+        queries, hits = s.num_prefix_queries, s.num_prefix_hits
+        return {
+            "enabled": s.prefix_caching,
+            "queries": queries,
+            "hits": hits,
+            "cached_share": hits / queries if queries else 0.0,
+            "cached_pages": self.pages.num_cached,
+            "evictions": self.pages.num_evictions,
+        }
 
     # Adapters (pass-through to the pager).
     def register_adapter(self, name: str, path_or_adapter: str | Path | HostAdapter) -> AdapterInfo:
@@ -604,6 +628,10 @@ class Engine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, []
+            prefix_caching, self._prefix_caching_next = self._prefix_caching_next, None
+        if prefix_caching is not None:
+            self.scheduler.prefix_caching = prefix_caching
+            self.pages.forget_cached()
         for live in inbox:
             self.scheduler.add(live.request)
         for rid in cancels:
@@ -698,6 +726,7 @@ class Engine:
         for req in [r for r in self.scheduler.waiting if r.num_pending]:
             self._finish(req, FinishReason.ERROR, outputs, error=message)
         self.runner.reset_pool()
+        self.pages.forget_cached()  # the fresh pool holds none of the cached contents
 
 
 @dataclasses.dataclass(frozen=True)

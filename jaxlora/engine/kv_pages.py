@@ -1,16 +1,32 @@
-"""Which KV pages each sequence owns: plain bookkeeping over integer page ids, no JAX.
+"""Which KV pages each sequence owns, and which pages hold a cached prefix: plain bookkeeping over
+integer page ids, no JAX.
 
 The device KV cache is one pool of `num_pages` pages of `page_size` positions each
 (`jaxlora.model.kv_cache.PagedKVCache`). A sequence's position p lives in page
 `pages_of(seq)[p // page_size]` at offset `p % page_size`; its pages need not be contiguous or in
-order in the pool. A sequence takes pages as it grows (`grow`) and returns all of them when it
-finishes, is cancelled, fails or is preempted (`free`). A page belongs to at most one live
-sequence, and every page is either free or owned: `check()` verifies both.
+order in the pool. A sequence takes pages as it grows (`grow`) and gives all of them back when it
+finishes, is cancelled, fails or is preempted (`free`).
 
-Memory follows actual lengths: admission asks `can_grow`, not whether a `max_seq_len` row is free.
+Prefix caching (vLLM's block hashing): a full page whose contents the caller names by a key
+(`register`: a hash of the parent page's key, the page's token ids and the adapter's identity, see
+`jaxlora.engine.prefix_hash`) can be shared. `lookup` finds the pages of the longest cached chain of
+keys, and `attach` gives them to a new sequence before it grows. Pages are reference counted; a
+keyed page that no sequence holds any longer stays cached (its contents intact) in an LRU list and
+counts as free: `grow` takes never-keyed free pages first, then evicts the least recently freed
+cached page (forgetting its key). A sequence only ever writes positions past the pages it attached,
+so a shared page is never written while shared.
+
+Every page is exactly one of: free, cached (keyed, no holder), or held by its reference count of
+sequences; a key names at most one page. `check()` verifies all of it.
+
+Memory follows actual lengths: admission asks `can_grow`/`can_admit`, not whether a
+`max_seq_len` row is free.
 """
 
 from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -21,7 +37,8 @@ def pages_for(num_positions: int, page_size: int) -> int:
 
 
 class PageTable:
-    """Page ids per sequence (keyed by an int, the engine's batch row), and the free list.
+    """Page ids per sequence (keyed by an int, the engine's batch row), the free list and the
+    cached pages (module doc).
 
     Not thread-safe: the engine loop owns it.
     """
@@ -38,11 +55,22 @@ class PageTable:
         # Pages held per sequence id, for reading many sequences at once (`held`): the packer checks
         # every row of a step for new pages, and a numpy gather does that without a loop over rows.
         self._held = np.zeros(0, np.int32)
+        self._refs = [0] * num_pages  # sequences holding each page
+        self._key_of: dict[int, bytes] = {}  # keyed page -> its key
+        self._page_of: dict[bytes, int] = {}  # key -> page
+        self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # no holder, LRU first
+        self.num_evictions = 0
 
     # Queries.
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages a sequence may take: never-keyed free pages plus cached ones (evicted on demand)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        """Keyed pages no sequence holds (kept for later hits until their memory is needed)."""
+        return len(self._cached)
 
     def pages_of(self, seq: int) -> list[int]:
         return self._pages.get(seq, [])
@@ -65,9 +93,48 @@ class PageTable:
         """Whether `grow(seq, num_positions)` would succeed and still leave `reserve` pages free."""
         if pages_for(num_positions, self.page_size) > self.max_pages_per_seq:
             return False
-        return self.pages_to_grow(seq, num_positions) + reserve <= len(self._free)
+        return self.pages_to_grow(seq, num_positions) + reserve <= self.num_free
+
+    def key_of(self, page: int) -> bytes | None:
+        """The key of a page's contents, if it is keyed."""
+        return self._key_of.get(page)
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """The pages of the longest run of `keys`, from the first, that are all cached or held."""
+        found = []
+        for key in keys:
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            found.append(page)
+        return found
+
+    def can_admit(self, cached: Sequence[int], num_positions: int, *, reserve: int = 0) -> bool:
+        """Whether a new sequence that attaches `cached` (from `lookup`) can then grow to
+        num_positions and leave `reserve` pages free: cached pages no sequence holds leave the
+        free count when attached."""
+        num = pages_for(num_positions, self.page_size)
+        if num > self.max_pages_per_seq:
+            return False
+        unheld = sum(not self._refs[p] for p in cached)
+        return max(0, num - len(cached)) + unheld + reserve <= self.num_free
 
     # Mutations.
+    def attach(self, seq: int, cached: Sequence[int]) -> None:
+        """Gives a sequence holding no pages the cached pages `cached` (from `lookup`), as its first."""
+        if self.pages_of(seq):
+            raise RuntimeError(f"sequence {seq} holds pages: cached pages go only to a new sequence")
+        if not cached:
+            return
+        for page in cached:
+            if page not in self._key_of:
+                raise RuntimeError(f"page {page} holds no cached prefix")
+            if not self._refs[page]:
+                del self._cached[page]
+            self._refs[page] += 1
+        self._pages[seq] = list(cached)
+        self._set_held(seq, len(cached))
+
     def grow(self, seq: int, num_positions: int) -> None:
         """Takes pages until the sequence holds positions [0, num_positions). Raises RuntimeError when
         the pool or the sequence's block table is out of pages (callers ask `can_grow` first)."""
@@ -76,20 +143,60 @@ class PageTable:
             return
         if not self.can_grow(seq, num_positions):
             raise RuntimeError(
-                f"sequence {seq} cannot grow to {num_positions} positions: {need} pages needed, {len(self._free)} free"
+                f"sequence {seq} cannot grow to {num_positions} positions: {need} pages needed, {self.num_free} free"
             )
         pages = self._pages.setdefault(seq, [])
         for _ in range(need):
-            pages.append(self._free.pop())
+            page = self._take()
+            self._refs[page] = 1
+            pages.append(page)
         self._set_held(seq, len(pages))
 
+    def register(self, seq: int, keys: Sequence[bytes], start: int, stop: int) -> None:
+        """Keys the sequence's pages [start, stop) with keys[start:stop] (each a full page whose
+        contents the key names), so later sequences can attach them. A page keyed already keeps its
+        key; a key that names another page already is left off (the same prefix computed twice)."""
+        pages = self.pages_of(seq)
+        if stop > min(len(pages), len(keys)):
+            raise RuntimeError(f"sequence {seq} holds {len(pages)} pages and {len(keys)} keys, not {stop}")
+        for i in range(start, stop):
+            page, key = pages[i], keys[i]
+            if page in self._key_of or key in self._page_of:
+                continue
+            self._key_of[page] = key
+            self._page_of[key] = page
+
     def free(self, seq: int) -> int:
-        """Returns every page of the sequence to the pool; returns how many."""
+        """Gives back every page of the sequence; returns how many. A keyed page nobody holds any
+        longer is cached, the sequence's last pages least recent (evicted first: a later sequence
+        attaches a prefix, so the first pages are the likelier hits)."""
         pages = self._pages.pop(seq, [])
-        self._free.extend(reversed(pages))
+        for page in reversed(pages):
+            self._refs[page] -= 1
+            if self._refs[page]:
+                continue
+            if page in self._key_of:
+                self._cached[page] = None
+            else:
+                self._free.append(page)
         if pages:
             self._set_held(seq, 0)
         return len(pages)
+
+    def forget_cached(self) -> None:
+        """Drops every key (the pool's contents were lost): cached pages become plain free pages."""
+        self._free.extend(self._cached)
+        self._cached.clear()
+        self._key_of.clear()
+        self._page_of.clear()
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.pop()
+        page, _ = self._cached.popitem(last=False)
+        del self._page_of[self._key_of.pop(page)]
+        self.num_evictions += 1
+        return page
 
     def _set_held(self, seq: int, count: int) -> None:
         if seq >= len(self._held):
@@ -102,14 +209,25 @@ class PageTable:
         self._held = held
 
     def check(self) -> None:
-        """Raises RuntimeError if a page is lost, shared or out of range. A RuntimeError, not an
-        `assert`: the invariant guards the cache's contents and must hold under `python -O` too."""
-        owned = [p for pages in self._pages.values() for p in pages]
-        every = owned + self._free
-        if len(every) != self.num_pages or set(every) != set(range(self.num_pages)):
+        """Raises RuntimeError if a page is lost, in two states, miscounted or out of range, or a key
+        names two pages. A RuntimeError, not an `assert`: the invariants guard the cache's contents
+        and must hold under `python -O` too."""
+        holders = collections.Counter(p for pages in self._pages.values() for p in pages)
+        held, free, cached = set(holders), set(self._free), set(self._cached)
+        every = len(held) + len(self._free) + len(self._cached)
+        if every != self.num_pages or held | free | cached != set(range(self.num_pages)):
             raise RuntimeError(
-                f"page table corrupt: {len(owned)} owned + {len(self._free)} free != {self.num_pages} distinct pages"
+                f"page table corrupt: {len(held)} held + {len(self._free)} free + {len(self._cached)} cached "
+                f"!= {self.num_pages} distinct pages"
             )
+        if any(self._refs[p] != holders.get(p, 0) for p in range(self.num_pages)):
+            raise RuntimeError("page table corrupt: a reference count disagrees with the sequences holding the page")
+        if any(len(set(pages)) != len(pages) for pages in self._pages.values()):
+            raise RuntimeError("page table corrupt: a sequence holds a page twice")
+        if free & set(self._key_of) or not cached <= set(self._key_of):
+            raise RuntimeError("page table corrupt: a free page is keyed, or a cached one is not")
+        if len(self._page_of) != len(self._key_of) or any(self._page_of.get(k) != p for p, k in self._key_of.items()):
+            raise RuntimeError("page table corrupt: the key maps disagree")
         if any(len(pages) > self.max_pages_per_seq for pages in self._pages.values()):
             raise RuntimeError("a sequence holds more pages than its block table")
         counted = {seq: int(n) for seq, n in enumerate(self._held.tolist()) if n}

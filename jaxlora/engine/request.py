@@ -220,8 +220,15 @@ class Request:
         self.row: int | None = None
         self.slot: int | None = None
         self.has_pin = False  # holds one pager acquire of its adapter (released at finish)
+        self.weights_identity: bytes | None = None  # its adapter's, read when pinned (prefix caching)
         self.num_computed = 0
         self.num_preemptions = 0
+        # Prefix caching (`jaxlora.engine.scheduler`): positions its latest admission took from the
+        # cache (its first chunk starts there), the keys of its full pages so far (each hashed once),
+        # and how many of the pages on its row are keyed in the page table.
+        self.num_cached = 0
+        self.page_keys: list[bytes] = []
+        self.num_keyed = 0
         self.output_ids: list[int] = []
         # Tokens sampled by dispatched steps whose ids the host has not read yet (0, 1, or 2 for the
         # moment between dispatching step N+1 and reading step N), and where the newest one is in the

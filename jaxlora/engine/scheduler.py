@@ -18,15 +18,25 @@ exactly, and the rest of the prompt tokens ride along with the next step, which 
 make happen anyway. Padding is compute spent on nothing once steps are compute-bound (under load);
 an idle engine (no decode row) still takes a prompt in one step, for its first token's latency.
 
-Adapter slots are the other admission resource. Before the pager stages its copies,
-`pin_adapters` pins the adapters of the waiting requests the free rows could take (`acquire`, which
-queues a page-in for an adapter not on the device), unless that would exceed the cap on distinct
-adapters per batch or the pager could not place it without waiting. A pinned request whose page-in
+Adapter slots are the other admission resource, kept by `AdapterAdmission` (pins, the cap on
+distinct adapters, the slot a step may read), which the scheduler asks for a request's slot. Before
+the pager stages its copies, `pin_adapters` pins the adapters of the waiting requests the free rows
+could take (`acquire`, which queues a page-in for an adapter not on the device), unless that would
+exceed the cap on distinct adapters per batch or the pager could not place it without waiting. A pinned request whose page-in
 is pending is skipped, so hot requests behind it run. A request whose adapter the pager's coming
 commit writes (`slot_at_commit`) is admitted, and the plan says the commit must precede the step. Once a request
 has waited `max_wait_steps` steps it becomes a blocker: it pins regardless, and while it has no
 slot, later requests may not pin other adapters, so slot pins and the adapter cap drain towards it
 (no starvation). Requests already holding a pin, and base-model requests, still run.
+
+Prefix caching (`prefix_caching`): a request's full pages are keyed (`jaxlora.engine.prefix_hash`:
+its weights' identity, then each page's token ids, chained) and registered in the page table when
+a prompt chunk that fills them is dispatched, and when the request leaves its row (finished,
+cancelled or preempted) for the pages its decode tokens filled. Admission looks the request's keys
+up: the longest run of cached pages is attached to its row, it needs pages only for the rest, and
+its first chunk starts after them. At least its last known token is always computed (it samples
+the next one), so a prefix that ends inside a page is recomputed from that page's start. Keys are
+made once per page, off the decode path: at admission, at prompt chunks and when a row is left.
 
 This class alone changes a request's scheduling state (phase, row, slot, pages, computed and pending
 counts); the engine reports sampled tokens and finishes through it.
@@ -35,7 +45,6 @@ counts); the engine reports sampled tokens and finishes through it.
 from __future__ import annotations
 
 import bisect
-import collections
 import functools
 import heapq
 import operator
@@ -45,14 +54,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxlora.engine.adapter_admission import AdapterAdmission
 from jaxlora.engine.kv_pages import PageTable
+from jaxlora.engine.prefix_hash import extend_keys
 from jaxlora.engine.request import Phase, Request
 from jaxlora.errors import JaxloraError
 
 if TYPE_CHECKING:  # the scheduler stays importable without JAX
     from jaxlora.adapters.source import AdapterSource
 
-BASE_SLOT = 0
 _ARRIVAL = operator.attrgetter("arrival")
 # The most of a step left empty when the work could instead fill a smaller budget exactly and
 # defer prompt tokens to the next step (see the module doc).
@@ -156,8 +166,8 @@ class Scheduler:
     Args:
       max_adapters_per_batch: distinct adapters pinned at once (None: every slot of `slots` but
         the base slot).
-      slots: where adapters get their device slots (`jaxlora.adapters.AdapterSource`; it uses the
-        slot members); None serves the base model only.
+      slots: where adapters get their device slots (`jaxlora.adapters.AdapterSource`; its slot
+        members are used through `AdapterAdmission`); None serves the base model only.
     """
 
     def __init__(
@@ -170,6 +180,7 @@ class Scheduler:
         max_wait_steps: int,
         slots: AdapterSource | None,
         reserve_pages: int = 0,
+        prefix_caching: bool = False,
     ) -> None:
         self.max_batch = max_batch
         self.token_budgets = tuple(sorted(token_budgets))
@@ -179,12 +190,12 @@ class Scheduler:
                 f"each of the {max_batch} rows"
             )
         self.pages = pages
-        if max_adapters_per_batch is None:
-            max_adapters_per_batch = 0 if slots is None else slots.max_slots - 1
-        self.max_adapters_per_batch = max_adapters_per_batch
+        self.adapters = AdapterAdmission(slots, max_adapters_per_batch)
         self.max_wait_steps = max_wait_steps
-        self.slots = slots
         self.reserve_pages = reserve_pages  # kept free at admission, so running requests can grow
+        self.prefix_caching = prefix_caching
+        self.num_prefix_queries = 0  # tokens admissions looked up in the prefix cache
+        self.num_prefix_hits = 0  # of which found cached
         self.waiting: list[Request] = []  # arrival order
         self.running: dict[int, Request] = {}  # row -> request
         # The running requests by phase, each list in arrival order (the order steps take them in),
@@ -199,7 +210,6 @@ class Scheduler:
         self._end_position = np.zeros(max_batch, np.int32)
         self._decoding_rows: np.ndarray | None = None  # rows of _decoding, in order (None: stale)
         self._free_rows = list(range(max_batch))  # a heap
-        self._adapter_users: collections.Counter[str] = collections.Counter()  # pins per adapter
         self._enqueued: dict[str, int] = {}  # request_id -> step it joined the queue
         self.num_steps = 0
         self.num_preemptions = 0
@@ -219,7 +229,7 @@ class Scheduler:
 
     def active_adapters(self) -> set[str]:
         """Adapters pinned by running or waiting requests (the batch's distinct adapters)."""
-        return set(self._adapter_users)
+        return self.adapters.active()
 
     def upcoming_adapters(self, limit: int) -> list[str]:
         """Adapters of the first `limit` waiting requests that hold no pin yet, in arrival order
@@ -258,6 +268,8 @@ class Scheduler:
         for c in plan.prompt_chunks:
             req = c.request
             req.num_computed = c.start + c.length
+            if self.prefix_caching:
+                self._register_pages(req)
             if c.samples:
                 req.num_pending += 1
                 self._start_decode(req)
@@ -273,12 +285,7 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.row is not None and self.running.get(req.row) is req:
             self._release_row(req)
-        if req.has_pin:
-            req.has_pin = False
-            self._adapter_users[req.adapter] -= 1
-            if not self._adapter_users[req.adapter]:
-                del self._adapter_users[req.adapter]
-            self.slots.release(req.adapter)
+        self.adapters.release(req)
         self._enqueued.pop(req.request_id, None)
         req.phase = Phase.FINISHED
 
@@ -309,7 +316,7 @@ class Scheduler:
         for req in self.waiting:
             if rows <= 0:
                 break
-            if req.num_pending or self._slot(req)[0] is None:
+            if req.num_pending or self.adapters.slot(req).slot is None:
                 continue
             demand += req.num_known
             rows -= 1
@@ -418,35 +425,56 @@ class Scheduler:
                 break
             if req.num_pending:  # preempted with an output still in flight: its tokens are not all known
                 continue
-            slot, staged = self._slot(req)
+            slot, staged = self.adapters.slot(req)
             if slot is None:
                 continue
-            first = min(req.num_known, budget - used)
+            cached = self._cached_pages(req)
+            start = len(cached) * self.pages.page_size
+            first = min(req.num_known - start, budget - used)
             # A preempted request comes back only when all it knows fits: taking it back in small
             # chunks while pages are short would preempt it again (thrashing). The reserve applies
             # to the first chunk only: running requests grow into it, so a preempted one may know
             # more than the pool holds outside the reserve.
-            fits = self.pages.can_grow(None, first, reserve=self.reserve_pages)
-            if not fits or (req.num_preemptions and not self.pages.can_grow(None, req.num_known)):
+            fits = self.pages.can_admit(cached, start + first, reserve=self.reserve_pages)
+            if not fits or (req.num_preemptions and not self.pages.can_admit(cached, req.num_known)):
                 break  # first come, first served: no pages for this one, none for later ones
             self._assign_row(req, slot)
+            if self.prefix_caching:
+                self.pages.attach(req.row, cached)
+                req.num_computed = req.num_cached = start
+                req.num_keyed = len(cached)
+                self.num_prefix_queries += req.num_known
+                self.num_prefix_hits += start
             self._add_chunk(chunks, req, first)
             used += first
             needs_commit |= staged
         return needs_commit
 
-    def _slot(self, req: Request) -> tuple[int | None, bool]:
-        """(slot, staged): the request's slot if a step dispatched after the pager's next commit may
-        read it (staged: only after that commit); None while its adapter is not pinned or not there."""
-        if req.adapter is None:
-            return BASE_SLOT, False
-        if not req.has_pin:
-            return None, False
-        slot = self.slots.is_ready(req.adapter)
-        if slot is not None:
-            return slot, False
-        slot = self.slots.slot_at_commit(req.adapter)
-        return slot, slot is not None
+    def _cached_pages(self, req: Request) -> list[int]:
+        """The cached pages of the request's longest cached prefix, leaving at least its last known
+        token to compute (module doc); none without prefix caching."""
+        if not self.prefix_caching:
+            return []
+        num = (req.num_known - 1) // self.pages.page_size
+        self._extend_keys(req, num)
+        return self.pages.lookup(req.page_keys[:num])
+
+    def _extend_keys(self, req: Request, num_pages: int) -> None:
+        """Makes the keys of the request's first num_pages pages (those not made yet)."""
+        done, size = len(req.page_keys), self.pages.page_size
+        if num_pages > done:
+            root = req.page_keys[-1] if done else self.adapters.identity(req)
+            extend_keys(req.page_keys, root, req.tokens(done * size, num_pages * size), size)
+
+    def _register_pages(self, req: Request) -> None:
+        """Keys the request's full pages on its row whose positions are computed (dispatched: the
+        device writes them before any later step reads them) and whose tokens the host knows."""
+        num = min(req.num_computed, req.num_known) // self.pages.page_size
+        if num <= req.num_keyed:
+            return
+        self._extend_keys(req, num)
+        self.pages.register(req.row, req.page_keys, req.num_keyed, num)
+        req.num_keyed = num
 
     def pin_adapters(self) -> list[tuple[Request, JaxloraError]]:
         """Pins the adapters of the waiting requests the free rows could take, in arrival order, so
@@ -462,7 +490,7 @@ class Scheduler:
                 continue  # no new pins until the blocker has one; pinned requests drain
             is_starving = self.num_steps - self._enqueued[req.request_id] > self.max_wait_steps
             try:
-                placed = self._pin(req, is_starving)
+                placed = self.adapters.pin(req, is_starving=is_starving)
             except JaxloraError as e:
                 self.finish(req)
                 failed.append((req, e))
@@ -473,26 +501,6 @@ class Scheduler:
                 blocker = req  # it has no slot: pins drain towards it
         return failed
 
-    def _pin(self, req: Request, is_starving: bool) -> bool:
-        """Pins the request's adapter if it holds no pin yet (within the cap on distinct adapters and,
-        unless starving, only if the pager can place it without waiting); returns whether the adapter
-        has a slot (written, or its page-in queued)."""
-        name = req.adapter
-        if name is None:
-            return True
-        if self.slots is None:
-            raise JaxloraError(f"adapter {name!r} requested but the engine has no adapter pager")
-        if not req.has_pin:
-            if name not in self._adapter_users:
-                if len(self._adapter_users) >= self.max_adapters_per_batch:
-                    return False
-                if not is_starving and not self.slots.can_place(name):
-                    return False
-            self.slots.acquire(name)
-            req.has_pin = True
-            self._adapter_users[name] += 1
-        return self.slots.slot_of(name) is not None
-
     # Rows and pages.
     def _assign_row(self, req: Request, slot: int) -> None:
         self.waiting.remove(req)
@@ -500,7 +508,7 @@ class Scheduler:
         req.row = heapq.heappop(self._free_rows)
         req.slot = slot
         req.phase = Phase.PREFILL
-        req.num_computed = 0
+        req.num_computed = req.num_cached = req.num_keyed = 0
         self.running[req.row] = req
         bisect.insort(self._prefilling, req, key=_ARRIVAL)
 
@@ -510,6 +518,8 @@ class Scheduler:
             self._decoding_rows = None
         else:
             self._prefilling.remove(req)
+        if self.prefix_caching:
+            self._register_pages(req)
         self.pages.free(req.row)
         del self.running[req.row]
         heapq.heappush(self._free_rows, req.row)

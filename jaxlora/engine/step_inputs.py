@@ -150,9 +150,10 @@ class InputPacker:
 
     Rows: what stays fixed while a request holds a row (its block table's pages so far, adapter slot,
     sampling parameters, prompt length) is kept on the host across steps, per row. It is written
-    when a chunk of the row starts at position 0, which is how every request starts on a row (new,
-    or recomputed after preemption: the scheduler gives every admitted request its pages from
-    scratch); otherwise only the pages the row took since the packer last saw it are appended (a
+    when a chunk of the row starts where the request's cached prefix ends (`Request.num_cached`, 0
+    without prefix caching), which is how every request starts on a row (new, or recomputed after
+    preemption: the scheduler gives every admitted request its pages afresh, cached ones first);
+    otherwise only the pages the row took since the packer last saw it are appended (a
     running request's pages only ever grow). A step's buffer gets the rows in the step; the step
     reads nothing of a row with q_len = 0.
 
@@ -256,14 +257,14 @@ class InputPacker:
         (class doc); `chunks` are the step's chunks other than its decode tokens, which never start a
         row. The rows' page counts are compared at once: only rows with new pages loop."""
         for c in chunks:
-            if c.start == 0:
+            if c.start == c.request.num_cached:  # its first chunk on the row: after its cached prefix
                 self._start_row(c.row, c.request)
         held, seen = pages.held(rows), self._pages_seen[rows]
         if (held < seen).any():
             i = int(np.argmax(held < seen))
             raise RuntimeError(
                 f"row {rows[i]} holds {held[i]} pages but its block table has {seen[i]}: its pages "
-                "changed without a chunk starting at position 0"
+                "changed without a chunk starting its row"
             )
         grown = held > seen
         for row, old, new in zip(rows[grown].tolist(), seen[grown].tolist(), held[grown].tolist()):

@@ -81,8 +81,15 @@ _IN_PLACE_WEIGHTS = nnx.Any(nnx.PathContains("qkernel"), nnx.PathContains("qkern
 def _apply_linear(linear: nnx.Linear | QuantLinear, x: jax.Array, layer: jax.Array, kernels: StepKernels) -> jax.Array:
     """linear(x) with its bias; a quantized projection holding the whole stack multiplies by layer `layer`."""
     if isinstance(linear, QuantLinear):
-        return linear(x, layer=layer, kernel=kernels.quant_kernel, interpret=kernels.interpret)
+        return linear(
+            x, layer=layer, kernel=kernels.quant_kernel, interpret=kernels.interpret, w8a8=_w8a8(linear, x, kernels)
+        )
     return linear(x)
+
+
+def _w8a8(linear: nnx.Linear | QuantLinear, x: jax.Array, kernels: StepKernels) -> bool:
+    """Whether this step (x [N, in]: N tokens) multiplies `linear` W8A8 (StepKernels.w8a8_at)."""
+    return isinstance(linear, QuantLinear) and kernels.w8a8_at(x.shape[0], linear.storage_dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -209,7 +216,12 @@ class Attention(nnx.Module):
         else:  # row-parallel: the bias joins after the all-reduce, or every shard would add it
             out = {
                 "o_proj": project(
-                    self.o_proj, a2, layer=layer, kernel=s.kernels.quant_kernel, interpret=s.kernels.interpret
+                    self.o_proj,
+                    a2,
+                    layer=layer,
+                    kernel=s.kernels.quant_kernel,
+                    interpret=s.kernels.interpret,
+                    w8a8=_w8a8(self.o_proj, a2, s.kernels),
                 )
             }
         out = apply_group(

@@ -139,6 +139,22 @@ def build_model(
         arrays = fuse_arrays(arrays)
         if kmajor_serving(quantization):
             arrays = to_kmajor_arrays(arrays)
+    return assemble_model(config, arrays, dtype=dtype, quantization=quantization, fused=fused, source=source)
+
+
+def assemble_model(
+    config: ModelConfig,
+    arrays: Mapping[str, np.ndarray | jax.Array],
+    *,
+    dtype: jnp.dtype,
+    quantization: Quantization | None,
+    fused: bool,
+    source: str = "<arrays>",
+) -> LoadedModel:
+    """A LoadedModel of `arrays` given in the stored layout (fused names where `fused`, storage dtypes):
+    checked against `config` and placed, nothing converted or concatenated, so arrays already on the
+    device (a 70B-shape base drawn there in FP8) are used as they are. Raises ModelLoadError."""
+    quantization = parse_quantization(quantization)
     graphdef, state = _abstract_state(config, dtype, quantization, fused)
     _check_arrays(_expected(state), arrays, quantization, source)
     for path, var in nnx.to_flat_state(state):

@@ -9,7 +9,8 @@ dequantized copy of the weight first); `pallas_kernels.quant.triton` does, and r
 the stacked weights in place: a QuantLinear holding the whole stack [L, in, out] runs that kernel on
 the layer it is given (the model's GPU path, `jaxlora.kernels.StepKernels.quant_matmul`), one holding a single layer
 [in, out] runs `matmul` through XLA. The LoRA delta is added to this output, as it is to a dense
-layer's, so adapters trained on the dense base apply unchanged.
+layer's, so adapters trained on the dense base apply unchanged. Steps that StepKernels.w8a8_at names
+quantize their activations per token as well and multiply 8-bit by 8-bit (jaxlora.model.w8a8).
 
 Formats (amax = max |w[:, o]| of the channel; a zero channel gets scale 1 and stays zero):
 
@@ -46,6 +47,7 @@ from flax import nnx
 
 from jaxlora.config import TARGET_MODULES
 from jaxlora.kernels import BEST_KERNEL, QuantKernel
+from jaxlora.model.w8a8 import matmul_w8a8
 from pallas_kernels.quant.mgpu import X_DTYPES as MGPU_X_DTYPES
 from pallas_kernels.quant.mgpu import quant_matmul_mgpu
 from pallas_kernels.quant.triton import quant_matmul
@@ -146,6 +148,10 @@ class QuantLinear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None  # [out]
         self.dtype = dtype
 
+    @property
+    def storage_dtype(self) -> jnp.dtype:
+        return jnp.dtype((self.qkernel_t if self.k_major else self.qkernel).dtype)
+
     def __call__(
         self,
         x: jax.Array,
@@ -153,9 +159,10 @@ class QuantLinear(nnx.Module):
         layer: jax.Array | None = None,
         kernel: QuantKernel | str = QuantKernel.TRITON,
         interpret: bool = False,
+        w8a8: bool = False,
     ) -> jax.Array:
-        """x [n, in] -> [n, out]; `layer`, `kernel` and `interpret` as in `project`."""
-        y = project(self, x, layer=layer, kernel=kernel, interpret=interpret)
+        """x [n, in] -> [n, out]; `layer`, `kernel`, `interpret` and `w8a8` as in `project`."""
+        y = project(self, x, layer=layer, kernel=kernel, interpret=interpret, w8a8=w8a8)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -166,6 +173,7 @@ def project(
     layer: jax.Array | None = None,
     kernel: QuantKernel | str = QuantKernel.TRITON,
     interpret: bool = False,
+    w8a8: bool = False,
 ) -> jax.Array:
     """x @ W of a dense or quantized projection, without its bias.
 
@@ -179,7 +187,8 @@ def project(
     cannot take a projection (a float32 model, a width that is not a multiple of 64) runs the
     Triton kernel instead: a static choice by shape and dtype, made at trace time. `interpret`: in the Pallas
     interpreter (CPU; the Mosaic kernel's shared-memory operand variant, which the interpreter
-    supports). A projection holding a single layer runs `matmul` and needs no index.
+    supports). A projection holding a single layer runs `matmul` and needs no index, or with `w8a8`
+    quantizes x per token and runs the 8-bit GEMM (jaxlora.model.w8a8; dense projections ignore it).
 
     A row-parallel projection under tensor parallelism adds its bias after the all-reduce (else every
     shard would add it); the per-column scale commutes with that sum, so each shard applies it.
@@ -190,7 +199,9 @@ def project(
     scale = linear.qscale[...]
     x = x.astype(linear.dtype)
     if q.ndim == 2:
-        return matmul(x, q, scale, k_major=linear.k_major)
+        return (matmul_w8a8 if w8a8 else matmul)(x, q, scale, k_major=linear.k_major)
+    if w8a8:
+        raise ValueError(f"W8A8 multiplies one layer's weights, not the whole stack {q.shape}")
     if layer is None:
         raise ValueError(f"a QuantLinear holding the whole stack {q.shape} needs the layer index")
     kernel = QuantKernel(kernel)

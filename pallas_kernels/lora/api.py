@@ -28,7 +28,11 @@ out of the bank before a `pallas_call` would copy every slot of it on every call
 `plan=` (from `lora_plan`, built once per step) carries the row grouping each backend needs, so
 ops that share the step's slot_ids do not recompute it; without it each op builds its own. A
 "pallas_tpu" plan carries only slot_ids (its kernels sort rows / build work items per call). The
-pallas decode expand picks between its grouped and per-row kernels by a static rule in tuning.py.
+pallas decode expand runs per row; tuning.py holds every kernel's block sizes.
+
+Outside this contract (not yet wired into the engine, whose bank pads every slot to its max rank):
+`paged.paged_shrink` / `paged.paged_expand` read each row's adapter at its true rank through a page
+table over one page pool (S-LoRA's unified paging, adapter side); `paged_reference` checks them.
 """
 
 from __future__ import annotations
@@ -146,9 +150,7 @@ def _expand_one(y, h, b, plan: LoraPlan, h_col, *, backend, interpret, seg_len, 
         if y.shape[0] == 0:
             return y
         if seg_len is None:
-            return expand.decode_expand(
-                y, h, b, plan.slot_ids, plan.groups, h_col=h_col, interpret=interpret, layer=layer
-            )
+            return expand.decode_expand(y, h, b, plan.slot_ids, h_col=h_col, interpret=interpret, layer=layer)
         return expand.grouped_expand(
             y, h, b, plan.groups, mode="prefill", h_col=h_col, interpret=interpret, layer=layer
         )
@@ -304,13 +306,8 @@ def _fused_group_applies(backend: str, seg_len: int | None, num_tokens: int, ran
 
 def _decode_group_applies(backend: str, seg_len: int | None, num_tokens: int) -> bool:
     """Whether a group's LoRA term runs as `group.decode_group` (two launches for the group):
-    Pallas, one token per row, and the decode expand tuned to its per-row impl at this T."""
-    return (
-        backend == "pallas"
-        and seg_len is None
-        and num_tokens > 0
-        and tuning.lookup("expand", "decode", num_tokens).get("impl") == "rows"
-    )
+    Pallas and one token per row."""
+    return backend == "pallas" and seg_len is None and num_tokens > 0
 
 
 def _decode_group(x, a, ys, bs, slot_ids, plan, backend, interpret, layer, out_cols) -> tuple[jax.Array, ...]:

@@ -2,10 +2,11 @@
 
     y[rows of g, :] += h[rows of g, c:c+R] @ b[s_g]    for each segment g on slot s_g (add fused, in place)
 
-SGMV (prefill) and the grouped decode form use the work items of `common` (b[slot] read once per tile
-of rows sharing it). The per-row decode form (`impl="rows"`): program (row block, column block)
-reads each row's own b[slot] columns with one gather load and needs no grouping at all; it wins when
-most rows have their own adapter. `tuning.py` picks one per token-count bucket (a static rule).
+SGMV (prefill, `sgmv_expand` / `grouped_expand`) uses the work items of `common`: b[slot] is read once
+per tile of rows sharing it. BGMV (decode, `bgmv_expand` / `decode_expand`) runs per row: program
+(row block, column block) reads each row's own b[slot] columns with one gather load and needs no
+grouping at all. `grouped_expand(mode="decode")` (rows sorted by slot, then tiles) is a benchmark
+candidate for decode (`benchmarks/kernels/lora.py`), which no row of tuning.py's decode table picks.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.lora import tuning
 from pallas_kernels.lora.common import (
     F32,
     MIN_DOT,
@@ -29,7 +29,6 @@ from pallas_kernels.lora.common import (
     given_knobs,
     items_for,
     layered,
-    make_row_groups,
     pad_pow2,
     rank_product,
     tuned_knobs,
@@ -38,7 +37,6 @@ from pallas_kernels.lora.common import (
 
 # Largest [rows, rank_pad, block_out] product a multiply-and-sum expand keeps in registers.
 MAX_PRODUCT_ELEMS = 16384
-EXPAND_IMPLS = ("grouped", "rows")
 
 
 def _expand_kernel(
@@ -242,7 +240,10 @@ def sgmv_expand(
     return grouped_expand(y, h, b, groups, mode="prefill", h_col=h_col, interpret=interpret, **knobs)
 
 
-@functools.partial(jax.jit, static_argnames=_EXPAND_KNOBS + ("impl",))
+_ROWS_KNOBS = ("h_col", "block_rows", "block_out", "num_warps", "num_stages", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_ROWS_KNOBS)
 def bgmv_expand(
     y: jax.Array,
     h: jax.Array,
@@ -250,27 +251,21 @@ def bgmv_expand(
     slot_ids: jax.Array,
     *,
     h_col: int = 0,
-    impl: str | None = None,
     block_rows: int | None = None,
     block_out: int | None = None,
-    out_split: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Per-row expand: y[t] += h[t, c:c+R] @ b[slot_ids[t]].
 
-    Two implementations compute it (`impl`, default from tuning.py by token count): "grouped"
-    sorts rows by slot so that each tile of rows sharing a slot reads b[slot] once; "rows" reads
-    each row's own b[slot] columns, with no grouping. The choice is a static rule, benchmarked both
-    ways in benchmarks/kernels/lora.py.
+    Each row reads its own b[slot] columns, with no grouping of rows by slot (under 16 rows per
+    program the product is a multiply-and-sum, not a tensor-core dot).
 
     Args:
       y: [T, O] float base output; h: [T, C] float; b: [S, R, O] bank (slot 0 = no adapter);
       slot_ids: [T] int32 in [0, S); h_col: static first column of this module in h.
-      impl: "grouped" | "rows" (default: tuning.py).
-      block_rows, block_out, out_split, num_warps, num_stages: tuning knobs (default: tuning.py);
-        out_split applies to "grouped" only.
+      block_rows, block_out, num_warps, num_stages: tuning knobs (default: tuning.py).
       interpret: run in the Pallas interpreter (CPU).
 
     Returns:
@@ -278,10 +273,8 @@ def bgmv_expand(
     """
     if slot_ids.shape != (y.shape[0],):
         raise ValueError(f"slot_ids {slot_ids.shape} must be [T] for y {y.shape}")
-    knobs = given_knobs(locals(), _EXPAND_KNOBS + ("impl",))
-    impl = knobs.get("impl") or tuning.lookup("expand", "decode", y.shape[0])["impl"]
-    groups = None if impl == "rows" else make_row_groups(slot_ids, num_slots=b.shape[0], seg_len=None, block_rows=())
-    return decode_expand(y, h, b, slot_ids, groups, h_col=h_col, interpret=interpret, **knobs)
+    knobs = given_knobs(locals(), _ROWS_KNOBS)
+    return decode_expand(y, h, b, slot_ids, h_col=h_col, interpret=interpret, **knobs)
 
 
 def decode_expand(
@@ -289,24 +282,17 @@ def decode_expand(
     h: jax.Array,
     b: jax.Array,
     slot_ids: jax.Array,
-    groups: RowGroups | None,
     *,
     h_col: int = 0,
     interpret: bool = False,
     layer: jax.Array | None = None,
     **knobs,
 ) -> jax.Array:
-    """`bgmv_expand` with the grouping precomputed (needed unless impl is "rows").
-
-    With `layer`, b is the stacked bank [L, S, R, O] (see `grouped_shrink`)."""
+    """`bgmv_expand` unjitted, for callers inside a step; with `layer`, b is the stacked bank
+    [L, S, R, O] (see `grouped_shrink`)."""
     knobs = tuned_knobs("expand", "decode", y.shape[0], knobs)
-    if knobs["impl"] not in EXPAND_IMPLS:
-        raise ValueError(f"impl={knobs['impl']!r} must be one of {EXPAND_IMPLS}")
-    if knobs.pop("impl") == "grouped":
-        return grouped_expand(y, h, b, groups, mode="decode", h_col=h_col, interpret=interpret, layer=layer, **knobs)
     check_expand(y, h, b, h_col)
     b, layer = layered(b, layer)
-    knobs.pop("out_split", None)
     check_pow2(min_rows=1, block_rows=knobs["block_rows"], block_out=knobs["block_out"])
     if y.shape[0] == 0:
         return y
@@ -325,13 +311,14 @@ def grouped_expand(
     layer: jax.Array | None = None,
     **knobs: int | None,
 ) -> jax.Array:
-    """Expand over precomputed row groups; math, shapes and knobs as in `sgmv_expand` / `bgmv_expand`.
+    """Expand over precomputed row groups; math, shapes and knobs as in `sgmv_expand`. With
+    mode="decode" (rows grouped by slot) it is the decode candidate of `benchmarks/kernels/lora.py`:
+    pass its knobs, as tuning.py's decode table holds the per-row kernel's.
 
     With `layer`, b is the stacked bank [L, S, R, O] (see `grouped_shrink`)."""
     check_expand(y, h, b, h_col)
     b, layer = layered(b, layer)
     knobs = {"out_split": 1, **tuned_knobs("expand", mode, y.shape[0], knobs)}
-    knobs.pop("impl", None)
     check_pow2(min_rows=1, block_rows=knobs["block_rows"], block_out=knobs["block_out"])
     if y.shape[0] == 0:
         return y

@@ -258,7 +258,7 @@ def decode_group(
     expand = tuned_knobs("expand", "decode", num_tokens, {})
     rank_pad = pad_pow2(rank)
     out_dims = tuple(b.shape[-1] for b in bs)
-    block_rows = expand["block_rows"] if expand.get("impl") == "rows" else 1
+    block_rows = expand["block_rows"]
     block_out = product_block_out(expand["block_out"], min(block_rows, MIN_DOT // 2), rank_pad, max(out_dims))
     check_pow2(min_rows=1, block_rows=block_rows, block_out=block_out)
     blocks = [pl.cdiv(o, block_out) for o in out_dims]

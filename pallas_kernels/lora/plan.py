@@ -55,9 +55,8 @@ class LoraPlan:
 def _tile_heights(num_tokens: int, seg_len: int | None) -> tuple[int, ...]:
     mode = "decode" if seg_len is None else "prefill"
     heights = [tuning.lookup("shrink", mode, num_tokens)["block_rows"]]
-    expand = tuning.lookup("expand", mode, num_tokens)
-    if expand.get("impl", "grouped") == "grouped":
-        heights.append(expand["block_rows"])
+    if seg_len is not None:  # the decode expand runs per row, on no work items
+        heights.append(tuning.lookup("expand", mode, num_tokens)["block_rows"])
     heights.extend(tuning.group_tile_heights(mode, num_tokens))
     return tuple(heights)
 

@@ -9,14 +9,14 @@ rows in this format; paste them here. Keys:
   split_k:    shrink only, programs sharing one tile's hidden size (more parallelism for small T).
   block_out:  expand only, output columns per loop step.
   out_split:  expand only, programs sharing one tile's output columns (each loops over its share).
-  impl:       decode expand only, "grouped" (rows sorted by slot, b read once per tile) or "rows"
-              (each row reads its own b columns; no grouping). block_rows may go below 16 for
-              expand: under 16 rows the product is a multiply-and-sum, not a tensor-core dot.
+  Decode expand runs per row (each row reads its own b columns; no grouping): its block_rows may
+  go below 16, where the product is a multiply-and-sum, not a tensor-core dot.
   num_warps, num_stages: Triton compiler parameters.
 
-The static rule for decode expand: the bucket's impl is the one with the smaller summed time over
-the benchmark's distinct-adapter counts at that row count (1, 16, T/4, T), since how many adapters a
-batch uses is data, not shape.
+The tuning rule: a bucket's knobs are those with the smallest summed time over the benchmark's
+distinct-adapter counts at that row count (1, 16, T/4, T), since how many adapters a batch uses is
+data, not shape. The benchmark also times a grouped decode expand (rows sorted by slot, b read once
+per tile: `expand.grouped_expand(mode="decode")`); it lost in every bucket, so no row picks it.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ SHRINK_DECODE: dict[int, dict[str, int | str]] = {
     512: dict(block_rows=16, block_k=256, split_k=1, num_warps=4, num_stages=3),
 }
 EXPAND_DECODE: dict[int, dict[str, int | str]] = {
-    16: dict(impl="rows", block_rows=1, block_out=512, out_split=1, num_warps=4, num_stages=1),
-    64: dict(impl="rows", block_rows=1, block_out=512, out_split=1, num_warps=4, num_stages=1),
-    256: dict(impl="rows", block_rows=1, block_out=512, out_split=1, num_warps=4, num_stages=1),
-    512: dict(impl="rows", block_rows=1, block_out=512, out_split=1, num_warps=4, num_stages=1),
+    16: dict(block_rows=1, block_out=512, num_warps=4, num_stages=1),
+    64: dict(block_rows=1, block_out=512, num_warps=4, num_stages=1),
+    256: dict(block_rows=1, block_out=512, num_warps=4, num_stages=1),
+    512: dict(block_rows=1, block_out=512, num_warps=4, num_stages=1),
 }
 
 # Prefill (SGMV: contiguous segments of tokens sharing a slot).

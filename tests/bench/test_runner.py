@@ -22,10 +22,10 @@ def test_recipe_runs_modules_and_flags_that_exist(name, tmp_path):
     recipe = RECIPES[name]
     for part in recipe.parts:
         assert module_file(part.module).exists(), part.module
-        flags = {a for a in part.args if a.startswith("--")}
+        flags = {a for a in part.words if a.startswith("--")}
         assert flags <= declared_flags(part.module), (part.module, flags - declared_flags(part.module))
         values = {**recipe.variables, "out": str(tmp_path), "budget_s": "100"}
-        assert all(run.fill(a, values) for a in part.args)  # every placeholder has a value
+        assert all(run.fill(a, values) for a in part.words)  # every placeholder has a value
     labels = [(p.module, p.label) for p in recipe.parts]
     assert len(set(labels)) == len(labels), "two parts of one module need labels to keep their folders apart"
 
@@ -59,9 +59,9 @@ def test_results_live_under_the_benchmarks_group_and_name():
 
 
 def test_a_module_run_gets_its_output_folder_unless_it_names_one():
-    part = run.module_recipe("kernels.quant_gemm", ["--tiny"], None, 100).parts[0]
-    assert part.args == ("--tiny", "--out", "{out}")
-    assert run.module_recipe("engine.hf_peer", [], None, 100).parts[0].args == ("--out", "{out}/hf_peer.json")
-    assert run.module_recipe("kernels.quant_gemm", ["--out", "x"], None, 100).parts[0].args == ("--out", "x")
+    part = run.module_recipe("kernels.quant_gemm", ["--tiny", "--formats", "a b"], None, 100).parts[0]
+    assert part.words == ["--tiny", "--formats", "a b", "--out", "{out}"]
+    assert run.module_recipe("engine.hf_peer", [], None, 100).parts[0].words == ["--out", "{out}/hf_peer.json"]
+    assert run.module_recipe("kernels.quant_gemm", ["--out", "x"], None, 100).parts[0].words == ["--out", "x"]
     with pytest.raises(SystemExit, match="no benchmark"):
         run.module_recipe("kernels.nothing", [], None, 100)

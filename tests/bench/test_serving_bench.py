@@ -1,4 +1,5 @@
-"""python -m benchmarks.serving.trace: S-LoRA's trace generator, the rate bisection, and a toy run on CPU."""
+"""python -m benchmarks.serving.trace: S-LoRA's trace generator, the chat trace, the rate bisection, and
+toy runs on CPU."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.serving.chat_trace import TINY_CHAT, make_chat_trace
 from benchmarks.serving.trace import make_trace, merge_rows, next_sweep_rate, num_fitting, rate_spec, row_key
 from jaxlora.adapters import Pager
 from jaxlora.config import ATTENTION_MODULES, LoraConfig
@@ -235,3 +237,34 @@ def test_the_full_size_engine_is_the_h200_preset():
         s = every[name]
         lora = LoraConfig(max_slots=s.slots + 1, max_rank=s.max_rank, target_modules=s.modules)
         assert dataclasses.replace(engine_config(s, size, lora), lora=preset.lora) == measured
+
+
+def test_chat_trace_draws_conversations_within_the_shape_and_the_positions():
+    shape = TINY_CHAT
+    trace = make_chat_trace(shape, rate=50.0, duration_s=40, vocab=128, max_seq_len=48, seed=1)
+    assert len(trace.conversations) == 2000 and len(trace.systems) == shape.num_adapters
+    assert all(len(s) == shape.system_len for s in trace.systems) and len({tuple(s) for s in trace.systems}) == 4
+    for c in trace.conversations:
+        assert len(c.users) == len(c.output_lens) == len(c.think_s) <= shape.turns[1]
+        assert all(shape.user_len[0] <= len(u) <= shape.user_len[1] for u in c.users)
+        assert all(shape.output_len[0] <= o <= shape.output_len[1] for o in c.output_lens)
+        assert shape.system_len + sum(map(len, c.users)) + sum(c.output_lens) <= 48
+    planned = sum(len(c.users) for c in trace.conversations)
+    assert trace.turns_left_off > 0 and planned > 2000 * shape.turns[0] - trace.turns_left_off
+    counts = np.bincount([c.adapter for c in trace.conversations], minlength=4)
+    assert counts[0] > counts[1] > counts[3]  # Zipf: the first adapter twice the second's share, ...
+    gaps = np.diff([0.0] + [c.arrival_s for c in trace.conversations])
+    assert abs(gaps.mean() - 1 / 50) < 0.002 and abs(gaps.std() / gaps.mean() - 1) < 0.1  # Poisson
+
+
+def test_smoke_chat_run_has_a_row_with_and_one_without_the_prefix_cache(tmp_path):
+    payload = _run(tmp_path, "--smoke", "--trace", "chat", "--prefix-cache", "both", "--probe-steps", "0")
+    off, on = payload["rows"]
+    assert [(r["trace"], r["prefix_cache"]) for r in (off, on)] == [("chat", False), ("chat", True)]
+    for row in (off, on):
+        assert row["setting"] == "chat" and row["conversations"] == 4 and row["conversations_done"] == 4
+        assert row["completed"] == row["requests"] == row["turns_sent"] == row["turns_planned"]
+        assert row["served_turns_s"] == row["served_req_s"] > 0 and row["compiles_during_run"] == 0
+    # The same trace and greedy answers: the same turns, whose history the cache serves when on.
+    assert on["mean_prompt_len"] == off["mean_prompt_len"] and on["turns_sent"] > on["conversations"]
+    assert off["prefix_cache_hit_share"] is None and 0.3 < on["prefix_cache_hit_share"] < 1

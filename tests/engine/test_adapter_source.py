@@ -16,7 +16,8 @@ from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
 from tests.engine.conftest import ADAPTERS, engine_config, make_engine
 from tests.engine.test_engine import traffic
 
-# Every member the engine and the scheduler call (engine.py, scheduler.py); the protocol holds them all.
+# Every member the engine and the scheduler call (engine.py, scheduler.py, adapter_admission.py); the
+# protocol holds them all.
 USED = {
     "acquire",
     "release",
@@ -24,6 +25,7 @@ USED = {
     "slot_at_commit",
     "slot_of",
     "can_place",
+    "identity",
     "prefetch",
     "stage",
     "commit",
@@ -60,10 +62,11 @@ def test_the_protocol_holds_every_member_the_engine_uses():
 
 
 def members_read_in_source() -> set[str]:
-    """Attributes read off the adapter source in engine.py (`pager.X`, `self.pager.X`) and
-    scheduler.py (`self.slots.X`), found with ast: a member used there must be in the protocol."""
+    """Attributes read off the adapter source in engine.py (`pager.X`, `self.pager.X`), scheduler.py
+    and adapter_admission.py (`self.slots.X`), found with ast: a member used there must be in the
+    protocol."""
     found = set()
-    for module, names in (("engine", {"pager"}), ("scheduler", {"slots"})):
+    for module, names in (("engine", {"pager"}), ("scheduler", {"slots"}), ("adapter_admission", {"slots"})):
         tree = ast.parse((ENGINE_DIR / f"{module}.py").read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute):
@@ -82,7 +85,7 @@ def members_read_in_source() -> set[str]:
 
 def test_every_member_read_in_the_engine_and_the_scheduler_is_in_the_protocol():
     read = members_read_in_source()
-    assert {"acquire", "commit", "bank", "mesh"} <= read  # the scan sees both files
+    assert {"acquire", "identity", "commit", "bank", "mesh"} <= read  # the scan sees every file
     assert read <= protocol_members(), read - protocol_members()
 
 

@@ -534,13 +534,18 @@ def test_non_finite_logits_fail_that_request_alone_naming_its_adapter(engine):
 
 
 def test_warmup_reports_each_shape_it_compiles(engine):
-    """Warm-up tells which step shape it compiles, k of n: every token budget, with and without the bank."""
+    """Warm-up tells which step shape it compiles, k of n: every token budget, with and without the bank,
+    and the kernels it runs."""
     seen: list[tuple[str, int, int]] = []
     engine.warmup(progress=lambda what, k, n: seen.append((what, k, n)))
     budgets = engine.config.token_budgets
     assert [(k, n) for _, k, n in seen] == [(k, 2 * len(budgets)) for k in range(1, 2 * len(budgets) + 1)]
     assert all(any(f"{b} tokens" in what for what, _, _ in seen) for b in budgets)
     assert sum("with adapters" in what for what, _, _ in seen) == len(budgets)
+    # ... and the kernels each budget's step runs (the engine's one resolved choice).
+    for what, _, _ in seen:
+        budget = next(b for b in budgets if what.startswith(f"step of {b} tokens"))
+        assert what.endswith(f"[{engine.kernels.describe(budget)}]") and "lora=" in what
 
 
 def test_warmup_compiles_each_step_program_once(parts):

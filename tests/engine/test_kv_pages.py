@@ -1,10 +1,13 @@
-"""KV page bookkeeping: random grow/free sequences against a model of who owns what.
+"""KV page bookkeeping: random grow/free/register/attach sequences against a model of who owns what.
 
-Invariants after every step: no page is leaked or shared between live sequences, a sequence holds
-exactly the pages its length needs (never fewer, and it only grows), and a refused grow changes nothing.
+Invariants after every step: no page is leaked, a page is shared only by sequences that attached it
+from the cache, a sequence holds exactly the pages its length needs (never fewer, and it only grows),
+every keyed page holds what its key names, and a refused grow changes nothing.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import hypothesis.strategies as st
 import pytest
@@ -16,11 +19,19 @@ NUM_PAGES, PAGE_SIZE, MAX_PAGES = 12, 4, 5
 SEQS = st.integers(0, 5)
 
 
+def _key(contents: list[int]) -> bytes:
+    """The key of the last page of `contents` (page labels from the first): names the whole prefix."""
+    return repr(tuple(contents)).encode()
+
+
 class PageMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.table = PageTable(NUM_PAGES, PAGE_SIZE, MAX_PAGES)
         self.length: dict[int, int] = {}  # positions each live sequence asked for
+        self.contents: dict[int, list[int]] = {}  # a label per page a sequence holds: what it wrote there
+        self.labels = itertools.count()
+        self.registered: list[list[int]] = []  # contents whose full pages were keyed
 
     @rule(seq=SEQS, grow_by=st.integers(1, 9))
     def grow(self, seq: int, grow_by: int) -> None:
@@ -30,6 +41,8 @@ class PageMachine(RuleBasedStateMachine):
             self.table.grow(seq, target)
             self.length[seq] = target
             assert self.table.pages_of(seq)[: len(before)] == before  # pages never move
+            new = len(self.table.pages_of(seq)) - len(before)
+            self.contents.setdefault(seq, []).extend(next(self.labels) for _ in range(new))
         else:
             with pytest.raises(RuntimeError):
                 self.table.grow(seq, target)
@@ -40,17 +53,48 @@ class PageMachine(RuleBasedStateMachine):
         held = len(self.table.pages_of(seq))
         assert self.table.free(seq) == held
         self.length.pop(seq, None)
+        self.contents.pop(seq, None)
+
+    @rule(seq=SEQS)
+    def register(self, seq: int) -> None:
+        full = self.length.get(seq, 0) // PAGE_SIZE
+        contents = self.contents.get(seq, [])[:full]
+        self.table.register(seq, [_key(contents[: i + 1]) for i in range(full)], 0, full)
+        if full:
+            self.registered.append(contents)
+
+    @rule(seq=SEQS, which=st.integers(0, 20), num=st.integers(1, MAX_PAGES))
+    def attach(self, seq: int, which: int, num: int) -> None:
+        if seq in self.length or not self.registered:
+            return
+        contents = self.registered[which % len(self.registered)][:num]
+        cached = self.table.lookup([_key(contents[: i + 1]) for i in range(len(contents))])
+        if not cached or not self.table.can_admit(cached, len(cached) * PAGE_SIZE):
+            return
+        free = self.table.num_free
+        self.table.attach(seq, cached)
+        assert self.table.num_free >= free - len(cached)
+        self.length[seq] = len(cached) * PAGE_SIZE
+        self.contents[seq] = contents[: len(cached)]
 
     @invariant()
-    def no_page_leaked_or_shared(self) -> None:
+    def no_page_leaked_and_only_cached_pages_shared(self) -> None:
         self.table.check()
         owned = [p for seq in self.length for p in self.table.pages_of(seq)]
-        assert len(owned) == len(set(owned)) and len(owned) + self.table.num_free == NUM_PAGES
+        assert len(set(owned)) + self.table.num_free == NUM_PAGES
+        shared = {p for p in owned if owned.count(p) > 1}
+        assert all(self.table.key_of(p) is not None for p in shared)
 
     @invariant()
     def each_sequence_holds_what_its_length_needs(self) -> None:
         for seq, length in self.length.items():
             assert len(self.table.pages_of(seq)) == pages_for(length, PAGE_SIZE) <= MAX_PAGES
+
+    @invariant()
+    def a_keyed_page_holds_what_its_key_names(self) -> None:
+        for seq, contents in self.contents.items():
+            for i, page in enumerate(self.table.pages_of(seq)):
+                assert self.table.key_of(page) in (None, _key(contents[: i + 1]))
 
 
 TestPageTable = PageMachine.TestCase

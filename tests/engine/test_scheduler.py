@@ -52,6 +52,9 @@ class FakeSlots:
     def slot_of(self, name: str) -> int | None:
         return self.assigned.get(name)
 
+    def identity(self, name: str) -> bytes:
+        return name.encode()  # the fake's adapters never change weights
+
     def can_place(self, name: str) -> bool:
         return name in self.assigned or self._free_slot() is not None or self._victim() is not None
 
@@ -341,7 +344,7 @@ def test_blocker_lets_pinned_requests_drain():
     for r in (old, pa, pb):
         s.add(r)
     for r in (pa, pb):  # as if considered earlier: pinned, page-in queued, no row yet
-        assert s._pin(r, is_starving=False) is False
+        assert s.adapters.pin(r, is_starving=False) is False
     slots.land()
     done = []
     for _ in range(24):

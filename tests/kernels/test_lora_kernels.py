@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pallas_kernels as pk
-from pallas_kernels.lora import common, reference, xla
+from pallas_kernels.lora import common, expand, reference, xla
 from tests.kernels.kernel_data import bank, random_array
 from tests.tolerances import assert_close
 
@@ -32,13 +32,22 @@ def slot_patterns(rng) -> dict[str, np.ndarray]:
     }
 
 
+def _decode_expand(y, h, b, slots, *, grouped: bool = False, interpret: bool, **knobs):
+    """The decode expand, or with `grouped` the benchmarks' candidate over rows grouped by slot."""
+    if not grouped:
+        return pk.bgmv_expand(y, h, b, slots, interpret=interpret, **knobs)
+    groups = common.make_row_groups(slots, num_slots=b.shape[0], seg_len=None, block_rows=())
+    return expand.grouped_expand(y, h, b, groups, mode="decode", interpret=interpret, **knobs)
+
+
 class TestTritonKernels:
     INTERPRET = True
 
-    # Both decode expand impls on every shape; the grouped one also below 16 rows per tile, where it
-    # multiplies and sums instead of a tensor-core dot.
-    ROWS, GROUPED = dict(impl="rows", block_rows=4), dict(impl="grouped", block_rows=16)
-    GROUPED_SMALL = dict(impl="grouped", block_rows=4, out_split=2)
+    # The decode expand on every shape, and the benchmarks' grouped candidate (rows sorted by slot,
+    # `grouped_expand(mode="decode")`) on some, also below 16 rows per tile, where it multiplies and
+    # sums instead of a tensor-core dot.
+    ROWS, GROUPED = dict(block_rows=4), dict(grouped=True, block_rows=16, block_out=128)
+    GROUPED_SMALL = dict(grouped=True, block_rows=4, block_out=128, out_split=2)
 
     @pytest.mark.parametrize(
         "hidden, rank, out_dim, dtype, expand_knobs",
@@ -47,7 +56,7 @@ class TestTritonKernels:
             (1536, 8, 576, jnp.bfloat16, (ROWS, GROUPED_SMALL)),
             (2049, 16, 2049, jnp.float32, (ROWS, GROUPED)),
             (4096, 64, 576, jnp.bfloat16, (ROWS,)),
-            (576, 128, 576, jnp.bfloat16, (GROUPED, dict(impl="rows", block_rows=1))),
+            (576, 128, 576, jnp.bfloat16, (GROUPED, dict(block_rows=1))),
         ],
     )
     def test_bgmv_matches_loop(self, rng, hidden, rank, out_dim, dtype, expand_knobs):
@@ -64,7 +73,7 @@ class TestTritonKernels:
             base = np.asarray(slots) == 0
             np.testing.assert_array_equal(np.asarray(h, np.float32)[base], 0, err_msg=name)
             for knobs in expand_knobs:
-                y_new = pk.bgmv_expand(y, h_ref, b, slots, interpret=self.INTERPRET, **knobs)
+                y_new = _decode_expand(y, h_ref, b, slots, interpret=self.INTERPRET, **knobs)
                 assert_close(y_new, y_ref, dtype)
                 np.testing.assert_array_equal(np.asarray(y_new)[base], np.asarray(y)[base], err_msg=f"{name} {knobs}")
 

@@ -35,6 +35,14 @@ def _specs(dtype, num_tokens, hidden, rank, out_dim, num_slots=5, num_segments=3
     )
 
 
+def _grouped_decode_expand(y, h, b, slots, **knobs):
+    """The benchmarks' grouped decode candidate (`expand.grouped_expand` over rows grouped by slot)."""
+    from pallas_kernels.lora import common, expand
+
+    groups = common.make_row_groups(slots, num_slots=b.shape[0], seg_len=None, block_rows=())
+    return expand.grouped_expand(y, h, b, groups, mode="decode", **knobs)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("shape", [(37, 2049, 48, 300), (256, 4096, 16, 11008), (2048, 576, 1, 1536)])
 def test_kernels_lower_for_cuda(dtype, shape):
@@ -43,12 +51,15 @@ def test_kernels_lower_for_cuda(dtype, shape):
         "bgmv_shrink": (pk.bgmv_shrink, (s["x"], s["a"], s["slots"])),
         "sgmv_shrink": (pk.sgmv_shrink, (s["x"], s["a"], s["starts"], s["seg_slots"])),
         "bgmv_expand_rows": (
-            lambda *a: pk.bgmv_expand(*a, impl="rows", block_rows=4),
+            lambda *a: pk.bgmv_expand(*a, block_rows=4),
             (s["y"], s["h"], s["b"], s["slots"]),
         ),
-        "bgmv_expand_grouped": (lambda *a: pk.bgmv_expand(*a, impl="grouped"), (s["y"], s["h"], s["b"], s["slots"])),
-        "bgmv_expand_grouped_small": (
-            lambda *a: pk.bgmv_expand(*a, impl="grouped", block_rows=4),
+        "decode_expand_grouped": (
+            lambda *a: _grouped_decode_expand(*a, block_rows=16, block_out=128),
+            (s["y"], s["h"], s["b"], s["slots"]),
+        ),
+        "decode_expand_grouped_small": (
+            lambda *a: _grouped_decode_expand(*a, block_rows=4, block_out=128),
             (s["y"], s["h"], s["b"], s["slots"]),
         ),
         "sgmv_expand": (pk.sgmv_expand, (s["y"], s["h"], s["b"], s["starts"], s["seg_slots"])),
@@ -137,3 +148,21 @@ def test_one_launch_group_lowers_for_cuda(hidden, rank, dtype):
 
     text = _lower_for_cuda(step, x, a, y, bs, slots, sd((), jnp.int32))
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("dtype, hidden, out, page_rows", [(jnp.bfloat16, 4096, 11008, 8), (jnp.float32, 2049, 300, 1)])
+def test_paged_kernels_lower_for_cuda(dtype, hidden, out, page_rows):
+    """The page-table shrink and expand (true-rank adapters): the per-row page loop has a traced trip count."""
+    from pallas_kernels.lora import paged
+
+    sd = jax.ShapeDtypeStruct
+    pool = sd((300, page_rows, max(hidden, out)), dtype)
+    table, ranks, ids = sd((7, 16), I32), sd((7,), I32), sd((37,), I32)
+    x, y = sd((37, hidden), dtype), sd((37, out), dtype)
+
+    def step(x, y, pool, a_table, b_table, ranks, ids):
+        h = paged.paged_shrink(x, pool, a_table, ranks, ids)
+        return paged.paged_expand(y, h, pool, b_table, ranks, ids)
+
+    text = _lower_for_cuda(step, x, y, pool, table, table, ranks, ids)
+    assert text.count("__gpu$xla.gpu.triton") == 2

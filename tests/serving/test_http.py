@@ -395,6 +395,9 @@ def test_metrics_show_adapters_paged_in_and_evicted(live):
             assert _lora_info(samples)["running_lora_adapters"] == "json"
             assert _resident(samples, "json", "device") == 1
             assert samples[("vllm:num_requests_running", frozenset())] == 1
+            # json's question a second time: the prompt's full pages come from the prefix cache.
+            hits, queries = (samples[(f"vllm:prefix_cache_{k}_total", frozenset())] for k in ("hits", "queries"))
+            assert 0 < hits < queries and ("jaxlora_prefix_cache_evictions_total", frozenset()) in samples
     finally:
         stream.close()
 

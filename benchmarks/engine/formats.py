@@ -1,0 +1,329 @@
+"""Base weight formats on the engine's step, in one call: bf16, int8 / fp8 weight-only, fp8 / int8 W8A8.
+
+    python -m benchmarks.engine.formats --smoke --out /tmp/formats     # CPU, toy model, seconds
+    bash benchmarks/run.sh --budget-s 480 engine.formats               # GPU: Llama-2-7B shape
+
+A Llama-2-7B-shape model with random bf16 weights drawn on the device, quantized from that draw to
+int8 and FP8 (every format the same weights), 64 distinct rank-16 adapters on all seven modules,
+and the engine's jitted step (`runner.packed_step`) timed on its own, `--steps` calls back to back
+(the page pool and ids fed through, one block at the end, no compile in the timed calls). Cases:
+
+    decode B=16, B=64   decode-only steps, every row on its own adapter, context 512
+    mixed 512, 2048     64 decoding rows (as above) + one prompt chunk filling the step to T tokens
+
+Variants ("weights", "gemm"):
+
+    bf16  dense         the dense base
+    int8  weight-only   KernelConfig(w8a8=False): the weight-only kernel up to its token limit,
+    fp8   weight-only   XLA's dequantize-then-GEMM above (jaxlora.kernels.QUANT_AUTO)
+    fp8   w8a8          KernelConfig(quant_matmul="xla", w8a8=<format>, w8a8_min_tokens=1): every step
+    int8  w8a8          quantizes its activations per token, 8-bit GEMM (jaxlora.model.w8a8)
+
+The engine's default for a format ("auto") is its weight-only row at steps the kernel takes and,
+where jaxlora.kernels.W8A8_AUTO lists the format, its w8a8 row above: these rows are the data that
+table is set from. Per row:
+
+  step_ms       the step, ms; vs_bf16 = step_ms / the bf16 row's of the same case
+  path          what the step runs (StepKernels.describe)
+  floor_ms      bytes / the measured HBM copy rate: base weights (1 byte + scales for 8-bit
+                projections) + KV read (every row at its context) + distinct adapters
+  roofline_ms   max(floor_ms, GEMM FLOPs / the measured matmul rate of the GEMM's operands: bf16 for
+                dense and weight-only rows, 8-bit x 8-bit for w8a8 rows)
+  fp8_gemm      (w8a8 rows on GPU, the 2,048-token case) whether the compiled step calls cuBLASLt's FP8
+                GEMM (`__cublas$lt$matmul$f8`) and how many transposes of an f8 operand it holds
+
+Cells run in priority order (B=64, mixed 2048, B=16, mixed 512) until --budget-s is spent;
+formats.json is rewritten after every cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import (
+    LLAMA2_7B,
+    TINY,
+    decode_inputs,
+    hbm_gbps,
+    matmul_tflops,
+    matmul_tflops_8bit,
+    random_bank,
+    slot_pattern,
+)
+from benchmarks.engine.e2e import adapter_bytes, base_weight_bytes, kv_bytes
+from benchmarks.paths import results_dir
+from jaxlora.config import TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig
+from jaxlora.engine.compiles import backend_compiles, check_no_compiles
+from jaxlora.engine.config import EngineConfig
+from jaxlora.engine.runner import Runner, packed_step
+from jaxlora.engine.step_inputs import StepLayout
+from jaxlora.kernels import KernelConfig
+from jaxlora.model import RaggedBatch
+from jaxlora.model.params import quantized_model, random_model
+
+RANK, DISTINCT, DECODE_CONTEXT, PAGE = 16, 64, 512, 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    weights: str  # "bf16" (dense; "f32" in --smoke) | "fp8" | "int8"
+    gemm: str  # "dense" | "weight-only" | "w8a8"
+
+    def kernel_config(self) -> KernelConfig:
+        if self.gemm == "w8a8":
+            return KernelConfig(quant_matmul="xla", w8a8=self.weights, w8a8_min_tokens=1)
+        return KernelConfig(w8a8=False)
+
+
+VARIANTS = (
+    Variant("bf16", "dense"),
+    Variant("int8", "weight-only"),
+    Variant("fp8", "weight-only"),
+    Variant("fp8", "w8a8"),
+    Variant("int8", "w8a8"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    decode_rows: int
+    tokens: int  # the step's budget T: decode rows + the prompt chunk
+
+    @property
+    def chunk(self) -> int:
+        return self.tokens - self.decode_rows
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}-{self.tokens}"
+
+
+GPU_CASES = (Case("decode", 64, 64), Case("mixed", 64, 2048), Case("decode", 16, 16), Case("mixed", 64, 512))
+SMOKE_CASES = (Case("decode", 4, 4), Case("mixed", 4, 24))
+
+
+def mixed_inputs(runner: Runner, case: Case) -> dict:
+    """A step of `case.decode_rows` decoding rows (`decode_inputs`) plus row `decode_rows` a prompt
+    chunk of `case.chunk` tokens at positions 0.., on slot 1, over its own pages."""
+    inputs = decode_inputs(runner, slot_pattern(case.decode_rows, DISTINCT), DECODE_CONTEXT, case.tokens)
+    if case.chunk == 0:
+        return inputs
+    n, L, P = case.decode_rows, case.chunk, runner.pages_per_seq
+    b: RaggedBatch = inputs["batch"]
+    pages = (np.arange(n * P, (n + 1) * P, dtype=np.int32)) % runner.num_pages
+    b.q_start[n], b.q_len[n], b.kv_len[n] = n, L, L
+    b.block_tables[n] = pages
+    pos = np.arange(L, dtype=np.int32)
+    b.write_page[n : n + L], b.write_offset[n : n + L] = pages[pos // PAGE], pos % PAGE
+    inputs["positions"][n : n + L] = pos
+    inputs["slot_ids"][n : n + L] = 1
+    inputs["tokens"][n : n + L] = np.random.default_rng(1).integers(0, runner.model.config.vocab_size, L)
+    return inputs
+
+
+def time_step(runner: Runner, bank, case: Case, steps: int) -> tuple[float, StepLayout, jax.Array]:
+    """ms per call of the engine's step on `case`'s inputs (as `benchmarks.common.time_decode`)."""
+    layout = StepLayout(budget=case.tokens, rows=runner.config.max_batch, pages_per_seq=runner.pages_per_seq)
+    packed = jax.device_put(layout.pack(**mixed_inputs(runner, case)))
+    static = runner.step_static
+    kv, ids = runner.kv, runner.last_ids
+    for _ in range(2):  # compile, then the timed loop's own argument placement
+        ids, kv, _ = packed_step(runner.params, bank, kv, packed, ids, layout=layout, **static)
+    ids.block_until_ready()
+    compiles = backend_compiles()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        ids, kv, _ = packed_step(runner.params, bank, kv, packed, ids, layout=layout, **static)
+    ids.block_until_ready()
+    seconds = time.perf_counter() - t0
+    check_no_compiles(compiles, f"the timed steps of {case}")
+    runner.kv, runner.last_ids = kv, ids
+    return seconds / steps * 1e3, layout, packed
+
+
+def fp8_gemm_report(runner: Runner, bank, layout: StepLayout, packed: jax.Array) -> dict:
+    """What the compiled step's HLO says about its 8-bit GEMMs (a second compile of the step)."""
+    lowered = packed_step.lower(
+        runner.params, bank, runner.kv, packed, runner.last_ids, layout=layout, **runner.step_static
+    )
+    hlo = lowered.compile().as_text()
+    return {
+        "cublaslt_f8_calls": len(re.findall(r"__cublas\$lt\$matmul\$f8", hlo)),
+        "f8_transposes": len(re.findall(r"f8e4m3fn\[[^\]]*\]\{[^}]*\} (?:transpose|copy)\(", hlo)),
+    }
+
+
+# -- the roofline -----------------------------------------------------------------------------------
+
+
+def step_bytes(cfg: ModelConfig, variant: Variant, case: Case, itemsize: int) -> float:
+    quantization = None if variant.gemm == "dense" else variant.weights
+    weights = base_weight_bytes(cfg, itemsize, quantization)
+    kv = kv_bytes(cfg, case.decode_rows, DECODE_CONTEXT, itemsize) + kv_bytes(cfg, 1, case.chunk, itemsize)
+    adapters = min(DISTINCT, case.decode_rows) * adapter_bytes(cfg, RANK, TARGET_MODULES, itemsize)
+    return weights + kv + adapters
+
+
+def step_flops(cfg: ModelConfig, case: Case) -> float:
+    """The projections' GEMMs over every token, the LM head over the step's rows, and the chunk's
+    causal attention (QK^T and PV over half its square)."""
+    projections = sum(math.prod(cfg.module_shape(m)) for m in TARGET_MODULES)
+    rows = case.decode_rows + (case.chunk > 0)
+    attention = 2 * 2 * case.chunk**2 / 2 * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    return 2.0 * case.tokens * cfg.num_layers * projections + 2.0 * rows * cfg.hidden_size * cfg.vocab_size + attention
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+
+def engine_config(variant: Variant, cases: tuple[Case, ...], dtype: jnp.dtype) -> EngineConfig:
+    rows = max(c.decode_rows for c in cases) + 1
+    max_seq_len = max(DECODE_CONTEXT + 1, max(c.chunk for c in cases))
+    pages_per_seq = -(-max_seq_len // PAGE)
+    return EngineConfig(
+        max_batch=rows,
+        max_seq_len=max_seq_len,
+        token_budgets=tuple(sorted({c.tokens for c in cases})),
+        page_size=PAGE,
+        num_pages=2 * pages_per_seq,  # rows share pages (timing only): the pool stays small
+        lora=LoraConfig(
+            max_slots=DISTINCT + 1, max_rank=RANK, target_modules=TARGET_MODULES, backend=LoraBackend.PALLAS
+        ),
+        dtype=jnp.dtype(dtype).name,
+        kernels=variant.kernel_config(),
+    )
+
+
+def run(opts: argparse.Namespace) -> dict:
+    t_start = time.perf_counter()
+    cfg, dtype = (TINY, jnp.float32) if opts.smoke else (LLAMA2_7B, jnp.bfloat16)
+    cases = selected_cases(opts)
+    n = 256 if opts.smoke else 8192
+    hbm = hbm_gbps(1 << 20 if opts.smoke else 1 << 31)
+    rates = {"bf16": matmul_tflops(n, dtype)}
+    for name, d in (("fp8", jnp.float8_e4m3fn), ("int8", jnp.int8)):
+        rates[name] = matmul_tflops_8bit(n, d)
+    dev = jax.devices()[0]
+    print(f"{dev.device_kind}: HBM {hbm:.0f} GB/s, TFLOP/s {rates}", flush=True)
+    dense = random_model(cfg, dtype=dtype, fused=True)
+    models = {"bf16": dense, **{q: quantized_model(dense, q) for q in ("fp8", "int8")}}
+    jax.block_until_ready([m.params for m in models.values()])
+    payload = {
+        "device": str(dev.device_kind),
+        "jax_version": jax.__version__,
+        "model": cfg.name,
+        "hbm_GBps": round(hbm, 1),
+        "matmul_TFLOPs": {k: round(v, 1) for k, v in rates.items()},
+        "rows": [],
+        "not_run": [],
+    }
+    runners: dict[Variant, Runner] = {}
+    lora = engine_config(VARIANTS[0], cases, dtype).lora
+    bank = random_bank(cfg, lora, DISTINCT, dtype)
+    itemsize = jnp.dtype(dtype).itemsize
+    bf16_ms: dict[Case, float] = {}
+    for case in cases:
+        for variant in VARIANTS:
+            if time.perf_counter() - t_start > opts.budget_s:
+                payload["not_run"].append({"case": dataclasses.asdict(case), **dataclasses.asdict(variant)})
+                continue
+            try:
+                row = run_cell(variant, case, cfg, models, runners, bank, dtype, opts, hbm, rates, itemsize)
+            except Exception as e:  # one broken cell must not lose the others
+                payload["not_run"].append(
+                    {
+                        "case": dataclasses.asdict(case),
+                        **dataclasses.asdict(variant),
+                        "reason": f"{type(e).__name__}: {e}"[:400],
+                    }
+                )
+                print(f"  FAILED {variant} {case}: {type(e).__name__}: {e}", flush=True)
+                continue
+            if variant.gemm == "dense":
+                bf16_ms[case] = row["step_ms"]
+            row["vs_bf16"] = round(row["step_ms"] / bf16_ms[case], 3) if case in bf16_ms else None
+            payload["rows"].append(row)
+            print("  " + json.dumps(row), flush=True)
+            write(payload, opts.out)
+    payload["wall_s"] = round(time.perf_counter() - t_start, 1)
+    write(payload, opts.out)
+    return payload
+
+
+def selected_cases(opts: argparse.Namespace) -> tuple[Case, ...]:
+    cases = SMOKE_CASES if opts.smoke else GPU_CASES
+    if not opts.cases:
+        return cases
+    by_label = {c.label: c for c in cases}
+    unknown = set(opts.cases) - set(by_label)
+    if unknown:
+        raise SystemExit(f"--cases {sorted(unknown)}: choose from {list(by_label)}")
+    return tuple(by_label[name] for name in opts.cases)
+
+
+def run_cell(variant, case, cfg, models, runners, bank, dtype, opts, hbm, rates, itemsize) -> dict:
+    if variant not in runners:
+        config = engine_config(variant, selected_cases(opts), dtype)
+        model = models[variant.weights]
+        runners[variant] = Runner(model, config, kernels=config.step_kernels(fused_projections=model.fused))
+        gc.collect()
+    runner = runners[variant]
+    step, layout, packed = time_step(runner, bank, case, opts.steps)
+    floor = step_bytes(cfg, variant, case, itemsize) / (hbm * 1e9) * 1e3
+    rate = rates[variant.weights] if variant.gemm == "w8a8" else rates["bf16"]
+    row = {
+        "weights": "f32" if opts.smoke and variant.weights == "bf16" else variant.weights,
+        "gemm": variant.gemm,
+        "case": case.name,
+        "decode_rows": case.decode_rows,
+        "tokens": case.tokens,
+        "distinct_adapters": min(DISTINCT, case.decode_rows),
+        "rank": RANK,
+        "step_ms": round(step, 3),
+        "floor_ms": round(floor, 3),
+        "roofline_ms": round(max(floor, step_flops(cfg, case) / (rate * 1e12) * 1e3), 3),
+        "path": runner.kernels.describe(case.tokens),
+    }
+    if variant.gemm == "w8a8" and jax.default_backend() == "gpu" and case.tokens == max(c.tokens for c in GPU_CASES):
+        row["fp8_gemm"] = fp8_gemm_report(runner, bank, layout, packed)
+    return row
+
+
+def write(payload: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "formats.json").write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=results_dir(__file__))
+    p.add_argument("--smoke", action="store_true", help="toy model on the CPU (seconds)")
+    p.add_argument("--steps", type=int, default=10, help="steps timed back to back per cell")
+    p.add_argument("--budget-s", type=float, default=420.0, help="no new cell starts once this is spent")
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        default=[],
+        help="run only these cases, in this order (GPU: decode-64 mixed-2048 decode-16 mixed-512; smoke: decode-4 mixed-24)",
+    )
+    opts = p.parse_args(argv)
+    payload = run(opts)
+    print(f"wrote {opts.out / 'formats.json'} ({len(payload['rows'])} rows, {len(payload['not_run'])} not run)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
