@@ -169,7 +169,7 @@ def _command(files: Path, out: Path, address: str) -> list[str]:
         *(sys.executable, "-m", "jaxlora.cli.main", "generate", "--model", str(files / "model")),
         *("--config", str(files / "engine.yaml"), *adapters),
         *("--input", str(files / "requests.jsonl"), "--output", str(out)),
-        *("--ray", "--ray-address", address, "--replicas", "2", "--no-progress"),
+        *("--ray", "--ray-address", address, "--replicas", "2", "--rows-per-block", "2", "--no-progress"),
     ]
 
 
@@ -178,7 +178,7 @@ def test_resume_after_the_driver_is_killed(cluster, files, reference, tmp_path):
     env = {**os.environ, "JAXLORA_COMPILATION_CACHE": cluster["cache"]}
     driver = subprocess.Popen(_command(files, out, cluster["address"]), env=env, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
-    while time.time() < deadline and driver.poll() is None and _count_records(out) < 4:
+    while time.time() < deadline and driver.poll() is None and _count_records(out) < 2:
         time.sleep(0.02)
     driver.send_signal(signal.SIGKILL)
     driver.wait(30)

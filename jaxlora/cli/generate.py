@@ -58,6 +58,13 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
     ray.add_argument("--replicas", type=int, default=1, metavar="N", help="engines, one Ray actor each (default 1)")
     ray.add_argument("--replica-cpus", type=float, default=1.0, metavar="N", help="CPUs reserved per replica")
     ray.add_argument(
+        "--rows-per-block",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests per Ray Data block, the unit a replica takes and results come back in (default 16)",
+    )
+    ray.add_argument(
         "--replica-gpus",
         type=float,
         default=None,
@@ -100,8 +107,9 @@ def run(args: argparse.Namespace) -> int:
 def _usage_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the flags taken together (checked before anything loads), or None."""
     ray_flags = args.ray_address is not None or args.replicas != 1 or args.replica_gpus is not None
+    ray_flags = ray_flags or args.rows_per_block is not None
     if ray_flags and not args.ray:
-        return "--ray-address, --replicas and --replica-gpus go with --ray"
+        return "--ray-address, --replicas, --replica-gpus and --rows-per-block go with --ray"
     if args.ray and args.input is None:
         return "--ray runs a batch: give --input and --output"
     if args.input is not None:
@@ -131,6 +139,7 @@ def _run_ray(args: argparse.Namespace) -> int:
             replicas=args.replicas,
             cpus_per_replica=args.replica_cpus,
             gpus_per_replica=args.replica_gpus,
+            **({"rows_per_block": args.rows_per_block} if args.rows_per_block is not None else {}),
             compilation_cache=str(compile_cache.cache_dir() or "") or None,
         )
     except ValueError as e:
