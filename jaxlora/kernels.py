@@ -107,14 +107,16 @@ QUANT_AUTO: dict[str, QuantRule] = {
 # W8A8 ("auto") by GPU kind and weight storage dtype: steps of at least this many tokens that take
 # XLA's path (no weight-only kernel takes them, `quant_matmul_at`) quantize their activations per
 # token and multiply 8-bit by 8-bit (jaxlora.model.w8a8); a format absent here stays weight-only
-# (XLA's dequantize-then-GEMM). FP8 on Hopper from the first step the weight-only kernel leaves to
-# XLA: XLA's path there writes a bf16 copy of every weight before a bf16 GEMM, where W8A8 reads the
-# 1-byte weights straight into cuBLASLt's FP8 GEMM at twice the bf16 rate, with the same weight
-# format the weight-only steps read. int8 W8A8 (int8 x int8 -> int32) is offered by name
-# (`KernelConfig.w8a8`) and joins this table where `benchmarks.engine.e2e --formats` measures it
-# faster than int8 weight-only. Other GPUs have no FP8 tensor cores (before 8.9) or were not measured.
+# (XLA's dequantize-then-GEMM). On Hopper both 8-bit formats switch at the first step the weight-only
+# kernel leaves to XLA: XLA's path there writes a bf16 copy of every weight before a bf16 GEMM, where
+# W8A8 reads the 1-byte weights straight into an 8-bit GEMM, and the formats benchmark measured W8A8
+# faster than weight-only there for both (benchmarks/DECISIONS.md#w8a8-min-tokens). Other GPUs have
+# no FP8 tensor cores (before 8.9) or were not measured.
 W8A8_AUTO: dict[str, dict[jnp.dtype, int]] = {
-    "hopper": {jnp.dtype(jnp.float8_e4m3fn): QUANT_KERNEL_MAX_TOKENS + 1},
+    "hopper": {
+        jnp.dtype(jnp.float8_e4m3fn): QUANT_KERNEL_MAX_TOKENS + 1,
+        jnp.dtype(jnp.int8): QUANT_KERNEL_MAX_TOKENS + 1,
+    },
     "gpu": {},
 }
 

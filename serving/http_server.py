@@ -8,8 +8,9 @@ same engine, admission (phase, stream limit), adapter registry and metrics as th
     GET  /metrics                                 Prometheus (the same registry as --metrics-port)
 
 Errors are OpenAI error objects with the HTTP status of the shared table (serving.api). A request
-waits for the engine on the event loop: the engine thread hands each update over with
-`call_soon_threadsafe`. Every generation call watches its connection while it runs: a client that
+waits for the engine on the event loop: the engine thread hands its updates over in one batch per
+step (serving.handoff), and a stream that finds several updates waiting sends them as one event.
+Every generation call watches its connection while it runs: a client that
 disconnects, streamed or not, has its request cancelled, which frees its row at the next engine step
 (counted as a client cancel, never OK).
 
@@ -46,6 +47,7 @@ from serving import json_body, openai_api
 from serving.adapter_admin import AdapterAdmin
 from serving.admission import Admission, Phase
 from serving.api import ApiError, Limits, Status, error_of, final_error, generation_request
+from serving.handoff import LoopHandoff, coalesce
 from serving.http_limits import HeadLimit, limited_protocol
 from serving.metrics import ServerMetrics
 from serving.openai_api import ParsedRequest
@@ -157,6 +159,14 @@ class _Handlers:
             api_key=options.api_key, admin_key=options.admin_key, allow_runtime_updates=options.allow_runtime_updates
         )
         self.created = int(time.time())
+        self._handoff: LoopHandoff | None = None
+
+    def handoff(self) -> LoopHandoff:
+        """The engine-to-loop hand-off of the running event loop (uvicorn's, one per server)."""
+        loop = asyncio.get_running_loop()
+        if self._handoff is None or self._handoff.loop is not loop:
+            self._handoff = LoopHandoff(loop)
+        return self._handoff
 
     def app(self) -> Starlette:
         routes = [
@@ -343,14 +353,7 @@ class _Call:
         await self._submit()
 
     async def _submit(self) -> None:
-        loop = asyncio.get_running_loop()
-
-        def deliver(out: RequestOutput) -> None:  # on the engine thread
-            try:
-                loop.call_soon_threadsafe(self.updates.put_nowait, out)
-            except RuntimeError:  # the event loop is closed: the server stopped, nobody is waiting
-                pass
-
+        deliver = self.h.handoff().callback(self.updates)
         try:  # off the event loop, in a tokenize slot: submit tokenizes the prompt
             async with self.h.admission.tokenize.hold_async(self.client):
                 await run_in_threadpool(self.h.metrics.submit, self.h.engine, self.gen, deliver)
@@ -367,15 +370,26 @@ class _Call:
             raise error from None
 
     async def _updates(self) -> AsyncIterator[RequestOutput]:
-        """The engine's updates up to and including the final one. (A client that disconnects has
-        the task running this cancelled: `_unless_disconnected`, or Starlette for a stream.)"""
+        """The engine's updates up to and including the final one; several waiting ones as one
+        (`coalesce`). (A client that disconnects has the task running this cancelled:
+        `_unless_disconnected`, or Starlette for a stream.)"""
+        updates = self.updates
         while True:
-            try:
-                out = await asyncio.wait_for(self.updates.get(), _POLL_SECONDS)
-            except TimeoutError:
-                if not self.h.engine.is_running and self.updates.empty():
-                    raise ApiError(Status.UNAVAILABLE, "the engine stopped") from None
-                continue
+            if updates.empty():
+                try:
+                    out = await asyncio.wait_for(updates.get(), _POLL_SECONDS)
+                except TimeoutError:
+                    if not self.h.engine.is_running and updates.empty():
+                        raise ApiError(Status.UNAVAILABLE, "the engine stopped") from None
+                    continue
+            else:
+                out = updates.get_nowait()
+            if not out.finished and not updates.empty():
+                waiting = [out]
+                while not out.finished and not updates.empty():
+                    out = updates.get_nowait()
+                    waiting.append(out)
+                out = coalesce(waiting)
             if self.first_token is None and out.token_ids:
                 self.first_token = time.perf_counter()
             self.finished = out.finished

@@ -10,6 +10,16 @@ For adapter-aware routers (the Gateway API inference extension's endpoint picker
     (queued); max_lora: device adapter slots. Its value is the scrape's Unix time, as vLLM's is the
     time its labels were set (routers take the newest series).
   vllm:num_requests_running / vllm:num_requests_waiting: the queue depths under vLLM's names.
+  vllm:kv_cache_usage_perc: the fraction (0..1, vLLM's unit despite the name) of KV pages in use;
+    the Gateway API inference extension's model-server protocol requires it for its KV-cache scorer.
+  vllm:cache_config_info{block_size, num_gpu_blocks}: 1, labelled with the KV page size in tokens
+    and the number of pages (vLLM's info gauge; routers read the pool's size from it).
+  vllm:lora_adapter_loaded{adapter_name, level, pinned, rank}: 1 for every registered adapter, at
+    the level it can be served from now: "gpu" (in a device slot) or "cpu" (host memory only, a
+    page-in away); pinned "true" while running requests hold its slot (it cannot be evicted).
+  vllm:num_gpu_loaded_lora_adapters / vllm:max_gpu_lora_adapters: adapters in device slots, and the
+    device slots for adapters (slot 0, the base model, not counted). llm-d's LoRA load-state scorer
+    reads these three to send a request where its adapter is already on the GPU, or can be.
   vllm:prefix_cache_queries / vllm:prefix_cache_hits: prompt tokens looked up in the prefix cache at
     admission, and those found cached (counters, vLLM's names); jaxlora_prefix_cache_evictions:
     cached KV pages evicted because their memory was needed.
@@ -29,7 +39,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -196,6 +206,7 @@ class _EngineCollector:
             yield GaugeMetricFamily(
                 f"{prefix}waiting", f"Requests queued for admission{suffix}.", value=stats["waiting"]
             )
+        yield from _kv_cache(stats, page_size=self._engine.config.page_size)
         yield from _prefix_cache(stats["prefix_cache"])
         yield CounterMetricFamily(
             "vllm:num_preemptions",
@@ -210,6 +221,7 @@ class _EngineCollector:
             yield CounterMetricFamily(name, f"Adapter pager: {field.replace('_', ' ')}.", value=getattr(metrics, field))
         yield _lora_requests_info(adapters, self._in_flight.counts(), max_lora=pager.max_slots - 1)
         yield _residency(adapters)
+        yield from _lora_load_state(adapters, max_gpu=pager.max_slots - 1)
         yield _page_in_histogram({"device": metrics.device_page_in, "host": metrics.host_load})
 
 
@@ -239,6 +251,33 @@ def _lora_requests_info(adapters: list, in_flight: dict[str, int], *, max_lora: 
     )
     family.add_metric([",".join(running), ",".join(waiting), str(max_lora)], time.time())
     return family
+
+
+def _kv_cache(stats: dict, *, page_size: int) -> Iterator[GaugeMetricFamily]:
+    num_pages = stats["num_pages"]
+    usage = 1.0 - stats["free_pages"] / num_pages if num_pages else 0.0
+    yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every page is in use.", value=usage)
+    info = GaugeMetricFamily(
+        "vllm:cache_config_info", "The KV cache's configuration.", labels=["block_size", "num_gpu_blocks"]
+    )
+    info.add_metric([str(page_size), str(num_pages)], 1.0)
+    yield info
+
+
+def _lora_load_state(adapters: list, *, max_gpu: int) -> Iterator[GaugeMetricFamily]:
+    loaded = GaugeMetricFamily(
+        "vllm:lora_adapter_loaded",
+        "1 per registered adapter at the level it is served from: gpu (a device slot) or cpu (host memory); "
+        "pinned while running requests hold its slot.",
+        labels=["adapter_name", "level", "pinned", "rank"],
+    )
+    for a in adapters:
+        level = "cpu" if a.resident is None else "gpu"
+        loaded.add_metric([a.name, level, str(a.in_flight > 0).lower(), str(a.rank)], 1.0)
+    yield loaded
+    num_gpu = sum(a.resident is not None for a in adapters)
+    yield GaugeMetricFamily("vllm:num_gpu_loaded_lora_adapters", "Adapters in device slots.", value=num_gpu)
+    yield GaugeMetricFamily("vllm:max_gpu_lora_adapters", "Device slots for adapters.", value=max_gpu)
 
 
 def _residency(adapters: list) -> GaugeMetricFamily:

@@ -41,6 +41,7 @@ from serving.admission import Admission, Phase
 from serving.api import ApiError, Limits, Status, error_of, final_error, generation_request
 from serving.gen import inference_pb2 as pb
 from serving.gen import inference_pb2_grpc as pb_grpc
+from serving.handoff import coalesce
 from serving.http_server import HttpServer
 from serving.metrics import ServerMetrics
 from serving.options import ServerOptions
@@ -152,6 +153,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     self.engine.cancel(gen.request_id)
                     raise _Abort(grpc.StatusCode.UNAVAILABLE, "the engine stopped") from None
                 continue
+            if not out.finished and not updates.empty():  # behind the engine: one response for all
+                waiting = [out]
+                while not out.finished and not updates.empty():
+                    out = updates.get_nowait()
+                    waiting.append(out)
+                out = coalesce(waiting)
             yield out
             if out.finished:
                 return
@@ -292,6 +299,9 @@ class InferenceServer(grpc.Server):
         self.port = port  # None: no gRPC listener
         self.http = http
         self.metrics_port: int | None = None
+        # Wall seconds of `warm_up`: "compile" and "run" (one call of each step program and one real
+        # request); empty until it ran.
+        self.warmup_seconds: dict[str, float] = {}
 
     @property
     def http_port(self) -> int | None:
@@ -341,6 +351,7 @@ class InferenceServer(grpc.Server):
         if self.engine.compiles_after_warmup is None:
             start = time.perf_counter()
             self.engine.warmup(progress=lambda what, k, n: log.info("compiling %s (%d/%d)", what, k, n))
+            request_start = time.perf_counter()
             # One real request through the whole path (tokenizer, admission, prefill, decode) before
             # SERVING: a padding-only warm-up can miss a compile, and the first client should not pay.
             self.engine.generate(
@@ -350,7 +361,12 @@ class InferenceServer(grpc.Server):
                     )
                 ]
             )
-            log.info("warm-up took %.1f s", time.perf_counter() - start)
+            done = time.perf_counter()
+            self.warmup_seconds = {
+                "compile": self.engine.warmup_seconds["compile"],
+                "run": self.engine.warmup_seconds["run"] + done - request_start,
+            }
+            log.info("warm-up took %.1f s", done - start)
         self.engine.start()
         if self.admission.set_phase(Phase.SERVING) is not Phase.WARMING:
             self.admission.set_phase(Phase.STOPPED)

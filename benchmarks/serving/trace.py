@@ -116,9 +116,13 @@ PRESET = ROOT / "configs" / "llama2-7b-h200.yaml"  # the engine of the full-size
 OPEN_LOOP_QUEUE = 1 << 20
 SLO_TTFT_S = 6.0  # S-LoRA's SLO: the first token within 6 s
 # What --merge replaces rows by: a run of another arrival window is another row.
-KEY_FIELDS = ("engine", "setting", "n", "rate", "duration_s", "cv", "alpha", "temperature", "trace", "prefix_cache")
-# Rows written before a field existed: greedy, S-LoRA's trace, no prefix cache.
-KEY_DEFAULTS = {"temperature": 0.0, "trace": "s-lora", "prefix_cache": False}
+KEY_FIELDS = (
+    "engine", "api", "start", "setting", "n", "rate", "duration_s", "cv", "alpha", "temperature", "trace",
+    "prefix_cache",
+)  # fmt: skip
+# Rows written before a field existed: greedy, S-LoRA's trace, no prefix cache, in-process.
+KEY_DEFAULTS = {"temperature": 0.0, "trace": "s-lora", "prefix_cache": False, "api": "inprocess", "start": None}
+APIS = ("inprocess", "http", "grpc")
 RESULTS = "serving.json"
 
 
@@ -275,6 +279,12 @@ def chat_scale(size: Scale, shape: ChatShape) -> Scale:
     )
 
 
+def lora_config(setting: Setting, backend: str) -> LoraConfig:
+    return LoraConfig(
+        max_slots=setting.slots + 1, max_rank=setting.max_rank, target_modules=setting.modules, backend=backend
+    )
+
+
 def make_engine(setting: Setting, model: LoadedModel, pager: Pager, size: Scale, backend: str) -> Engine:
     """The engine under test, built in this one place so that another engine kind swaps in here."""
     lora = dataclasses.replace(pager.lora_config, backend=backend)
@@ -311,9 +321,7 @@ def make_pager(
 ) -> tuple[Pager, int, float]:
     """A pager with the setting's adapters registered as a0..a{n-1} (n capped by `host_bytes`);
     returns (pager, n, registration seconds). Adapters share a few random weight sets per rank."""
-    lora = LoraConfig(
-        max_slots=setting.slots + 1, max_rank=setting.max_rank, target_modules=setting.modules, backend=backend
-    )
+    lora = lora_config(setting, backend)
     # Page-ins per commit: the pager's default 16, or fewer with fewer slots (each size up to it compiles).
     pager = Pager(
         model.config,
@@ -325,19 +333,22 @@ def make_pager(
     n = num_fitting(pager, setting.ranks, setting.n, host_bytes)
     if n < 1:
         raise ValueError(f"--host-gb holds no {pager.host_nbytes(setting.ranks[0]) / 1e6:.0f} MB adapter")
-    per_rank = 2 if len(setting.ranks) > 1 else 8
-    pools = {
-        r: pool_adapters(weight_pool(model.config, r, setting.modules, per_rank, seed=r), r, setting.modules)
-        for r in setting.ranks
-    }
-    # Interleaved so that a{i}, a copy of adapters[i % len(adapters)], has rank ranks[i % len(ranks)].
-    adapters = [pools[r][j] for j in range(per_rank) for r in setting.ranks]
+    adapters = [pool_adapters([w], r, setting.modules)[0] for w, r in zip(*adapter_weights(setting, model.config))]
     seconds = register_copies(pager, adapters, n)
     if n <= setting.slots:  # all resident: page them all in before serving
         pager.prefetch([f"a{i}" for i in range(n)])
         while pager.snapshot()["pending"]:
             pager.commit()
     return pager, n, seconds
+
+
+def adapter_weights(setting: Setting, model: ModelConfig) -> tuple[list[dict], tuple[int, ...]]:
+    """The few random weight sets the setting's adapters copy, and their ranks: a{i} is a copy of set
+    i % len(sets), of rank ranks[i % len(ranks)] (interleaved so that both hold)."""
+    per_rank = 2 if len(setting.ranks) > 1 else 8
+    pools = {r: weight_pool(model, r, setting.modules, per_rank, seed=r) for r in setting.ranks}
+    sets = [pools[r][j] for j in range(per_rank) for r in setting.ranks]
+    return sets, tuple(r for _ in range(per_rank) for r in setting.ranks)
 
 
 def num_fitting(pager: Pager, ranks: Sequence[int], n: int, host_bytes: int | None) -> int:
@@ -848,9 +859,37 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy model, sizes and lengths (CPU, seconds)")
     p.add_argument(
+        "--api",
+        nargs="+",
+        choices=APIS,
+        default=["inprocess"],
+        help="inprocess: the Engine in this process; http: `jaxlora serve` in a subprocess driven by the openai "
+        "AsyncOpenAI client, streaming; grpc: the same server through serving.client. With a server api, "
+        "in-process runs in a child process first and this process keeps JAX off the GPU",
+    )
+    p.add_argument(
+        "--starts",
+        type=int,
+        choices=(1, 2),
+        default=None,
+        help="server starts per setting, each serving every run (2: then a warm-cache start; default 1, --smoke 2)",
+    )
+    p.add_argument("--client-workers", type=int, default=4, help="client processes sending a server api's requests")
+    p.add_argument("--server-timeout-s", type=float, default=900.0, help="longest wait for a server's /health")
+    p.add_argument(
+        "--inprocess-budget-s",
+        type=float,
+        default=None,
+        help="with a server api: --budget-s of the in-process child (default: half of --budget-s)",
+    )
+    p.add_argument(
+        "--work-dir", type=Path, default=None, help="model and adapter folders for a server api (default: a temp dir)"
+    )
+    p.add_argument(
         "--smoke",
         action="store_true",
-        help="--tiny with one short run per setting by default (1 s of arrivals at 4/s): a CPU check",
+        help="--tiny with one short run per setting by default (1 s of arrivals at 4/s): a CPU check; with a "
+        "server api, s1 by default and two server starts",
     )
     p.add_argument(
         "--trace",
@@ -965,6 +1004,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if args.rates == p.get_default("rates"):
             args.rates = [(4.0, None)]
         args.duration = 1.0 if args.duration is None else args.duration
+        if set(args.api) != {"inprocess"}:
+            args.settings = args.settings or ["s1"]
+            args.starts = args.starts or 2
+            args.client_workers, args.probe_steps = 2, 0
+    args.starts = args.starts or 1
     if args.settings is None:
         args.settings = ["chat"] if args.trace == "chat" else ["all", "s1", "s2"]
     if args.duration is None:
@@ -1166,6 +1210,156 @@ def run_setting(
         on_row(row)
 
 
+# -- through the server (--api http|grpc) -----------------------------------------------------------
+
+
+def run_setting_api(
+    setting: Setting,
+    size: Scale,
+    args: argparse.Namespace,
+    *,
+    backend: str,
+    work: Path,
+    model_folder: Path,
+    base_row: dict,
+    on_row: Callable[[dict], None],
+    clock: _Clock,
+) -> None:
+    """The setting's runs through `jaxlora serve` (benchmarks/serving/server_api.py), started --starts times
+    on one compilation cache: the first start compiles ("first"), a later one reads the cache
+    ("second"). Every start serves every --rates run of every api in --api (http, grpc)."""
+    from benchmarks.serving import server_api as serving_api
+
+    host = int(args.host_gb * 1e9) if not args.tiny else None
+    lora = lora_config(setting, backend)
+    n = setting.n if host is None else num_fitting_bytes(setting, size, lora, host)
+    sets, ranks = adapter_weights(setting, size.model)
+    folder = work / setting.name
+    adapters = serving_api.write_adapter_folders(sets, ranks=ranks, n=n, out=folder / "adapters")
+    engine = dataclasses.replace(engine_config(setting, size, lora), host_capacity_bytes=host)
+    preset = serving_api.write_preset(engine, folder / "engine.yaml")
+    cache = work / "compilation-cache"
+    key = dict(
+        engine=ENGINE_KIND, setting=setting.name, n=n, cv=args.cv, alpha=args.alpha, temperature=args.temperature
+    )
+    for start in ("first", "second")[: args.starts]:
+        if not clock.fits(args.setup_s):
+            print(f"[{setting.name}] time budget spent: no {start} server start", flush=True)
+            break
+        log = folder / f"serve-{start}.log"
+        server = serving_api.start_server(
+            model_folder, preset, adapters, log=log, cache=cache, timeout_s=args.server_timeout_s
+        )
+        startup = server.startup()
+        print(f"[{setting.name}] server ready in {server.ready_s:.1f} s ({start} start): {startup}", flush=True)
+        try:
+            for api in [a for a in args.api if a != "inprocess"]:
+                for rate, duration in args.rates:
+                    duration = args.duration if duration is None else duration
+                    if not clock.fits(duration + args.max_drain_s + 10.0):
+                        print(f"[{setting.name}] time budget spent: {api} rate {rate:g} not run", flush=True)
+                        continue
+                    result = run_trace_api(server, api, setting, n, size, args, rate=rate, duration=duration)
+                    row = {
+                        **base_row,
+                        **key,
+                        "api": api,
+                        "start": start,
+                        "server_ready_s": round(server.ready_s, 2),
+                        "startup": startup,
+                        "rate": rate,
+                        "duration_s": duration,
+                        "max_drain_s": args.max_drain_s,
+                        "seed": args.seed,
+                        "input_range": list(size.input_range),
+                        "output_range": list(size.output_range),
+                        "ranks": list(setting.ranks),
+                        "modules": list(setting.modules),
+                        "n_asked": setting.n,
+                        "slots": setting.slots,
+                        "paged": n > setting.slots,
+                        "max_batch": size.engine.max_batch,
+                        "token_budgets": list(size.engine.token_budgets),
+                        "client_workers": args.client_workers,
+                        **result,
+                    }
+                    print(json.dumps({k: row[k] for k in _API_PRINTED}), flush=True)
+                    on_row(row)
+        finally:
+            server.stop()
+
+
+_API_PRINTED = (
+    "setting", "api", "start", "rate", "requests", "completed", "unfinished", "served_req_s",
+    "ttft_ms_p50", "tpot_ms_p50", "tpot_ms_p99", "server_ready_s",
+)  # fmt: skip
+# Engine-side counters a client cannot see: None in the rows of --api http|grpc.
+_ENGINE_FIELDS = (
+    "steps", "preemptions", "prefill_tokens_per_step", "decode_tokens_per_step", "padding_share",
+    "prefill_padding_share", "decode_padding_share", "page_ins", "compiles_during_run",
+)  # fmt: skip
+
+
+def num_fitting_bytes(setting: Setting, size: Scale, lora: LoraConfig, host_bytes: int) -> int:
+    """`num_fitting` without a pager: a{i}'s host copy is one slot at its rank class (jaxlora.adapters.registry)."""
+    from jaxlora.adapters.registry import slot_nbytes
+
+    sizes = np.array(
+        [
+            slot_nbytes(size.model, lora, jnp.dtype(size.dtype), rank=setting.ranks[i % len(setting.ranks)])
+            for i in range(setting.n)
+        ]
+    )
+    return int(np.searchsorted(np.cumsum(sizes), host_bytes, side="right"))
+
+
+def run_trace_api(
+    server, api: str, setting: Setting, n: int, size: Scale, args: argparse.Namespace, *, rate: float, duration: float
+) -> dict:
+    """One open-loop run of the trace through the server; the same requests `run_trace` submits."""
+    from benchmarks.serving.clients import Job, run_workers
+
+    trace = make_trace(
+        n=n,
+        alpha=args.alpha,
+        rate=rate,
+        cv=args.cv,
+        duration_s=duration,
+        input_range=size.input_range,
+        output_range=size.output_range,
+        seed=args.seed,
+    )
+    rng = np.random.default_rng(args.seed + 1)
+    prompts = [tuple(rng.integers(0, size.model.vocab_size, r.prompt_len).tolist()) for r in trace]
+    jobs = [
+        Job(index=i, arrival_s=r.arrival_s, adapter=f"a{r.adapter}", prompt_ids=p, max_tokens=r.output_len)
+        for i, (r, p) in enumerate(zip(trace, prompts))
+    ]
+    target = server.base_url if api == "http" else server.grpc_target
+    t0, seen = run_workers(api, target, jobs, workers=args.client_workers, timeout_s=duration + args.max_drain_s)
+    lines, token_times = [], []
+    for job, r, s in zip(jobs, trace, seen):
+        line = _Timeline(arrival=t0 + job.arrival_s, prompt_len=r.prompt_len, output_len=r.output_len)
+        line.first, line.last, line.tokens = s.first, s.last, s.tokens
+        if s.error is not None:
+            line.rejected = s.error
+        elif s.reason is not None:
+            line.finished = s.finished
+            line.reason = FinishReason.LENGTH if s.reason == "length" else FinishReason.STOP
+        lines.append(line)
+        token_times.extend(s.token_times)
+    token_times.sort()
+    t_close = time.perf_counter()
+    counts = dict.fromkeys(("steps", "preemptions", "compiles", "prefill_tokens", "prefill_slots"), 0)
+    counts.update(decode_tokens=0, decode_slots=0)
+    lag = [s.sent - (t0 + j.arrival_s) for j, s in zip(jobs, seen) if s.sent is not None]
+    row = summarize(lines, token_times, counts, t_close=t_close, lag_s=lag)
+    row.update(dict.fromkeys(_ENGINE_FIELDS))
+    errors = sorted({s.error for s in seen if s.error})
+    row["errors"] = errors[:5]
+    return row
+
+
 def split_every_group() -> None:
     """Makes every pallas module group run as split shrink + per-row expand launches in this process."""
     for table in tuning.GROUP_TABLES.values():
@@ -1174,11 +1368,15 @@ def split_every_group() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     path = args.out / RESULTS
     if args.render:
         write_results(json.loads(path.read_text()), args.out)
         print(f"rendered {args.out / 'serving.md'}", flush=True)
+        return
+    if set(args.api) != {"inprocess"}:
+        main_servers(args, argv)
         return
     clock = _Clock(args.budget_s)
     commit = args.engine_commit or engine_commit()
@@ -1211,8 +1409,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         model = random_model(size.model, dtype=jnp.dtype(size.dtype), fused=True)  # the serving layout
     jax.block_until_ready(model.params)
     rates = s70.measure(args.tiny) if is_s70 else None
-    command = "python -m benchmarks.serving.trace " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m benchmarks.serving.trace " + " ".join(argv)
     base_row = {
+        "api": "inprocess",
+        "start": None,
         "device": str(dev.device_kind),
         "engine_commit": commit,
         "model": size.model.name,
@@ -1267,6 +1467,94 @@ def main(argv: Sequence[str] | None = None) -> None:
     payload["seconds"] = round(time.perf_counter() - clock.start, 1)
     write_results(payload, args.out)
     print(f"wrote {path} ({len(new_rows)} new rows)", flush=True)
+
+
+def main_servers(args: argparse.Namespace, argv: list[str]) -> None:
+    """--api with http or grpc: the in-process runs first in a child process (when asked for), then
+    per setting a `jaxlora serve` subprocess; this process's JAX stays on the CPU, so the servers
+    find the GPU's memory free."""
+    import tempfile
+
+    from benchmarks.serving import server_api as serving_api
+
+    jax.config.update("jax_platforms", "cpu")
+    clock = _Clock(args.budget_s)
+    if "inprocess" in args.api:
+        child = _argv_without_api(argv) + ["--api", "inprocess"] + ([] if args.merge else ["--merge"])
+        budget = args.inprocess_budget_s or (args.budget_s / 2 if args.budget_s else None)
+        child += [] if budget is None else ["--budget-s", f"{budget:.0f}"]  # the last --budget-s wins
+        print(f"in-process runs: python -m benchmarks.serving.trace {' '.join(child)}", flush=True)
+        subprocess.run([sys.executable, "-m", "benchmarks.serving.trace", *child], check=True)
+        args.merge = True
+    commit = args.engine_commit or engine_commit()
+    size = scale(args.tiny, args.model)
+    if args.budgets:
+        size = dataclasses.replace(
+            size, engine=dataclasses.replace(size.engine, token_budgets=tuple(sorted(set(args.budgets))))
+        )
+    device = serving_api.gpu_name()
+    backend = args.backend or ("pallas" if device else "xla")
+    device = device or str(jax.devices()[0].device_kind)
+    path = args.out / RESULTS
+    previous = json.loads(path.read_text())["rows"] if args.merge and path.exists() else []
+    base_row = {
+        "device": device,
+        "engine_commit": commit,
+        "model": size.model.name,
+        "lora_backend": backend,
+        "lora_groups": args.lora_groups,
+        "command": "python -m benchmarks.serving.trace " + " ".join(argv),
+    }
+    new_rows: list[dict] = []
+    payload = {"device": device, "jax_version": jax.__version__, "engine_commit": commit, "rows": previous}
+
+    def on_row(row: dict) -> None:
+        new_rows.append(row)
+        payload["rows"] = merge_rows(previous, new_rows)
+        write_results(payload, args.out, plot=False)
+
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="jaxlora-serving-") as tmp:
+        work = args.work_dir or Path(tmp)
+        t0 = time.perf_counter()
+        model_folder = serving_api.write_model_folder(
+            size.model, size.dtype, word_tokenizer(size.model.vocab_size), work / "model"
+        )
+        print(f"model folder written in {time.perf_counter() - t0:.1f} s: {model_folder}", flush=True)
+        for name in args.settings:
+            setting = settings(args.tiny)[name]
+            if args.slots is not None:
+                setting = dataclasses.replace(setting, slots=args.slots)
+            if not clock.fits(args.setup_s + args.duration + args.max_drain_s):
+                print(f"time budget spent: setting {name} not run through the server", flush=True)
+                continue
+            run_setting_api(
+                setting,
+                size,
+                args,
+                backend=backend,
+                work=work,
+                model_folder=model_folder,
+                base_row=base_row,
+                on_row=on_row,
+                clock=clock,
+            )
+    payload["seconds"] = round(time.perf_counter() - start, 1)
+    write_results(payload, args.out)
+    print(f"wrote {args.out / RESULTS} ({len(new_rows)} new rows)", flush=True)
+
+
+def _argv_without_api(argv: list[str]) -> list[str]:
+    out, skipping = [], False
+    for a in argv:
+        if a == "--api":
+            skipping = True
+            continue
+        if skipping and a in APIS:
+            continue
+        skipping = False
+        out.append(a)
+    return out
 
 
 if __name__ == "__main__":

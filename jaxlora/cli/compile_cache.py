@@ -5,7 +5,8 @@ were ~90% of the time to first token). With the cache a second start of the same
 same model and engine shapes reads the compiled executables back instead of compiling them.
 
 Where it lives, in order:
-  1. `$JAXLORA_COMPILATION_CACHE`: a folder, or `off` to run without the cache;
+  1. the `--compilation-cache` flag of the engine's commands, then `$JAXLORA_COMPILATION_CACHE`: a
+     folder, or `off` to run without the cache;
   2. `$JAX_COMPILATION_CACHE_DIR` (JAX's own setting), if set;
   3. `$XDG_CACHE_HOME/jaxlora/jax`, else `~/.cache/jaxlora/jax`.
 
@@ -25,10 +26,11 @@ OFF = "off"
 MIN_COMPILE_SECONDS = 0.0
 
 
-def cache_dir(environ: dict[str, str] | None = None) -> Path | None:
-    """The folder the command line caches compiles in, or None when turned off."""
+def cache_dir(environ: dict[str, str] | None = None, flag: str | None = None) -> Path | None:
+    """The folder the command line caches compiles in, or None when turned off. `flag`: the
+    `--compilation-cache` value, which wins over the environment."""
     environ = os.environ if environ is None else environ
-    chosen = environ.get(ENV, "").strip()
+    chosen = (flag if flag is not None else environ.get(ENV, "")).strip()
     if chosen.lower() == OFF:
         return None
     if chosen:
@@ -39,13 +41,13 @@ def cache_dir(environ: dict[str, str] | None = None) -> Path | None:
     return Path(base) / "jaxlora" / "jax"
 
 
-def enable(environ: dict[str, str] | None = None) -> Path | None:
+def enable(environ: dict[str, str] | None = None, flag: str | None = None) -> Path | None:
     """Turns the cache on for this process (see the module docstring); returns its folder or None.
 
     A folder that cannot be created turns the cache off with a warning: the command still runs,
     only without the faster second start.
     """
-    folder = cache_dir(environ)
+    folder = cache_dir(environ, flag)
     if folder is None:
         return None
     try:
@@ -54,7 +56,7 @@ def enable(environ: dict[str, str] | None = None) -> Path | None:
         import sys
 
         print(
-            f"jaxlora: compilation cache off ({folder}: {e.strerror}); set {ENV} to a writable folder or to '{OFF}'",
+            f"jaxlora: compilation cache off ({folder}: {e.strerror}); set --compilation-cache or {ENV} to a writable folder or to '{OFF}'",
             file=sys.stderr,
         )
         return None

@@ -92,6 +92,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, adapters_help: str = "registe
         "config's, on)",
     )
     add_tensor_parallel_arg(p)
+    p.add_argument(
+        "--compilation-cache",
+        default=None,
+        metavar="DIR|off",
+        help="JAX's persistent compilation cache: a second start reads compiled programs back instead of "
+        "compiling them (default: $JAXLORA_COMPILATION_CACHE, else ~/.cache/jaxlora/jax; off: no cache)",
+    )
 
 
 def add_engine_size_args(p: argparse.ArgumentParser) -> None:
@@ -258,12 +265,13 @@ def engine_spec(args: argparse.Namespace, extra_adapters: dict[str, str] | None 
     )
 
 
-def engine_from_args(args: argparse.Namespace, extra_adapters: dict[str, str] | None = None):
+def engine_from_args(args: argparse.Namespace, extra_adapters: dict[str, str] | None = None, clock=None):
     """Loads the model and returns an (un-warmed) Engine with the --adapter folders (and
-    `extra_adapters`) registered: the flags become an EngineSpec here, jaxlora.engine.load does the rest.
+    `extra_adapters`) registered: the flags become an EngineSpec here, jaxlora.engine.load does the
+    rest. `clock` (a `jaxlora.cli.startup.StartupClock`) gets the "load" and "register" laps.
 
     Raises JaxloraError / ValueError / OSError with a message fit for the command line.
     """
     from jaxlora.engine.load import load_engine
 
-    return load_engine(engine_spec(args, extra_adapters))
+    return load_engine(engine_spec(args, extra_adapters), clock=clock)

@@ -165,13 +165,18 @@ def _run_ray(args: argparse.Namespace) -> int:
 
 
 def _run_prompt(args: argparse.Namespace) -> int:
+    from jaxlora.cli.startup import StartupClock
     from jaxlora.engine import GenerationRequest, SamplingParams
 
+    clock = StartupClock(getattr(args, "started", None))
+    clock.lap("import")
     try:
         sampling = SamplingParams(**sampling_flags(args))
-        engine = engine_args.engine_from_args(args)
+        engine = engine_args.engine_from_args(args, clock=clock)
         prompt = {"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}
         engine.warmup(progress=warmup_progress)
+        clock.split({"compile": engine.warmup_seconds["compile"], "warm-up run": engine.warmup_seconds["run"]})
+        clock.print("jaxlora generate", getattr(args, "compilation_cache_dir", None))
         start = time.perf_counter()
         request = GenerationRequest(request_id="cli", adapter=args.use, sampling=sampling, **prompt)
         handle = engine.submit(request, stream=False)

@@ -65,6 +65,9 @@ class LineDefaults:
 # control byte takes six) and id. Generous: it only has to refuse files no run of this input wrote.
 _RECORD_OVERHEAD_BYTES = 4096
 _MAX_TOKEN_RECORD_BYTES = 1024
+# A line without max_tokens gets its default from the engine, unknown while the files are checked
+# (before the model loads): bounded by the longest context a model has.
+_MAX_CONTEXT_TOKENS = 2**20
 
 
 @dataclasses.dataclass
@@ -84,7 +87,7 @@ class _Line:
     def max_record_bytes(self) -> int:
         """The most bytes this line's result record can take: what it repeats of the line (custom_id,
         adapter, in an error message), the fixed fields, and `max_tokens` tokens as text and ids."""
-        max_tokens = self.request.sampling.max_tokens if self.request is not None else 0
+        max_tokens = 0 if self.request is None else self.request.sampling.max_tokens or _MAX_CONTEXT_TOKENS
         return _RECORD_OVERHEAD_BYTES + 3 * self.input_bytes + max_tokens * _MAX_TOKEN_RECORD_BYTES
 
     @property

@@ -19,12 +19,12 @@ from jaxlora.parallel.mesh import MeshConfig
 
 _DTYPES = ("float32", "bfloat16")
 
-# The default context on CPU, whatever the model allows: room for a couple of thousand tokens of
-# chat, while the step stays usable: attention on CPU reads every row's whole block table, so the
-# step's cost grows with this width whatever the requests' actual lengths.
-CPU_MAX_SEQ_LEN = 2048
+# The default context on CPU, whatever the model allows (configs/smollm2-135m-cpu.yaml's): attention
+# on CPU reads every row's whole block table, so each step costs in proportion to this width
+# whatever the requests' actual lengths. A longer context is one --max-seq-len away.
+CPU_MAX_SEQ_LEN = 1024
 # Positions the CPU page pool holds by default (the rows share them; the host's memory, not a device's).
-CPU_POOL_POSITIONS = 16384
+CPU_POOL_POSITIONS = 8192
 
 # What forms the engine's steps: one jitted call over a flat batch of decode tokens and prompt chunks.
 ENGINE_KIND = "ragged"

@@ -37,6 +37,7 @@ import logging
 import queue
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -203,6 +204,9 @@ class Engine:
         self._counters = _Counters()
         self._times = HostTimes()
         self._compiles_at_warmup: int | None = None
+        # Wall seconds of the last `warmup`: "compile" (the pager's slot writes and every step shape)
+        # and "run" (one call of each step program); empty before it.
+        self.warmup_seconds: dict[str, float] = {}
         self._inflight: _Inflight | None = None  # the dispatched step whose ids are not read yet
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -469,11 +473,15 @@ class Engine:
     def warmup(self, progress: WarmupProgress | None = None) -> None:
         """Compiles every static shape (the step at each token budget, with and without the bank).
         `progress(what, k, n)` is called as each of the n compiles finishes."""
+        start = time.perf_counter()
         if self.pager is not None:
             self.pager.warmup()
             self.pager.commit()
+        pager_seconds = time.perf_counter() - start
         self.runner.warmup(None if self.pager is None else self.pager.bank, self.pages, progress)
         self._compiles_at_warmup = self.runner.step_compiles
+        runner = self.runner.warmup_seconds
+        self.warmup_seconds = {"compile": pager_seconds + runner["compile"], "run": runner["run"]}
 
     @property
     def compiles_after_warmup(self) -> int | None:

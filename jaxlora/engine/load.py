@@ -54,8 +54,9 @@ def engine_config(spec: EngineSpec) -> EngineConfig:
     return dataclasses.replace(config, lora=dataclasses.replace(config.lora, max_rank=max_rank))
 
 
-def load_engine(spec: EngineSpec) -> Engine:
+def load_engine(spec: EngineSpec, *, clock=None) -> Engine:
     """Loads the model and returns an (un-warmed) Engine with the spec's adapters registered.
+    `clock`: anything with `lap(name)`, told "load" after the model and "register" after the adapters.
 
     Raises JaxloraError / ValueError / OSError with a message fit for the command line.
     """
@@ -68,9 +69,14 @@ def load_engine(spec: EngineSpec) -> Engine:
     # split needs the separate matrices (jaxlora.model.fused).
     fused = not config.mesh.is_sharded
     model, tokenizer = load_model(spec.model, dtype=config.jnp_dtype, quantization=spec.quantize, fused=fused)
+    if clock is not None:
+        clock.lap("load")
     capacity = _host_capacity(spec, config, slot_nbytes(model.config, config.lora, model.dtype))
     config = dataclasses.replace(config, host_capacity_bytes=capacity)
-    return build_engine(config, model, tokenizer, dict(spec.adapters))
+    engine = build_engine(config, model, tokenizer, dict(spec.adapters))
+    if clock is not None:
+        clock.lap("register")
+    return engine
 
 
 def _host_capacity(spec: EngineSpec, config: EngineConfig, slot_bytes: int) -> int:

@@ -45,6 +45,7 @@ import inspect
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -286,6 +287,9 @@ class Runner:
         # XLA compiles paid by this runner's step calls, a new placement of an argument included
         # (jit compiles those without retracing, so num_traces misses them).
         self.step_compiles = 0
+        # Wall seconds of the last `warmup`: "compile" (every shape, in parallel) and "run" (one call
+        # of each); empty before it.
+        self.warmup_seconds: dict[str, float] = {}
         start_counting()
 
     @property
@@ -396,6 +400,7 @@ class Runner:
             for T, layout in self.packer.layouts.items()
         }
         layouts = self.packer.layouts
+        start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(shapes), os.cpu_count() or 1)) as pool:
             jobs = {
                 pool.submit(self._compile, bank, packed[budget], layouts[budget], lora): (budget, lora)
@@ -409,12 +414,15 @@ class Runner:
                         f"step of {budget} tokens{' with adapters' if lora else ''} [{self.kernels.describe(budget)}]"
                     )
                     progress(what, k + 1, len(shapes))
-        # Calls of the compiled programs (they compile nothing: the fresh pool and ids are placed as
-        # the step returns them, see `_fresh_pool`), twice, so that every shape's entry in jit's fast
-        # dispatch path is made from arguments a step returned. Each runs `packed_sample` too
-        # (compiled here, on this thread: a small program).
-        for budget, lora in shapes * 2:
+        compiled = time.perf_counter()
+        # One call of each compiled program (it compiles nothing: the fresh pool and ids are placed
+        # as the step returns them, see `_fresh_pool`), so that every shape's entry in jit's fast
+        # dispatch path exists before the first request. Each runs `packed_sample` too (compiled
+        # here, on this thread: a small program). A step costs as much as a real one of its budget,
+        # so each runs once: on a CPU these calls are a large part of the start-up.
+        for budget, lora in shapes:
             self.step(bank, _empty_plan(budget), pages, lora=lora, sample=True).block_until_ready()
+        self.warmup_seconds = {"compile": compiled - start, "run": time.perf_counter() - compiled}
 
     def _compile(self, bank: Bank | None, packed: jax.Array, layout: StepLayout, lora: bool) -> None:
         """Compiles (without running) the step of `layout`, with the bank or without."""

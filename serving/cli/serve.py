@@ -85,9 +85,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from jaxlora.cli.startup import StartupClock
+
     configure_logging()
+    clock = StartupClock(getattr(args, "started", None))
     try:
-        server = _build(args)
+        server = _build(args, clock)
     except (JaxloraError, ValueError, OSError, RuntimeError) as e:
         print(f"jaxlora serve: {e}", file=sys.stderr)
         return 2
@@ -103,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
     server.start()
     print(f"jaxlora serve: listening on {_addresses(args.host, server)} (warming up)", file=sys.stderr, flush=True)
     server.warm_up()
+    clock.split(
+        {"compile": server.warmup_seconds.get("compile", 0.0), "warm-up run": server.warmup_seconds.get("run", 0.0)}
+    )
+    clock.print("jaxlora serve", getattr(args, "compilation_cache_dir", None))
     metrics = f", metrics on http://{args.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
     print(f"jaxlora serve: ready on {_addresses(args.host, server)}{metrics}", file=sys.stderr, flush=True)
     stop.wait()
@@ -142,10 +149,12 @@ def _addresses(host: str, server) -> str:
     return ", ".join(grpc_at + ([] if server.http_port is None else [f"http://{host}:{server.http_port}"]))
 
 
-def _build(args: argparse.Namespace):
+def _build(args: argparse.Namespace, clock):
     from serving.options import ServerOptions
     from serving.security import AdapterRoots
     from serving.server import build_server
+
+    clock.lap("import")
 
     if args.no_grpc and args.grpc_port is not None:
         raise ValueError("--no-grpc and --grpc-port contradict each other")
@@ -170,7 +179,7 @@ def _build(args: argparse.Namespace):
     )
     AdapterRoots(options.adapter_roots)
     _check_ports_free(options)
-    engine = engine_args.engine_from_args(args)
+    engine = engine_args.engine_from_args(args, clock=clock)
     server, _ = build_server(engine, options)
     return server
 

@@ -268,3 +268,15 @@ def test_smoke_chat_run_has_a_row_with_and_one_without_the_prefix_cache(tmp_path
     # The same trace and greedy answers: the same turns, whose history the cache serves when on.
     assert on["mean_prompt_len"] == off["mean_prompt_len"] and on["turns_sent"] > on["conversations"]
     assert off["prefix_cache_hit_share"] is None and 0.3 < on["prefix_cache_hit_share"] < 1
+
+
+def test_smoke_through_the_server(tmp_path):
+    """--api http grpc: `jaxlora serve` started as a subprocess on a model folder, PEFT folders and a
+    preset, driven by the openai client and by the gRPC client; rows carry the server's start-up."""
+    rows = _run(tmp_path, "--smoke", "--api", "http", "grpc", "--starts", "1")["rows"]
+    assert sorted((r["api"], r["start"]) for r in rows) == [("grpc", "first"), ("http", "first")]
+    for r in rows:
+        assert r["completed"] == r["requests"] > 0 and r["errors"] == [] and r["server_ready_s"] > 0
+        assert set(r["startup"]) == {"import", "load", "register", "compile", "warm-up run", "total"}
+        assert r["startup"]["total"] <= r["server_ready_s"]
+        assert r["ttft_ms_p50"] > 0 and r["tpot_ms_p50"] > 0 and r["steps"] is None  # engine counters: not seen

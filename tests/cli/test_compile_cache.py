@@ -13,3 +13,9 @@ def test_cache_folder_follows_the_environment(tmp_path):
     assert cache_dir({"JAX_COMPILATION_CACHE_DIR": "/jax"}) == Path("/jax")
     assert cache_dir({"XDG_CACHE_HOME": "/xdg"}) == Path("/xdg/jaxlora/jax")
     assert cache_dir({}) == Path.home() / ".cache" / "jaxlora" / "jax"
+
+
+def test_the_flag_wins_over_the_environment(tmp_path):
+    assert cache_dir({"JAXLORA_COMPILATION_CACHE": "/env"}, flag="off") is None
+    assert cache_dir({"JAXLORA_COMPILATION_CACHE": "off"}, flag=str(tmp_path)) == tmp_path
+    assert cache_dir({"JAXLORA_COMPILATION_CACHE": "/env"}, flag=None) == Path("/env")

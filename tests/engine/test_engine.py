@@ -605,49 +605,6 @@ def test_sampler_runs_only_in_steps_with_a_sampled_row(engine, monkeypatch):
     assert len(calls) == 5 and engine.compiles_after_warmup == 0  # one step per token of the sampled row
 
 
-def test_step_has_no_conditional(engine):
-    """An XLA conditional in the step makes the GPU runtime read its predicate on the host, so the
-    host would wait for every step before dispatching the next (the sampler's choice used to be one)."""
-    import jaxlora.engine.runner as runner_module
-
-    runner = engine.runner
-    layout = next(iter(runner.packer.layouts.values()))
-    packed = jnp.zeros(layout.size, jnp.int32)
-    args = (runner.params, engine.pager.bank, runner.kv, packed, runner.last_ids)
-    hlo = runner_module.packed_step.lower(*args, layout=layout, **runner.step_static).as_text()
-    assert "stablehlo.case" not in hlo and "stablehlo.if" not in hlo
-
-
-# Last in this module: it stops the shared engine for good.
-def test_background_loop_serves_threads_and_drains_on_stop(engine):
-    requests = traffic(8, seed=5)
-    expected = [o.token_ids for o in engine.generate(requests)]
-    engine.start()
-    try:
-        results: dict[str, tuple[int, ...]] = {}
-
-        def client(r):
-            results[r.request_id] = engine.submit(r).result(60).token_ids
-
-        threads = [threading.Thread(target=client, args=(r,)) for r in requests]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert [results[r.request_id] for r in requests] == expected
-        assert [o.token_ids for o in engine.generate(requests)] == expected  # generate() on the loop
-        late = engine.submit(
-            GenerationRequest(request_id="late", prompt_ids=[1, 8], sampling=SamplingParams(max_tokens=20))
-        )
-    finally:
-        engine.stop(drain=True, timeout=60)
-    assert late.result(0).finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
-    with pytest.raises(CapacityError):
-        engine.submit(GenerationRequest(request_id="after", prompt_ids=[1, 8]))
-    with pytest.raises(CapacityError):  # stopped for good: generate() raises instead of waiting forever
-        engine.generate([GenerationRequest(request_id="after", prompt_ids=[1, 8])])
-
-
 def _solo(engine, name: str, **sampling) -> object:
     request = GenerationRequest(request_id=name, prompt_ids=[1, 9, 10, 11], sampling=SamplingParams(**sampling))
     return engine.generate([request])[0]
@@ -689,6 +646,49 @@ def test_min_tokens_bans_eos_in_the_sampler_for_greedy_rows(engine, monkeypatch)
     with jax.no_tracing():
         out = _solo(engine, "min-greedy", max_tokens=6, min_tokens=2)
     assert len(calls) == 2 and len(out.token_ids) == 6 and engine.compiles_after_warmup == 0
+
+
+def test_step_has_no_conditional(engine):
+    """An XLA conditional in the step makes the GPU runtime read its predicate on the host, so the
+    host would wait for every step before dispatching the next (the sampler's choice used to be one)."""
+    import jaxlora.engine.runner as runner_module
+
+    runner = engine.runner
+    layout = next(iter(runner.packer.layouts.values()))
+    packed = jnp.zeros(layout.size, jnp.int32)
+    args = (runner.params, engine.pager.bank, runner.kv, packed, runner.last_ids)
+    hlo = runner_module.packed_step.lower(*args, layout=layout, **runner.step_static).as_text()
+    assert "stablehlo.case" not in hlo and "stablehlo.if" not in hlo
+
+
+# Last in this module: it stops the shared engine for good.
+def test_background_loop_serves_threads_and_drains_on_stop(engine):
+    requests = traffic(8, seed=5)
+    expected = [o.token_ids for o in engine.generate(requests)]
+    engine.start()
+    try:
+        results: dict[str, tuple[int, ...]] = {}
+
+        def client(r):
+            results[r.request_id] = engine.submit(r).result(60).token_ids
+
+        threads = [threading.Thread(target=client, args=(r,)) for r in requests]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [results[r.request_id] for r in requests] == expected
+        assert [o.token_ids for o in engine.generate(requests)] == expected  # generate() on the loop
+        late = engine.submit(
+            GenerationRequest(request_id="late", prompt_ids=[1, 8], sampling=SamplingParams(max_tokens=20))
+        )
+    finally:
+        engine.stop(drain=True, timeout=60)
+    assert late.result(0).finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    with pytest.raises(CapacityError):
+        engine.submit(GenerationRequest(request_id="after", prompt_ids=[1, 8]))
+    with pytest.raises(CapacityError):  # stopped for good: generate() raises instead of waiting forever
+        engine.generate([GenerationRequest(request_id="after", prompt_ids=[1, 8])])
 
 
 @pytest.mark.parametrize(

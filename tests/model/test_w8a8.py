@@ -116,7 +116,9 @@ def test_w8a8_choice_is_a_table_per_format_and_step_size():
     fp8_from = W8A8_AUTO["hopper"][jnp.dtype(jnp.float8_e4m3fn)]
     assert hopper.w8a8_at(fp8_from, jnp.float8_e4m3fn) and not hopper.w8a8_at(fp8_from - 1, jnp.float8_e4m3fn)
     assert not hopper.uses_quant_kernel(fp8_from)  # W8A8 takes steps the weight-only kernel leaves to XLA
-    assert not hopper.w8a8_at(1 << 16, jnp.int8) and "w8a8=float8_e4m3fn" in hopper.describe(fp8_from)
+    int8_from = W8A8_AUTO["hopper"][jnp.dtype(jnp.int8)]
+    assert hopper.w8a8_at(int8_from, jnp.int8) and not hopper.w8a8_at(int8_from - 1, jnp.int8)
+    assert "w8a8=float8_e4m3fn" in hopper.describe(fp8_from)
     assert StepKernels.for_platform("xla", "gpu", compute_capability="8.0").w8a8_min_tokens == ()
     assert StepKernels.for_platform("xla", "cpu").w8a8_min_tokens == ()
     assert (

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from serving.security import AuthInterceptor
-from tests.serving.support import connect, rpc_error, running_server, status_of
+from tests.serving.support import connect, rpc_error, running_server, status_of, write_adapter
 
 Code = grpc.StatusCode
 
@@ -132,12 +132,13 @@ def test_without_an_admin_key_runtime_changes_are_refused_on_both_apis(engine, a
         assert "alpha" in {a.name for a in engine.list_adapters()}
 
 
-def test_an_admin_reloads_a_start_up_adapter_from_its_folder_without_a_root(engine, adapter_root):
+def test_an_admin_reloads_a_start_up_adapter_from_its_folder_without_a_root(engine, adapter_root, tmp_path):
+    stranger = write_adapter(tmp_path / "stranger", engine.model.config, seed=7)
     with running_server(engine, admin_key="admin-key") as srv, connect(srv, api_key="admin-key") as admin:
         admin.unload_adapter("alpha")
         try:
             assert "alpha" not in {a.name for a in admin.list_adapters()}
-            e = rpc_error(lambda: admin.load_adapter("spare-0", str(adapter_root / "spare-0")))
+            e = rpc_error(lambda: admin.load_adapter("stranger", str(stranger)))
             assert e.code() is Code.PERMISSION_DENIED  # not a start-up folder, and no root
         finally:
             admin.load_adapter("alpha", str(adapter_root / "alpha"))

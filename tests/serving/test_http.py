@@ -184,6 +184,22 @@ def _resident(samples: dict, adapter: str, tier: str) -> float:
     return samples[("jaxlora_adapter_resident", frozenset({("adapter", adapter), ("tier", tier)}))]
 
 
+def _load_state(samples: dict) -> dict[str, tuple[str, str]]:
+    """adapter -> (level, pinned) of `vllm:lora_adapter_loaded`, whose series must all be 1 and carry
+    the adapter's rank."""
+    state = {}
+    for (name, labels), value in samples.items():
+        if name == "vllm:lora_adapter_loaded":
+            labels = dict(labels)
+            assert value == 1 and labels["rank"] == str(_peft_rank(labels["adapter_name"]))
+            state[labels["adapter_name"]] = (labels["level"], labels["pinned"])
+    return state
+
+
+def _peft_rank(adapter: str) -> int:
+    return json.loads((REPO / "checkpoints" / "demo" / adapter / "adapter_config.json").read_text())["r"]
+
+
 def _lora_info(samples: dict) -> dict[str, str]:
     [labels] = [dict(k[1]) for k in samples if k[0] == "vllm:lora_requests_info"]
     return labels
@@ -384,6 +400,13 @@ def test_metrics_show_adapters_paged_in_and_evicted(live):
         ("jaxlora_adapter_page_in_seconds_count", frozenset({("tier", "host")}))
     ] >= len(DEMO)
     assert _lora_info(after)["max_lora"] == "2"
+    assert _load_state(middle) == {"shout": ("gpu", "false"), "pirate": ("gpu", "false"), "json": ("cpu", "false")}
+    assert _load_state(after) == {"shout": ("cpu", "false"), "pirate": ("gpu", "false"), "json": ("gpu", "false")}
+    assert after[("vllm:num_gpu_loaded_lora_adapters", frozenset())] == 2
+    assert after[("vllm:max_gpu_lora_adapters", frozenset())] == 2
+    [cache] = [dict(k[1]) for k in after if k[0] == "vllm:cache_config_info"]
+    assert cache == {"block_size": str(CONFIG.page_size), "num_gpu_blocks": str(live.engine.pages.num_pages)}
+    assert after[("vllm:kv_cache_usage_perc", frozenset())] == 0  # idle: every page is free
     # A running request's adapter is listed the way vLLM lists it, on both metrics endpoints.
     stream = client.chat.completions.create(
         model="json", messages=[{"role": "user", "content": QUESTION}], max_tokens=64, temperature=0, stream=True
@@ -395,6 +418,8 @@ def test_metrics_show_adapters_paged_in_and_evicted(live):
             assert _lora_info(samples)["running_lora_adapters"] == "json"
             assert _resident(samples, "json", "device") == 1
             assert samples[("vllm:num_requests_running", frozenset())] == 1
+            assert _load_state(samples)["json"] == ("gpu", "true")  # its running request pins it
+            assert 0 < samples[("vllm:kv_cache_usage_perc", frozenset())] < 1
             # json's question a second time: the prompt's full pages come from the prefix cache.
             hits, queries = (samples[(f"vllm:prefix_cache_{k}_total", frozenset())] for k in ("hits", "queries"))
             assert 0 < hits < queries and ("jaxlora_prefix_cache_evictions_total", frozenset()) in samples

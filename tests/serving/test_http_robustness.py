@@ -11,6 +11,7 @@ import http.client
 import json
 import logging
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -23,7 +24,9 @@ from serving.server import InferenceServer
 from tests.serving.support import LONG, assert_capacity_whole, running_server, wait_until
 
 MAX_STREAMS = 3
-FREED_WITHIN = 0.5  # seconds from a client's hang-up to its row, pages and pin being free
+# Seconds from a client's hang-up to its row, pages and pin being free, plus one engine step: on a
+# machine loaded enough that a step is a noticeable part of it, the cancel lands at the next one.
+FREED_WITHIN = 0.5
 KEEP_ALIVE = 2.0
 MAX_CONNECTIONS = 8
 MAX_HEADER_BYTES = 4096
@@ -71,8 +74,19 @@ def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float
 
 def _freed_after(engine, hung_up: float) -> float:
     """Seconds from `hung_up` (perf_counter) until the engine runs nothing and pins no adapter."""
-    wait_until(lambda: engine.stats()["running"] == 0 and not engine.pager.snapshot()["refcounts"], timeout=30)
+    wait_until(
+        lambda: engine.stats()["running"] == 0 and not engine.pager.snapshot()["refcounts"],
+        timeout=30,
+        interval=0.005,
+    )
     return time.perf_counter() - hung_up
+
+
+def _step_seconds(engine, over: float = 0.3) -> float:
+    """The engine's current seconds per step, measured over `over` seconds while a request runs."""
+    steps, start = engine.stats()["steps"], time.perf_counter()
+    time.sleep(over)
+    return (time.perf_counter() - start) / max(1, engine.stats()["steps"] - steps)
 
 
 def _raw(server: InferenceServer, data: bytes, *, read: bool = True) -> bytes:
@@ -103,9 +117,9 @@ def test_a_client_timeout_cancels_a_whole_completion_at_once(engine, live):
     with socket.create_connection(("127.0.0.1", live.http_port), timeout=30) as s:
         s.sendall(_post("/v1/completions", body))
         wait_until(lambda: engine.stats()["running"] == 1)  # generating, holding its row
-        time.sleep(0.3)
+        step = _step_seconds(engine)
     freed = _freed_after(engine, time.perf_counter())
-    assert freed < FREED_WITHIN, freed
+    assert freed < FREED_WITHIN + step, (freed, step)
     assert engine.stats()["cancelled"] == cancelled + 1
     wait_until(lambda: _delta(before, _counts(live)) == {"cancelled": 1, "disconnected": 1})
     assert_capacity_whole(engine, live)
@@ -114,17 +128,25 @@ def test_a_client_timeout_cancels_a_whole_completion_at_once(engine, live):
 def test_an_sdk_timeout_with_retries_runs_one_cancelled_generation_per_attempt(engine, live):
     before, cancelled = _counts(live), engine.stats()["cancelled"]
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{live.http_port}/v1", api_key="unused", timeout=1, max_retries=2)
+    step: list[float] = []
+
+    def measure_a_step() -> None:
+        wait_until(lambda: engine.stats()["running"] == 1)
+        step.append(_step_seconds(engine, over=0.2))
+
+    measuring = threading.Thread(target=measure_a_step, daemon=True)
+    measuring.start()
     with pytest.raises(openai.APITimeoutError):
         client.completions.create(model="beta", prompt="hello", max_tokens=LONG, temperature=0)
     freed = _freed_after(engine, time.perf_counter())
-    assert freed < FREED_WITHIN, freed
+    measuring.join(30)
+    assert freed < FREED_WITHIN + step[0], (freed, step)
     assert engine.stats()["cancelled"] == cancelled + 3  # three attempts, three generations, each cancelled
     wait_until(lambda: _delta(before, _counts(live)) == {"cancelled": 3, "disconnected": 3})
     assert_capacity_whole(engine, live)
 
 
-def test_a_client_gone_while_its_request_waits_for_a_place_is_cancelled_too(engine, live):
-    """A stream whose client leaves before any token (queued behind full rows) is cancelled at once."""
+def test_a_stream_whose_client_leaves_without_reading_is_cancelled_too(engine, live):
     cancelled = engine.stats()["cancelled"]
     body = json.dumps({"prompt": "queued", "max_tokens": LONG, "stream": True}).encode()
     with socket.create_connection(("127.0.0.1", live.http_port), timeout=30) as s:
