@@ -140,7 +140,7 @@ def _run_ray(args: argparse.Namespace) -> int:
             cpus_per_replica=args.replica_cpus,
             gpus_per_replica=args.replica_gpus,
             **({"rows_per_block": args.rows_per_block} if args.rows_per_block is not None else {}),
-            compilation_cache=str(compile_cache.cache_dir() or "") or None,
+            compilation_cache=str(compile_cache.cache_dir(flag=getattr(args, "compilation_cache", None)) or "") or None,
         )
     except ValueError as e:
         print(f"jaxlora generate: error: {e}", file=sys.stderr)
