@@ -68,6 +68,7 @@ SHARED_SESSION_DIRS = ("tests/serving",)
 LONGEST_SCOPES = (
     "tests/serving",  # 182
     "tests/train/test_train.py",  # 147
+    "tests/test_ray_batch.py",  # one Ray cluster, replicas warming engines (290 s measured under a load of ~17)
     "tests/lora/test_vs_peft.py",  # 134
     "tests/test_readme.py",  # 123
     "tests/model/test_fused.py",  # 115

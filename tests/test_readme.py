@@ -47,6 +47,8 @@ NOT_RUN = {
     "tests/train/test_cli.py runs the command on a tiny model, and "
     "this test checks that the README's train.jsonl is valid training data",
     "jaxlora serve --model checkpoints/llama-7b": "needs a converted Llama-2-7B checkpoint and a GPU",
+    "jaxlora generate --input requests.jsonl --output results/ --ray": "its replicas load their own engines; "
+    "tests/test_ray_batch.py runs it as written on that module's Ray cluster",
 }
 
 

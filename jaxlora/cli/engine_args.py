@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 
 from jaxlora.cli.common import DEFAULT_MODEL_NAME, AdapterFlag, add_model_args, add_quantize_arg
@@ -251,53 +250,28 @@ def base_model_name(args: argparse.Namespace) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+def engine_spec(args: argparse.Namespace, extra_adapters: dict[str, str] | None = None):
+    """The flags as a jaxlora.engine.load.EngineSpec: the EngineConfig they make (`engine_config`),
+    the --adapter folders plus `extra_adapters`."""
+    from jaxlora.engine.load import EngineSpec
+
+    adapters = {**(extra_adapters or {}), **args.adapter}
+    return EngineSpec(
+        model=args.model,
+        config=engine_config(args, adapters),
+        adapters=adapters,
+        quantize=args.quantize,
+        max_cpu_loras=args.max_cpu_loras,
+    )
+
+
 def engine_from_args(args: argparse.Namespace, extra_adapters: dict[str, str] | None = None, clock=None):
     """Loads the model and returns an (un-warmed) Engine with the --adapter folders (and
-    `extra_adapters`) registered: the flags become an EngineConfig here, `jaxlora.engine.build_engine`
-    does the rest. `clock` (a `jaxlora.cli.startup.StartupClock`) gets the "load" and "register" laps.
+    `extra_adapters`) registered: the flags become an EngineSpec here, jaxlora.engine.load does the
+    rest. `clock` (a `jaxlora.cli.startup.StartupClock`) gets the "load" and "register" laps.
 
     Raises JaxloraError / ValueError / OSError with a message fit for the command line.
     """
-    from jaxlora.adapters.registry import slot_nbytes
-    from jaxlora.cli.common import DTYPES
-    from jaxlora.engine.build import build_engine
-    from jaxlora.loading import load_model
+    from jaxlora.engine.load import load_engine
 
-    adapters = {**(extra_adapters or {}), **args.adapter}
-    config = engine_config(args, adapters)
-    # The serving layout (q|k|v, gate|up fused: fewer, wider GEMMs) on one device; a tensor-parallel
-    # split needs the separate matrices (jaxlora.model.fused).
-    fused = not config.mesh.is_sharded
-    model, tokenizer = load_model(args.model, dtype=DTYPES[config.dtype], quantization=args.quantize, fused=fused)
-    if clock is not None:
-        clock.lap("load")
-    capacity = _host_capacity(args, config, slot_nbytes(model.config, config.lora, model.dtype))
-    config = dataclasses.replace(config, host_capacity_bytes=capacity)
-    engine = build_engine(config, model, tokenizer, adapters)
-    if clock is not None:
-        clock.lap("register")
-    return engine
-
-
-def _host_capacity(args: argparse.Namespace, config, slot_bytes: int) -> int:
-    """Host bytes registered adapters may take: --max-cpu-loras, else the config's, else a share of
-    this machine's memory (jaxlora.adapters.host_budget). Printed, since it bounds LoadAdapter."""
-    from jaxlora.adapters.host_budget import HOST_SHARE, default_host_capacity_bytes, machine_memory_bytes
-
-    if args.max_cpu_loras is not None:
-        if args.max_cpu_loras < 1:
-            raise ValueError(f"--max-cpu-loras={args.max_cpu_loras} must be >= 1")
-        capacity, origin = args.max_cpu_loras * slot_bytes, "--max-cpu-loras"
-    elif config.host_capacity_bytes is not None:
-        capacity, origin = config.host_capacity_bytes, "the engine config's host_capacity_bytes"
-    else:
-        memory = machine_memory_bytes()
-        capacity = default_host_capacity_bytes(memory)
-        origin = f"{HOST_SHARE:.0%} of this machine's {memory / 2**30:.1f} GiB; --max-cpu-loras N to change"
-    print(
-        f"host adapter memory: {capacity / 2**30:.2f} GiB, room for {capacity // slot_bytes} adapters of "
-        f"{slot_bytes / 2**20:.1f} MiB at the bank's max rank, more at lower ranks ({origin})",
-        file=sys.stderr,
-        flush=True,
-    )
-    return capacity
+    return load_engine(engine_spec(args, extra_adapters), clock=clock)

@@ -42,6 +42,35 @@ def add_args(p: argparse.ArgumentParser) -> None:
     sampling.add_argument("--top-p", type=float, default=None, help="(default: 1, off)")
     sampling.add_argument("--top-k", type=int, default=None, help="0 = off (default: 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+    add_ray_args(p)
+
+
+def add_ray_args(p: argparse.ArgumentParser) -> None:
+    ray = p.add_argument_group("Ray (pip install 'jaxlora[ray]')")
+    ray.add_argument(
+        "--ray",
+        action="store_true",
+        help="run --input (JSONL or Parquet) on Ray Data replicas; --output is then a folder of part files",
+    )
+    ray.add_argument(
+        "--ray-address", default=None, metavar="ADDR", help="Ray cluster to join (default: start a local one)"
+    )
+    ray.add_argument("--replicas", type=int, default=1, metavar="N", help="engines, one Ray actor each (default 1)")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, metavar="N", help="CPUs reserved per replica")
+    ray.add_argument(
+        "--rows-per-block",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests per Ray Data block, the unit a replica takes and results come back in (default 16)",
+    )
+    ray.add_argument(
+        "--replica-gpus",
+        type=float,
+        default=None,
+        metavar="N",
+        help="GPUs per replica (default: 1 when the cluster has GPUs, else 0)",
+    )
 
 
 _SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k")
@@ -57,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"jaxlora generate: error: {problem}", file=sys.stderr)
         return 2
+    if args.ray:
+        return _run_ray(args)
     if args.input is not None:
         from jaxlora.engine.batch_job import LineDefaults, run_batch_job
 
@@ -75,6 +106,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _usage_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the flags taken together (checked before anything loads), or None."""
+    ray_flags = args.ray_address is not None or args.replicas != 1 or args.replica_gpus is not None
+    ray_flags = ray_flags or args.rows_per_block is not None
+    if ray_flags and not args.ray:
+        return "--ray-address, --replicas, --replica-gpus and --rows-per-block go with --ray"
+    if args.ray and args.input is None:
+        return "--ray runs a batch: give --input and --output"
     if args.input is not None:
         if args.output is None:
             return "--input needs --output"
@@ -87,6 +124,44 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
         given = ", ".join(args.adapter) or "none"
         return f"--use {args.use}: no --adapter {args.use}=PATH was given (adapters given: {given})"
     return None
+
+
+def _run_ray(args: argparse.Namespace) -> int:
+    try:
+        from jaxlora.ray import RayJob, run_ray_job
+    except ImportError as e:
+        print(f"jaxlora generate: --ray needs Ray ({e}); pip install 'jaxlora[ray]'", file=sys.stderr)
+        return 2
+    from jaxlora.cli import compile_cache
+
+    try:
+        job = RayJob(
+            replicas=args.replicas,
+            cpus_per_replica=args.replica_cpus,
+            gpus_per_replica=args.replica_gpus,
+            **({"rows_per_block": args.rows_per_block} if args.rows_per_block is not None else {}),
+            compilation_cache=str(compile_cache.cache_dir(flag=getattr(args, "compilation_cache", None)) or "") or None,
+        )
+    except ValueError as e:
+        print(f"jaxlora generate: error: {e}", file=sys.stderr)
+        return 2
+    from jaxlora.engine.batch_job import LineDefaults
+
+    try:
+        spec = engine_args.engine_spec(args)
+    except (JaxloraError, ValueError, OSError) as e:
+        print(f"jaxlora generate: {e}", file=sys.stderr)
+        return 2
+    return run_ray_job(
+        args.input,
+        args.output,
+        spec,
+        job,
+        address=args.ray_address,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        defaults=LineDefaults(sampling=sampling_flags(args), base_model=engine_args.base_model_name(args)),
+    )
 
 
 def _run_prompt(args: argparse.Namespace) -> int:

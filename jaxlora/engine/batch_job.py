@@ -158,7 +158,7 @@ def read_input(path: Path, defaults: LineDefaults = LineDefaults()) -> list[_Lin
     """The non-blank lines of the input file (a regular file; a UTF-8 byte order mark at its start
     is dropped), parsed; JobFileError if it cannot be read."""
     data = job_files.read_input(path).removeprefix(codecs.BOM_UTF8)
-    return [_parse_line(number, raw, defaults) for number, raw in enumerate(data.split(b"\n"), start=1) if raw.strip()]
+    return [parse_line(number, raw, defaults) for number, raw in enumerate(data.split(b"\n"), start=1) if raw.strip()]
 
 
 def _check_adapters(lines: list[_Line], adapters: Collection[str]) -> None:
@@ -223,19 +223,19 @@ class BatchJob:
                     except CapacityError:
                         break
                     except JaxloraError as e:
-                        line.record = _error_record(line, str(e))
+                        line.record = error_record(line, str(e))
                 next_submit += 1
             if in_flight:
                 self.engine.step()
             for i in [i for i, h in in_flight.items() if h.done]:
-                todo[i].record = _result_record(todo[i], in_flight.pop(i).result())
+                todo[i].record = result_record(todo[i], in_flight.pop(i).result())
             while next_write < len(todo) and todo[next_write].record is not None:
                 self.results.append(todo[next_write].record)
                 next_write += 1
                 bar.update(1)
 
 
-def _parse_line(number: int, raw: bytes, defaults: LineDefaults) -> _Line:
+def parse_line(number: int, raw: bytes, defaults: LineDefaults) -> _Line:
     """A request, or an error record for a line that is not one (the job goes on)."""
     text = raw.decode("utf-8", errors="backslashreplace")
     digest = request_hash(text)
@@ -243,17 +243,17 @@ def _parse_line(number: int, raw: bytes, defaults: LineDefaults) -> _Line:
         raw.decode("utf-8")
     except UnicodeDecodeError as e:  # a replaced character would change custom_id or the prompt unseen
         line = _Line(number=number, request_hash=digest, input_bytes=len(raw))
-        line.record = _error_record(line, f"line {number}: not valid UTF-8 (byte {e.start + 1}: {e.reason})")
+        line.record = error_record(line, f"line {number}: not valid UTF-8 (byte {e.start + 1}: {e.reason})")
         return line
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         line = _Line(number=number, request_hash=digest, input_bytes=len(raw))
-        line.record = _error_record(line, f"line {number}: malformed JSON ({e.msg})")
+        line.record = error_record(line, f"line {number}: malformed JSON ({e.msg})")
         return line
     if not isinstance(obj, dict):
         line = _Line(number=number, request_hash=digest, input_bytes=len(raw))
-        line.record = _error_record(line, f"line {number}: expected a JSON object")
+        line.record = error_record(line, f"line {number}: expected a JSON object")
         return line
     cid = obj.get("custom_id")
     has_id = isinstance(cid, (str, int)) and not isinstance(cid, bool)
@@ -271,7 +271,7 @@ def _parse_line(number: int, raw: bytes, defaults: LineDefaults) -> _Line:
             sampling=_sampling(fields, number, defaults.sampling),
         )
     except (JaxloraError, TypeError) as e:
-        line.record = _error_record(line, str(e))
+        line.record = error_record(line, str(e))
     return line
 
 
@@ -326,7 +326,7 @@ def _sampling(fields: dict[str, Any], number: int, defaults: Mapping[str, Any]) 
     return SamplingParams(**{**defaults, **given})
 
 
-def _result_record(line: _Line, result: FinalOutput) -> dict[str, Any]:
+def result_record(line: _Line, result: FinalOutput) -> dict[str, Any]:
     return {
         **line.fingerprint,
         "adapter": line.adapter,
@@ -337,7 +337,7 @@ def _result_record(line: _Line, result: FinalOutput) -> dict[str, Any]:
     }
 
 
-def _error_record(line: _Line, error: str) -> dict[str, Any]:
+def error_record(line: _Line, error: str) -> dict[str, Any]:
     return {
         **line.fingerprint,
         "adapter": line.adapter,

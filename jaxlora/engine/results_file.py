@@ -36,7 +36,7 @@ from jaxlora.engine.job_files import JobFileError, open_regular
 
 # How every record line starts (`custom_id` is the first key written): a last line without a
 # newline that starts like this, or is a prefix of it, is a torn write of ours.
-_RECORD_START = b'{"custom_id": '
+RECORD_START = b'{"custom_id": '
 MAX_RECORD_BYTES = 64 * 2**20  # a record's bound when the caller gives none
 _CHUNK = 1 << 20
 
@@ -172,8 +172,8 @@ def _resume_point(fd: int, path: Path, expected: Sequence[Mapping[str, Any]], li
     num_done = size = 0
     for raw, has_newline in _records(fd, path, limits):
         if not has_newline:
-            if not (raw.startswith(_RECORD_START) or _RECORD_START.startswith(raw)):
-                raise _foreign(path, num_done + 1, f"unrelated text {_preview(raw)}")
+            if not (raw.startswith(RECORD_START) or RECORD_START.startswith(raw)):
+                raise _foreign(path, num_done + 1, f"unrelated text {preview(raw)}")
             os.ftruncate(fd, size)
             os.fsync(fd)
             break
@@ -212,9 +212,9 @@ def _check_record(path: Path, i: int, raw: bytes, expected: Sequence[Mapping[str
     try:
         record = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise _foreign(path, i + 1, f"text that is not a JSON record {_preview(raw)}") from None
+        raise _foreign(path, i + 1, f"text that is not a JSON record {preview(raw)}") from None
     if not isinstance(record, dict) or "request_hash" not in record:
-        raise _foreign(path, i + 1, f"JSON that is not a result record {_preview(raw)}")
+        raise _foreign(path, i + 1, f"JSON that is not a result record {preview(raw)}")
     if i >= len(expected):
         raise _foreign(path, i + 1, f"more results than the input has lines ({len(expected)})")
     if any(record.get(k) != v for k, v in expected[i].items()):
@@ -234,6 +234,6 @@ def _foreign(path: Path, line: int, what: str) -> ResultsFileError:
     )
 
 
-def _preview(raw: bytes, limit: int = 60) -> str:
+def preview(raw: bytes, limit: int = 60) -> str:
     text = raw.decode("utf-8", errors="replace")
     return repr(text if len(text) <= limit else text[:limit] + "...")
