@@ -144,7 +144,7 @@ class Harness:
         self.server = None
         self.served_once = False
 
-    def engine_from_args(self, args, extra_adapters=None):
+    def engine_from_args(self, args, extra_adapters=None, clock=None):
         """Stands in for jaxlora.cli.engine_args.engine_from_args: checks the flags, returns the shared engine."""
         adapters = {**(extra_adapters or {}), **args.adapter}
         jaxlora.cli.engine_args.engine_config(args, adapters)  # the config file and adapter folders are valid

@@ -17,6 +17,7 @@ import sys
 import threading
 
 from jaxlora.cli import engine_args
+from jaxlora.cli.startup import StartupClock
 from jaxlora.errors import JaxloraError
 
 log = logging.getLogger("jaxlora.serve")
@@ -85,8 +86,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxlora.cli.startup import StartupClock
-
     configure_logging()
     clock = StartupClock(getattr(args, "started", None))
     try:
@@ -149,11 +148,12 @@ def _addresses(host: str, server) -> str:
     return ", ".join(grpc_at + ([] if server.http_port is None else [f"http://{host}:{server.http_port}"]))
 
 
-def _build(args: argparse.Namespace, clock):
+def _build(args: argparse.Namespace, clock: StartupClock | None = None):
     from serving.options import ServerOptions
     from serving.security import AdapterRoots
     from serving.server import build_server
 
+    clock = clock or StartupClock(None)
     clock.lap("import")
 
     if args.no_grpc and args.grpc_port is not None:

@@ -70,7 +70,7 @@ def test_served_model_name_defaults_to_the_folder_name_not_the_path():
 def test_ports_http_on_port_grpc_on_grpc_port(monkeypatch, capsys):
     built = {}
 
-    def fake_engine(args):
+    def fake_engine(args, clock=None):
         raise SystemExit("stop before loading")
 
     import jaxlora.cli.engine_args
