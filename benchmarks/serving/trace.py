@@ -1230,7 +1230,7 @@ def run_setting_api(
     ("second"). Every start serves every --rates run of every api in --api (http, grpc)."""
     from benchmarks.serving import server_api as serving_api
 
-    host = int(args.host_gb * 1e9) if not args.tiny else None
+    host = None if args.tiny else int(args.host_gb * 1e9) if args.host_gb else size.engine.host_capacity_bytes
     lora = lora_config(setting, backend)
     n = setting.n if host is None else num_fitting_bytes(setting, size, lora, host)
     sets, ranks = adapter_weights(setting, size.model)
