@@ -51,7 +51,9 @@ def build_engine(
     """
     mesh = engine_mesh(config.mesh, model.config)
     pager = Pager(
-        model.config, config.lora, host_capacity_bytes=config.host_capacity_bytes,
+        model.config,
+        config.lora,
+        host_capacity_bytes=config.host_capacity_bytes,
         dtype=model.dtype,
         mesh=mesh,
         compile_writes=compile_ahead,

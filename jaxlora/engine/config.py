@@ -21,7 +21,7 @@ _DTYPES = ("float32", "bfloat16")
 
 # The default context on CPU, whatever the model allows (configs/smollm2-135m-cpu.yaml's). Attention
 # on CPU reads only the context in use (pallas_kernels.attention.ragged_xla), so this width costs
-# memory, not time. A longer context is one --max-seq-len away.
+# memory, not time (benchmarks/DECISIONS.md#cpu-context). A longer context is one --max-seq-len away.
 CPU_MAX_SEQ_LEN = 4096
 # Positions the CPU page pool holds by default (the rows share them; the host's memory, not a
 # device's): four sequences of CPU_MAX_SEQ_LEN. SmolLM2-135M keeps 45 KiB per position

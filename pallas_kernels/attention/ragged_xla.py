@@ -67,7 +67,8 @@ def ragged_paged_attention_xla(
     kv_len [S] int32, block_tables [S, pages_per_seq] int32 -> [T, H, Dh] in q.dtype (zeros at padding).
 
     block_q: queries per block (each block gathers its sequence's pages once per chunk);
-    chunk_pages: pages read per loop iteration (fewer than the table's: the table, then).
+    chunk_pages: pages read per loop iteration (more than the table's: the table, then); the
+      default's choice is benchmarks/DECISIONS.md#cpu-context.
     """
     if block_q < 1 or chunk_pages < 1:
         raise ValueError(f"{block_q=} and {chunk_pages=} must be >= 1")
