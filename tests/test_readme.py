@@ -144,8 +144,9 @@ class Harness:
         self.server = None
         self.served_once = False
 
-    def engine_from_args(self, args, extra_adapters=None, clock=None):
-        """Stands in for jaxlora.cli.engine_args.engine_from_args: checks the flags, returns the shared engine."""
+    def engine_from_args(self, args, extra_adapters=None, clock=None, *, compile_ahead=True):
+        """Stands in for jaxlora.cli.engine_args.engine_from_args: checks the flags, returns the
+        shared engine (warmed up once, whatever `compile_ahead` asks)."""
         adapters = {**(extra_adapters or {}), **args.adapter}
         jaxlora.cli.engine_args.engine_config(args, adapters)  # the config file and adapter folders are valid
         assert args.model is None, "README examples that run here use the default model"

@@ -2,6 +2,7 @@
 default model (SmolLM2-135M-Instruct), on the CPU, timed twice as a user meets it.
 
     python -m benchmarks.engine.startup_cpu                      # writes benchmarks/results/engine/startup_cpu/
+    python -m benchmarks.engine.startup_cpu --max-seq-len 1024 --out OUT.json   # another context
 
 "first": an empty persistent compilation cache (a new machine), "second": the same command again,
 the cache written by the first. Each row has the wall time from launching the process to its exit,
@@ -36,10 +37,19 @@ def jaxlora_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "jaxlora.cli.main"]
 
 
-def run_once(cache: Path, *, prompt: str, max_tokens: int) -> dict:
-    """One `jaxlora generate` process on the CPU with `cache` as its compilation cache."""
+def generate_args(prompt: str, max_tokens: int | None, max_seq_len: int | None) -> list[str]:
+    """`jaxlora generate`'s arguments: the prompt, and the flags given (None: the command's default)."""
+    flags = {"--max-tokens": max_tokens, "--max-seq-len": max_seq_len}
+    return ["generate", "--prompt", prompt, *(x for k, v in flags.items() if v is not None for x in (k, str(v)))]
+
+
+def run_once(cache: Path, args: list[str], code: Path | None = None) -> dict:
+    """One `jaxlora generate` process on the CPU with `cache` as its compilation cache; `code`: a
+    source tree whose jaxlora it runs (on PYTHONPATH), e.g. an export of an older commit."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXLORA_COMPILATION_CACHE": str(cache)}
-    command = [*jaxlora_command(), "generate", "--prompt", prompt, "--max-tokens", str(max_tokens)]
+    if code is not None:
+        env["PYTHONPATH"] = str(code)
+    command = [*jaxlora_command(), *args]
     load_before = os.getloadavg()
     start = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
@@ -50,6 +60,8 @@ def run_once(cache: Path, *, prompt: str, max_tokens: int) -> dict:
         "wall_s": round(wall, 2),
         "startup": parse_line(done.stderr),
         "answer": done.stdout.strip(),
+        # The command's last line: tokens and seconds from submitting the prompt to its answer.
+        "generate_line": done.stderr.strip().splitlines()[-1],
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
@@ -58,14 +70,17 @@ def run_once(cache: Path, *, prompt: str, max_tokens: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompt", default="Hi")
-    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=None, help="(default: the command's)")
+    p.add_argument("--max-seq-len", type=int, default=None, help="(default: the command's)")
+    p.add_argument("--code", type=Path, default=None, help="source tree to run (default: the jaxlora imported here)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    generate = generate_args(args.prompt, args.max_tokens, args.max_seq_len)
     cache = Path(tempfile.mkdtemp(prefix="jaxlora-startup-cache-"))
     try:
         rows = []
         for start in ("first", "second"):
-            row = {"start": start, **run_once(cache, prompt=args.prompt, max_tokens=args.max_tokens)}
+            row = {"start": start, **run_once(cache, generate, args.code)}
             row["target_s"] = TARGETS_S[start]
             row["meets_target"] = row["wall_s"] <= TARGETS_S[start]
             rows.append(row)
@@ -73,9 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     result = {
-        "command": " ".join(
-            ["jaxlora", "generate", "--prompt", repr(args.prompt), "--max-tokens", str(args.max_tokens)]
-        ),
+        "command": " ".join(["jaxlora", *(repr(a) if a == args.prompt else a for a in generate)]),
+        "code": str(args.code or "this checkout"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "rows": rows,
     }

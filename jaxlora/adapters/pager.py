@@ -109,6 +109,8 @@ class Pager:
         is compiled once per power of two up to it.
       time_transfers: block on every page-in to time it (fills `metrics.transfer_seconds`; for
         benchmarks only, it removes the overlap).
+      compile_writes: compile every slot write now (`warmup`); False leaves each to compile on its
+        first use, for a one-shot command that may page in nothing.
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class Pager:
         max_page_ins_per_commit: int = 16,
         time_transfers: bool = False,
         mesh: jax.sharding.Mesh | None = None,
+        compile_writes: bool = True,
     ) -> None:
         if not isinstance(max_page_ins_per_commit, int) or max_page_ins_per_commit < 1:
             raise ValueError(f"{max_page_ins_per_commit=} must be an int >= 1")
@@ -172,13 +175,13 @@ class Pager:
         self._zeros_flat = self._on_host(self.layouts[min(self.layouts)].zeros())
         self.bank: Bank = jax.device_put(init_bank(model_config, lora_config, self.dtype), self._device_sharding)
         if mesh is not None:
-            self.place_on(mesh)
-        else:
+            self.place_on(mesh, compile_writes=compile_writes)
+        elif compile_writes:
             self.warmup()
 
-    def place_on(self, mesh: jax.sharding.Mesh) -> None:
+    def place_on(self, mesh: jax.sharding.Mesh, *, compile_writes: bool = True) -> None:
         """Splits the bank over a tensor-parallel mesh (keeping every written slot) and compiles the
-        sharded slot write. Call before serving, from the engine thread."""
+        sharded slot write (unless not `compile_writes`). Call before serving, from the engine thread."""
         from jaxlora.parallel.sharding import shard_bank
 
         self.bank = shard_bank(self.bank, mesh)
@@ -188,7 +191,8 @@ class Pager:
         # path the single-device pager uses), then device -> mesh over the device links (see _write).
         self._entry_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.mesh = mesh
-        self.warmup()
+        if compile_writes:
+            self.warmup()
 
     # ---------------------------------------------------------------- registry (any thread)
     def register(self, name: str, source: str | Path | HostAdapter) -> AdapterInfo:

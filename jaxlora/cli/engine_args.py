@@ -265,13 +265,20 @@ def engine_spec(args: argparse.Namespace, extra_adapters: dict[str, str] | None 
     )
 
 
-def engine_from_args(args: argparse.Namespace, extra_adapters: dict[str, str] | None = None, clock=None):
+def engine_from_args(
+    args: argparse.Namespace,
+    extra_adapters: dict[str, str] | None = None,
+    clock=None,
+    *,
+    compile_ahead: bool = True,
+):
     """Loads the model and returns an (un-warmed) Engine with the --adapter folders (and
     `extra_adapters`) registered: the flags become an EngineSpec here, jaxlora.engine.load does the
-    rest. `clock` (a `jaxlora.cli.startup.StartupClock`) gets the "load" and "register" laps.
+    rest. `clock` (a `jaxlora.cli.startup.StartupClock`) gets the "load" and "register" laps;
+    `compile_ahead` is `build_engine`'s.
 
     Raises JaxloraError / ValueError / OSError with a message fit for the command line.
     """
     from jaxlora.engine.load import load_engine
 
-    return load_engine(engine_spec(args, extra_adapters), clock=clock)
+    return load_engine(engine_spec(args, extra_adapters), clock=clock, compile_ahead=compile_ahead)

@@ -165,6 +165,9 @@ def _run_ray(args: argparse.Namespace) -> int:
 
 
 def _run_prompt(args: argparse.Namespace) -> int:
+    """One prompt, one answer. Nothing is warmed up: of the step programs a server compiles ahead,
+    one answer runs a few (a prompt's budget, then decode's), and each compiles, or is read from the
+    compilation cache, on first use. The answer's time includes that."""
     from jaxlora.cli.startup import StartupClock
     from jaxlora.engine import GenerationRequest, SamplingParams
 
@@ -172,10 +175,8 @@ def _run_prompt(args: argparse.Namespace) -> int:
     clock.lap("import")
     try:
         sampling = SamplingParams(**sampling_flags(args))
-        engine = engine_args.engine_from_args(args, clock=clock)
+        engine = engine_args.engine_from_args(args, clock=clock, compile_ahead=False)
         prompt = {"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}
-        engine.warmup(progress=warmup_progress)
-        clock.split({"compile": engine.warmup_seconds["compile"], "warm-up run": engine.warmup_seconds["run"]})
         clock.print("jaxlora generate", getattr(args, "compilation_cache_dir", None))
         start = time.perf_counter()
         request = GenerationRequest(request_id="cli", adapter=args.use, sampling=sampling, **prompt)
@@ -191,5 +192,9 @@ def _run_prompt(args: argparse.Namespace) -> int:
         return 1
     print(result.text)
     n = len(result.token_ids)
-    print(f"[{n} tokens in {seconds:.2f}s, {n / seconds:.1f} tok/s, finish: {result.finish_reason}]", file=sys.stderr)
+    print(
+        f"[{n} tokens in {seconds:.2f}s, {n / seconds:.1f} tok/s, finish: {result.finish_reason}; "
+        "the time includes the first use of each step program]",
+        file=sys.stderr,
+    )
     return 0

@@ -8,6 +8,8 @@ the engine's modules), "load" (the base model read and placed), "register" (adap
 and the engine built: the pager's bank and its slot-write programs, the KV pool), "compile" (the
 step program of every token budget, served from the persistent compilation cache when it holds
 them), "warm-up run" (one call of each step program and, for a server, one real request).
+`generate --prompt` has neither of the last two: it warms nothing up, and the few programs one
+answer runs compile (or come from the cache) on first use, inside the answer's time.
 `benchmarks/engine/startup_cpu.py` and `benchmarks/serving/trace.py` read the line back (`parse_line`).
 """
 

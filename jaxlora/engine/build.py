@@ -34,18 +34,29 @@ def build_engine(
     model: LoadedModel,
     tokenizer: Tokenizer,
     adapters: Mapping[str, str | Path | HostAdapter] | None = None,
+    *,
+    compile_ahead: bool = True,
 ) -> Engine:
     """An (un-warmed) engine over `model` whose pager holds `adapters` (name -> PEFT folder or
     HostAdapter), with `config.host_capacity_bytes` of host memory for them. Its steps run the
     kernels `config.kernels` resolves to for this model and platform (`EngineConfig.step_kernels`),
     resolved once as the engine is made.
 
+    `compile_ahead` False leaves the pager's slot writes to compile on first use, as the steps do
+    when `Engine.warmup` is not called: for a one-shot command, which runs few of the programs a
+    server must have ready (with the persistent compilation cache, a first use is a cache read).
+
     Raises ValueError when the model cannot be split over `config.mesh` or there are too few
     devices, AdapterError for an adapter that cannot be registered.
     """
     mesh = engine_mesh(config.mesh, model.config)
     pager = Pager(
-        model.config, config.lora, host_capacity_bytes=config.host_capacity_bytes, dtype=model.dtype, mesh=mesh
+        model.config,
+        config.lora,
+        host_capacity_bytes=config.host_capacity_bytes,
+        dtype=model.dtype,
+        mesh=mesh,
+        compile_writes=compile_ahead,
     )
     for name, source in (adapters or {}).items():
         pager.register(name, source)

@@ -19,12 +19,14 @@ from jaxlora.parallel.mesh import MeshConfig
 
 _DTYPES = ("float32", "bfloat16")
 
-# The default context on CPU, whatever the model allows (configs/smollm2-135m-cpu.yaml's): attention
-# on CPU reads every row's whole block table, so each step costs in proportion to this width
-# whatever the requests' actual lengths. A longer context is one --max-seq-len away.
-CPU_MAX_SEQ_LEN = 1024
-# Positions the CPU page pool holds by default (the rows share them; the host's memory, not a device's).
-CPU_POOL_POSITIONS = 8192
+# The default context on CPU, whatever the model allows (configs/smollm2-135m-cpu.yaml's). Attention
+# on CPU reads only the context in use (pallas_kernels.attention.ragged_xla), so this width costs
+# memory, not time (benchmarks/DECISIONS.md#cpu-context). A longer context is one --max-seq-len away.
+CPU_MAX_SEQ_LEN = 4096
+# Positions the CPU page pool holds by default (the rows share them; the host's memory, not a
+# device's): four sequences of CPU_MAX_SEQ_LEN. SmolLM2-135M keeps 45 KiB per position
+# (30 layers x K and V x 3 KV heads x 64 x float32), so 720 MiB.
+CPU_POOL_POSITIONS = 4 * CPU_MAX_SEQ_LEN
 
 # What forms the engine's steps: one jitted call over a flat batch of decode tokens and prompt chunks.
 ENGINE_KIND = "ragged"

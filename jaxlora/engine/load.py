@@ -54,9 +54,10 @@ def engine_config(spec: EngineSpec) -> EngineConfig:
     return dataclasses.replace(config, lora=dataclasses.replace(config.lora, max_rank=max_rank))
 
 
-def load_engine(spec: EngineSpec, *, clock=None) -> Engine:
+def load_engine(spec: EngineSpec, *, clock=None, compile_ahead: bool = True) -> Engine:
     """Loads the model and returns an (un-warmed) Engine with the spec's adapters registered.
     `clock`: anything with `lap(name)`, told "load" after the model and "register" after the adapters.
+    `compile_ahead`: see `build_engine` (False for a one-shot command that never warms up).
 
     Raises JaxloraError / ValueError / OSError with a message fit for the command line.
     """
@@ -73,7 +74,7 @@ def load_engine(spec: EngineSpec, *, clock=None) -> Engine:
         clock.lap("load")
     capacity = _host_capacity(spec, config, slot_nbytes(model.config, config.lora, model.dtype))
     config = dataclasses.replace(config, host_capacity_bytes=capacity)
-    engine = build_engine(config, model, tokenizer, dict(spec.adapters))
+    engine = build_engine(config, model, tokenizer, dict(spec.adapters), compile_ahead=compile_ahead)
     if clock is not None:
         clock.lap("register")
     return engine

@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxlora.config import ModelConfig, RopeScaling
 from jaxlora.errors import ModelLoadError
+from jaxlora.loading.gguf_reader import GGUFFile, read_gguf
 from jaxlora.loading.names import stack_layers
 from jaxlora.model.quant import Quantization, quantize
 
@@ -65,24 +66,19 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
 _Q8_0_BLOCK_BYTES = 2 + 32  # float16 scale, then 32 int8 values
 
 
-def open_gguf(path: Path) -> gguf.GGUFReader:
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: no such GGUF file")
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError/struct errors on bad files
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+def open_gguf(path: Path) -> GGUFFile:
+    """The parsed file (`jaxlora.loading.gguf_reader`); ModelLoadError if it is missing or unreadable."""
+    return read_gguf(path)
 
 
-def metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+def metadata(reader: GGUFFile) -> dict[str, Any]:
     """All key/value metadata except the big tokenizer arrays (read those with `field_array`)."""
     skip = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"}
-    return {k: f.contents() for k, f in reader.fields.items() if k not in skip}
+    return {k: v for k, v in reader.fields.items() if k not in skip}
 
 
-def field_array(reader: gguf.GGUFReader, key: str) -> list | None:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
+def field_array(reader: GGUFFile, key: str) -> list | None:
+    return reader.fields.get(key)
 
 
 def config_from_gguf(meta: dict[str, Any], has_output: bool, *, source: str) -> ModelConfig:
@@ -161,7 +157,7 @@ def _quantized_rows(tensor: Any, quantization: Quantization, *, source: str) -> 
 
 def load_gguf_arrays(
     path: Path, *, quantization: Quantization | None = None
-) -> tuple[ModelConfig, dict[str, np.ndarray], gguf.GGUFReader]:
+) -> tuple[ModelConfig, dict[str, np.ndarray], GGUFFile]:
     """(config, flat parameter arrays, the open reader for the tokenizer).
 
     Arrays are float32, except the projections' `qkernel` / `qscale` with a quantization.

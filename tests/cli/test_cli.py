@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
+from jaxlora.adapters import Pager
 from jaxlora.cli.main import main
+from jaxlora.engine import Engine
 from jaxlora.loading.hf_writer import save_hf_folder
 from jaxlora.lora.peft_format import save_peft_adapter
 from tests.factories import char_tokenizer, tiny_model
@@ -65,6 +67,20 @@ def test_generate_prompt_with_and_without_adapter(files, capsys):
     )
     adapted = capsys.readouterr().out
     assert base.strip() and adapted.strip() and base != adapted
+
+
+def test_generate_prompt_warms_nothing_up(files, monkeypatch, capsys):
+    """One answer compiles what it runs on first use: neither the engine's warm-up (every step
+    program) nor the pager's (every slot write) runs, and the adapter still applies."""
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("a one-shot generate warmed up")
+
+    monkeypatch.setattr(Engine, "warmup", refuse)
+    monkeypatch.setattr(Pager, "warmup", refuse)
+    adapter = ["--adapter", f"up={files / 'demo' / 'upper'}", "--use", "up"]
+    assert main(["generate", *_common(files), "--raw", "--prompt", "hello", "--max-tokens", "8", *adapter]) == 0
+    assert capsys.readouterr().out.strip()
 
 
 def test_generate_reports_unknown_adapter_and_bad_sampling(files, capsys):

@@ -10,12 +10,10 @@ from tests.factories import confident_model
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_gguf_path):
     """The default model's tokenizer and chat template, read from GGUF metadata (no weights loaded)."""
-    import gguf
-
-    from jaxlora.loading.gguf_file import metadata
+    from jaxlora.loading.gguf_file import metadata, open_gguf
     from jaxlora.loading.gguf_tokenizer import tokenizer_from_gguf
 
-    reader = gguf.GGUFReader(str(smollm2_gguf_path))
+    reader = open_gguf(smollm2_gguf_path)
     return tokenizer_from_gguf(reader, metadata(reader), source=str(smollm2_gguf_path))
 
 
