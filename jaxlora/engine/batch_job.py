@@ -3,7 +3,9 @@
 Input lines, one request each, in either of two forms:
 - jaxlora's: {"custom_id", "prompt" | "messages", "model" | "adapter"?, and sampling fields:
   "max_tokens" (or "max_completion_tokens"), "temperature", "top_p", "top_k", "seed", "stop",
-  "stop_token_ids"};
+  "stop_token_ids", "min_p", "min_tokens", "ignore_eos", "repetition_penalty", "presence_penalty",
+  "frequency_penalty", "logprobs" (an integer, 0 to 20 alternatives per token; or as in chat,
+  true with "top_logprobs")};
 - OpenAI's Batch format (what `vllm run-batch` reads): {"custom_id", "method": "POST", "url":
   "/v1/chat/completions" | "/v1/completions", "body": {the same fields}}.
 `prompt` is raw text to complete, `messages` a chat rendered with the model's chat template. `model`
@@ -11,7 +13,9 @@ names an adapter, or the base model by its served name; `adapter` is jaxlora's o
 A field not listed is refused for its line (the message names the nearest known field), never
 dropped. Sampling fields a line leaves out take the job's defaults (`LineDefaults`: the generate
 flags), then SamplingParams' own. Output lines: {"custom_id", "request_hash", "adapter", "text",
-"token_ids", "finish_reason", "error"}, exactly one per input line, in input order.
+"token_ids", "finish_reason", "error"}, exactly one per input line, in input order; a line that asks
+for logprobs gets "logprobs" too: per token {"token_id", "logprob", "top_logprobs": [[id, logprob],
+...]}, the model's raw log-probabilities.
 
 Crash safety: results are written in input order as soon as every earlier line is done, one line per
 `write`, fsync'd. A re-run checks that the output holds this input's results (see
@@ -42,7 +46,9 @@ from jaxlora.errors import CapacityError, JaxloraError
 from jaxlora.fields import first_unknown
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-_REQUEST_FIELDS = frozenset({"prompt", "messages", "model", "adapter", "max_completion_tokens", *SAMPLING_FIELDS})
+_REQUEST_FIELDS = frozenset(
+    {"prompt", "messages", "model", "adapter", "max_completion_tokens", "top_logprobs", *SAMPLING_FIELDS}
+)
 _LINE_FIELDS = _REQUEST_FIELDS | {"custom_id"}
 _OPENAI_LINE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 _OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
@@ -65,6 +71,7 @@ class LineDefaults:
 # control byte takes six) and id. Generous: it only has to refuse files no run of this input wrote.
 _RECORD_OVERHEAD_BYTES = 4096
 _MAX_TOKEN_RECORD_BYTES = 1024
+_MAX_LOGPROB_RECORD_BYTES = 64  # one [token id, logprob] pair of a token's logprobs
 # A line without max_tokens gets its default from the engine, unknown while the files are checked
 # (before the model loads): bounded by the longest context a model has.
 _MAX_CONTEXT_TOKENS = 2**20
@@ -88,7 +95,9 @@ class _Line:
         """The most bytes this line's result record can take: what it repeats of the line (custom_id,
         adapter, in an error message), the fixed fields, and `max_tokens` tokens as text and ids."""
         max_tokens = 0 if self.request is None else self.request.sampling.max_tokens or _MAX_CONTEXT_TOKENS
-        return _RECORD_OVERHEAD_BYTES + 3 * self.input_bytes + max_tokens * _MAX_TOKEN_RECORD_BYTES
+        logprobs = None if self.request is None else self.request.sampling.logprobs
+        per_token = _MAX_TOKEN_RECORD_BYTES + (0 if logprobs is None else (logprobs + 1) * _MAX_LOGPROB_RECORD_BYTES)
+        return _RECORD_OVERHEAD_BYTES + 3 * self.input_bytes + max_tokens * per_token
 
     @property
     def fingerprint(self) -> dict[str, Any]:
@@ -323,11 +332,26 @@ def _sampling(fields: dict[str, Any], number: int, defaults: Mapping[str, Any]) 
         if given.get("max_tokens", alias) != alias:
             raise JaxloraError(f"line {number}: give max_completion_tokens or max_tokens, not both")
         given["max_tokens"] = alias
+    given.pop("logprobs", None)
+    given.update(_logprobs(fields, number))
     return SamplingParams(**{**defaults, **given})
 
 
+def _logprobs(fields: dict[str, Any], number: int) -> dict[str, Any]:
+    """SamplingParams' `logprobs` from a line's: an integer (completions' form), or true with
+    `top_logprobs` (chat's form)."""
+    wanted, top = fields.get("logprobs"), fields.get("top_logprobs")
+    if wanted is True:
+        return {"logprobs": 0 if top is None else top}
+    if top is not None:
+        raise JaxloraError(f"line {number}: top_logprobs needs logprobs: true")
+    if wanted is None or wanted is False:
+        return {}
+    return {"logprobs": wanted}  # SamplingParams checks the integer
+
+
 def result_record(line: _Line, result: FinalOutput) -> dict[str, Any]:
-    return {
+    record = {
         **line.fingerprint,
         "adapter": line.adapter,
         "text": result.text,
@@ -335,6 +359,12 @@ def result_record(line: _Line, result: FinalOutput) -> dict[str, Any]:
         "finish_reason": result.finish_reason.value,
         "error": result.error,
     }
+    if result.logprobs is not None:
+        record["logprobs"] = [
+            {"token_id": e.token_id, "logprob": e.logprob, "top_logprobs": [list(t) for t in e.top]}
+            for e in result.logprobs
+        ]
+    return record
 
 
 def error_record(line: _Line, error: str) -> dict[str, Any]:
