@@ -72,7 +72,6 @@ _UNBUILT = {
     **{name: "guided decoding is not built" for name in ("guided_json", "guided_regex", "guided_choice")},
     "guided_grammar": "guided decoding is not built",
 }
-_OPENAI_TEMPERATURE = 1.0  # the API's default; the engine's own default (greedy) applies to gRPC only
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -149,7 +148,7 @@ def _refuse_what_is_not_done(body: dict, chat: bool) -> None:
 
 
 def _sampling(body: dict) -> tuple[dict[str, Any], dict[str, str]]:
-    sampling: dict[str, Any] = {"temperature": _OPENAI_TEMPERATURE}
+    sampling: dict[str, Any] = {}  # the others take serving.api.generation_request's defaults
     field_names: dict[str, str] = {}
     given = [f for f in ("max_completion_tokens", "max_tokens") if body.get(f) is not None]
     if len(given) == 2 and body[given[0]] != body[given[1]]:

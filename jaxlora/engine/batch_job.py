@@ -12,7 +12,10 @@ Input lines, one request each, in either of two forms:
 names an adapter, or the base model by its served name; `adapter` is jaxlora's older name for it.
 A field not listed is refused for its line (the message names the nearest known field), never
 dropped. Sampling fields a line leaves out take the job's defaults (`LineDefaults`: the generate
-flags), then SamplingParams' own. Output lines: {"custom_id", "request_hash", "adapter", "text",
+flags), then the defaults of every API: temperature DEFAULT_TEMPERATURE (1, OpenAI's), then
+SamplingParams' own. A line without a `seed` gets `line_seed(job seed, custom_id)`: its tokens depend
+on the line alone, so a resumed job, or the same line in another job or on another Ray replica,
+gives the same tokens. Output lines: {"custom_id", "request_hash", "adapter", "text",
 "token_ids", "finish_reason", "error"}, exactly one per input line, in input order; a line that asks
 for logprobs gets "logprobs" too: per token {"token_id", "logprob", "top_logprobs": [[id, logprob],
 ...]}, the model's raw log-probabilities.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import hashlib
 import json
 import sys
 import time
@@ -39,7 +43,7 @@ from typing import Any
 from jaxlora.engine import job_files
 from jaxlora.engine.engine import Engine, RequestHandle
 from jaxlora.engine.job_files import JobFileError
-from jaxlora.engine.request import FinalOutput, GenerationRequest, SamplingParams
+from jaxlora.engine.request import DEFAULT_TEMPERATURE, FinalOutput, GenerationRequest, SamplingParams
 from jaxlora.engine.results_file import ResultsFile, ResultsFileError, request_hash
 from jaxlora.engine.runner import WarmupProgress
 from jaxlora.errors import CapacityError, JaxloraError
@@ -61,10 +65,19 @@ class LineDefaults:
     Attributes:
       sampling: SamplingParams fields (the generate flags that were given).
       base_model: the base model's served name: a line whose `model` is this picks no adapter.
+      seed: the job's seed (`--seed`): a line without one samples with `line_seed(seed, custom_id)`.
     """
 
     sampling: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     base_model: str | None = None
+    seed: int = 0
+
+
+def line_seed(job_seed: int, custom_id: Any) -> int:
+    """The sampling seed of a line that gives none: a 32-bit hash of the job's seed and the line's
+    custom_id, the same in every run of the job (Python's `hash` of a string is not)."""
+    digest = hashlib.sha256(json.dumps([job_seed, custom_id]).encode()).digest()
+    return int.from_bytes(digest[:4], "little")
 
 
 # A result record's bound: fixed fields and an error message; one token's text (JSON-escaped, a
@@ -277,7 +290,7 @@ def parse_line(number: int, raw: bytes, defaults: LineDefaults) -> _Line:
             prompt=fields.get("prompt"),
             messages=fields.get("messages"),
             adapter=line.adapter,
-            sampling=_sampling(fields, number, defaults.sampling),
+            sampling=_sampling(fields, number, defaults, cid),
         )
     except (JaxloraError, TypeError) as e:
         line.record = error_record(line, str(e))
@@ -325,7 +338,7 @@ def _adapter(fields: dict[str, Any], number: int, base_model: str | None) -> str
     return next(iter(names.values()), None)
 
 
-def _sampling(fields: dict[str, Any], number: int, defaults: Mapping[str, Any]) -> SamplingParams:
+def _sampling(fields: dict[str, Any], number: int, defaults: LineDefaults, custom_id: Any) -> SamplingParams:
     given = {k: fields[k] for k in SAMPLING_FIELDS if fields.get(k) is not None}
     alias = fields.get("max_completion_tokens")
     if alias is not None:
@@ -334,7 +347,9 @@ def _sampling(fields: dict[str, Any], number: int, defaults: Mapping[str, Any]) 
         given["max_tokens"] = alias
     given.pop("logprobs", None)
     given.update(_logprobs(fields, number))
-    return SamplingParams(**{**defaults, **given})
+    sampling = {"temperature": DEFAULT_TEMPERATURE, **defaults.sampling, **given}
+    sampling.setdefault("seed", line_seed(defaults.seed, custom_id))
+    return SamplingParams(**sampling)
 
 
 def _logprobs(fields: dict[str, Any], number: int) -> dict[str, Any]:

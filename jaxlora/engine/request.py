@@ -119,6 +119,12 @@ class SamplingParams:
             raise RequestError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
 
 
+# The temperature of a request that gives none, on every surface a user reaches (HTTP, gRPC, batch
+# lines, the generate command): OpenAI's and vLLM's default. A request without a seed then gets one:
+# the engine draws it from its --seed, and a batch job derives it from the job's seed and the line
+# (`jaxlora.engine.batch_job.line_seed`), so a resumed job gives the same tokens. `SamplingParams`
+# built in Python stays greedy unless told otherwise: library code and tests choose explicitly.
+DEFAULT_TEMPERATURE = 1.0
 TOP_LOGPROBS = 20  # the most alternatives per token (OpenAI's top_logprobs limit; the sampler's K)
 COMPLETION_MAX_TOKENS = 16  # OpenAI's completions API default
 

@@ -20,7 +20,7 @@ import yaml
 
 import jaxlora.cli.engine_args
 from jaxlora.cli.main import main
-from jaxlora.engine.batch_job import LineDefaults, _Line, read_input, result_record
+from jaxlora.engine.batch_job import LineDefaults, _Line, line_seed, read_input, result_record
 from jaxlora.engine.request import FinalOutput, FinishReason, TokenLogprob
 from jaxlora.engine.results_file import ResultsFile
 from jaxlora.loading.orbax_ckpt import save_converted
@@ -423,6 +423,26 @@ def test_a_record_carries_logprobs_only_when_asked():
     assert "logprobs" not in result_record(line, final)
     record = result_record(line, dataclasses.replace(final, logprobs=entries))
     assert record["logprobs"] == [{"token_id": 5, "logprob": -0.25, "top_logprobs": [[5, -0.25], [9, -2.0]]}]
+
+
+def test_lines_sample_at_openai_s_temperature_with_a_seed_of_their_own(tmp_path):
+    """Temperature 1 unless a line or a flag says otherwise, and a seed that depends on the job's seed
+    and the line's custom_id alone (not on its place in the file, nor on the run)."""
+    a, b, own, greedy = _lines(
+        tmp_path,
+        {"custom_id": "a", "prompt": "hi"},
+        {"custom_id": "b", "prompt": "hi"},
+        {"custom_id": "c", "prompt": "hi", "seed": 7},
+        {"custom_id": "d", "prompt": "hi", "temperature": 0},
+    )
+    assert a.request.sampling.temperature == 1.0 and greedy.request.sampling.temperature == 0
+    assert a.request.sampling.seed == line_seed(0, "a") != b.request.sampling.seed == line_seed(0, "b")
+    assert own.request.sampling.seed == 7
+    moved, other_job = _lines(tmp_path, {"custom_id": "x", "prompt": "y"}, {"custom_id": "a", "prompt": "hi"})
+    assert other_job.request.sampling.seed == a.request.sampling.seed  # line 2 now, same seed
+    (reseeded,) = _lines(tmp_path, {"custom_id": "a", "prompt": "hi"}, defaults=LineDefaults(seed=3))
+    assert reseeded.request.sampling.seed == line_seed(3, "a") != a.request.sampling.seed
+    assert 0 <= line_seed(0, "a") < 2**32 and line_seed(0, 1) != line_seed(0, "1")
 
 
 def test_the_flags_are_defaults_a_line_overrides(tmp_path):

@@ -6,7 +6,14 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from jaxlora.engine.request import FinishReason, GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
+from jaxlora.engine.request import (
+    DEFAULT_TEMPERATURE,
+    FinishReason,
+    GenerationRequest,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 from jaxlora.errors import (
     AdapterError,
     AdapterInUseError,
@@ -90,6 +97,9 @@ def test_translation_builds_the_engine_request():
     assert (s.max_tokens, s.temperature, s.stop, s.top_k, s.top_p) == (5, 0.5, ("x",), 3, 1.0)
     with pytest.raises(ApiError, match="exactly one of prompt"):
         generation_request(request_id="r", adapter=None, sampling={}, limits=LIMITS)
+    # Every API's one default: OpenAI's temperature 1, whichever front door (HTTP, gRPC) sent it.
+    plain = generation_request(request_id="r", adapter=None, sampling={}, limits=LIMITS, prompt="hi")
+    assert plain.sampling.temperature == DEFAULT_TEMPERATURE == 1.0
 
 
 def _final(reason: FinishReason, error: str | None = None) -> RequestOutput:
@@ -114,7 +124,7 @@ def test_final_update_check():
 
 def test_openai_fields_and_defaults():
     p = parse_request({"model": "base", "prompt": "hi"}, chat=False, base_model="base")
-    assert p.adapter is None and p.prompt == "hi" and p.sampling == {"temperature": 1.0}  # OpenAI's default
+    assert p.adapter is None and p.prompt == "hi" and p.sampling == {}  # defaults: generation_request's
     assert not p.stream and not p.include_usage
     p = parse_request(
         {
@@ -194,9 +204,9 @@ def test_vllm_extra_fields_reach_the_sampling_params():
     p = parse_request(body, chat=False, base_model="base")
     params = SamplingParams(**p.sampling)
     assert (params.min_p, params.min_tokens, params.ignore_eos, params.max_tokens) == (0.1, 2, True, 5)
-    assert parse_request({"messages": [{"role": "user", "content": "x"}]}, chat=True, base_model="b").sampling == {
-        "temperature": 1.0
-    }  # max_tokens left to the engine: the rest of the context for a chat
+    # max_tokens left to the engine (the rest of the context for a chat), the temperature to
+    # generation_request (DEFAULT_TEMPERATURE, as on every surface).
+    assert parse_request({"messages": [{"role": "user", "content": "x"}]}, chat=True, base_model="b").sampling == {}
 
 
 def test_penalties_and_logprobs_reach_the_sampling_params():
