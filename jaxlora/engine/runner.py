@@ -188,12 +188,10 @@ def packed_step(params, bank, kv, packed, last_ids, *, layout: StepLayout, graph
     return _step(params, bank, kv, last_ids=last_ids, graphdef=graphdef, kernels=kernels, mesh=mesh, **fields)
 
 
-SAMPLER_VARIANTS = ((False, False), (True, False), (False, True), (True, True))  # (penalties, logprobs)
+SAMPLER_VARIANTS = (False, True)  # packed_sample's `extended`
 
 
-@functools.partial(
-    jax.jit, static_argnames=("layout", "eos_ids", "penalties", "logprobs"), donate_argnames=("history",)
-)
+@functools.partial(jax.jit, static_argnames=("layout", "eos_ids", "extended"), donate_argnames=("history",))
 def packed_sample(
     logits,
     ids,
@@ -203,18 +201,20 @@ def packed_sample(
     *,
     layout: StepLayout,
     eos_ids: tuple[int, ...] = (),
-    penalties: bool = False,
-    logprobs: bool = False,
+    extended: bool = False,
 ):
     """The rows of a step sampled from its logits [S, vocab] (`jaxlora.engine.sampling.sample`: EOS
     banned below min_tokens, penalties, temperature, top-k, top-p, min-p); rows whose logits are not
     finite keep `ids` [S]. -> (next_ids [S], history, Logprobs or None).
 
-    Its variants are static, each compiled at warm-up (`SAMPLER_VARIANTS`), so that only the steps
-    that need them pay: `penalties` adds the step's input ids (`last_ids` [S] resolves those on the
-    device) to the rows' token history and applies the penalties; `logprobs` returns the raw
-    distribution's log-probabilities of every row (`top_logprobs`). Without `penalties` the history
-    passes through untouched.
+    Two variants, static, compiled at warm-up (`SAMPLER_VARIANTS`), so that only the steps with a
+    row that has a penalty or asks for logprobs pay for them: `extended` adds the step's input ids
+    (`last_ids` [S] resolves those on the device) to the rows' token history, applies the penalties,
+    and returns the raw distribution's log-probabilities of every row (`top_logprobs`); without it
+    the history passes through untouched. One variant for both, not one each: the sampler compiles
+    once per token budget and variant, and two more variants per budget made the start-up's
+    compiles of small programs the larger part of a CPU warm-up; next to the vocabulary sort every
+    sampler step pays, the history update and the top-k are small.
 
     A program of its own, dispatched after the step only when a row of the step samples: inside the
     step, the choice would be an XLA conditional, whose predicate the GPU runtime reads on the host,
@@ -223,11 +223,11 @@ def packed_sample(
     vocabulary per row."""
     _count_trace()
     f = layout.unpack(packed)
-    if penalties:
+    if extended:
         history = update_history(history, *_history_inputs(f, last_ids, layout.rows))
-    drawn = sample(logits, f["sampling"], eos_ids=eos_ids, history=history if penalties else None)
+    drawn = sample(logits, f["sampling"], eos_ids=eos_ids, history=history if extended else None)
     next_ids = jnp.where(ids >= 0, drawn, ids)
-    return next_ids, history, top_logprobs(logits, next_ids) if logprobs else None
+    return next_ids, history, top_logprobs(logits, next_ids) if extended else None
 
 
 def _history_inputs(f: dict, last_ids: jax.Array, rows: int) -> tuple[jax.Array, ...]:
@@ -403,8 +403,7 @@ class Runner:
             packed,
             inputs.layout,
             sample=inputs.samples if sample is None else sample,
-            penalties=inputs.penalties,
-            logprobs=inputs.logprobs,
+            extended=inputs.extended,
         )
 
     def dispatch_packed(
@@ -414,25 +413,24 @@ class Runner:
         layout: StepLayout,
         *,
         sample: bool = False,
-        penalties: bool = False,
-        logprobs: bool = False,
+        extended: bool = False,
     ) -> jax.Array:
         """Dispatches the step on inputs already on the device (packed [layout.size] int32), and
-        `packed_sample` after it when `sample` (its `penalties` and `logprobs` variant; the logprobs
-        land in `last_logprobs`)."""
+        `packed_sample` after it when `sample` (its `extended` variant: penalties, and logprobs,
+        which land in `last_logprobs`)."""
         compiles = thread_backend_compiles()  # jit compiles on the calling thread
         next_ids, self.kv, logits = packed_step(
             self.params, bank, self.kv, packed, self.last_ids, layout=layout, **self._static
         )
         self.last_logprobs = None
         if sample:
-            next_ids, self.last_logprobs = self._sample(logits, next_ids, packed, layout, penalties, logprobs)
+            next_ids, self.last_logprobs = self._sample(logits, next_ids, packed, layout, extended)
         self.step_compiles += thread_backend_compiles() - compiles
         self.last_ids = next_ids
         return next_ids
 
     def _sample(
-        self, logits: jax.Array, ids: jax.Array, packed: jax.Array, layout: StepLayout, penalties: bool, logprobs: bool
+        self, logits: jax.Array, ids: jax.Array, packed: jax.Array, layout: StepLayout, extended: bool
     ) -> tuple[jax.Array, Logprobs | None]:
         ids, self.history, lp = packed_sample(
             logits,
@@ -442,8 +440,7 @@ class Runner:
             self.history,
             layout=layout,
             eos_ids=self.eos_ids,
-            penalties=penalties,
-            logprobs=logprobs,
+            extended=extended,
         )
         return ids, lp
 
@@ -492,6 +489,11 @@ class Runner:
         layouts = self.packer.layouts
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(shapes), os.cpu_count() or 1)) as pool:
+            samplers = [
+                pool.submit(self._compile_sampler, packed[budget], layouts[budget], extended)
+                for budget in self.config.token_budgets
+                for extended in SAMPLER_VARIANTS
+            ]
             jobs = {
                 pool.submit(self._compile, bank, packed[budget], layouts[budget], lora): (budget, lora)
                 for budget, lora in shapes
@@ -504,13 +506,15 @@ class Runner:
                         f"step of {budget} tokens{' with adapters' if lora else ''} [{self.kernels.describe(budget)}]"
                     )
                     progress(what, k + 1, len(shapes))
+            for done in samplers:
+                done.result()
         compiled = time.perf_counter()
         # One call of each compiled program (it compiles nothing: the fresh pool and ids are placed
         # as the step returns them, see `_fresh_pool`), so that every shape's entry in jit's fast
-        # dispatch path exists before the first request. Each runs `packed_sample` too (compiled
-        # here, on this thread: a small program, in each of its variants, twice: the second call
-        # reads the history as a sampler returns it). A step costs as much as a real one of its
-        # budget, so each runs once: on a CPU these calls are a large part of the start-up.
+        # dispatch path exists before the first request. Each budget runs `packed_sample` too, in
+        # each of its variants, twice (the second call reads the history as a sampler returns it).
+        # A step costs as much as a real one of its budget, so each runs once: on a CPU these calls
+        # are a large part of the start-up.
         warmed: set[int] = set()
         for budget, lora in shapes:
             self._warm_step(bank, pages, budget, lora, samplers=budget not in warmed)
@@ -528,11 +532,27 @@ class Runner:
             self.params, bank, self.kv, packed, self.last_ids, layout=inputs.layout, **self._static
         )
         for _ in range(2 if samplers else 0):
-            for penalties, logprobs in SAMPLER_VARIANTS:
-                sampled, _ = self._sample(logits, ids, packed, inputs.layout, penalties, logprobs)
+            for extended in SAMPLER_VARIANTS:
+                sampled, _ = self._sample(logits, ids, packed, inputs.layout, extended)
             ids = sampled
         self.last_ids = ids
         ids.block_until_ready()
+
+    def _compile_sampler(self, packed: jax.Array, layout: StepLayout, extended: bool) -> None:
+        """Compiles (without running) `packed_sample` of `layout`, as `_sample` calls it, on logits
+        placed like the ids (as the step returns both)."""
+        rows, vocab = self.config.max_batch, self.model.config.vocab_size
+        logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32, sharding=self.last_ids.sharding)
+        packed_sample.lower(
+            logits,
+            self.last_ids,
+            packed,
+            self.last_ids,
+            self.history,
+            layout=layout,
+            eos_ids=self.eos_ids,
+            extended=extended,
+        ).compile()
 
     def _compile(self, bank: Bank | None, packed: jax.Array, layout: StepLayout, lora: bool) -> None:
         """Compiles (without running) the step of `layout`, with the bank or without."""

@@ -154,8 +154,8 @@ class HostInputs:
     has_adapter: some token of the step reads an adapter slot (slot != 0).
     samples: some row of the step needs the sampler: it samples with a temperature, EOS is banned
       for it (min_tokens), it has a penalty, or it asks for logprobs.
-    penalties: some row of the step has a penalty (the sampler keeps the token history).
-    logprobs: some row that samples in the step asks for logprobs.
+    extended: some row of the step has a penalty (the sampler keeps the token history), or some
+      row that samples asks for logprobs: the sampler's extended variant.
     """
 
     layout: StepLayout
@@ -163,8 +163,7 @@ class HostInputs:
     index: int
     has_adapter: bool
     samples: bool
-    penalties: bool = False
-    logprobs: bool = False
+    extended: bool = False
 
 
 class InputPacker:
@@ -268,8 +267,7 @@ class InputPacker:
             samples=bool((f["temperature"][sampled] > 0).any() or (f["counter"] < f["min_tokens"])[sampled].any())
             or penalties
             or logprobs,
-            penalties=penalties,
-            logprobs=logprobs,
+            extended=penalties or logprobs,
         )
 
     @staticmethod

@@ -100,7 +100,7 @@ def test_packed_inputs_equal_a_per_token_build_through_preemption(parts, monkeyp
             np.testing.assert_array_equal(got["block_tables"][row, : len(owned)], owned, err_msg=f"row {row}")
         assert inputs.has_adapter == any(c.request.slot for c in plan.chunks)
         penalties = any(c.request.sampling.has_penalties for c in plan.chunks)
-        assert inputs.penalties == penalties
+        assert inputs.extended == penalties  # no request here asks for logprobs
         assert inputs.samples == penalties or any(c.samples and c.request.sampling.temperature > 0 for c in plan.chunks)
         checked["sampled_steps"] += inputs.samples
         checked["steps"] += bool(plan.chunks)
