@@ -126,7 +126,7 @@ def sample(
     penalties applied (with a `history`) either way.
 
     Every row pays the vocabulary sort, so the engine runs this only for steps with a row that needs
-    it (`SamplingArrays.needs_sampler`, `jaxlora.engine.runner.packed_sample`); a greedy step stops
+    it (`jaxlora.engine.step_inputs.HostInputs.samples`, `jaxlora.engine.runner.packed_sample`); a greedy step stops
     at `greedy`.
     """
     banned = ban_eos(logits, s, eos_ids)
