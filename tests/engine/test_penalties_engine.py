@@ -124,3 +124,22 @@ def test_streamed_updates_carry_one_logprob_per_token(engine):
     assert all(len(u.logprobs) == len(u.token_ids) for u in updates if u.token_ids)
     streamed = [e for u in updates for e in (u.logprobs or ())]
     assert tuple(streamed) == handle.result(0).logprobs
+
+
+def test_only_steps_with_a_penalised_or_logprobs_row_run_the_extended_sampler(engine, monkeypatch):
+    """A plain greedy request never reaches the sampler; a penalised greedy one, and one asking for
+    logprobs, run its extended variant once per token; neither compiles anything."""
+    import jaxlora.engine.runner as runner_module
+
+    calls: list[bool] = []
+    fn = runner_module.packed_sample
+    monkeypatch.setattr(runner_module, "packed_sample", lambda *a, **k: calls.append(k["extended"]) or fn(*a, **k))
+    engine.run_until_idle()
+    with jax.no_tracing():
+        engine.generate([_request("plain-fast")])
+        assert calls == []
+        penalised = engine.generate([_request("pen-fast", presence_penalty=0.5)])[0]
+        assert calls == [True] * len(penalised.token_ids)
+        calls.clear()
+        asked = engine.generate([_request("lp-fast", logprobs=1)])[0]
+    assert calls == [True] * len(asked.token_ids) and engine.compiles_after_warmup == 0
