@@ -29,7 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from jaxlora.engine.request import FinishReason, GenerationRequest, Messages, RequestOutput, SamplingParams
+from jaxlora.engine.request import (
+    DEFAULT_TEMPERATURE,
+    FinishReason,
+    GenerationRequest,
+    Messages,
+    RequestOutput,
+    SamplingParams,
+)
 from jaxlora.errors import (
     AdapterError,
     AdapterExistsError,
@@ -160,14 +167,15 @@ def generation_request(
 
     Args:
       adapter: the adapter name; None or "" for the base model.
-      sampling: the `SamplingParams` fields the caller set; the others take its defaults.
+      sampling: the `SamplingParams` fields the caller set; the others take its defaults, but for
+        the temperature: DEFAULT_TEMPERATURE, the one default of every API.
       limits: the engine's limits (max_tokens, top_k and stop_token_ids are checked against them).
 
     Raises:
       ApiError: INVALID_ARGUMENT, with `param` set to the sampling field at fault.
     """
     try:
-        params = SamplingParams(**sampling)
+        params = SamplingParams(**{"temperature": DEFAULT_TEMPERATURE, **sampling})
         params.check_limits(max_new_tokens_limit=limits.max_new_tokens, vocab_size=limits.vocab_size)
     except RequestError as e:
         raise ApiError(Status.INVALID_ARGUMENT, str(e), param=_field_at_fault(sampling, limits)) from None

@@ -32,6 +32,7 @@ class Completion:
     finish_reason: str  # "stop" or "length"
     prompt_tokens: int
     completion_tokens: int
+    logprobs: tuple[pb.TokenLogprob, ...] = ()  # one per token, when the call set logprobs
 
 
 class InferenceClient:
@@ -94,16 +95,19 @@ class InferenceClient:
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
         timeout: float | None = None,
+        **extra: float | int | bool | None,
     ) -> grpc.Call:
         """Starts a Generate call; iterate the result for GenerateResponse chunks, `.cancel()` to stop.
 
         Give `prompt` (raw text) or `messages` ([{"role", "content"}], rendered with the chat template).
-        Unset sampling fields take the server defaults.
+        Unset sampling fields take the server defaults. `extra`: the other optional GenerateRequest
+        fields (min_p, min_tokens, ignore_eos, repetition_penalty, presence_penalty,
+        frequency_penalty, logprobs); a name the message lacks raises ValueError.
         """
         sampling = {
             k: v
             for k, v in dict(
-                max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+                max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, **extra
             ).items()
             if v is not None
         }
@@ -120,10 +124,11 @@ class InferenceClient:
 
     def generate(self, prompt: str | None = None, **kw) -> Completion:
         """Runs a Generate call to the end (same arguments as `stream`)."""
-        text, ids, last = [], [], None
+        text, ids, logprobs, last = [], [], [], None
         for chunk in self.stream(prompt, **kw):
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
+            logprobs.extend(chunk.logprobs)
             last = chunk
         return Completion(
             request_id=last.request_id,
@@ -132,6 +137,7 @@ class InferenceClient:
             finish_reason=_FINISH_NAMES.get(last.finish_reason, "unspecified"),
             prompt_tokens=last.prompt_tokens,
             completion_tokens=last.completion_tokens,
+            logprobs=tuple(logprobs),
         )
 
     # Adapters and server.

@@ -59,8 +59,11 @@ class LoopHandoff:
 
 def coalesce(outs: list[RequestOutput]) -> RequestOutput:
     """One update standing for `outs` (consecutive updates of one request, oldest first): the texts
-    and token ids joined, every other field from the last."""
+    and token ids joined (and logprobs), every other field from the last."""
     if len(outs) == 1:
         return outs[0]
     last = outs[-1]
-    return last._replace(text="".join(o.text for o in outs), token_ids=tuple(t for o in outs for t in o.token_ids))
+    logprobs = None if last.logprobs is None else tuple(e for o in outs for e in (o.logprobs or ()))
+    return last._replace(
+        text="".join(o.text for o in outs), token_ids=tuple(t for o in outs for t in o.token_ids), logprobs=logprobs
+    )

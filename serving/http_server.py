@@ -41,7 +41,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from jaxlora.engine.request import GenerationRequest, RequestOutput
+from jaxlora.engine.request import GenerationRequest, RequestOutput, TokenLogprob
 from jaxlora.errors import JaxloraError
 from serving import json_body, openai_api
 from serving.adapter_admin import AdapterAdmin
@@ -414,10 +414,11 @@ class _Call:
 
     async def response(self) -> dict[str, Any]:
         """The whole completion (non-streamed)."""
-        texts = []
+        texts, entries = [], []
         try:
             async for out in self._updates():
                 texts.append(out.text)
+                entries.extend(out.logprobs or ())
             self._finish(out)
         except ApiError as e:
             self.outcome = e.status.name
@@ -430,7 +431,20 @@ class _Call:
             text="".join(texts),
             finish_reason=str(out.finish_reason),
             usage_=openai_api.usage(out.prompt_tokens, out.completion_tokens),
+            logprobs=self._logprobs(entries, 0),
         )
+
+    def _logprobs(self, entries: list[TokenLogprob], text_offset: int) -> dict[str, Any] | None:
+        """The `logprobs` object of `entries` in this API's shape; None for a request that did not
+        ask. `text_offset`: the completion's characters before them (completions' text_offset)."""
+        if self.gen.sampling.logprobs is None:
+            return None
+        if self.chat:
+            return openai_api.chat_logprobs(entries, self._token_text)
+        return openai_api.completion_logprobs(entries, self._token_text, text_offset=text_offset)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.h.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def events(self) -> AsyncIterator[str]:
         """The SSE stream: text deltas, the finish reason, the usage chunk if asked for, `[DONE]`.
@@ -449,16 +463,25 @@ class _Call:
                 )
             )
 
+        offset = 0  # completions' text_offset: characters of the tokens sent so far
+
+        def logprobs(out: RequestOutput) -> dict[str, Any] | None:
+            nonlocal offset
+            lp = self._logprobs(list(out.logprobs or ()), offset)
+            if lp is not None and not self.chat:
+                offset += sum(len(t) for t in lp["tokens"])
+            return lp
+
         try:
             if self.chat:
                 yield chunk(role=True, text="")
             async for out in self._updates():
                 if not out.finished:
-                    if out.text:
-                        yield chunk(text=out.text)
+                    if out.text or out.logprobs:
+                        yield chunk(text=out.text, logprobs=logprobs(out))
                     continue
                 self._finish(out)
-                yield chunk(text=out.text, finish_reason=str(out.finish_reason))
+                yield chunk(text=out.text, finish_reason=str(out.finish_reason), logprobs=logprobs(out))
                 if include_usage:
                     yield chunk(usage_=openai_api.usage(out.prompt_tokens, out.completion_tokens))
         except Exception as e:  # the status line is sent: the error goes in the stream

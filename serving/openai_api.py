@@ -4,20 +4,26 @@ response objects and stream chunks.
 
 Fields follow OpenAI's API reference, defaults included: `temperature` 1, `top_p` 1, and
 `max_tokens` 16 for completions and the rest of the context for chat completions
-(jaxlora.engine.request.default_max_tokens). `top_k` (-1 or 0: off), `stop_token_ids`, `min_p`,
-`min_tokens` and `ignore_eos` are vLLM's extra fields (what the `openai` client sends through
-`extra_body`). `model` names an adapter, or the base model for none.
+(jaxlora.engine.request.default_max_tokens). `presence_penalty` and `frequency_penalty` are OpenAI's
+(0: off); `logprobs` is a boolean with `top_logprobs` (0 to 20) in chat, and an integer (0 to 5) in
+completions, as in OpenAI's two APIs, answered in each API's own shape (`chat_logprobs`,
+`completion_logprobs`) with the raw distribution's log-probabilities. `top_k` (-1 or 0: off),
+`stop_token_ids`, `min_p`, `min_tokens`, `ignore_eos` and `repetition_penalty` (1: off) are vLLM's
+extra fields (what the `openai` client sends through `extra_body`). `model` names an adapter, or the
+base model for none.
 
 Nothing is ignored: a field OpenAI or vLLM defines that this server does not implement (JSON mode,
-guided decoding, penalties, logprobs, n > 1, ...) is refused unless it holds the value that leaves it
-off, and any other field is refused as unknown, with the nearest known name.
+guided decoding, n > 1, ...) is refused unless it holds the value that leaves it off, and any other
+field is refused as unknown, with the nearest known name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxlora.engine.request import TOP_LOGPROBS, TokenLogprob
 from jaxlora.fields import first_unknown
 from serving.api import ApiError, Status
 
@@ -26,10 +32,13 @@ from serving.api import ApiError, Status
 _COMMON = frozenset(
     {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream"}
     | {"stream_options", "user", "top_k", "stop_token_ids", "min_p", "min_tokens", "ignore_eos"}
+    | {"repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs"}
 )
-_KNOWN = {True: _COMMON | {"messages"}, False: _COMMON | {"prompt"}}
-# The extra fields that are SamplingParams fields of the same name.
-_EXTRA_SAMPLING = ("top_k", "min_p", "min_tokens", "ignore_eos")
+_KNOWN = {True: _COMMON | {"messages", "top_logprobs"}, False: _COMMON | {"prompt"}}
+# The fields that are SamplingParams fields of the same name.
+_EXTRA_SAMPLING = ("top_k", "min_p", "min_tokens", "ignore_eos", "repetition_penalty", "presence_penalty")
+_EXTRA_SAMPLING += ("frequency_penalty",)
+COMPLETION_MAX_LOGPROBS = 5  # OpenAI's completions API limit
 
 # Defined by OpenAI or vLLM but not implemented: the values that leave them off are accepted, any
 # other is refused.
@@ -37,11 +46,6 @@ _NEUTRAL = {
     "n": (None, 1),
     "best_of": (None, 1),
     "echo": (None, False),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
     "logit_bias": (None, {}),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -68,7 +72,6 @@ _UNBUILT = {
     **{name: "guided decoding is not built" for name in ("guided_json", "guided_regex", "guided_choice")},
     "guided_grammar": "guided decoding is not built",
 }
-_OPENAI_TEMPERATURE = 1.0  # the API's default; the engine's own default (greedy) applies to gRPC only
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -114,6 +117,7 @@ def parse_request(body: Any, *, chat: bool, base_model: str) -> ParsedRequest:
         raise _invalid(f"model={model!r} must be a string", "model")
     model = model or base_model
     sampling, field_names = _sampling(body)
+    sampling.update(_chat_logprobs_field(body) if chat else _completion_logprobs_field(body))
     prompt = _messages(body) if chat else _prompt(body)
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
@@ -144,7 +148,7 @@ def _refuse_what_is_not_done(body: dict, chat: bool) -> None:
 
 
 def _sampling(body: dict) -> tuple[dict[str, Any], dict[str, str]]:
-    sampling: dict[str, Any] = {"temperature": _OPENAI_TEMPERATURE}
+    sampling: dict[str, Any] = {}  # the others take serving.api.generation_request's defaults
     field_names: dict[str, str] = {}
     given = [f for f in ("max_completion_tokens", "max_tokens") if body.get(f) is not None]
     if len(given) == 2 and body[given[0]] != body[given[1]]:
@@ -168,6 +172,29 @@ def _sampling(body: dict) -> tuple[dict[str, Any], dict[str, str]]:
             raise _invalid(f"stop_token_ids={stop_ids!r} must be a list of token ids", "stop_token_ids")
         sampling["stop_token_ids"] = tuple(stop_ids)
     return sampling, field_names
+
+
+def _chat_logprobs_field(body: dict) -> dict[str, Any]:
+    """Chat's `logprobs` (boolean) and `top_logprobs` (0 to 20, needs logprobs) -> SamplingParams'."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise _invalid(f"logprobs={wanted!r} must be a boolean (top_logprobs sets how many alternatives)", "logprobs")
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= TOP_LOGPROBS:
+            raise _invalid(f"top_logprobs={top!r} must be an integer in [0, {TOP_LOGPROBS}]", "top_logprobs")
+        if not wanted:
+            raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    return {"logprobs": top or 0} if wanted else {}
+
+
+def _completion_logprobs_field(body: dict) -> dict[str, Any]:
+    """Completions' `logprobs` (an integer, 0 to 5 alternatives) -> SamplingParams'."""
+    n = body.get("logprobs")
+    if n is None:
+        return {}
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= COMPLETION_MAX_LOGPROBS:
+        raise _invalid(f"logprobs={n!r} must be an integer in [0, {COMPLETION_MAX_LOGPROBS}]", "logprobs")
+    return {"logprobs": n}
 
 
 def _prompt(body: dict) -> dict[str, Any]:
@@ -221,19 +248,61 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def response(
-    *, request_id: str, created: int, model: str, chat: bool, text: str, finish_reason: str, usage_: dict[str, int]
+def chat_logprobs(entries: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> dict[str, Any]:
+    """Chat's `logprobs` object: per token its text, log-probability, UTF-8 bytes and alternatives."""
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
+    }
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprob], token_text: Callable[[int], str], *, text_offset: int = 0
 ) -> dict[str, Any]:
-    """A whole (non-streamed) completion or chat completion."""
+    """Completions' legacy `logprobs` object: tokens, token_logprobs, top_logprobs (one dict of
+    token text -> log-probability per token, the chosen token included, as vLLM sends them) and
+    text_offset (each token's character offset in the completion, from `text_offset`)."""
+    texts = [token_text(e.token_id) for e in entries]
+    offsets, at = [], text_offset
+    for text in texts:
+        offsets.append(at)
+        at += len(text)
+    return {
+        "tokens": texts,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [
+            {**{token_text(t): lp for t, lp in e.top}, text: e.logprob} for e, text in zip(entries, texts)
+        ],
+        "text_offset": offsets,
+    }
+
+
+def response(
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    chat: bool,
+    text: str,
+    finish_reason: str,
+    usage_: dict[str, int],
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A whole (non-streamed) completion or chat completion (`logprobs`: `chat_logprobs` or
+    `completion_logprobs`, for a request that asked)."""
     if chat:
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": request_id,
         "object": "chat.completion" if chat else "text_completion",
@@ -255,18 +324,19 @@ def chunk(
     role: bool = False,
     include_usage: bool = False,
     usage_: dict[str, int] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One stream chunk: a text delta (and `finish_reason` on the last one), or with `usage_` the
-    final usage chunk, which has no choices."""
+    """One stream chunk: a text delta (and `finish_reason` on the last one) with the logprobs of its
+    tokens (for a request that asked), or with `usage_` the final usage chunk, which has no choices."""
     choices: list[dict[str, Any]] = []
     if usage_ is None:
         if chat:
             delta: dict[str, str] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+            choices = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
         else:
-            choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+            choices = [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}]
     out = {
         "id": request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",

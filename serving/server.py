@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "jaxlora.v1.Inference"
 _FINISH_REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "min_tokens", "ignore_eos")
+_OPTIONAL_SAMPLING += ("repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs")
 _MAX_REQUEST_ID = 256
 _POLL_SECONDS = 0.5  # how often a stream waiting for tokens checks that its call and the engine live
 
@@ -71,6 +72,18 @@ def _status_of(error: Exception, *, is_draining: bool = False) -> tuple[grpc.Sta
     """The status code a library error means for the caller (the shared table, serving.api)."""
     api_error = error_of(error, is_draining=is_draining)
     return api_error.status.grpc_code, api_error.message
+
+
+def _logprobs(out: RequestOutput) -> list[pb.TokenLogprob]:
+    """The response's `logprobs`: one per token of `out`, empty for a request that asked for none."""
+    return [
+        pb.TokenLogprob(
+            token_id=e.token_id,
+            logprob=e.logprob,
+            top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top],
+        )
+        for e in out.logprobs or ()
+    ]
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -122,7 +135,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if first_token is None and out.token_ids:
                 first_token = time.perf_counter()
             if not out.finished:
-                yield pb.GenerateResponse(request_id=client_id, text=out.text, token_ids=out.token_ids)
+                yield pb.GenerateResponse(
+                    request_id=client_id, text=out.text, token_ids=out.token_ids, logprobs=_logprobs(out)
+                )
                 continue
             self._check_final(out, gen, context)
             self.metrics.observe_finished(
@@ -139,6 +154,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 finish_reason=_FINISH_REASONS[out.finish_reason],
                 prompt_tokens=out.prompt_tokens,
                 completion_tokens=out.completion_tokens,
+                logprobs=_logprobs(out),
             )
 
     def _updates(

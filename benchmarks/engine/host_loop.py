@@ -334,6 +334,8 @@ def dispatch_probe(runner, bank, inputs: HostInputs, reps: int) -> dict:
     device_put, then `packed_step`: what the engine does) and for the same fields as separate host
     arrays (`ragged_step`, each array a jit argument and a copy of its own). Medians and maxima."""
     fields = jax.tree.map(np.asarray, inputs.layout.unpack(jnp.asarray(inputs.buffer)))
+    for name in ("prompt_len", "reset"):  # the sampler's token history reads these, not the step
+        del fields[name]
     step_bank = bank if inputs.has_adapter else None
     static = dict(runner._static)
 

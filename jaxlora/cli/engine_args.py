@@ -140,7 +140,8 @@ def add_engine_size_args(p: argparse.ArgumentParser) -> None:
         "--seed",
         type=int,
         default=None,
-        help="seed of the sampling seeds given to requests without one: a re-run gives the same tokens",
+        help="seed of the sampling seeds given to requests without one: a re-run gives the same tokens "
+        "(generate: the seed of --prompt and of the batch lines' own seeds, default 0; serve: default random)",
     )
 
 

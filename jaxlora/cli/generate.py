@@ -30,7 +30,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--raw", action="store_true", help="send --prompt as raw text, without the chat template")
     sampling = p.add_argument_group(
-        "sampling", "for --prompt; with --input, the default of every line that leaves the field out"
+        "sampling",
+        "for --prompt; with --input, the default of every line that leaves the field out. The defaults are "
+        "those of every jaxlora API (HTTP, gRPC, batch lines): OpenAI's temperature 1, and a seed from --seed "
+        "(default 0: a re-run gives the same tokens; a batch line without a seed gets one derived from --seed "
+        "and its custom_id, so a resumed job gives the same tokens)",
     )
     sampling.add_argument(
         "--max-tokens",
@@ -38,9 +42,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens to generate at most (default, as OpenAI's: the rest of the context for a chat, 16 with --raw)",
     )
-    sampling.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 0)")
+    sampling.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 1, OpenAI's)")
     sampling.add_argument("--top-p", type=float, default=None, help="(default: 1, off)")
     sampling.add_argument("--top-k", type=int, default=None, help="0 = off (default: 0)")
+    sampling.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="vLLM's: > 0, over the prompt and the output (default: 1, off)",
+    )
+    sampling.add_argument(
+        "--presence-penalty", type=float, default=None, help="OpenAI's: [-2, 2], over the output (default: 0, off)"
+    )
+    sampling.add_argument(
+        "--frequency-penalty", type=float, default=None, help="OpenAI's: [-2, 2], over the output (default: 0, off)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     add_ray_args(p)
 
@@ -73,12 +89,27 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k")
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty")
+_SAMPLING_FLAGS += ("frequency_penalty",)
 
 
 def sampling_flags(args: argparse.Namespace) -> dict:
-    """The sampling flags given, as SamplingParams fields (the others keep SamplingParams' defaults)."""
+    """The sampling flags given, as SamplingParams fields (the others keep their defaults)."""
     return {name: getattr(args, name) for name in _SAMPLING_FLAGS if getattr(args, name) is not None}
+
+
+def line_defaults(args: argparse.Namespace):
+    """What the batch lines that leave a field out get: the sampling flags, the served name of the
+    base model, and the job's seed (--seed, default 0)."""
+    from jaxlora.engine.batch_job import LineDefaults
+
+    return LineDefaults(
+        sampling=sampling_flags(args), base_model=engine_args.base_model_name(args), seed=_job_seed(args)
+    )
+
+
+def _job_seed(args: argparse.Namespace) -> int:
+    return 0 if getattr(args, "seed", None) is None else args.seed
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ray:
         return _run_ray(args)
     if args.input is not None:
-        from jaxlora.engine.batch_job import LineDefaults, run_batch_job
+        from jaxlora.engine.batch_job import run_batch_job
 
         return run_batch_job(
             args.input,
@@ -98,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             progress=not args.no_progress,
             warmup_progress=warmup_progress,
-            defaults=LineDefaults(sampling=sampling_flags(args), base_model=engine_args.base_model_name(args)),
+            defaults=line_defaults(args),
             adapters=args.adapter,
         )
     return _run_prompt(args)
@@ -145,8 +176,6 @@ def _run_ray(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"jaxlora generate: error: {e}", file=sys.stderr)
         return 2
-    from jaxlora.engine.batch_job import LineDefaults
-
     try:
         spec = engine_args.engine_spec(args)
     except (JaxloraError, ValueError, OSError) as e:
@@ -160,7 +189,7 @@ def _run_ray(args: argparse.Namespace) -> int:
         address=args.ray_address,
         overwrite=args.overwrite,
         progress=not args.no_progress,
-        defaults=LineDefaults(sampling=sampling_flags(args), base_model=engine_args.base_model_name(args)),
+        defaults=line_defaults(args),
     )
 
 
@@ -170,11 +199,14 @@ def _run_prompt(args: argparse.Namespace) -> int:
     compilation cache, on first use. The answer's time includes that."""
     from jaxlora.cli.startup import StartupClock
     from jaxlora.engine import GenerationRequest, SamplingParams
+    from jaxlora.engine.request import DEFAULT_TEMPERATURE
 
     clock = StartupClock(getattr(args, "started", None))
     clock.lap("import")
     try:
-        sampling = SamplingParams(**sampling_flags(args))
+        sampling = SamplingParams(
+            **{"temperature": DEFAULT_TEMPERATURE, "seed": _job_seed(args), **sampling_flags(args)}
+        )
         engine = engine_args.engine_from_args(args, clock=clock, compile_ahead=False)
         prompt = {"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}
         clock.print("jaxlora generate", getattr(args, "compilation_cache_dir", None))

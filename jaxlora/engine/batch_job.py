@@ -3,15 +3,22 @@
 Input lines, one request each, in either of two forms:
 - jaxlora's: {"custom_id", "prompt" | "messages", "model" | "adapter"?, and sampling fields:
   "max_tokens" (or "max_completion_tokens"), "temperature", "top_p", "top_k", "seed", "stop",
-  "stop_token_ids"};
+  "stop_token_ids", "min_p", "min_tokens", "ignore_eos", "repetition_penalty", "presence_penalty",
+  "frequency_penalty", "logprobs" (an integer, 0 to 20 alternatives per token; or as in chat,
+  true with "top_logprobs")};
 - OpenAI's Batch format (what `vllm run-batch` reads): {"custom_id", "method": "POST", "url":
   "/v1/chat/completions" | "/v1/completions", "body": {the same fields}}.
 `prompt` is raw text to complete, `messages` a chat rendered with the model's chat template. `model`
 names an adapter, or the base model by its served name; `adapter` is jaxlora's older name for it.
 A field not listed is refused for its line (the message names the nearest known field), never
 dropped. Sampling fields a line leaves out take the job's defaults (`LineDefaults`: the generate
-flags), then SamplingParams' own. Output lines: {"custom_id", "request_hash", "adapter", "text",
-"token_ids", "finish_reason", "error"}, exactly one per input line, in input order.
+flags), then the defaults of every API: temperature DEFAULT_TEMPERATURE (1, OpenAI's), then
+SamplingParams' own. A line without a `seed` gets `line_seed(job seed, custom_id)`: its tokens depend
+on the line alone, so a resumed job, or the same line in another job or on another Ray replica,
+gives the same tokens. Output lines: {"custom_id", "request_hash", "adapter", "text",
+"token_ids", "finish_reason", "error"}, exactly one per input line, in input order; a line that asks
+for logprobs gets "logprobs" too: per token {"token_id", "logprob", "top_logprobs": [[id, logprob],
+...]}, the model's raw log-probabilities.
 
 Crash safety: results are written in input order as soon as every earlier line is done, one line per
 `write`, fsync'd. A re-run checks that the output holds this input's results (see
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import hashlib
 import json
 import sys
 import time
@@ -35,14 +43,16 @@ from typing import Any
 from jaxlora.engine import job_files
 from jaxlora.engine.engine import Engine, RequestHandle
 from jaxlora.engine.job_files import JobFileError
-from jaxlora.engine.request import FinalOutput, GenerationRequest, SamplingParams
+from jaxlora.engine.request import DEFAULT_TEMPERATURE, FinalOutput, GenerationRequest, SamplingParams
 from jaxlora.engine.results_file import ResultsFile, ResultsFileError, request_hash
 from jaxlora.engine.runner import WarmupProgress
 from jaxlora.errors import CapacityError, JaxloraError
 from jaxlora.fields import first_unknown
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-_REQUEST_FIELDS = frozenset({"prompt", "messages", "model", "adapter", "max_completion_tokens", *SAMPLING_FIELDS})
+_REQUEST_FIELDS = frozenset(
+    {"prompt", "messages", "model", "adapter", "max_completion_tokens", "top_logprobs", *SAMPLING_FIELDS}
+)
 _LINE_FIELDS = _REQUEST_FIELDS | {"custom_id"}
 _OPENAI_LINE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 _OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
@@ -55,16 +65,26 @@ class LineDefaults:
     Attributes:
       sampling: SamplingParams fields (the generate flags that were given).
       base_model: the base model's served name: a line whose `model` is this picks no adapter.
+      seed: the job's seed (`--seed`): a line without one samples with `line_seed(seed, custom_id)`.
     """
 
     sampling: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     base_model: str | None = None
+    seed: int = 0
+
+
+def line_seed(job_seed: int, custom_id: Any) -> int:
+    """The sampling seed of a line that gives none: a 32-bit hash of the job's seed and the line's
+    custom_id, the same in every run of the job (Python's `hash` of a string is not)."""
+    digest = hashlib.sha256(json.dumps([job_seed, custom_id]).encode()).digest()
+    return int.from_bytes(digest[:4], "little")
 
 
 # A result record's bound: fixed fields and an error message; one token's text (JSON-escaped, a
 # control byte takes six) and id. Generous: it only has to refuse files no run of this input wrote.
 _RECORD_OVERHEAD_BYTES = 4096
 _MAX_TOKEN_RECORD_BYTES = 1024
+_MAX_LOGPROB_RECORD_BYTES = 64  # one [token id, logprob] pair of a token's logprobs
 # A line without max_tokens gets its default from the engine, unknown while the files are checked
 # (before the model loads): bounded by the longest context a model has.
 _MAX_CONTEXT_TOKENS = 2**20
@@ -88,7 +108,9 @@ class _Line:
         """The most bytes this line's result record can take: what it repeats of the line (custom_id,
         adapter, in an error message), the fixed fields, and `max_tokens` tokens as text and ids."""
         max_tokens = 0 if self.request is None else self.request.sampling.max_tokens or _MAX_CONTEXT_TOKENS
-        return _RECORD_OVERHEAD_BYTES + 3 * self.input_bytes + max_tokens * _MAX_TOKEN_RECORD_BYTES
+        logprobs = None if self.request is None else self.request.sampling.logprobs
+        per_token = _MAX_TOKEN_RECORD_BYTES + (0 if logprobs is None else (logprobs + 1) * _MAX_LOGPROB_RECORD_BYTES)
+        return _RECORD_OVERHEAD_BYTES + 3 * self.input_bytes + max_tokens * per_token
 
     @property
     def fingerprint(self) -> dict[str, Any]:
@@ -268,7 +290,7 @@ def parse_line(number: int, raw: bytes, defaults: LineDefaults) -> _Line:
             prompt=fields.get("prompt"),
             messages=fields.get("messages"),
             adapter=line.adapter,
-            sampling=_sampling(fields, number, defaults.sampling),
+            sampling=_sampling(fields, number, defaults, cid),
         )
     except (JaxloraError, TypeError) as e:
         line.record = error_record(line, str(e))
@@ -316,18 +338,35 @@ def _adapter(fields: dict[str, Any], number: int, base_model: str | None) -> str
     return next(iter(names.values()), None)
 
 
-def _sampling(fields: dict[str, Any], number: int, defaults: Mapping[str, Any]) -> SamplingParams:
+def _sampling(fields: dict[str, Any], number: int, defaults: LineDefaults, custom_id: Any) -> SamplingParams:
     given = {k: fields[k] for k in SAMPLING_FIELDS if fields.get(k) is not None}
     alias = fields.get("max_completion_tokens")
     if alias is not None:
         if given.get("max_tokens", alias) != alias:
             raise JaxloraError(f"line {number}: give max_completion_tokens or max_tokens, not both")
         given["max_tokens"] = alias
-    return SamplingParams(**{**defaults, **given})
+    given.pop("logprobs", None)
+    given.update(_logprobs(fields, number))
+    sampling = {"temperature": DEFAULT_TEMPERATURE, **defaults.sampling, **given}
+    sampling.setdefault("seed", line_seed(defaults.seed, custom_id))
+    return SamplingParams(**sampling)
+
+
+def _logprobs(fields: dict[str, Any], number: int) -> dict[str, Any]:
+    """SamplingParams' `logprobs` from a line's: an integer (completions' form), or true with
+    `top_logprobs` (chat's form)."""
+    wanted, top = fields.get("logprobs"), fields.get("top_logprobs")
+    if wanted is True:
+        return {"logprobs": 0 if top is None else top}
+    if top is not None:
+        raise JaxloraError(f"line {number}: top_logprobs needs logprobs: true")
+    if wanted is None or wanted is False:
+        return {}
+    return {"logprobs": wanted}  # SamplingParams checks the integer
 
 
 def result_record(line: _Line, result: FinalOutput) -> dict[str, Any]:
-    return {
+    record = {
         **line.fingerprint,
         "adapter": line.adapter,
         "text": result.text,
@@ -335,6 +374,12 @@ def result_record(line: _Line, result: FinalOutput) -> dict[str, Any]:
         "finish_reason": result.finish_reason.value,
         "error": result.error,
     }
+    if result.logprobs is not None:
+        record["logprobs"] = [
+            {"token_id": e.token_id, "logprob": e.logprob, "top_logprobs": [list(t) for t in e.top]}
+            for e in result.logprobs
+        ]
+    return record
 
 
 def error_record(line: _Line, error: str) -> dict[str, Any]:

@@ -57,10 +57,12 @@ from jaxlora.engine.request import (
     Phase,
     Request,
     RequestOutput,
+    TokenLogprob,
     default_max_tokens,
     token_output,
 )
 from jaxlora.engine.runner import Runner, WarmupProgress, num_traces, pool_positions
+from jaxlora.engine.sampling import Logprobs
 from jaxlora.engine.scheduler import Scheduler, StepPlan
 from jaxlora.errors import CapacityError, JaxloraError, RequestError, UnknownAdapterError
 from jaxlora.lora.bank import Bank
@@ -295,7 +297,7 @@ class Engine:
         self._count(plan)
         times.lap("dispatch")
         self._read_inflight(outputs)
-        self._inflight = _Inflight(plan=plan, next_ids=next_ids)
+        self._inflight = _Inflight(plan=plan, next_ids=next_ids, logprobs=self.runner.last_logprobs)
         return outputs
 
     def _count(self, plan: StepPlan) -> None:
@@ -312,46 +314,63 @@ class Engine:
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return
-        next_ids = jax.device_get(inflight.next_ids)
+        next_ids, logprobs = jax.device_get((inflight.next_ids, inflight.logprobs))
         self._times.lap("wait")
         plan = inflight.plan
-        self._take_decode_tokens(plan.decode.requests, next_ids[plan.decode.rows].tolist(), outputs)
+        decode = plan.decode
+        entries = None
+        if logprobs is not None:
+            entries = [_token_logprob(logprobs, next_ids, r, q) for r, q in zip(decode.rows, decode.requests)]
+        self._take_decode_tokens(decode.requests, next_ids[decode.rows].tolist(), outputs, entries)
         for chunk in plan.prompt_chunks:
             if chunk.samples:
-                self._take_token(chunk.request, int(next_ids[chunk.row]), outputs)
+                entry = None if logprobs is None else _token_logprob(logprobs, next_ids, chunk.row, chunk.request)
+                self._take_token(chunk.request, int(next_ids[chunk.row]), outputs, entry)
         self._times.lap("stream")
 
-    def _take_decode_tokens(self, requests: list[Request], tokens: list[int], outputs: list[RequestOutput]) -> None:
+    def _take_decode_tokens(
+        self,
+        requests: list[Request],
+        tokens: list[int],
+        outputs: list[RequestOutput],
+        entries: list[TokenLogprob | None] | None = None,
+    ) -> None:
         """`_take_token` for each decode row of a step, its common case inlined: a token that neither
         fails nor ends its request is read, detokenized and emitted here. This loop runs for every
-        running row on every step, so it avoids per-token calls and keyword arguments."""
+        running row on every step, so it avoids per-token calls and keyword arguments. `entries`:
+        each row's logprobs, in steps that computed them."""
         live_of, finished = self._live, Phase.FINISHED
         token_read = self.scheduler.token_read
         append = outputs.append
         read = 0
-        for req, token in zip(requests, tokens):
+        for i, (req, token) in enumerate(zip(requests, tokens)):
             if req.phase is finished:  # stopped (or cancelled) after this step was dispatched
                 continue
             live = live_of[req.request_id]
+            entry = None if entries is None else entries[i]
             if token < 0 or token in live.stop_ids:
-                self._take_token(req, token, outputs)
+                self._take_token(req, token, outputs, entry)
                 continue
             token_read(req, token)
+            if entry is not None:
+                req.logprobs.append(entry)
             read += 1
             text, hit_stop = live.detokenizer.add(token)
             num_output = len(req.output_ids)
             if hit_stop or num_output >= req.sampling.max_tokens:
                 reason = FinishReason.STOP if hit_stop else FinishReason.LENGTH
-                self._finish(req, reason, outputs, text=text, token=token)
+                self._finish(req, reason, outputs, text=text, token=token, logprob=entry)
                 continue
-            out = token_output(req.request_id, text, token, len(req.prompt_ids), num_output)
+            out = token_output(req.request_id, text, token, len(req.prompt_ids), num_output, entry)
             append(out)
             live.handle._publish(out)
             if req.callback is not None:
                 _call_back(req.callback, out)
         self._counters.generated_tokens += read
 
-    def _take_token(self, req: Request, token: int, outputs: list[RequestOutput]) -> None:
+    def _take_token(
+        self, req: Request, token: int, outputs: list[RequestOutput], logprob: TokenLogprob | None = None
+    ) -> None:
         if req.is_finished:  # stopped (or cancelled) after this step was dispatched: a wasted token
             return
         if token < 0:
@@ -363,7 +382,9 @@ class Engine:
                 error=f"the logits of request {req.request_id} are not finite ({adapter})",
             )
         self.scheduler.token_read(req, token)
-        self._append_token(req, token, outputs)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        self._append_token(req, token, outputs, logprob)
 
     def _bank(self) -> Bank | None:
         return None if self.pager is None else self.pager.bank
@@ -647,16 +668,18 @@ class Engine:
             if live is not None and not live.request.is_finished:
                 self._finish(live.request, FinishReason.CANCELLED, outputs)
 
-    def _append_token(self, req: Request, token: int, outputs: list[RequestOutput]) -> None:
+    def _append_token(
+        self, req: Request, token: int, outputs: list[RequestOutput], logprob: TokenLogprob | None = None
+    ) -> None:
         live = self._live[req.request_id]
         self._counters.generated_tokens += 1
         if token in live.stop_ids and req.num_output > req.sampling.min_tokens:
-            return self._finish(req, FinishReason.STOP, outputs, token=token)
+            return self._finish(req, FinishReason.STOP, outputs, token=token, logprob=logprob)
         text, hit_stop = live.detokenizer.add(token)
         if hit_stop:
-            return self._finish(req, FinishReason.STOP, outputs, text=text, token=token)
+            return self._finish(req, FinishReason.STOP, outputs, text=text, token=token, logprob=logprob)
         if req.num_output >= req.sampling.max_tokens:
-            return self._finish(req, FinishReason.LENGTH, outputs, text=text, token=token)
+            return self._finish(req, FinishReason.LENGTH, outputs, text=text, token=token, logprob=logprob)
         self._emit(
             live,
             RequestOutput(
@@ -665,6 +688,7 @@ class Engine:
                 token_ids=(token,),
                 prompt_tokens=req.num_prompt,
                 completion_tokens=req.num_output,
+                logprobs=None if logprob is None else (logprob,),
             ),
             outputs,
         )
@@ -678,6 +702,7 @@ class Engine:
         text: str = "",
         token: int | None = None,
         error: str | None = None,
+        logprob: TokenLogprob | None = None,
     ) -> None:
         live = self._live.get(req.request_id)
         was_admitted = req.phase in (Phase.PREFILL, Phase.DECODE) or req.num_preemptions > 0
@@ -703,6 +728,7 @@ class Engine:
             prompt_tokens=req.num_prompt,
             completion_tokens=req.num_output,
             error=error,
+            logprobs=None if logprob is None else (logprob,),
         )
         self._emit(live, out, outputs)
         with self._lock:
@@ -716,6 +742,7 @@ class Engine:
                 prompt_tokens=req.num_prompt,
                 completion_tokens=req.num_output,
                 error=error,
+                logprobs=None if req.logprobs is None else tuple(req.logprobs),
             )
         )
 
@@ -743,6 +770,17 @@ class _Inflight:
 
     plan: StepPlan
     next_ids: jax.Array
+    logprobs: Logprobs | None = None  # [S] rows' logprobs, on the device, when the step computed them
+
+
+def _token_logprob(logprobs: Logprobs, next_ids, row: int, req: Request) -> TokenLogprob | None:
+    """Row `row`'s entry of a step's logprobs and sampled ids [S] (host numpy), for a request that
+    asks for them."""
+    n = req.sampling.logprobs
+    if n is None:
+        return None
+    top = tuple(zip(logprobs.top_ids[row, :n].tolist(), logprobs.top[row, :n].tolist()))
+    return TokenLogprob(int(next_ids[row]), float(logprobs.chosen[row]), top)
 
 
 def _call_back(callback: Callback, out: RequestOutput) -> None:

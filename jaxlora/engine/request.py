@@ -37,6 +37,12 @@ class SamplingParams:
     whatever else shares its batch. vLLM's extra fields: `min_p` (0: off) drops tokens less likely
     than min_p times the most likely one; EOS and `stop_token_ids` end nothing before `min_tokens`
     tokens (EOS is not sampled then; stop strings still apply); `ignore_eos` generates on past EOS.
+
+    Penalties (`jaxlora.engine.sampling.apply_penalties`): `repetition_penalty` (vLLM's, > 0, 1: off)
+    over the prompt and the output so far; `presence_penalty` and `frequency_penalty` (OpenAI's,
+    in [-2, 2], 0: off) over the output so far. `logprobs` (None: off) asks for each generated
+    token's log-probability and those of the `logprobs` most likely tokens (0 to TOP_LOGPROBS), from
+    the model's raw distribution (before penalties and temperature).
     """
 
     max_tokens: int | None = None
@@ -49,6 +55,14 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +97,17 @@ class SamplingParams:
             raise RequestError(f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos={self.ignore_eos!r} must be a boolean")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0:
+            raise RequestError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name))
+            if not -2 <= getattr(self, name) <= 2:
+                raise RequestError(f"{name}={getattr(self, name)} must be in [-2, 2]")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= TOP_LOGPROBS:
+                raise RequestError(f"logprobs={self.logprobs} must be in [0, {TOP_LOGPROBS}] (alternatives per token)")
 
     def check_limits(self, *, max_new_tokens_limit: int, vocab_size: int) -> None:
         if self.max_tokens is not None and self.max_tokens > max_new_tokens_limit:
@@ -94,6 +119,13 @@ class SamplingParams:
             raise RequestError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
 
 
+# The temperature of a request that gives none, on every surface a user reaches (HTTP, gRPC, batch
+# lines, the generate command): OpenAI's and vLLM's default. A request without a seed then gets one:
+# the engine draws it from its --seed, and a batch job derives it from the job's seed and the line
+# (`jaxlora.engine.batch_job.line_seed`), so a resumed job gives the same tokens. `SamplingParams`
+# built in Python stays greedy unless told otherwise: library code and tests choose explicitly.
+DEFAULT_TEMPERATURE = 1.0
+TOP_LOGPROBS = 20  # the most alternatives per token (OpenAI's top_logprobs limit; the sampler's K)
 COMPLETION_MAX_TOKENS = 16  # OpenAI's completions API default
 
 
@@ -145,9 +177,19 @@ class GenerationRequest:
             raise RequestError(f"request {self.request_id}: sampling must be SamplingParams")
 
 
+class TokenLogprob(typing.NamedTuple):
+    """A generated token's log-probability and the `SamplingParams.logprobs` most likely tokens'
+    (token id, log-probability), most likely first; all of the model's raw distribution."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class RequestOutput(typing.NamedTuple):
     """One streamed update. `text` and `token_ids` are deltas since the previous update; the final
-    update (finished=True) carries `finish_reason` and, for errors, `error`.
+    update (finished=True) carries `finish_reason` and, for errors, `error`. `logprobs`: one entry per
+    token of `token_ids`, for a request that asks for them (`SamplingParams.logprobs`), else None.
 
     Immutable like the dataclasses here, but a NamedTuple: the engine builds one per generated token
     on its loop thread, and a frozen dataclass costs several times more to build. Build it with
@@ -162,16 +204,28 @@ class RequestOutput(typing.NamedTuple):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
-def token_output(request_id: str, text: str, token: int, prompt_tokens: int, completion_tokens: int) -> RequestOutput:
+def token_output(
+    request_id: str,
+    text: str,
+    token: int,
+    prompt_tokens: int,
+    completion_tokens: int,
+    logprob: TokenLogprob | None = None,
+) -> RequestOutput:
     """The per-token update of a running request: RequestOutput(request_id=..., text=text,
-    token_ids=(token,), prompt_tokens=..., completion_tokens=...), every other field at its default.
+    token_ids=(token,), prompt_tokens=..., completion_tokens=..., logprobs=(logprob,) or None), every
+    other field at its default.
 
     Built as the tuple it is, in field order, because the NamedTuple's generated __new__ with keywords
     costs several times more and the engine builds one per generated token. The one place that
     relies on the field order; tests/engine/test_request_output.py checks it against keywords."""
-    return _new_tuple(RequestOutput, (request_id, text, (token,), False, None, prompt_tokens, completion_tokens, None))
+    logprobs = None if logprob is None else (logprob,)
+    return _new_tuple(
+        RequestOutput, (request_id, text, (token,), False, None, prompt_tokens, completion_tokens, None, logprobs)
+    )
 
 
 _new_tuple = tuple.__new__
@@ -179,7 +233,8 @@ _new_tuple = tuple.__new__
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FinalOutput:
-    """A finished request, accumulated: full text and every generated token id."""
+    """A finished request, accumulated: full text and every generated token id (and its logprobs, for a
+    request that asks for them)."""
 
     request_id: str
     text: str
@@ -188,6 +243,7 @@ class FinalOutput:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class Request:
@@ -230,6 +286,7 @@ class Request:
         self.page_keys: list[bytes] = []
         self.num_keyed = 0
         self.output_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None if request.sampling.logprobs is None else []
         # Tokens sampled by dispatched steps whose ids the host has not read yet (0, 1, or 2 for the
         # moment between dispatching step N+1 and reading step N), and where the newest one is in the
         # runner's last outputs (see jaxlora.engine.runner).

@@ -59,7 +59,7 @@ from jaxlora.engine.compiles import start_counting, thread_backend_compiles
 from jaxlora.engine.config import CPU_MAX_SEQ_LEN, CPU_POOL_POSITIONS, EngineConfig
 from jaxlora.engine.kv_pages import PageTable, pages_for
 from jaxlora.engine.request import Request
-from jaxlora.engine.sampling import SamplingArrays, greedy, sample
+from jaxlora.engine.sampling import Logprobs, SamplingArrays, TokenHistory, greedy, sample, top_logprobs, update_history
 from jaxlora.engine.scheduler import StepPlan
 from jaxlora.engine.static_arg import Hashed
 from jaxlora.engine.step_inputs import HostInputs, InputPacker, StepLayout
@@ -95,7 +95,7 @@ def _count_trace() -> None:
 def _step(params, bank, kv, tokens, src, positions, slot_ids, batch, last_ids, *, graphdef, kernels, mesh):
     """The step's math over its unpacked fields (module doc; sampling is `packed_sample`'s); traced
     inside the jitted entries. -> (greedy next_ids [S], kv, logits [S, vocab] float32)."""
-    tokens = jnp.where(src >= 0, last_ids[jnp.maximum(src, 0)], tokens)
+    tokens = _input_ids(tokens, src, last_ids)
 
     def step(params, bank, kv, tokens, positions, slot_ids, batch, *, tensor_axis):
         mod = nnx.merge(graphdef, params)
@@ -115,6 +115,11 @@ def _step(params, bank, kv, tokens, src, positions, slot_ids, batch, last_ids, *
     step = shard_step(step, mesh, num_outputs_before_kv=2)
     ids, logits, kv = step(params, bank, kv, tokens, positions, slot_ids, batch)
     return ids, kv, logits
+
+
+def _input_ids(tokens: jax.Array, src: jax.Array, last_ids: jax.Array) -> jax.Array:
+    """The step's input ids [T]: the host's `tokens`, or where `src` >= 0 that row's previous output."""
+    return jnp.where(src >= 0, last_ids[jnp.maximum(src, 0)], tokens)
 
 
 class _ByCompilerOptions:
@@ -177,16 +182,39 @@ def packed_step(params, bank, kv, packed, last_ids, *, layout: StepLayout, graph
     with a temperature, in steps that have any."""
     _count_trace()
     fields = layout.unpack(packed)
-    del fields["sampling"]  # packed_sample's
+    for name in ("sampling", "prompt_len", "reset"):  # packed_sample's
+        del fields[name]
     graphdef = Hashed.unwrap(graphdef, "packed_step")
     return _step(params, bank, kv, last_ids=last_ids, graphdef=graphdef, kernels=kernels, mesh=mesh, **fields)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "eos_ids"))
-def packed_sample(logits, ids, packed, *, layout: StepLayout, eos_ids: tuple[int, ...] = ()):
+SAMPLER_VARIANTS = (False, True)  # packed_sample's `extended`
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "eos_ids", "extended"), donate_argnames=("history",))
+def packed_sample(
+    logits,
+    ids,
+    packed,
+    last_ids,
+    history: TokenHistory,
+    *,
+    layout: StepLayout,
+    eos_ids: tuple[int, ...] = (),
+    extended: bool = False,
+):
     """The rows of a step sampled from its logits [S, vocab] (`jaxlora.engine.sampling.sample`: EOS
-    banned below min_tokens, temperature, top-k, top-p, min-p); rows whose logits are not finite keep
-    `ids` [S]. -> next_ids [S].
+    banned below min_tokens, penalties, temperature, top-k, top-p, min-p); rows whose logits are not
+    finite keep `ids` [S]. -> (next_ids [S], history, Logprobs or None).
+
+    Two variants, static, compiled at warm-up (`SAMPLER_VARIANTS`), so that only the steps with a
+    row that has a penalty or asks for logprobs pay for them: `extended` adds the step's input ids
+    (`last_ids` [S] resolves those on the device) to the rows' token history, applies the penalties,
+    and returns the raw distribution's log-probabilities of every row (`top_logprobs`); without it
+    the history passes through untouched. One variant for both, not one each: the sampler compiles
+    once per token budget and variant, and two more variants per budget made the start-up's
+    compiles of small programs the larger part of a CPU warm-up; next to the vocabulary sort every
+    sampler step pays, the history update and the top-k are small.
 
     A program of its own, dispatched after the step only when a row of the step samples: inside the
     step, the choice would be an XLA conditional, whose predicate the GPU runtime reads on the host,
@@ -194,8 +222,23 @@ def packed_sample(logits, ids, packed, *, layout: StepLayout, eos_ids: tuple[int
     (benchmarks/DECISIONS.md#sampling-outside-step), and computing both branches always sorts the
     vocabulary per row."""
     _count_trace()
-    sampling = layout.unpack(packed)["sampling"]
-    return jnp.where(ids >= 0, sample(logits, sampling, eos_ids=eos_ids), ids)
+    f = layout.unpack(packed)
+    if extended:
+        history = update_history(history, *_history_inputs(f, last_ids, layout.rows))
+    drawn = sample(logits, f["sampling"], eos_ids=eos_ids, history=history if extended else None)
+    next_ids = jnp.where(ids >= 0, drawn, ids)
+    return next_ids, history, top_logprobs(logits, next_ids) if extended else None
+
+
+def _history_inputs(f: dict, last_ids: jax.Array, rows: int) -> tuple[jax.Array, ...]:
+    """`update_history`'s token arguments from a step's unpacked fields: input ids [T], the row of
+    each [T] (`rows` for padding), whether each is generated [T], and the rows to reset [S]."""
+    batch = f["batch"]
+    t = jnp.arange(f["tokens"].shape[0])
+    in_row = (t[None, :] >= batch.q_start[:, None]) & (t[None, :] < (batch.q_start + batch.q_len)[:, None])  # [S, T]
+    row = jnp.where(in_row.any(axis=0), jnp.argmax(in_row, axis=0), rows)
+    is_output = f["positions"] >= f["prompt_len"][jnp.minimum(row, rows - 1)]
+    return _input_ids(f["tokens"], f["src"], last_ids), row, is_output, f["reset"]
 
 
 @by_compiler_options(
@@ -273,6 +316,10 @@ class Runner:
         # Each row's last sampled id, still on the device (see the module doc). Before the pool: a
         # fresh pool is placed like them.
         self.last_ids: jax.Array = self._initial_ids()
+        # Every row's token history for the penalties (`TokenHistory`: rows x vocab, on the device).
+        self.history: TokenHistory = self._new_history()
+        # The last dispatched step's logprobs (on the device), when it asked for them.
+        self.last_logprobs: Logprobs | None = None
         self.kv: PagedKVCache = self._new_pool()
         self._static = dict(graphdef=Hashed(model.graphdef), kernels=kernels)
         if self.mesh is not None:  # one device: the same jit cache key as callers that never pass a mesh
@@ -330,7 +377,7 @@ class Runner:
         lora: run with the bank (True) or without (False); None: only if a token has an adapter (always
           without `config.bank_free_steps`).
         sample: run `packed_sample` after the step (True) or not; None: only if a row of the step
-          samples with a temperature.
+          needs it (`HostInputs.samples`).
         """
         return self.dispatch(bank, self.pack(plan, pages), lora=lora, sample=sample)
 
@@ -351,28 +398,58 @@ class Runner:
         packed = jax.device_put(inputs.buffer, self.input_sharding, may_alias=False)
         self._sent[inputs.index] = packed
         bank = self._bank_for(bank, inputs.has_adapter, lora)
-        return self.dispatch_packed(bank, packed, inputs.layout, sample=inputs.samples if sample is None else sample)
+        return self.dispatch_packed(
+            bank,
+            packed,
+            inputs.layout,
+            sample=inputs.samples if sample is None else sample,
+            extended=inputs.extended,
+        )
 
     def dispatch_packed(
-        self, bank: Bank | None, packed: jax.Array, layout: StepLayout, *, sample: bool = False
+        self,
+        bank: Bank | None,
+        packed: jax.Array,
+        layout: StepLayout,
+        *,
+        sample: bool = False,
+        extended: bool = False,
     ) -> jax.Array:
         """Dispatches the step on inputs already on the device (packed [layout.size] int32), and
-        `packed_sample` after it when `sample`."""
+        `packed_sample` after it when `sample` (its `extended` variant: penalties, and logprobs,
+        which land in `last_logprobs`)."""
         compiles = thread_backend_compiles()  # jit compiles on the calling thread
         next_ids, self.kv, logits = packed_step(
             self.params, bank, self.kv, packed, self.last_ids, layout=layout, **self._static
         )
+        self.last_logprobs = None
         if sample:
-            next_ids = packed_sample(logits, next_ids, packed, layout=layout, eos_ids=self.eos_ids)
+            next_ids, self.last_logprobs = self._sample(logits, next_ids, packed, layout, extended)
         self.step_compiles += thread_backend_compiles() - compiles
         self.last_ids = next_ids
         return next_ids
+
+    def _sample(
+        self, logits: jax.Array, ids: jax.Array, packed: jax.Array, layout: StepLayout, extended: bool
+    ) -> tuple[jax.Array, Logprobs | None]:
+        ids, self.history, lp = packed_sample(
+            logits,
+            ids,
+            packed,
+            self.last_ids,
+            self.history,
+            layout=layout,
+            eos_ids=self.eos_ids,
+            extended=extended,
+        )
+        return ids, lp
 
     def reset_pool(self) -> None:
         """A fresh page pool (after a failed step, whose donated pool may be gone)."""
         self.kv = None  # the old pool goes before the new one takes its memory
         self.kv = self._new_pool()
         self.last_ids = self._initial_ids()
+        self.history = self._new_history()
         self.packer.reset()
         self._sent = [None] * InputPacker.NUM_BUFFERS  # copies of the failed steps are not waited for
 
@@ -381,6 +458,15 @@ class Runner:
         (a jit's output on one device, or replicated over the mesh; see `_fresh_pool`)."""
         placement = self.input_sharding if self.mesh is not None else _home_device(self.params)
         return jax.device_put(np.zeros(self.config.max_batch, np.int32), placement)
+
+    def _new_history(self) -> TokenHistory:
+        """Empty token histories, placed like the ids (see `_initial_ids`)."""
+        placement = self.input_sharding if self.mesh is not None else _home_device(self.params)
+        rows, vocab = self.config.max_batch, self.model.config.vocab_size
+        return TokenHistory(
+            seen=jax.device_put(np.zeros((rows, vocab), bool), placement),
+            counts=jax.device_put(np.zeros((rows, vocab), np.int32), placement),
+        )
 
     def warmup(self, bank: Bank | None, pages: PageTable, progress: WarmupProgress | None = None) -> None:
         """Compiles the step at every token budget, with the bank and without, all tokens padding.
@@ -403,6 +489,11 @@ class Runner:
         layouts = self.packer.layouts
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(shapes), os.cpu_count() or 1)) as pool:
+            samplers = [
+                pool.submit(self._compile_sampler, packed[budget], layouts[budget], extended)
+                for budget in self.config.token_budgets
+                for extended in SAMPLER_VARIANTS
+            ]
             jobs = {
                 pool.submit(self._compile, bank, packed[budget], layouts[budget], lora): (budget, lora)
                 for budget, lora in shapes
@@ -415,15 +506,53 @@ class Runner:
                         f"step of {budget} tokens{' with adapters' if lora else ''} [{self.kernels.describe(budget)}]"
                     )
                     progress(what, k + 1, len(shapes))
+            for done in samplers:
+                done.result()
         compiled = time.perf_counter()
         # One call of each compiled program (it compiles nothing: the fresh pool and ids are placed
         # as the step returns them, see `_fresh_pool`), so that every shape's entry in jit's fast
-        # dispatch path exists before the first request. Each runs `packed_sample` too (compiled
-        # here, on this thread: a small program). A step costs as much as a real one of its budget,
-        # so each runs once: on a CPU these calls are a large part of the start-up.
+        # dispatch path exists before the first request. Each budget runs `packed_sample` too, in
+        # each of its variants, twice (the second call reads the history as a sampler returns it).
+        # A step costs as much as a real one of its budget, so each runs once: on a CPU these calls
+        # are a large part of the start-up.
+        warmed: set[int] = set()
         for budget, lora in shapes:
-            self.step(bank, _empty_plan(budget), pages, lora=lora, sample=True).block_until_ready()
+            self._warm_step(bank, pages, budget, lora, samplers=budget not in warmed)
+            warmed.add(budget)
         self.warmup_seconds = {"compile": compiled - start, "run": time.perf_counter() - compiled}
+
+    def _warm_step(self, bank: Bank | None, pages: PageTable, budget: int, lora: bool, *, samplers: bool) -> None:
+        """Runs an all-padding step of `budget` as `dispatch` does, then (`samplers`) every
+        `packed_sample` variant twice on its logits."""
+        inputs = self.pack(_empty_plan(budget), pages)
+        packed = jax.device_put(inputs.buffer, self.input_sharding, may_alias=False)
+        self._sent[inputs.index] = packed
+        bank = self._bank_for(bank, False, lora)
+        ids, self.kv, logits = packed_step(
+            self.params, bank, self.kv, packed, self.last_ids, layout=inputs.layout, **self._static
+        )
+        for _ in range(2 if samplers else 0):
+            for extended in SAMPLER_VARIANTS:
+                sampled, _ = self._sample(logits, ids, packed, inputs.layout, extended)
+            ids = sampled
+        self.last_ids = ids
+        ids.block_until_ready()
+
+    def _compile_sampler(self, packed: jax.Array, layout: StepLayout, extended: bool) -> None:
+        """Compiles (without running) `packed_sample` of `layout`, as `_sample` calls it, on logits
+        placed like the ids (as the step returns both)."""
+        rows, vocab = self.config.max_batch, self.model.config.vocab_size
+        logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32, sharding=self.last_ids.sharding)
+        packed_sample.lower(
+            logits,
+            self.last_ids,
+            packed,
+            self.last_ids,
+            self.history,
+            layout=layout,
+            eos_ids=self.eos_ids,
+            extended=extended,
+        ).compile()
 
     def _compile(self, bank: Bank | None, packed: jax.Array, layout: StepLayout, lora: bool) -> None:
         """Compiles (without running) the step of `layout`, with the bank or without."""
@@ -492,4 +621,6 @@ def sampling_arrays(requests: Sequence[Request | None], rows: int) -> SamplingAr
         s.temperature[i], s.top_k[i], s.top_p[i] = p.temperature, p.top_k, p.top_p
         s.seed[i], s.counter[i] = r.seed, r.num_dispatched  # index of the token this step samples
         s.min_p[i], s.min_tokens[i] = p.min_p, p.min_tokens
+        s.repetition_penalty[i], s.presence_penalty[i] = p.repetition_penalty, p.presence_penalty
+        s.frequency_penalty[i] = p.frequency_penalty
     return s

@@ -5,9 +5,19 @@ Each row carries its own temperature, top-k, top-p, min-p, min_tokens and PRNG s
 row's n-th generated token is `fold_in(key(seed), n)`: it depends on the request alone, never on the
 batch, so a seeded request gives the same tokens whatever it shares a step with.
 
-The order is vLLM's: EOS banned for rows below their min_tokens, then the temperature, then top-k,
-top-p and min-p, each filter on the distribution the temperature gives, the most likely token always
-kept.
+The order is vLLM's: EOS banned for rows below their min_tokens, then the penalties
+(`apply_penalties`), then the temperature, then top-k, top-p and min-p, each filter on the
+distribution the temperature gives, the most likely token always kept. A greedy row with a penalty
+takes the argmax of the penalised logits. Logprobs (`top_logprobs`) are those of the raw
+distribution, before any of this (vLLM's default `raw_logprobs`).
+
+The penalties read each row's token history (`TokenHistory`), kept on the device in a fixed shape:
+which tokens a row has seen (prompt or output) and how often each was generated, one [rows, vocab]
+array each, updated from the tokens every sampler step feeds (`update_history`). A row's output
+token n-1 is the input of the step that samples token n, so the history a step reads after its own
+update holds exactly the prompt and the outputs before the token it samples. Fixed shape: the
+program never changes with the lengths or the values, at the cost of rows x vocab words of device
+memory.
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxlora.engine.request import TOP_LOGPROBS
 
 
 @jax.tree_util.register_dataclass
@@ -31,6 +43,12 @@ class SamplingArrays:
     counter: [b] int32 index of the token being sampled within its request (0 = first).
     min_p: [b] float32 in [0, 1], 0 = off: tokens less likely than min_p times the most likely drop.
     min_tokens: [b] int32: EOS is banned while counter < min_tokens.
+    repetition_penalty: [b] float32 > 0, 1 = off (vLLM): logits of seen tokens (prompt or output),
+      positive ones divided by it, negative ones multiplied.
+    presence_penalty: [b] float32 in [-2, 2], 0 = off (OpenAI): subtracted once from the logit of
+      every token generated so far.
+    frequency_penalty: [b] float32 in [-2, 2], 0 = off (OpenAI): subtracted from each logit times
+      the number of times its token was generated so far.
     """
 
     temperature: jax.Array | np.ndarray
@@ -40,6 +58,9 @@ class SamplingArrays:
     counter: jax.Array | np.ndarray
     min_p: jax.Array | np.ndarray
     min_tokens: jax.Array | np.ndarray
+    repetition_penalty: jax.Array | np.ndarray
+    presence_penalty: jax.Array | np.ndarray
+    frequency_penalty: jax.Array | np.ndarray
 
     @classmethod
     def zeros(cls, rows: int) -> SamplingArrays:
@@ -52,7 +73,42 @@ class SamplingArrays:
             counter=np.zeros(rows, np.int32),
             min_p=np.zeros(rows, np.float32),
             min_tokens=np.zeros(rows, np.int32),
+            repetition_penalty=np.ones(rows, np.float32),
+            presence_penalty=np.zeros(rows, np.float32),
+            frequency_penalty=np.zeros(rows, np.float32),
         )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenHistory:
+    """The tokens each row has seen, on the device (module doc).
+
+    seen: [rows, vocab] bool, the row's prompt and outputs so far (repetition_penalty).
+    counts: [rows, vocab] int32, times the row generated each token so far (presence and frequency).
+    """
+
+    seen: jax.Array
+    counts: jax.Array
+
+    @classmethod
+    def zeros(cls, rows: int, vocab: int) -> TokenHistory:
+        return cls(seen=jnp.zeros((rows, vocab), bool), counts=jnp.zeros((rows, vocab), jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Logprobs:
+    """Log-probabilities of the raw distribution (log_softmax of the logits), every row.
+
+    chosen: [b] float32, of the token each row took.
+    top_ids: [b, TOP_LOGPROBS] int32, the most likely tokens, most likely first.
+    top: [b, TOP_LOGPROBS] float32, their log-probabilities.
+    """
+
+    chosen: jax.Array
+    top_ids: jax.Array
+    top: jax.Array
 
 
 def greedy(logits: jax.Array) -> jax.Array:
@@ -62,15 +118,20 @@ def greedy(logits: jax.Array) -> jax.Array:
     return jnp.where(finite, jnp.argmax(logits, axis=-1).astype(jnp.int32), -1)
 
 
-def sample(logits: jax.Array, s: SamplingArrays, *, eos_ids: tuple[int, ...] = ()) -> jax.Array:
+def sample(
+    logits: jax.Array, s: SamplingArrays, *, eos_ids: tuple[int, ...] = (), history: TokenHistory | None = None
+) -> jax.Array:
     """logits [b, vocab] float32 -> next token ids [b] int32: rows with temperature 0 greedy, the
-    others drawn from `filtered_logits`; EOS (`eos_ids`) banned below a row's min_tokens either way.
+    others drawn from `filtered_logits`; EOS (`eos_ids`) banned below a row's min_tokens and the
+    penalties applied (with a `history`) either way.
 
     Every row pays the vocabulary sort, so the engine runs this only for steps with a row that needs
-    it (`SamplingArrays.needs_sampler`, `jaxlora.engine.runner.packed_sample`); a greedy step stops
+    it (`jaxlora.engine.step_inputs.HostInputs.samples`, `jaxlora.engine.runner.packed_sample`); a greedy step stops
     at `greedy`.
     """
     banned = ban_eos(logits, s, eos_ids)
+    if history is not None:
+        banned = apply_penalties(banned, s, history)
     keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(s.seed, s.counter)
     drawn = jax.vmap(jax.random.categorical)(keys, filtered_logits(banned, s)).astype(jnp.int32)
     return jnp.where(s.temperature == 0, jnp.argmax(banned, axis=-1).astype(jnp.int32), drawn)
@@ -106,3 +167,38 @@ def filtered_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     # min-p: relative to the most likely token, on the distribution the temperature gives.
     min_p_floor = jnp.where(s.min_p > 0, sorted_desc[:, 0] + jnp.log(jnp.maximum(s.min_p, 1e-30)), -jnp.inf)[:, None]
     return jnp.where((scaled >= threshold) & (scaled >= min_p_floor), scaled, -jnp.inf)
+
+
+def apply_penalties(logits: jax.Array, s: SamplingArrays, history: TokenHistory) -> jax.Array:
+    """logits [b, vocab] with each row's repetition, frequency and presence penalties applied (vLLM's
+    order and formulas). A row at the neutral values (1, 0, 0) keeps its logits bit for bit."""
+    rep = s.repetition_penalty[:, None]
+    penalised = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(history.seen, penalised, logits)
+    counts = history.counts.astype(logits.dtype)
+    return logits - s.frequency_penalty[:, None] * counts - s.presence_penalty[:, None] * (counts > 0)
+
+
+def update_history(
+    history: TokenHistory, tokens: jax.Array, rows: jax.Array, is_output: jax.Array, reset: jax.Array
+) -> TokenHistory:
+    """The history after a step: rows with `reset` [S] bool emptied (a new request on the row), then
+    every token of the step added to its row.
+
+    tokens: [T] int32 the step's input ids; rows: [T] int32 the row of each, S (out of range, dropped)
+    for padding; is_output: [T] bool, the token is a generated one (counts), not the prompt.
+    """
+    seen = jnp.where(reset[:, None], False, history.seen)
+    counts = jnp.where(reset[:, None], 0, history.counts)
+    seen = seen.at[rows, tokens].set(True, mode="drop")
+    counts = counts.at[rows, tokens].add(is_output.astype(jnp.int32), mode="drop")
+    return TokenHistory(seen=seen, counts=counts)
+
+
+def top_logprobs(logits: jax.Array, ids: jax.Array) -> Logprobs:
+    """logits [b, vocab] float32 (raw: before penalties and temperature), ids [b] int32 the tokens
+    taken -> their log-probabilities and the TOP_LOGPROBS most likely tokens' (`Logprobs`)."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    top, top_ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
+    chosen = jnp.take_along_axis(logprobs, jnp.maximum(ids, 0)[:, None], axis=-1)[:, 0]
+    return Logprobs(chosen=chosen, top_ids=top_ids.astype(jnp.int32), top=top)

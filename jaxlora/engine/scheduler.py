@@ -452,8 +452,10 @@ class Scheduler:
 
     def _cached_pages(self, req: Request) -> list[int]:
         """The cached pages of the request's longest cached prefix, leaving at least its last known
-        token to compute (module doc); none without prefix caching."""
-        if not self.prefix_caching:
+        token to compute (module doc); none without prefix caching, and none for a request with a
+        penalty: its token history is built on the device from the tokens its steps feed
+        (`jaxlora.engine.sampling.TokenHistory`), and a cached prefix is never fed."""
+        if not self.prefix_caching or req.sampling.has_penalties:
             return []
         num = (req.num_known - 1) // self.pages.page_size
         self._extend_keys(req, num)

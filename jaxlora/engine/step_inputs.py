@@ -11,8 +11,12 @@ itself (`jax.device_put`) before the call; the jitted step slices the fields out
 Layout of the buffer for token budget T, S rows and P pages per sequence (int32 words; float32 and
 uint32 fields are stored bit for bit):
 
-    block_tables [S * P] | q_start, q_len, kv_len, temperature, top_k, top_p, seed, counter [S each]
+    block_tables [S * P] | q_start, q_len, kv_len, prompt_len, reset, temperature, top_k, top_p,
+    seed, counter, min_p, min_tokens, repetition_penalty, presence_penalty, frequency_penalty [S each]
     | tokens, src, positions, slot_ids, write_page, write_offset [T each]
+
+`prompt_len` and `reset` (1 when the row's first chunk is in the step) feed the token history the
+penalties read (`jaxlora.engine.sampling.TokenHistory`).
 
 The per-row part comes first, so it sits at the same offsets for every budget: a host buffer sized
 for the largest budget serves a step of any budget T (which sends its first `StepLayout.size`
@@ -35,11 +39,16 @@ from jaxlora.engine.sampling import SamplingArrays
 from jaxlora.engine.scheduler import Chunk, StepPlan
 from jaxlora.model import RaggedBatch
 
-_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "counter", "min_p", "min_tokens")
-ROW_FIELDS = ("q_start", "q_len", "kv_len", *_SAMPLING_FIELDS)
+_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "counter", "min_p", "min_tokens", *_PENALTIES)
+ROW_FIELDS = ("q_start", "q_len", "kv_len", "prompt_len", "reset", *_SAMPLING_FIELDS)
 TOKEN_FIELDS = ("tokens", "src", "positions", "slot_ids", "write_page", "write_offset")
-_FLOAT32 = ("temperature", "top_p", "min_p")
-_ROW_SAMPLING = tuple(f for f in _SAMPLING_FIELDS if f != "counter")  # fixed while a request holds its row
+_FLOAT32 = ("temperature", "top_p", "min_p", *_PENALTIES)
+# Fixed while a request holds its row; the penalties go to every row of a step (its history grows in
+# prompt chunks too), the others to rows that sample.
+_ROW_SAMPLING = tuple(
+    f for f in _SAMPLING_FIELDS if f != "counter" and f not in _PENALTIES
+)  # fixed while a request holds its row
 _UINT32 = ("seed",)
 
 
@@ -75,12 +84,26 @@ class StepLayout:
             out[name], start = slice(start, start + T), start + T
         return out
 
-    def pack(self, *, tokens, src, positions, slot_ids, batch: RaggedBatch, sampling: SamplingArrays) -> np.ndarray:
+    def pack(
+        self,
+        *,
+        tokens,
+        src,
+        positions,
+        slot_ids,
+        batch: RaggedBatch,
+        sampling: SamplingArrays,
+        prompt_len=None,
+        reset=None,
+    ) -> np.ndarray:
         """The step's fields as host arrays (`unpack`'s output, or what tools build themselves) ->
-        packed [size] int32. The engine writes its buffers in place instead (`InputPacker`)."""
+        packed [size] int32. The engine writes its buffers in place instead (`InputPacker`).
+        prompt_len and reset [S] (the token history's) default to zeros."""
         out = np.zeros(self.size, np.int32)
         views = _views(out, self)
         given = dict(tokens=tokens, src=src, positions=positions, slot_ids=slot_ids)
+        given.update(prompt_len=np.zeros(self.rows, np.int32) if prompt_len is None else prompt_len)
+        given.update(reset=np.zeros(self.rows, np.int32) if reset is None else reset)
         given.update({k: getattr(batch, k) for k in ("q_start", "q_len", "kv_len", "block_tables")})
         given.update({k: getattr(batch, k) for k in ("write_page", "write_offset")})
         given.update({k: getattr(sampling, k) for k in _SAMPLING_FIELDS})
@@ -93,7 +116,8 @@ class StepLayout:
 
     def unpack(self, packed: jax.Array) -> dict:
         """packed [size] int32 (a traced array inside the step) -> the step's fields: tokens, src,
-        positions, slot_ids [T] int32, batch (RaggedBatch), sampling (SamplingArrays [S])."""
+        positions, slot_ids [T] int32, batch (RaggedBatch), sampling (SamplingArrays [S]),
+        prompt_len [S] int32, reset [S] bool."""
         if packed.shape != (self.size,) or packed.dtype != jnp.int32:
             raise ValueError(f"packed inputs {packed.shape} {packed.dtype}, expected ({self.size},) int32")
         f = {name: packed[span] for name, span in self.spans.items()}
@@ -117,6 +141,8 @@ class StepLayout:
             slot_ids=f["slot_ids"],
             batch=batch,
             sampling=sampling,
+            prompt_len=f["prompt_len"],
+            reset=f["reset"] != 0,
         )
 
 
@@ -126,8 +152,10 @@ class HostInputs:
 
     buffer: [layout.size] int32, a view of the packer's buffer `index`: rewritten by a later `pack`.
     has_adapter: some token of the step reads an adapter slot (slot != 0).
-    samples: some row of the step needs the sampler: it samples with a temperature, or EOS is banned
-      for it (min_tokens).
+    samples: some row of the step needs the sampler: it samples with a temperature, EOS is banned
+      for it (min_tokens), it has a penalty, or it asks for logprobs.
+    extended: some row of the step has a penalty (the sampler keeps the token history), or some
+      row that samples asks for logprobs: the sampler's extended variant.
     """
 
     layout: StepLayout
@@ -135,6 +163,7 @@ class HostInputs:
     index: int
     has_adapter: bool
     samples: bool
+    extended: bool = False
 
 
 class InputPacker:
@@ -183,7 +212,12 @@ class InputPacker:
             "seed": np.zeros(rows, np.uint32),
             "min_p": np.zeros(rows, np.float32),
             "min_tokens": np.zeros(rows, np.int32),
+            "repetition_penalty": np.ones(rows, np.float32),
+            "presence_penalty": np.zeros(rows, np.float32),
+            "frequency_penalty": np.zeros(rows, np.float32),
         }
+        self._penalised = np.zeros(rows, bool)  # any penalty off its neutral value
+        self._logprobs = np.zeros(rows, bool)  # asks for logprobs
 
     def reset(self) -> None:
         """Forgets every row's block table (the page pool was replaced)."""
@@ -200,7 +234,7 @@ class InputPacker:
         if not len(plan.decode.requests) and not plan.prompt_chunks:
             return HostInputs(layout=layout, buffer=buffer, index=k, has_adapter=False, samples=False)
         row, start, length, on_device, samples = _chunk_arrays(plan)
-        self._sync_rows(row, plan.prompt_chunks, pages)
+        self._sync_rows(row, plan.prompt_chunks, pages, f["reset"])
         offset = np.cumsum(length) - length  # first flat index of each chunk's tokens
         n = int(offset[-1] + length[-1])
         of_token = np.repeat(np.arange(len(row)), length)  # [n] chunk of each token
@@ -214,9 +248,14 @@ class InputPacker:
         self._host_tokens(f["tokens"], plan, offset)
         f["q_start"][row], f["q_len"][row], f["kv_len"][row] = offset, length, start + length
         f["block_tables"][row] = self._tables[row]
+        f["prompt_len"][row] = self._num_prompt[row]
         sampled = row[samples]
         for name in _ROW_SAMPLING:
             f[name][sampled] = self._sampling[name][sampled]
+        for name in _PENALTIES:
+            f[name][row] = self._sampling[name][row]
+        penalties = bool(self._penalised[row].any())
+        logprobs = bool(self._logprobs[sampled].any())
         # The index of the output token this step samples: the chunk ends where the request's known
         # tokens end, and outputs start after the prompt.
         f["counter"][sampled] = (start + length)[samples] - self._num_prompt[sampled]
@@ -225,7 +264,10 @@ class InputPacker:
             buffer=buffer,
             index=k,
             has_adapter=bool(slot.any()),
-            samples=bool((f["temperature"][sampled] > 0).any() or (f["counter"] < f["min_tokens"])[sampled].any()),
+            samples=bool((f["temperature"][sampled] > 0).any() or (f["counter"] < f["min_tokens"])[sampled].any())
+            or penalties
+            or logprobs,
+            extended=penalties or logprobs,
         )
 
     @staticmethod
@@ -244,21 +286,24 @@ class InputPacker:
         """Every row absent and greedy, every token padding (module doc of jaxlora.engine.runner)."""
         for name in ("block_tables", "q_start", "q_len", "kv_len", "temperature", "top_k", "seed", "counter", "min_p"):
             f[name].fill(0)
-        for name in ("min_tokens",):
+        for name in ("min_tokens", "prompt_len", "reset", "presence_penalty", "frequency_penalty"):
             f[name].fill(0)
         f["top_p"].fill(1.0)
+        f["repetition_penalty"].fill(1.0)
         for name in ("tokens", "positions", "slot_ids", "write_offset"):
             f[name].fill(0)
         f["src"].fill(-1)
         f["write_page"].fill(self.num_pages)
 
-    def _sync_rows(self, rows: np.ndarray, chunks: tuple[Chunk, ...], pages: PageTable) -> None:
+    def _sync_rows(self, rows: np.ndarray, chunks: tuple[Chunk, ...], pages: PageTable, reset: np.ndarray) -> None:
         """Brings the host state of every row in the step (`rows`, one entry each) up to its request
-        (class doc); `chunks` are the step's chunks other than its decode tokens, which never start a
-        row. The rows' page counts are compared at once: only rows with new pages loop."""
+        (class doc), and marks the rows it starts in `reset`; `chunks` are the step's chunks other
+        than its decode tokens, which never start a row. The rows' page counts are compared at once:
+        only rows with new pages loop."""
         for c in chunks:
             if c.start == c.request.num_cached:  # its first chunk on the row: after its cached prefix
                 self._start_row(c.row, c.request)
+                reset[c.row] = 1
         held, seen = pages.held(rows), self._pages_seen[rows]
         if (held < seen).any():
             i = int(np.argmax(held < seen))
@@ -282,6 +327,10 @@ class InputPacker:
             req.seed,
         )
         s["min_p"][row], s["min_tokens"][row] = p.min_p, p.min_tokens
+        s["repetition_penalty"][row], s["presence_penalty"][row] = p.repetition_penalty, p.presence_penalty
+        s["frequency_penalty"][row] = p.frequency_penalty
+        self._penalised[row] = p.has_penalties
+        self._logprobs[row] = p.logprobs is not None
 
 
 def _chunk_arrays(plan: StepPlan) -> tuple[np.ndarray, ...]:

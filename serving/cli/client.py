@@ -26,7 +26,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     what.add_argument("--info", action="store_true", help="print the server's model and limits and exit")
     p.add_argument("--raw", action="store_true", help="send --prompt as raw text, without the chat template")
     p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the server's, 1)")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)

@@ -24,37 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajaxlora/v1/inference.proto\x12\njaxlora.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xaf\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.jaxlora.v1.ChatMessage\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\t\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\x05min_p\x18\x0c \x01(\x02H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\r \x01(\x05H\x06\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eos\"\xaa\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.jaxlora.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x05\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15UnloadAdapterResponse\"\x15\n\x13ListAdaptersRequest\"\x88\x01\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\x12\x10\n\x08resident\x18\x04 \x01(\x08\x12\x0c\n\x04slot\x18\x05 \x01(\x05\x12\x11\n\tin_flight\x18\x06 \x01(\x05\x12\x12\n\nhost_bytes\x18\x07 \x01(\x03\"A\n\x14ListAdaptersResponse\x12)\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x17.jaxlora.v1.AdapterInfo\"\x16\n\x14GetServerInfoRequest\"\xae\x02\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x11\n\tmax_batch\x18\x04 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x05 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\x05\x12\x11\n\tmax_queue\x18\x07 \x01(\x05\x12\x19\n\x11max_adapter_slots\x18\x08 \x01(\x05\x12\x15\n\rmax_lora_rank\x18\t \x01(\x05\x12\x16\n\x0etarget_modules\x18\n \x03(\t\x12\x14\n\x0clora_backend\x18\x0b \x01(\t\x12\x1e\n\x16max_concurrent_streams\x18\x0c \x01(\x05\x12\x19\n\x11max_message_bytes\x18\r \x01(\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x90\x03\n\tInference\x12G\n\x08Generate\x12\x1b.jaxlora.v1.GenerateRequest\x1a\x1c.jaxlora.v1.GenerateResponse0\x01\x12\x46\n\x0bLoadAdapter\x12\x1e.jaxlora.v1.LoadAdapterRequest\x1a\x17.jaxlora.v1.AdapterInfo\x12T\n\rUnloadAdapter\x12 .jaxlora.v1.UnloadAdapterRequest\x1a!.jaxlora.v1.UnloadAdapterResponse\x12Q\n\x0cListAdapters\x12\x1f.jaxlora.v1.ListAdaptersRequest\x1a .jaxlora.v1.ListAdaptersResponse\x12I\n\rGetServerInfo\x12 .jaxlora.v1.GetServerInfoRequest\x1a\x16.jaxlora.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajaxlora/v1/inference.proto\x12\njaxlora.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf5\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.jaxlora.v1.ChatMessage\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\t\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\x05min_p\x18\x0c \x01(\x02H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\r \x01(\x05H\x06\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x10 \x01(\x02H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x11 \x01(\x02H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x12 \x01(\x05H\x0b\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"_\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x16.jaxlora.v1.TopLogprob\"\xd6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.jaxlora.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x05\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.jaxlora.v1.TokenLogprob\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15UnloadAdapterResponse\"\x15\n\x13ListAdaptersRequest\"\x88\x01\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\x12\x10\n\x08resident\x18\x04 \x01(\x08\x12\x0c\n\x04slot\x18\x05 \x01(\x05\x12\x11\n\tin_flight\x18\x06 \x01(\x05\x12\x12\n\nhost_bytes\x18\x07 \x01(\x03\"A\n\x14ListAdaptersResponse\x12)\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x17.jaxlora.v1.AdapterInfo\"\x16\n\x14GetServerInfoRequest\"\xae\x02\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x11\n\tmax_batch\x18\x04 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x05 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\x05\x12\x11\n\tmax_queue\x18\x07 \x01(\x05\x12\x19\n\x11max_adapter_slots\x18\x08 \x01(\x05\x12\x15\n\rmax_lora_rank\x18\t \x01(\x05\x12\x16\n\x0etarget_modules\x18\n \x03(\t\x12\x14\n\x0clora_backend\x18\x0b \x01(\t\x12\x1e\n\x16max_concurrent_streams\x18\x0c \x01(\x05\x12\x19\n\x11max_message_bytes\x18\r \x01(\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x90\x03\n\tInference\x12G\n\x08Generate\x12\x1b.jaxlora.v1.GenerateRequest\x1a\x1c.jaxlora.v1.GenerateResponse0\x01\x12\x46\n\x0bLoadAdapter\x12\x1e.jaxlora.v1.LoadAdapterRequest\x1a\x17.jaxlora.v1.AdapterInfo\x12T\n\rUnloadAdapter\x12 .jaxlora.v1.UnloadAdapterRequest\x1a!.jaxlora.v1.UnloadAdapterResponse\x12Q\n\x0cListAdapters\x12\x1f.jaxlora.v1.ListAdaptersRequest\x1a .jaxlora.v1.ListAdaptersResponse\x12I\n\rGetServerInfo\x12 .jaxlora.v1.GetServerInfoRequest\x1a\x16.jaxlora.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jaxlora.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1366
-  _globals['_FINISHREASON']._serialized_end=1461
+  _globals['_FINISHREASON']._serialized_start=1754
+  _globals['_FINISHREASON']._serialized_end=1849
   _globals['_CHATMESSAGE']._serialized_start=42
   _globals['_CHATMESSAGE']._serialized_end=86
   _globals['_GENERATEREQUEST']._serialized_start=89
-  _globals['_GENERATEREQUEST']._serialized_end=520
-  _globals['_GENERATERESPONSE']._serialized_start=523
-  _globals['_GENERATERESPONSE']._serialized_end=693
-  _globals['_LOADADAPTERREQUEST']._serialized_start=695
-  _globals['_LOADADAPTERREQUEST']._serialized_end=743
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=745
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=781
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=783
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=806
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=808
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=829
-  _globals['_ADAPTERINFO']._serialized_start=832
-  _globals['_ADAPTERINFO']._serialized_end=968
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=970
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1035
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1037
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1059
-  _globals['_SERVERINFO']._serialized_start=1062
-  _globals['_SERVERINFO']._serialized_end=1364
-  _globals['_INFERENCE']._serialized_start=1464
-  _globals['_INFERENCE']._serialized_end=1864
+  _globals['_GENERATEREQUEST']._serialized_end=718
+  _globals['_TOPLOGPROB']._serialized_start=720
+  _globals['_TOPLOGPROB']._serialized_end=767
+  _globals['_TOKENLOGPROB']._serialized_start=769
+  _globals['_TOKENLOGPROB']._serialized_end=864
+  _globals['_GENERATERESPONSE']._serialized_start=867
+  _globals['_GENERATERESPONSE']._serialized_end=1081
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1083
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1131
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1133
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1169
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1171
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1194
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=1196
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=1217
+  _globals['_ADAPTERINFO']._serialized_start=1220
+  _globals['_ADAPTERINFO']._serialized_end=1356
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1358
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1423
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1425
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1447
+  _globals['_SERVERINFO']._serialized_start=1450
+  _globals['_SERVERINFO']._serialized_end=1752
+  _globals['_INFERENCE']._serialized_start=1852
+  _globals['_INFERENCE']._serialized_end=2252
 # @@protoc_insertion_point(module_scope)

@@ -90,6 +90,19 @@ def test_generate_reports_unknown_adapter_and_bad_sampling(files, capsys):
     assert "top_p" in capsys.readouterr().err
 
 
+def test_generate_samples_at_temperature_1_reproducibly_by_default(files, capsys):
+    """OpenAI's temperature with a seed from --seed (default 0): two runs give the same text, greedy
+    is --temperature 0, and the penalty flags reach the request (a bad value is refused by name)."""
+    argv = ["generate", *_common(files), "--raw", "--prompt", "hello", "--max-tokens", "12"]
+    outs = []
+    for extra in ([], [], ["--temperature", "0"], ["--temperature", "0", "--repetition-penalty", "3"]):
+        assert main([*argv, *extra]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0] != outs[2] and outs[2] != outs[3]
+    assert main([*argv, "--frequency-penalty", "2.5"]) == 2
+    assert "frequency_penalty" in capsys.readouterr().err
+
+
 def test_demo_mixes_base_and_every_demo_adapter(files, capsys):
     assert (
         main(["demo", *_common(files), "--demo-dir", str(files / "demo"), "--prompt", "hi", "--max-tokens", "6"]) == 0

@@ -4,6 +4,7 @@ subprocesses); who owns the results file (in-process, refused before any model l
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import os
 import signal
@@ -19,7 +20,8 @@ import yaml
 
 import jaxlora.cli.engine_args
 from jaxlora.cli.main import main
-from jaxlora.engine.batch_job import LineDefaults, read_input
+from jaxlora.engine.batch_job import LineDefaults, _Line, line_seed, read_input, result_record
+from jaxlora.engine.request import FinalOutput, FinishReason, TokenLogprob
 from jaxlora.engine.results_file import ResultsFile
 from jaxlora.loading.orbax_ckpt import save_converted
 from tests.factories import char_tokenizer, tiny_model
@@ -52,6 +54,7 @@ def job_files(tmp_path_factory):
                     "prompt": f"Hello {i}",
                     "max_tokens": 30 + i % 10,
                     **({"temperature": 0.8, "seed": i} if i % 3 == 0 else {}),
+                    **({"repetition_penalty": 1.3, "frequency_penalty": 0.5} if i % 3 == 1 else {}),
                 }
             )
         )
@@ -382,6 +385,64 @@ def test_openai_batch_lines_are_read_from_their_body(tmp_path):
     assert "url='/v1/embeddings'" in wrong_url.record["error"]
     assert "takes 'prompt', not 'messages'" in wrong_kind.record["error"]
     assert "did you mean 'temperature'?" in typo.record["error"]
+
+
+def test_penalties_and_logprobs_in_both_forms_reach_the_request(tmp_path):
+    completion, chat, chat_default, body, off, bad = _lines(
+        tmp_path,
+        {"custom_id": 1, "prompt": "hi", "logprobs": 3, "repetition_penalty": 1.2, "presence_penalty": -0.5},
+        {"custom_id": 2, "prompt": "hi", "logprobs": True, "top_logprobs": 7},
+        {"custom_id": 3, "prompt": "hi", "logprobs": True},
+        {
+            "custom_id": 4,
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2},
+        },
+        {"custom_id": 5, "prompt": "hi", "logprobs": False},
+        {"custom_id": 6, "prompt": "hi", "top_logprobs": 2},
+    )
+    s = completion.request.sampling
+    assert (s.logprobs, s.repetition_penalty, s.presence_penalty) == (3, 1.2, -0.5)
+    assert chat.request.sampling.logprobs == 7 and chat_default.request.sampling.logprobs == 0
+    assert body.request.sampling.logprobs == 2
+    assert off.request.sampling.logprobs is None
+    assert "top_logprobs needs logprobs: true" in bad.record["error"]
+
+
+def test_a_record_carries_logprobs_only_when_asked():
+    line = _Line(number=1, request_hash="h", input_bytes=10, custom_id="a", has_id=True)
+    entries = (TokenLogprob(5, -0.25, ((5, -0.25), (9, -2.0))),)
+    final = FinalOutput(
+        request_id="x",
+        text="a",
+        token_ids=(5,),
+        finish_reason=FinishReason.LENGTH,
+        prompt_tokens=2,
+        completion_tokens=1,
+    )
+    assert "logprobs" not in result_record(line, final)
+    record = result_record(line, dataclasses.replace(final, logprobs=entries))
+    assert record["logprobs"] == [{"token_id": 5, "logprob": -0.25, "top_logprobs": [[5, -0.25], [9, -2.0]]}]
+
+
+def test_lines_sample_at_openai_s_temperature_with_a_seed_of_their_own(tmp_path):
+    """Temperature 1 unless a line or a flag says otherwise, and a seed that depends on the job's seed
+    and the line's custom_id alone (not on its place in the file, nor on the run)."""
+    a, b, own, greedy = _lines(
+        tmp_path,
+        {"custom_id": "a", "prompt": "hi"},
+        {"custom_id": "b", "prompt": "hi"},
+        {"custom_id": "c", "prompt": "hi", "seed": 7},
+        {"custom_id": "d", "prompt": "hi", "temperature": 0},
+    )
+    assert a.request.sampling.temperature == 1.0 and greedy.request.sampling.temperature == 0
+    assert a.request.sampling.seed == line_seed(0, "a") != b.request.sampling.seed == line_seed(0, "b")
+    assert own.request.sampling.seed == 7
+    moved, other_job = _lines(tmp_path, {"custom_id": "x", "prompt": "y"}, {"custom_id": "a", "prompt": "hi"})
+    assert other_job.request.sampling.seed == a.request.sampling.seed  # line 2 now, same seed
+    (reseeded,) = _lines(tmp_path, {"custom_id": "a", "prompt": "hi"}, defaults=LineDefaults(seed=3))
+    assert reseeded.request.sampling.seed == line_seed(3, "a") != a.request.sampling.seed
+    assert 0 <= line_seed(0, "a") < 2**32 and line_seed(0, 1) != line_seed(0, "1")
 
 
 def test_the_flags_are_defaults_a_line_overrides(tmp_path):

@@ -1,6 +1,6 @@
 """The per-token update is built positionally for speed; its fields must still land by name."""
 
-from jaxlora.engine.request import FinishReason, RequestOutput, token_output
+from jaxlora.engine.request import FinishReason, RequestOutput, TokenLogprob, token_output
 
 
 def test_token_output_equals_keyword_construction():
@@ -10,6 +10,10 @@ def test_token_output_equals_keyword_construction():
     assert type(built) is RequestOutput
     assert built._asdict() == expected._asdict()
     assert built.finished is False and built.finish_reason is None and built.error is None
+    assert built.logprobs is None
+    entry = TokenLogprob(42, -0.5, ((42, -0.5),))
+    with_logprob = token_output("req-7", "ab", 42, 11, 3, entry)
+    assert with_logprob == expected._replace(logprobs=(entry,))
 
 
 def test_request_output_fields_are_the_ones_token_output_fills():
@@ -23,5 +27,6 @@ def test_request_output_fields_are_the_ones_token_output_fills():
         "prompt_tokens",
         "completion_tokens",
         "error",
+        "logprobs",
     )
     assert RequestOutput(request_id="x", finish_reason=FinishReason.STOP).finish_reason is FinishReason.STOP

@@ -36,6 +36,11 @@ def reference_fields(plan: StepPlan, pages, *, rows: int, pages_per_seq: int, nu
         "top_p": np.ones(rows, np.float64),
         "seed": np.zeros(rows, np.int64),
         "counter": np.zeros(rows, np.int64),
+        "prompt_len": np.zeros(rows, np.int64),
+        "reset": np.zeros(rows, bool),
+        "repetition_penalty": np.ones(rows, np.float64),
+        "presence_penalty": np.zeros(rows, np.float64),
+        "frequency_penalty": np.zeros(rows, np.float64),
     }
     tables = {}
     t = 0
@@ -52,6 +57,10 @@ def reference_fields(plan: StepPlan, pages, *, rows: int, pages_per_seq: int, nu
             out["positions"][t], out["slot_ids"][t] = p, c.request.slot
             out["write_page"][t], out["write_offset"][t] = owned[p // P], p % P
             t += 1
+        s = c.request.sampling
+        out["prompt_len"][c.row], out["reset"][c.row] = c.request.num_prompt, c.start == c.request.num_cached
+        out["repetition_penalty"][c.row], out["presence_penalty"][c.row] = s.repetition_penalty, s.presence_penalty
+        out["frequency_penalty"][c.row] = s.frequency_penalty
         if c.samples:
             s = c.request.sampling
             out["temperature"][c.row], out["top_k"][c.row], out["top_p"][c.row] = s.temperature, s.top_k, s.top_p
@@ -90,7 +99,9 @@ def test_packed_inputs_equal_a_per_token_build_through_preemption(parts, monkeyp
         for row, owned in tables.items():
             np.testing.assert_array_equal(got["block_tables"][row, : len(owned)], owned, err_msg=f"row {row}")
         assert inputs.has_adapter == any(c.request.slot for c in plan.chunks)
-        assert inputs.samples == any(c.samples and c.request.sampling.temperature > 0 for c in plan.chunks)
+        penalties = any(c.request.sampling.has_penalties for c in plan.chunks)
+        assert inputs.extended == penalties  # no request here asks for logprobs
+        assert inputs.samples == penalties or any(c.samples and c.request.sampling.temperature > 0 for c in plan.chunks)
         checked["sampled_steps"] += inputs.samples
         checked["steps"] += bool(plan.chunks)
         checked["restarts"] += sum(c.start == 0 and c.request.num_preemptions > 0 for c in plan.chunks)
@@ -103,7 +114,14 @@ def test_packed_inputs_equal_a_per_token_build_through_preemption(parts, monkeyp
             request_id=f"pk{i}",
             prompt_ids=[1, *rng.choice(PRINTABLE_IDS, int(rng.integers(10, 20))).tolist()],
             adapter=(None, *ADAPTERS)[i % 4],
-            sampling=SamplingParams(max_tokens=int(rng.integers(16, 29)), temperature=0.8 * (i % 2), top_k=5, seed=i),
+            sampling=SamplingParams(
+                max_tokens=int(rng.integers(16, 29)),
+                temperature=0.8 * (i % 2),
+                top_k=5,
+                seed=i,
+                repetition_penalty=1.5 if i == 6 else 1.0,
+                frequency_penalty=0.5 if i == 4 else 0.0,
+            ),
         )
         for i in range(7)
     ]
@@ -144,10 +162,20 @@ def test_layout_round_trips_every_field(budget, rows, pages_per_seq):
         counter=ints(rows),
         min_p=rng.uniform(0.0, 1.0, rows).astype(np.float32),
         min_tokens=ints(rows),
+        repetition_penalty=rng.uniform(0.1, 2.0, rows).astype(np.float32),
+        presence_penalty=rng.uniform(-2.0, 2.0, rows).astype(np.float32),
+        frequency_penalty=rng.uniform(-2.0, 2.0, rows).astype(np.float32),
     )
     fields = dict(tokens=ints(budget), src=ints(budget), positions=ints(budget), slot_ids=ints(budget))
-    got = unpacked(layout, layout.pack(**fields, batch=batch, sampling=sampling))
-    want = {**fields, **vars(batch), **vars(sampling)}
+    history = dict(prompt_len=ints(rows), reset=rng.integers(0, 2, rows).astype(np.int32))
+    got = unpacked(layout, layout.pack(**fields, batch=batch, sampling=sampling, **history))
+    want = {
+        **fields,
+        **vars(batch),
+        **vars(sampling),
+        "prompt_len": history["prompt_len"],
+        "reset": history["reset"] != 0,
+    }
     assert set(got) == set(want)
     for name, value in want.items():
         assert got[name].dtype == value.dtype, name

@@ -169,8 +169,15 @@ def engine_requests() -> list[GenerationRequest]:
             # logit can differ in its last bits between mesh sizes (the split all-reduce sums in
             # another order), which now and then moves a draw across a CDF boundary (seen in CI at
             # temperature 0.7).
+            # Row 3 is penalised (greedy after the penalties: its token history lives on the mesh)
+            # and row 7 asks for logprobs: the sampler's other variants run under the mesh too.
             sampling=SamplingParams(
-                max_tokens=int(rng.integers(4, 10)), temperature=0.7 * (i in (2, 5)), top_k=int(i in (2, 5)), seed=i
+                max_tokens=int(rng.integers(4, 10)),
+                temperature=0.7 * (i in (2, 5)),
+                top_k=int(i in (2, 5)),
+                seed=i,
+                repetition_penalty=1.5 if i == 3 else 1.0,
+                logprobs=3 if i == 7 else None,
             ),
         )
         for i in range(9)

@@ -82,7 +82,8 @@ class BackgroundStream:
     """One Generate stream consumed on its own thread; `first_chunk` is set at the first response."""
 
     def __init__(self, client: InferenceClient, prompt: str = "hello", **kw) -> None:
-        self.call = client.stream(prompt, **kw)
+        # Greedy unless told otherwise: a stream meant to run to max_tokens must not sample EOS.
+        self.call = client.stream(prompt, **{"temperature": 0, **kw})
         self.chunks: list = []
         self.error: grpc.RpcError | None = None
         self.first_chunk = threading.Event()

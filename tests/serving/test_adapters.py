@@ -29,14 +29,16 @@ def test_load_list_generate_unload(client, adapter_root):
     assert info.name == "spare-1" and info.rank == 4 and info.host_bytes > 0
     listed = {a.name: a for a in client.list_adapters()}
     assert {"alpha", "beta", "gamma", "delta", "spare-1"} <= set(listed)
-    base = client.generate("load me", max_tokens=12)
-    tuned = client.generate("load me", adapter="spare-1", max_tokens=12)
+    base = client.generate("load me", temperature=0, max_tokens=12)
+    tuned = client.generate("load me", adapter="spare-1", temperature=0, max_tokens=12)
     assert tuned.token_ids != base.token_ids
     resident = {a.name: a for a in client.list_adapters()}["spare-1"]
     assert resident.resident and resident.slot > 0 and resident.in_flight == 0
     client.unload_adapter("spare-1")
     assert "spare-1" not in [a.name for a in client.list_adapters()]
-    assert rpc_error(lambda: client.generate("x", adapter="spare-1", max_tokens=2)).code() is Code.NOT_FOUND
+    assert (
+        rpc_error(lambda: client.generate("x", adapter="spare-1", temperature=0, max_tokens=2)).code() is Code.NOT_FOUND
+    )
     # The same name may be loaded again from an absolute path inside the root.
     client.load_adapter("spare-1", str(adapter_root / "spare-1"))
     client.unload_adapter("spare-1")
@@ -44,7 +46,7 @@ def test_load_list_generate_unload(client, adapter_root):
 
 def test_unload_while_a_stream_uses_the_adapter(engine, client, server):
     client.load_adapter("spare-4", "spare-4")
-    alone = client.generate("unload me", adapter="spare-4", max_tokens=120)
+    alone = client.generate("unload me", adapter="spare-4", temperature=0, max_tokens=120)
     stream = BackgroundStream(client, "unload me", adapter="spare-4", max_tokens=120)
     assert stream.first_chunk.wait(30)
     unloaded = threading.Event()
@@ -52,7 +54,9 @@ def test_unload_while_a_stream_uses_the_adapter(engine, client, server):
     unloader.start()
     # While the unload waits for the running stream, the name is already gone for new requests.
     wait_until(lambda: not engine.pager.has("spare-4"))
-    assert rpc_error(lambda: client.generate("x", adapter="spare-4", max_tokens=2)).code() is Code.NOT_FOUND
+    assert (
+        rpc_error(lambda: client.generate("x", adapter="spare-4", temperature=0, max_tokens=2)).code() is Code.NOT_FOUND
+    )
     stream.join()
     unloader.join(30)
     assert unloaded.is_set()

@@ -6,7 +6,14 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from jaxlora.engine.request import FinishReason, GenerationRequest, RequestOutput, SamplingParams
+from jaxlora.engine.request import (
+    DEFAULT_TEMPERATURE,
+    FinishReason,
+    GenerationRequest,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 from jaxlora.errors import (
     AdapterError,
     AdapterInUseError,
@@ -16,7 +23,7 @@ from jaxlora.errors import (
     UnknownAdapterError,
 )
 from serving.api import ApiError, Limits, Status, error_of, final_error, generation_request
-from serving.openai_api import chunk, error_body, parse_request
+from serving.openai_api import chat_logprobs, chunk, completion_logprobs, error_body, parse_request
 from serving.security import PathRefused
 
 LIMITS = Limits(max_new_tokens=64, vocab_size=100)
@@ -90,6 +97,9 @@ def test_translation_builds_the_engine_request():
     assert (s.max_tokens, s.temperature, s.stop, s.top_k, s.top_p) == (5, 0.5, ("x",), 3, 1.0)
     with pytest.raises(ApiError, match="exactly one of prompt"):
         generation_request(request_id="r", adapter=None, sampling={}, limits=LIMITS)
+    # Every API's one default: OpenAI's temperature 1, whichever front door (HTTP, gRPC) sent it.
+    plain = generation_request(request_id="r", adapter=None, sampling={}, limits=LIMITS, prompt="hi")
+    assert plain.sampling.temperature == DEFAULT_TEMPERATURE == 1.0
 
 
 def _final(reason: FinishReason, error: str | None = None) -> RequestOutput:
@@ -114,7 +124,7 @@ def test_final_update_check():
 
 def test_openai_fields_and_defaults():
     p = parse_request({"model": "base", "prompt": "hi"}, chat=False, base_model="base")
-    assert p.adapter is None and p.prompt == "hi" and p.sampling == {"temperature": 1.0}  # OpenAI's default
+    assert p.adapter is None and p.prompt == "hi" and p.sampling == {}  # defaults: generation_request's
     assert not p.stream and not p.include_usage
     p = parse_request(
         {
@@ -157,8 +167,12 @@ def test_openai_fields_and_defaults():
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, True, "messages"),
         ({"prompt": "hi", "response_format": {"type": "json_object"}}, False, "response_format"),
         ({"messages": [{"role": "user", "content": "x"}], "guided_json": {"type": "object"}}, True, "guided_json"),
-        ({"prompt": "hi", "repetition_penalty": 1.2}, False, "repetition_penalty"),
-        ({"prompt": "hi", "presence_penalty": 0.5}, False, "presence_penalty"),
+        ({"prompt": "hi", "logprobs": 6}, False, "logprobs"),  # completions: at most 5
+        ({"prompt": "hi", "logprobs": True}, False, "logprobs"),  # completions: a count
+        ({"prompt": "hi", "top_logprobs": 2}, False, "top_logprobs"),  # chat's field
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, True, "logprobs"),  # chat: a boolean
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, True, "top_logprobs"),  # no logprobs
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, True, "top_logprobs"),
         ({"prompt": "hi", "adapter": "shout"}, False, "adapter"),
         ({"prompt": "hi", "max_token": 5}, False, "max_token"),
         ({"prompt": "hi", "messages": []}, False, "messages"),
@@ -181,7 +195,7 @@ def test_unknown_fields_name_the_nearest_known_one_and_unbuilt_ones_say_so():
         parse_request({"prompt": "hi", "max_token": 5}, chat=False, base_model="base")
     with pytest.raises(ApiError, match="JSON mode and structured outputs are not built"):
         parse_request({"prompt": "hi", "response_format": {"type": "json_object"}}, chat=False, base_model="base")
-    neutral = {"response_format": {"type": "text"}, "presence_penalty": 0, "logprobs": False, "user": "u", "n": 1}
+    neutral = {"response_format": {"type": "text"}, "echo": False, "user": "u", "n": 1}
     assert parse_request({"prompt": "hi", **neutral}, chat=False, base_model="base").prompt == "hi"
 
 
@@ -190,9 +204,48 @@ def test_vllm_extra_fields_reach_the_sampling_params():
     p = parse_request(body, chat=False, base_model="base")
     params = SamplingParams(**p.sampling)
     assert (params.min_p, params.min_tokens, params.ignore_eos, params.max_tokens) == (0.1, 2, True, 5)
-    assert parse_request({"messages": [{"role": "user", "content": "x"}]}, chat=True, base_model="b").sampling == {
-        "temperature": 1.0
-    }  # max_tokens left to the engine: the rest of the context for a chat
+    # max_tokens left to the engine (the rest of the context for a chat), the temperature to
+    # generation_request (DEFAULT_TEMPERATURE, as on every surface).
+    assert parse_request({"messages": [{"role": "user", "content": "x"}]}, chat=True, base_model="b").sampling == {}
+
+
+def test_penalties_and_logprobs_reach_the_sampling_params():
+    body = {"prompt": "hi", "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": -1, "logprobs": 3}
+    params = SamplingParams(**parse_request(body, chat=False, base_model="base").sampling)
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.2, 0.5, -1)
+    assert params.logprobs == 3
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert (
+        parse_request({**chat, "logprobs": True, "top_logprobs": 7}, chat=True, base_model="b").sampling["logprobs"]
+        == 7
+    )
+    assert parse_request({**chat, "logprobs": True}, chat=True, base_model="b").sampling["logprobs"] == 0
+    assert "logprobs" not in parse_request({**chat, "logprobs": False}, chat=True, base_model="b").sampling
+    for bad in (dict(repetition_penalty=0), dict(presence_penalty=2.5), dict(frequency_penalty=-3)):
+        with pytest.raises(RequestError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
+def test_logprobs_objects_have_openai_shapes():
+    entries = [TokenLogprob(5, -0.1, ((5, -0.1), (6, -2.5))), TokenLogprob(7, -3.0, ((6, -0.2), (8, -1.9)))]
+    text = {5: "ab", 6: "c", 7: "é", 8: "d"}.__getitem__
+    chat = chat_logprobs(entries, text)["content"]
+    assert chat[1] == {
+        "token": "é",
+        "logprob": -3.0,
+        "bytes": [0xC3, 0xA9],
+        "top_logprobs": [
+            {"token": "c", "logprob": -0.2, "bytes": [99]},
+            {"token": "d", "logprob": -1.9, "bytes": [100]},
+        ],
+    }
+    legacy = completion_logprobs(entries, text, text_offset=4)
+    assert legacy == {
+        "tokens": ["ab", "é"],
+        "token_logprobs": [-0.1, -3.0],
+        "top_logprobs": [{"ab": -0.1, "c": -2.5}, {"c": -0.2, "d": -1.9, "é": -3.0}],
+        "text_offset": [4, 6],
+    }
 
 
 def test_stream_chunks_have_openai_shapes():

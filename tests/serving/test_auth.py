@@ -24,7 +24,7 @@ def keyed(engine, adapter_root):
 def test_missing_or_wrong_api_key(keyed, key):
     with connect(keyed, api_key=key) as client:
         for call in (
-            lambda: client.generate("hi", max_tokens=2),
+            lambda: client.generate("hi", temperature=0, max_tokens=2),
             client.list_adapters,
             client.server_info,
             lambda: client.load_adapter("spare-2", "spare-2"),
@@ -35,7 +35,7 @@ def test_missing_or_wrong_api_key(keyed, key):
 
 def test_user_key_serves_but_cannot_administer(keyed):
     with connect(keyed, api_key="user-key") as client:
-        assert client.generate("hi", max_tokens=3).completion_tokens == 3
+        assert client.generate("hi", temperature=0, max_tokens=3).completion_tokens == 3
         assert client.list_adapters()
         assert status_of(lambda: client.load_adapter("spare-2", "spare-2")) is Code.PERMISSION_DENIED
         assert status_of(lambda: client.unload_adapter("alpha")) is Code.PERMISSION_DENIED
@@ -44,7 +44,7 @@ def test_user_key_serves_but_cannot_administer(keyed):
 def test_admin_key_does_everything(keyed):
     with connect(keyed, api_key="admin-key") as admin:
         admin.load_adapter("spare-2", "spare-2")
-        assert admin.generate("hi", adapter="spare-2", max_tokens=3).completion_tokens == 3
+        assert admin.generate("hi", adapter="spare-2", temperature=0, max_tokens=3).completion_tokens == 3
         admin.unload_adapter("spare-2")
 
 
@@ -142,4 +142,4 @@ def test_an_admin_reloads_a_start_up_adapter_from_its_folder_without_a_root(engi
             assert e.code() is Code.PERMISSION_DENIED  # not a start-up folder, and no root
         finally:
             admin.load_adapter("alpha", str(adapter_root / "alpha"))
-        assert admin.generate("hi", adapter="alpha", max_tokens=2).completion_tokens == 2
+        assert admin.generate("hi", adapter="alpha", temperature=0, max_tokens=2).completion_tokens == 2

@@ -77,7 +77,7 @@ def _grpc_probe(server: InferenceServer) -> Callable[[], float]:
 
     def ttft() -> float:
         start = time.perf_counter()
-        call = client.stream(messages=[{"role": "user", "content": "probe"}], max_tokens=4)
+        call = client.stream(messages=[{"role": "user", "content": "probe"}], temperature=0, max_tokens=4)
         first = next(iter(call))
         seconds = time.perf_counter() - start
         assert first.token_ids

@@ -59,7 +59,7 @@ def test_concurrent_streams_with_different_adapters_match_offline(engine, server
 
 
 def test_chat_messages_and_defaults(client):
-    out = client.generate(messages=[{"role": "user", "content": "hi"}], adapter="alpha", max_tokens=5)
+    out = client.generate(messages=[{"role": "user", "content": "hi"}], adapter="alpha", temperature=0, max_tokens=5)
     assert out.completion_tokens == len(out.token_ids) <= 5 and out.prompt_tokens > 2
     info = client.server_info()
     assert (
@@ -72,7 +72,7 @@ def test_chat_messages_and_defaults(client):
 
 def test_metrics_endpoint(server, client):
     for adapter in ("alpha", "beta", "alpha"):
-        client.generate("metrics", adapter=adapter, max_tokens=6)
+        client.generate("metrics", adapter=adapter, temperature=0, max_tokens=6)
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
     for name in (
         "jaxlora_requests_running",
@@ -113,7 +113,7 @@ def test_load_64_concurrent_clients(engine, server):
         with_client = clients[threading.get_ident() % len(clients)]
         start = time.perf_counter()
         first, tokens, reason = None, 0, None
-        for chunk in with_client.stream(prompt, adapter=adapter, max_tokens=max_tokens):
+        for chunk in with_client.stream(prompt, adapter=adapter, temperature=0, max_tokens=max_tokens):
             if first is None and chunk.token_ids:
                 first = time.perf_counter() - start
             tokens += len(chunk.token_ids)

@@ -153,7 +153,7 @@ def test_sigterm_drains_and_exits_0(tiny_hf_folder, adapter_root):
         assert reply.usage.completion_tokens == 4
         with InferenceClient(f"127.0.0.1:{port}", timeout=60) as client:
             assert client.health() == "SERVING"
-            assert client.generate("hi", adapter="alpha", max_tokens=4).completion_tokens == 4
+            assert client.generate("hi", adapter="alpha", temperature=0, max_tokens=4).completion_tokens == 4
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
                 assert (
@@ -186,7 +186,7 @@ def test_serve_starts_on_the_default_model_with_no_flags(smollm2_gguf_path):
         from serving.client import InferenceClient
 
         with InferenceClient(f"127.0.0.1:{port}", timeout=120) as client:
-            out = client.generate(messages=[{"role": "user", "content": "Say hi"}], max_tokens=8)
+            out = client.generate(messages=[{"role": "user", "content": "Say hi"}], temperature=0, max_tokens=8)
             assert out.completion_tokens > 0
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0

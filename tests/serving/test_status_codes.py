@@ -25,7 +25,7 @@ Code = grpc.StatusCode
 
 
 def test_not_found_unknown_adapter(client):
-    e = rpc_error(lambda: client.generate("hi", adapter="no-such-adapter", max_tokens=2))
+    e = rpc_error(lambda: client.generate("hi", adapter="no-such-adapter", temperature=0, max_tokens=2))
     assert e.code() is Code.NOT_FOUND and "no-such-adapter" in e.details()
     assert status_of(lambda: client.unload_adapter("no-such-adapter")) is Code.NOT_FOUND
 
@@ -69,13 +69,13 @@ def test_resource_exhausted_stream_limit(engine, adapter_root):
         held = [BackgroundStream(client, max_tokens=LONG) for _ in range(2)]
         for s in held:
             assert s.first_chunk.wait(30)
-        e = rpc_error(lambda: client.generate("one too many", max_tokens=2))
+        e = rpc_error(lambda: client.generate("one too many", temperature=0, max_tokens=2))
         assert e.code() is Code.RESOURCE_EXHAUSTED and "too many streams" in e.details()
         for s in held:
             s.call.cancel()
             s.join()
         assert_capacity_whole(engine, server)
-        assert client.generate("room again", max_tokens=2).completion_tokens == 2
+        assert client.generate("room again", temperature=0, max_tokens=2).completion_tokens == 2
 
 
 def test_resource_exhausted_admission_queue(engine):
@@ -104,7 +104,7 @@ def test_unavailable_while_warming_up_and_draining(engine):
     server.start()
     try:
         with connect(server) as client:
-            e = rpc_error(lambda: client.generate("too early", max_tokens=2))
+            e = rpc_error(lambda: client.generate("too early", temperature=0, max_tokens=2))
             assert e.code() is Code.UNAVAILABLE and "warming up" in e.details()
             server.warm_up()
             running = BackgroundStream(client, "in flight", max_tokens=60)
@@ -112,7 +112,7 @@ def test_unavailable_while_warming_up_and_draining(engine):
             drain = threading.Thread(target=server.drain, kwargs=dict(grace_seconds=30))
             drain.start()
             wait_until(lambda: client.health() == "NOT_SERVING")
-            e = rpc_error(lambda: client.generate("too late", max_tokens=2))
+            e = rpc_error(lambda: client.generate("too late", temperature=0, max_tokens=2))
             assert e.code() is Code.UNAVAILABLE and "shutting down" in e.details()
             drain.join(60)
             assert running.join().error is None and len(running.token_ids) == 60  # finished within grace
@@ -133,7 +133,7 @@ def test_cancelled_frees_the_row(engine, client, server):
 
 def test_deadline_exceeded_frees_the_row(engine, client, server):
     cancelled_before = engine.stats()["cancelled"]
-    e = rpc_error(lambda: client.generate("slow", max_tokens=LONG, adapter="beta", timeout=0.3))
+    e = rpc_error(lambda: client.generate("slow", temperature=0, max_tokens=LONG, adapter="beta", timeout=0.3))
     assert e.code() is Code.DEADLINE_EXCEEDED
     wait_until(lambda: engine.stats()["cancelled"] == cancelled_before + 1)
     assert_capacity_whole(engine, server)
@@ -142,10 +142,10 @@ def test_deadline_exceeded_frees_the_row(engine, client, server):
 def test_unauthenticated_and_permission_denied(engine, adapter_root):
     with running_server(engine, api_key="user-key", admin_key="admin-key", adapter_roots=(str(adapter_root),)) as srv:
         with connect(srv) as anonymous:
-            assert status_of(lambda: anonymous.generate("hi", max_tokens=2)) is Code.UNAUTHENTICATED
+            assert status_of(lambda: anonymous.generate("hi", temperature=0, max_tokens=2)) is Code.UNAUTHENTICATED
             assert anonymous.health() == "SERVING"  # probes need no key
         with connect(srv, api_key="user-key") as user:
-            assert user.generate("hi", max_tokens=2).completion_tokens == 2
+            assert user.generate("hi", temperature=0, max_tokens=2).completion_tokens == 2
             assert status_of(lambda: user.load_adapter("spare-2", "spare-2")) is Code.PERMISSION_DENIED
 
 
@@ -194,9 +194,9 @@ def test_internal_error_in_one_request_spares_the_server(engine, client, monkeyp
         return real_submit(request, callback)
 
     monkeypatch.setattr(engine, "submit", broken_submit)
-    e = rpc_error(lambda: client.generate("boom", max_tokens=2))
+    e = rpc_error(lambda: client.generate("boom", temperature=0, max_tokens=2))
     assert e.code() is Code.INTERNAL and "a bug" not in e.details()  # no internals leak to clients
-    assert client.generate("fine", max_tokens=3).completion_tokens == 3
+    assert client.generate("fine", temperature=0, max_tokens=3).completion_tokens == 3
 
 
 def _raw_call(server, method: str, payload: bytes, *, streaming: bool):
@@ -252,5 +252,5 @@ def test_a_chat_too_large_as_rendered_is_refused_before_templating(engine, clien
         raise AssertionError("the chat was templated before its size was checked")
 
     monkeypatch.setattr(type(engine.tokenizer), "apply_chat_template", no_templating)
-    e = rpc_error(lambda: client.generate(messages=messages, max_tokens=2))
+    e = rpc_error(lambda: client.generate(messages=messages, temperature=0, max_tokens=2))
     assert e.code() is Code.INVALID_ARGUMENT and reason in e.details(), e.details()
