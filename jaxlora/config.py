@@ -33,6 +33,13 @@ class LoraBackend(enum.StrEnum):
     PALLAS = "pallas"  # pallas_kernels shrink/expand kernels
 
 
+class LoraBank(enum.StrEnum):
+    """How the device holds resident adapters (both give the same tokens)."""
+
+    PADDED = "padded"  # one slot per adapter, every module padded to max_rank (jaxlora.lora.bank)
+    PAGED = "paged"  # true-rank pages of one pool, read through page tables (jaxlora.lora.paged_bank)
+
+
 class AttentionBackend(enum.StrEnum):
     """How the step's attention is computed (all give the same numbers)."""
 
@@ -161,13 +168,22 @@ class LoraConfig:
       max_slots: device slots S, slot 0 included (slot 0 is the all-zero "base model" slot).
       max_rank: R; every adapter's rank is zero-padded to it.
       target_modules: projections that get a LoRA term; others cost nothing.
-      backend: how the per-row term is computed.
+      backend: how the per-row term is computed (padded bank only; the paged bank always runs the
+        paged kernels, pallas_kernels.lora.paged).
+      bank: "padded" (every slot at max_rank) or "paged" (adapters at their true rank in pages of
+        one pool; max_slots then bounds the page-table rows, pool_pages the bytes).
+      page_rows: rank-rows per page of the paged bank (a power of two).
+      pool_pages: pages of the paged bank's pool (None: max_slots - 1 adapters at max_rank on every
+        target module, the padded bank's capacity).
     """
 
     max_slots: int = 8
     max_rank: int = 16
     target_modules: tuple[str, ...] = TARGET_MODULES
     backend: LoraBackend = LoraBackend.XLA
+    bank: LoraBank = LoraBank.PADDED
+    page_rows: int = 8
+    pool_pages: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_slots < 2:
@@ -180,5 +196,12 @@ class LoraConfig:
         if not self.target_modules:
             raise ValueError("target_modules must not be empty")
         object.__setattr__(self, "backend", LoraBackend(self.backend))
+        if self.bank not in tuple(LoraBank):
+            raise ValueError(f"bank={self.bank!r} must be one of {tuple(b.value for b in LoraBank)}")
+        object.__setattr__(self, "bank", LoraBank(self.bank))
+        if self.page_rows < 1 or self.page_rows & (self.page_rows - 1):
+            raise ValueError(f"page_rows={self.page_rows} must be a power of two")
+        if self.pool_pages is not None and self.pool_pages < 1:
+            raise ValueError(f"pool_pages={self.pool_pages} must be >= 1")
         # Keep the canonical order so two configs naming the same set compare equal.
         object.__setattr__(self, "target_modules", tuple(m for m in TARGET_MODULES if m in self.target_modules))

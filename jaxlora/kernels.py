@@ -5,7 +5,8 @@
 
 Seven decisions, each with its rule per step size where one exists:
 
-    LoRA        lora.backend (the bank's config): xla | ragged | pallas
+    LoRA        lora.backend (the bank's config): xla | ragged | pallas; a paged bank (lora.bank)
+                always runs the paged Pallas kernels (pallas_kernels.lora.paged)
     attention   the paged step's attention: the Pallas kernel or its plain-XLA twin
     unroll      layers as an unrolled loop for steps of at most unroll_max_tokens tokens, else lax.scan
     quant       how quantized projections multiply, per step size (`QUANT_AUTO`, `quant_matmul_at`)
@@ -37,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxlora.config import AttentionBackend, LoraBackend
+from jaxlora.config import AttentionBackend, LoraBackend, LoraBank
 
 
 class QuantMatmul(enum.StrEnum):
@@ -190,7 +191,9 @@ def _resolved(name: str, value: Any, kind: type[enum.StrEnum]) -> enum.StrEnum:
 class StepKernels:
     """Static kernel choices for one jitted model step (hashable, never traced; nothing here is "auto").
 
-    lora: how the LoRA term is computed (pallas_kernels.lora.api's backend).
+    lora: how the LoRA term is computed (pallas_kernels.lora.api's backend) with a padded bank.
+    lora_bank: PAGED when the steps read a paged bank, whose LoRA term always runs the paged
+      Pallas kernels (pallas_kernels.lora.paged), interpreted on CPU.
     interpret: run Pallas kernels in interpret mode (CPU).
     attention: PALLAS runs the paged step's attention through `pallas_kernels.ragged_paged_attention`,
       XLA through its plain-XLA twin (a dense KVCache always uses the masked einsum).
@@ -212,6 +215,7 @@ class StepKernels:
     """
 
     lora: LoraBackend = LoraBackend.XLA
+    lora_bank: LoraBank = LoraBank.PADDED
     interpret: bool = False
     attention: AttentionBackend = AttentionBackend.XLA
     unroll_layers: bool = False
@@ -225,6 +229,7 @@ class StepKernels:
     def __post_init__(self) -> None:
         object.__setattr__(self, "w8a8_min_tokens", _w8a8_table(self.w8a8_min_tokens))
         object.__setattr__(self, "lora", LoraBackend(self.lora))  # accept the string form too
+        object.__setattr__(self, "lora_bank", LoraBank(self.lora_bank))
         for name, kind in (("attention", AttentionBackend), ("quant_matmul", QuantMatmul), ("gemm", GemmBackend)):
             object.__setattr__(self, name, _resolved(name, getattr(self, name), kind))
         if self.quant_kernel_max_tokens is not None and not _is_positive_int(self.quant_kernel_max_tokens):
@@ -247,12 +252,17 @@ class StepKernels:
         *,
         fused_projections: bool = True,
         compute_capability: str | None = None,
+        lora_bank: LoraBank | str = LoraBank.PADDED,
         **choices: Any,
     ) -> StepKernels:
         """`KernelConfig(**choices).resolve(...)`: the kernels of a model on `platform`, "auto" where
         `choices` does not say."""
         return KernelConfig(**choices).resolve(
-            lora, platform, fused_projections=fused_projections, compute_capability=compute_capability
+            lora,
+            platform,
+            fused_projections=fused_projections,
+            compute_capability=compute_capability,
+            lora_bank=lora_bank,
         )
 
     def compiler_options(self, num_tokens: int) -> dict[str, bool | str]:
@@ -287,8 +297,9 @@ class StepKernels:
     def describe(self, num_tokens: int) -> str:
         """What a step of `num_tokens` tokens (one per row) runs, for the warm-up's log."""
         options = self.compiler_options(num_tokens)
+        lora = "paged" if self.lora_bank is LoraBank.PAGED else self.lora.value
         return (
-            f"lora={self.lora.value} attention={self.attention.value} "
+            f"lora={lora} attention={self.attention.value} "
             f"layers={'unrolled' if self.unrolls(num_tokens) else 'scan'} "
             f"quant={self.quant_matmul_at(num_tokens).value}{self._describe_w8a8(num_tokens)} "
             f"gemm={self.gemm.value}{' concurrent' if _SCHEDULING_OPTION in options else ''}"
@@ -379,8 +390,10 @@ class KernelConfig:
         *,
         fused_projections: bool = True,
         compute_capability: str | None = None,
+        lora_bank: LoraBank | str = LoraBank.PADDED,
     ) -> StepKernels:
-        """The StepKernels of a model on `platform` (None: JAX's default backend).
+        """The StepKernels of a model on `platform` (None: JAX's default backend), its LoRA bank
+        `lora_bank` (a paged bank runs Pallas kernels: interpreted on CPU).
 
         Pallas runs natively on GPU; on CPU the only way to run it is the interpreter. A quant kernel
         by name: "pallas" runs the Triton kernel in every step (up to quant_kernel_max_tokens when
@@ -395,7 +408,7 @@ class KernelConfig:
         (benchmarks/DECISIONS.md#gemm-backend).
         """
         platform = platform or jax.default_backend()
-        lora = LoraBackend(lora)
+        lora, lora_bank = LoraBackend(lora), LoraBank(lora_bank)
         attention = self.attention
         if attention is AttentionBackend.AUTO:
             attention = AttentionBackend.PALLAS if platform == "gpu" else AttentionBackend.XLA
@@ -408,10 +421,14 @@ class KernelConfig:
         if gemm is GemmBackend.AUTO:
             gemm = GemmBackend.CUBLAS if platform == "gpu" and fused_projections else GemmBackend.XLA
         uses_pallas = (
-            lora is LoraBackend.PALLAS or attention is AttentionBackend.PALLAS or quant_matmul in _QUANT_KERNELS
+            lora is LoraBackend.PALLAS
+            or lora_bank is LoraBank.PAGED
+            or attention is AttentionBackend.PALLAS
+            or quant_matmul in _QUANT_KERNELS
         )
         return StepKernels(
             lora=lora,
+            lora_bank=lora_bank,
             interpret=uses_pallas and platform == "cpu",
             attention=attention,
             unroll_layers=unroll,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from jaxlora import kernels as kernels_module
-from jaxlora.config import AttentionBackend, LoraBackend
+from jaxlora.config import AttentionBackend, LoraBackend, LoraBank, LoraConfig
 from jaxlora.engine.config import EngineConfig
 from jaxlora.kernels import (
     QUANT_KERNEL_MAX_TOKENS,
@@ -58,6 +58,24 @@ def test_auto_resolves_per_platform_and_layout():
     )
     assert cpu.interpret  # the Pallas LoRA kernels run in the interpreter on CPU
     assert not auto.resolve("xla", "cpu").interpret
+
+
+def test_a_paged_bank_runs_the_paged_pallas_kernels():
+    """lora.bank=paged: the paged kernels are Pallas, so CPU interprets them whatever lora.backend is."""
+    paged = KernelConfig().resolve("xla", "cpu", lora_bank="paged")
+    assert paged.lora_bank is LoraBank.PAGED and paged.interpret
+    assert "lora=paged" in paged.describe(8)
+    on_gpu = KernelConfig().resolve("xla", "gpu", lora_bank=LoraBank.PAGED, compute_capability="9.0")
+    assert not on_gpu.interpret
+    config = EngineConfig(lora=LoraConfig(bank="paged"))
+    assert config.step_kernels(fused_projections=True, platform="cpu").lora_bank is LoraBank.PAGED
+    assert EngineConfig().step_kernels(fused_projections=True, platform="cpu").lora_bank is LoraBank.PADDED
+    with pytest.raises(ValueError, match="bank="):
+        LoraConfig(bank="ragged")
+    with pytest.raises(ValueError, match="page_rows=6 must be a power of two"):
+        LoraConfig(page_rows=6)
+    with pytest.raises(ValueError, match="pool_pages=0"):
+        LoraConfig(pool_pages=0)
 
 
 def test_named_choices_win_over_auto():

@@ -28,6 +28,13 @@ token. Settings (S-LoRA's S1 and S2, plus one with adapters on all seven modules
        rows with "bound_req_s" (benchmarks/serving/s70.py); runs alone (its own model).
 Rows say which base weights served them: "weights": "bf16" | "fp8".
 
+`--bank padded|paged` (default padded): the device adapter bank (`lora.bank`). "paged" keeps every
+adapter at its true rank in pages of one pool (`jaxlora.adapters.PagedPager`) with as many page-table
+rows as the padded bank has slots and a pool of the padded bank's bytes, and reads them through the
+paged kernels; rows record "bank". Every row has the pool column (`benchmarks/serving/pool.py`): the
+mean share of the adapter + KV device memory held by resident adapters (pool_adapter_share) and by
+KV pages (pool_kv_share) over the run.
+
 Per run (one offered rate) a row records:
   served_req_s / served_tok_s: completed requests / tokens generated, over the window from the first
     arrival to the last completion;
@@ -63,6 +70,8 @@ adapters the previous run left resident (a paged setting's first run starts with
 device; `all` pages its 64 in before the first).
 
     python -m benchmarks.serving.trace --tiny                                  # CPU smoke run
+    python -m benchmarks.serving.trace --tiny --settings s2 --bank paged       # CPU smoke run, paged bank
+    python -m benchmarks.serving.trace --settings s1 s2 all --rates 10 40 --bank paged --merge
     python -m benchmarks.serving.trace --settings all s1 --rates 4 10 40 --duration 30 --max-drain-s 30
     python -m benchmarks.serving.trace --settings s2 --rates 4 10 40 --sweep 3 --merge
     python -m benchmarks.serving.trace --render                                # md + png from the JSON
@@ -102,8 +111,9 @@ from benchmarks.serving.chat_trace import (
     drive_chat,
     make_chat_trace,
 )
-from jaxlora.adapters import Pager
-from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraConfig, ModelConfig
+from benchmarks.serving.pool import PoolSampler
+from jaxlora.adapters import PagedPager, Pager
+from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraBank, LoraConfig, ModelConfig
 from jaxlora.engine.config import ENGINE_KIND, EngineConfig
 from jaxlora.engine.engine import Engine
 from jaxlora.engine.request import FinishReason, GenerationRequest, RequestOutput, SamplingParams
@@ -118,10 +128,12 @@ SLO_TTFT_S = 6.0  # S-LoRA's SLO: the first token within 6 s
 # What --merge replaces rows by: a run of another arrival window is another row.
 KEY_FIELDS = (
     "engine", "api", "start", "setting", "n", "rate", "duration_s", "cv", "alpha", "temperature", "trace",
-    "prefix_cache",
+    "prefix_cache", "bank",
 )  # fmt: skip
-# Rows written before a field existed: greedy, S-LoRA's trace, no prefix cache, in-process.
-KEY_DEFAULTS = {"temperature": 0.0, "trace": "s-lora", "prefix_cache": False, "api": "inprocess", "start": None}
+# Rows written before a field existed: greedy, S-LoRA's trace, no prefix cache, in-process, padded bank.
+KEY_DEFAULTS = {
+    "temperature": 0.0, "trace": "s-lora", "prefix_cache": False, "api": "inprocess", "start": None, "bank": "padded",
+}  # fmt: skip
 APIS = ("inprocess", "http", "grpc")
 RESULTS = "serving.json"
 
@@ -279,9 +291,13 @@ def chat_scale(size: Scale, shape: ChatShape) -> Scale:
     )
 
 
-def lora_config(setting: Setting, backend: str) -> LoraConfig:
+def lora_config(setting: Setting, backend: str, bank: str = LoraBank.PADDED) -> LoraConfig:
     return LoraConfig(
-        max_slots=setting.slots + 1, max_rank=setting.max_rank, target_modules=setting.modules, backend=backend
+        max_slots=setting.slots + 1,
+        max_rank=setting.max_rank,
+        target_modules=setting.modules,
+        backend=backend,
+        bank=bank,
     )
 
 
@@ -317,13 +333,15 @@ def token_counter(engine: Engine) -> TokenCounter:
 
 
 def make_pager(
-    setting: Setting, model: LoadedModel, size: Scale, backend: str, host_bytes: int | None
+    setting: Setting, model: LoadedModel, size: Scale, backend: str, host_bytes: int | None, bank: str = "padded"
 ) -> tuple[Pager, int, float]:
     """A pager with the setting's adapters registered as a0..a{n-1} (n capped by `host_bytes`);
-    returns (pager, n, registration seconds). Adapters share a few random weight sets per rank."""
-    lora = lora_config(setting, backend)
+    returns (pager, n, registration seconds). Adapters share a few random weight sets per rank.
+    `bank`: "padded" (`Pager`) or "paged" (`PagedPager`, the pool of the padded bank's bytes)."""
+    lora = lora_config(setting, backend, bank)
     # Page-ins per commit: the pager's default 16, or fewer with fewer slots (each size up to it compiles).
-    pager = Pager(
+    kind = PagedPager if lora.bank is LoraBank.PAGED else Pager
+    pager = kind(
         model.config,
         lora,
         dtype=jnp.dtype(size.dtype),
@@ -662,6 +680,9 @@ MD_COLUMNS = [
     "padding_share",
     "page_ins",
     "prefix_cache_hit_share",
+    "bank",
+    "pool_adapter_share",
+    "pool_kv_share",
 ]
 
 
@@ -978,6 +999,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="LoRA backend (default: pallas on GPU, xla elsewhere)",
     )
     p.add_argument(
+        "--bank",
+        choices=[b.value for b in LoraBank],
+        default=LoraBank.PADDED.value,
+        help="the device adapter bank: every slot padded to the max rank, or true-rank pages (in-process only)",
+    )
+    p.add_argument(
         "--lora-groups",
         choices=("tuned", "split"),
         default="tuned",
@@ -1054,7 +1081,7 @@ def run_setting(
     caches = {"on": (True,), "off": (False,), "both": (False, True)}[args.prefix_cache]
     host = None if args.tiny else int(args.host_gb * 1e9) if args.host_gb else size.engine.host_capacity_bytes
     t0 = time.perf_counter()
-    pager, n, reg_s = make_pager(setting, model, size, backend, host)
+    pager, n, reg_s = make_pager(setting, model, size, backend, host, args.bank)
     note = None
     if n < setting.n:
         note = (
@@ -1066,6 +1093,7 @@ def run_setting(
     engine = make_engine(setting, model, pager, size, backend)
     engine.warmup()
     tokens = token_counter(engine)
+    pool = PoolSampler(engine)
     print(f"[{setting.name}] set up in {time.perf_counter() - t0:.1f} s", flush=True)
     key = dict(
         engine=ENGINE_KIND,
@@ -1075,6 +1103,7 @@ def run_setting(
         alpha=args.alpha,
         temperature=args.temperature,
         trace=setting.trace,
+        bank=args.bank,
     )
     same = [  # the sweep bisects over the runs with the last --prefix-cache mode
         r
@@ -1133,7 +1162,8 @@ def run_setting(
                 not_run.append(f"{setting.name}@{rate:g}{'' if cache else ' (no prefix cache)'}")
                 return
             t_run = time.perf_counter()
-            result = run_once(rate, duration, cache)
+            pool.start()
+            result = {**run_once(rate, duration, cache), **pool.stop()}
             row = {
                 **base_row,
                 **key,
@@ -1376,6 +1406,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"rendered {args.out / 'serving.md'}", flush=True)
         return
     if set(args.api) != {"inprocess"}:
+        if args.bank != LoraBank.PADDED.value:
+            raise SystemExit("--bank paged runs in-process only: the server's config has no paged bank flag yet")
         main_servers(args, argv)
         return
     clock = _Clock(args.budget_s)

@@ -3,6 +3,8 @@
     source.py       AdapterSource, the contract the engine and the scheduler rely on
     pager.py        Pager: thousands of adapters in host memory, a few device slots, page-ins
                     overlapped with the engine's steps
+    paged_pager.py  PagedPager: the same protocol over a paged bank (adapters at true rank in pages)
+    page_allocator.py  which pages of the paged bank's pool are free (plain Python)
     resident.py     ResidentBank: a fixed set of adapters resident in the bank for good (benchmarks, tests)
     registry.py     name -> validated adapter in host memory, packed as one slot wants it at its
                     rank class (widened to the bank's rank on the device at page-in)
@@ -15,6 +17,7 @@ builds on it.
 """
 
 from jaxlora.adapters.metrics import PagerMetrics
+from jaxlora.adapters.paged_pager import PagedPager
 from jaxlora.adapters.pager import AdapterInfo, Pager
 from jaxlora.adapters.registry import HostMemory, RegisteredAdapter, Registry
 from jaxlora.adapters.resident import ResidentBank
@@ -25,6 +28,7 @@ __all__ = [
     "AdapterInfo",
     "AdapterSource",
     "HostMemory",
+    "PagedPager",
     "Pager",
     "PagerMetrics",
     "RegisteredAdapter",

@@ -212,15 +212,7 @@ class Pager:
             self._registry.reserve(name, self._bytes_estimate(source))
         start = time.perf_counter()
         try:
-            adapter = prepare_adapter(
-                name,
-                source,
-                model=self.model_config,
-                lora=self.lora_config,
-                dtype=self.dtype,
-                sharding=self._host_sharding,
-                layouts=self.layouts,
-            )
+            adapter = self._prepare(name, source)
         except BaseException:
             with self._lock:
                 self._registry.cancel(name)
@@ -229,6 +221,18 @@ class Pager:
             self._registry.add(adapter)
             self.metrics.host_load.observe(time.perf_counter() - start)
             return self._info(adapter)
+
+    def _prepare(self, name: str, source: str | Path | HostAdapter) -> RegisteredAdapter:
+        """Loads, validates and packs one adapter for host memory (slow: no lock held)."""
+        return prepare_adapter(
+            name,
+            source,
+            model=self.model_config,
+            lora=self.lora_config,
+            dtype=self.dtype,
+            sharding=self._host_sharding,
+            layouts=self.layouts,
+        )
 
     def host_nbytes(self, rank: int) -> int:
         """Host bytes one registered adapter of `rank` takes (its rank class's copy)."""
@@ -274,7 +278,7 @@ class Pager:
             self._registry.remove(name)
             self._ready.discard(name)
             self._scheduled_at.pop(name, None)
-            slot = self._table.free(name)
+            slot = self._free_slot(name)
             if slot is not None:
                 self._queue_write(slot, _RESET)
             self._serve_waiting()
@@ -506,6 +510,10 @@ class Pager:
         self._queue_write(slot, name)
         self._scheduled_at[name] = time.perf_counter()
         return True
+
+    def _free_slot(self, name: str) -> int | None:
+        """Takes `name` out of its slot (unpinned only); the freed slot, or None if it had none."""
+        return self._table.free(name)
 
     def _queue_write(self, slot: int, name: str | None) -> None:
         self._pending.pop(slot, None)  # a newer op on the slot replaces an older one

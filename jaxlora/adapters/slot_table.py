@@ -111,6 +111,10 @@ class SlotTable:
             heapq.heappush(self._free, slot)
         return slot
 
+    def victim(self, exclude: Container[str] = ()) -> str | None:
+        """The least recently used unpinned resident not in `exclude` (what `assign` would evict)."""
+        return self._victim(exclude)
+
     def _victim(self, exclude: Container[str]) -> str | None:
         for name in self._lru:
             if self._refcount[name] == 0 and name not in exclude:

@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from jaxlora.cli.common import DEFAULT_MODEL_NAME, AdapterFlag, add_model_args, add_quantize_arg
-from jaxlora.config import AttentionBackend, LoraBackend
+from jaxlora.config import AttentionBackend, LoraBackend, LoraBank
 
 # vLLM's name for each engine flag that means the same thing here (`jaxlora serve --help` lists both).
 VLLM_ALIASES = {
@@ -76,6 +76,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, adapters_help: str = "registe
         choices=[b.value for b in LoraBackend],
         default=None,
         help="how the per-row LoRA term is computed (default: the config's)",
+    )
+    p.add_argument(
+        "--lora-bank",
+        choices=[b.value for b in LoraBank],
+        default=None,
+        help="the device adapter bank: every slot padded to the max rank, or adapters at their true rank in "
+        "pages read through page tables (one device only; default: the config's, padded)",
     )
     p.add_argument(
         "--attention",
@@ -217,7 +224,12 @@ def engine_config(args: argparse.Namespace, adapters: dict[str, str] | None = No
         max_slots = args.max_loras + 1
     lora_overrides = {
         k: v
-        for k, v in (("max_slots", max_slots), ("max_rank", max_rank), ("backend", args.lora_backend))
+        for k, v in (
+            ("max_slots", max_slots),
+            ("max_rank", max_rank),
+            ("backend", args.lora_backend),
+            ("bank", getattr(args, "lora_bank", None)),
+        )
         if v is not None
     }
     config = dataclasses.replace(config, lora=dataclasses.replace(config.lora, **lora_overrides))

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import jax
 
-from jaxlora.adapters import Pager
-from jaxlora.config import ModelConfig
+from jaxlora.adapters import PagedPager, Pager
+from jaxlora.config import LoraBank, ModelConfig
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.engine import Engine
 from jaxlora.lora.host_adapter import HostAdapter
@@ -50,14 +50,20 @@ def build_engine(
     devices, AdapterError for an adapter that cannot be registered.
     """
     mesh = engine_mesh(config.mesh, model.config)
-    pager = Pager(
-        model.config,
-        config.lora,
-        host_capacity_bytes=config.host_capacity_bytes,
-        dtype=model.dtype,
-        mesh=mesh,
-        compile_writes=compile_ahead,
-    )
+    if config.lora.bank is LoraBank.PAGED:
+        if mesh is not None:
+            raise ValueError("lora.bank='paged' runs on one device; use lora.bank='padded' with a mesh")
+        # The paged bank compiles its page writes at construction, whatever compile_ahead says.
+        pager = PagedPager(model.config, config.lora, host_capacity_bytes=config.host_capacity_bytes, dtype=model.dtype)
+    else:
+        pager = Pager(
+            model.config,
+            config.lora,
+            host_capacity_bytes=config.host_capacity_bytes,
+            dtype=model.dtype,
+            mesh=mesh,
+            compile_writes=compile_ahead,
+        )
     for name, source in (adapters or {}).items():
         pager.register(name, source)
         log.info("registered adapter %r from %s", name, source.source if isinstance(source, HostAdapter) else source)

@@ -151,7 +151,9 @@ class EngineConfig:
     def step_kernels(self, *, fused_projections: bool, platform: str | None = None) -> StepKernels:
         """The kernels this engine's steps run, for a model in the serving layout (`fused_projections`,
         jaxlora.model.fused) or not, on `platform` (None: JAX's default backend)."""
-        return self.kernels.resolve(self.lora.backend, platform, fused_projections=fused_projections)
+        return self.kernels.resolve(
+            self.lora.backend, platform, fused_projections=fused_projections, lora_bank=self.lora.bank
+        )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineConfig:

@@ -6,7 +6,9 @@ Contract (every backend computes exactly this; pallas_kernels documents the math
         h[t]        = x[t] @ bank[group]["a"][s]                 # shrink, all modules of the group
         y_m[t]     += h[t, i*R:(i+1)*R] @ bank[group]["b"][m][s]  # expand, module m = modules[i]
 
-Slot 0 is all-zero, so base-model rows come out unchanged.
+Slot 0 is all-zero, so base-model rows come out unchanged. A paged bank (jaxlora.lora.paged_bank)
+computes the same per module, reading each row's A and B at their true rank through page tables
+(`pallas_kernels.lora.paged`); its slot 0 has rank 0.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import jax.numpy as jnp
 import pallas_kernels
 from jaxlora.kernels import StepKernels
 from jaxlora.lora.bank import GROUPS
+from jaxlora.lora.paged_bank import is_paged
+from pallas_kernels.lora.paged import paged_expand, paged_shrink
 
 GROUP_MODULES: dict[str, tuple[str, ...]] = dict(GROUPS)
 
@@ -51,6 +55,12 @@ def apply_group(
     """
     if group_bank is None:
         return outputs
+    if is_paged(group_bank):
+        modules = [m for m in GROUP_MODULES[group] if m in group_bank["ranks"]]
+        return {
+            **outputs,
+            **{m: _paged_module(group_bank, m, x, outputs[m], token_slots, kernels, layer) for m in modules},
+        }
     # Pytrees sort dict keys, so the rank-axis order comes from GROUPS, never from the dict.
     modules = tuple(m for m in GROUP_MODULES[group] if m in group_bank["b"])
     kw = dict(backend=kernels.lora.value, interpret=kernels.interpret, seg_len=seg_len, plan=plan, layer=layer)
@@ -84,6 +94,13 @@ def apply_group_fused(
     if group_bank is None:
         return y
     modules = GROUP_MODULES[group]
+    if is_paged(group_bank):
+        ends = (*columns[1:], y.shape[1])
+        for i, m in enumerate(modules):
+            if m in group_bank["ranks"]:
+                part = _paged_module(group_bank, m, x, y[:, columns[i] : ends[i]], token_slots, kernels, layer)
+                y = y.at[:, columns[i] : ends[i]].set(part)
+        return y
     held = [i for i, m in enumerate(modules) if m in group_bank["b"]]
     (y,) = pallas_kernels.lora_group(
         x,
@@ -101,6 +118,23 @@ def apply_group_fused(
     return y
 
 
+def _paged_module(
+    group_bank: dict,
+    module: str,
+    x: jax.Array,
+    y: jax.Array,
+    token_slots: jax.Array,
+    kernels: StepKernels,
+    layer: jax.Array | None,
+) -> jax.Array:
+    """y [N, out] + each row's term of `module` from a paged bank's group entries (tables [2, L, S, M],
+    or [2, S, M] without `layer`); slot s of the page tables is the row's adapter."""
+    tables = group_bank["tables"][module] if layer is None else group_bank["tables"][module][:, layer]
+    pool, ranks = group_bank["pool"], group_bank["ranks"][module]
+    h = paged_shrink(x, pool, tables[0], ranks, token_slots, interpret=kernels.interpret)
+    return paged_expand(y, h, pool, tables[1], ranks, token_slots, interpret=kernels.interpret)
+
+
 def step_plan(
     bank: dict | None, token_slots: jax.Array, kernels: StepKernels, seg_len: int | None
 ) -> pallas_kernels.LoraPlan | None:
@@ -108,8 +142,8 @@ def step_plan(
 
     bank leaves are stacked over layers, [L, S, ...], so axis 1 is the slot count.
     """
-    if not bank:
-        return None
+    if not bank or is_paged(bank):
+        return None  # the paged kernels read each row's page table themselves
     num_slots = jax.tree.leaves(bank)[0].shape[1]
     return pallas_kernels.lora_plan(token_slots, num_slots=num_slots, seg_len=seg_len, backend=kernels.lora.value)
 

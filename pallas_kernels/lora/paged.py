@@ -22,8 +22,9 @@ ceil(ranks[n] / P) pages its rank needs, so the work per row is proportional to 
     paged_shrink:  h[t, r] = sum_k x[t, k] * A^T_n[r, k]       r < ranks[n]; h[t, r >= ranks[n]] = 0
     paged_expand:  y[t, o] + sum_r h[t, r] * B_n[r, o]          r < ranks[n]
 
-Triton on GPU (interpret=True runs them on CPU). Not wired into the engine: the device bank still
-pads every slot to its max rank; the one allocator shared with the KV cache is still to come.
+Triton on GPU (interpret=True runs them on CPU). The engine reads a paged bank through them
+(`lora.bank: paged`, jaxlora.lora.paged_bank); the one allocator shared with the KV cache is still
+to come.
 """
 
 from __future__ import annotations

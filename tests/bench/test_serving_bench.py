@@ -147,6 +147,17 @@ def _run(out: Path, *args: str) -> dict:
     return json.loads((out / "serving.json").read_text())
 
 
+def test_tiny_paged_bank_run_has_its_bank_and_pool_columns(tmp_path):
+    """--bank paged: the rows say so, get their own key, and carry the pool shares."""
+    payload = _run(tmp_path, "--settings", "s2", "--bank", "paged", "--rates", "8@1", "--max-drain-s", "60")
+    (row,) = payload["rows"]
+    assert row["bank"] == "paged" and row["completed"] == row["requests"] == 8 and row["page_ins"] > 0
+    assert 0 < row["pool_adapter_share"] < 1 and 0 < row["pool_kv_share"] < 1
+    assert row["pool_adapter_bytes"] > 0 and row["pool_kv_bytes"] > 0
+    assert row_key(row) != row_key({**row, "bank": "padded"})
+    assert row_key({k: v for k, v in row.items() if k != "bank"}) == row_key({**row, "bank": "padded"})
+
+
 def test_host_budget_counts_each_adapter_at_its_rank_class():
     pager = Pager(tiny_config(), LoraConfig(max_slots=3, max_rank=8, target_modules=ATTENTION_MODULES))
     ranks = (8, 4, 2, 1)  # classes 8, 4, 4, 4

@@ -168,6 +168,24 @@ def test_default_host_adapter_memory_is_a_share_of_the_machine(files, monkeypatc
         engine.register_adapter("a3", files / "demo" / "upper")
 
 
+def test_lora_bank_paged_builds_a_paged_pager_that_serves(files):
+    from jaxlora.adapters import PagedPager
+    from jaxlora.cli.engine_args import engine_from_args
+    from jaxlora.engine import GenerationRequest, SamplingParams
+
+    padded = engine_from_args(_engine_args([*_common(files), "--adapter", f"up={files / 'demo' / 'upper'}"]))
+    paged = engine_from_args(
+        _engine_args([*_common(files), "--adapter", f"up={files / 'demo' / 'upper'}", "--lora-bank", "paged"])
+    )
+    assert isinstance(paged.pager, PagedPager) and not isinstance(padded.pager, PagedPager)
+    request = GenerationRequest(
+        request_id="r", prompt_ids=[1, 5, 6], adapter="up", sampling=SamplingParams(max_tokens=4)
+    )
+    for engine in (padded, paged):
+        engine.warmup()
+    assert paged.generate([request])[0].token_ids == padded.generate([request])[0].token_ids
+
+
 def test_bank_rank_follows_the_adapters_named_at_start_up(files, tmp_path):
     from jaxlora.cli.engine_args import engine_config, engine_from_args
     from jaxlora.errors import AdapterError

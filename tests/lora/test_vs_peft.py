@@ -5,11 +5,15 @@ MLP-only and all-linear targets, rsLoRA, rank/alpha patterns and layers_to_trans
 every adapter plus base rows in shuffled order; each row must equal PEFT running it alone.
 """
 
+import dataclasses
+
 import pytest
 
-from jaxlora.config import LoraBackend, LoraConfig
+from jaxlora.config import LoraBackend, LoraBank, LoraConfig
+from jaxlora.kernels import StepKernels
 from jaxlora.loading import load_model
 from jaxlora.lora.bank import init_bank, set_slot, slot_arrays
+from jaxlora.lora.paged_bank import build_paged_bank, model_view
 from jaxlora.lora.peft_format import load_peft_adapter
 from tests.greedy import batched_greedy
 
@@ -75,11 +79,17 @@ def setup(smollm2_gguf_path, reference):
     lora = LoraConfig(max_slots=len(ADAPTERS) + 1, max_rank=64)
     bank = init_bank(model.config, lora)
     slot_of = {None: 0}
+    weights = []
     for slot, name in enumerate(ADAPTERS, start=1):
         adapter = load_peft_adapter(ref["adapters"][name], name=name, model_config=model.config, max_rank=64)
         bank = set_slot(bank, slot, slot_arrays(adapter.weights, model.config, lora))
         slot_of[name] = slot
-    return model, prompts, bank, [slot_of[a] for _, a in ROWS], [row["tokens"] for row in ref["rows"]]
+        weights.append(adapter.weights)
+    paged = dataclasses.replace(lora, bank=LoraBank.PAGED)
+    # Free pages NaN: a read of a page no adapter owns would show in the tokens.
+    paged_bank = model_view(build_paged_bank(model.config, paged, weights, fill=float("nan")), paged)
+    rows = [slot_of[a] for _, a in ROWS]
+    return model, prompts, bank, rows, paged_bank, [row["tokens"] for row in ref["rows"]]
 
 
 def test_peft_adapters_change_the_output(setup):
@@ -91,7 +101,17 @@ def test_peft_adapters_change_the_output(setup):
 
 @pytest.mark.parametrize("backend", list(LoraBackend))
 def test_mixed_batch_matches_peft_token_for_token(setup, backend):
-    model, prompts, bank, slots, expected = setup
+    model, prompts, bank, slots, _, expected = setup
     got = batched_greedy(model, [prompts[p] for p, _ in ROWS], slots, N_NEW, bank=bank, backend=backend)
     for i, (p, a) in enumerate(ROWS):
         assert got[i] == expected[i], f"row {i} (prompt {p}, adapter {a}, backend {backend})"
+
+
+def test_paged_bank_mixed_batch_matches_peft_token_for_token(setup):
+    """The same batch read from a paged bank: every adapter at its true rank (4, 8, 16 with a rank
+    pattern, 64 on some layers), through the paged kernels (interpreted on CPU)."""
+    model, prompts, _, slots, paged_bank, expected = setup
+    kernels = StepKernels.for_platform(LoraBackend.XLA, lora_bank=LoraBank.PAGED)
+    got = batched_greedy(model, [prompts[p] for p, _ in ROWS], slots, N_NEW, bank=paged_bank, kernels=kernels)
+    for i, (p, a) in enumerate(ROWS):
+        assert got[i] == expected[i], f"row {i} (prompt {p}, adapter {a}, paged bank)"
