@@ -53,7 +53,7 @@ def build_engine(
     if config.lora.bank is LoraBank.PAGED:
         if mesh is not None:
             raise ValueError("lora.bank='paged' runs on one device; use lora.bank='padded' with a mesh")
-        # The paged bank compiles its page writes at construction, whatever compile_ahead says.
+        # PagedPager takes no compile_writes: its page writes compile at warm-up either way.
         pager = PagedPager(model.config, config.lora, host_capacity_bytes=config.host_capacity_bytes, dtype=model.dtype)
     else:
         pager = Pager(
