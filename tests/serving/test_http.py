@@ -105,7 +105,7 @@ def live(smollm2_gguf_path, tmp_path_factory) -> Live:
 
 
 def _cli_generate(engine: Engine, root: Path) -> str:
-    """What `jaxlora generate` prints for QUESTION with `shout`, run on `engine` (its warm-up is the
+    """What `jaxlora generate --temperature 0` prints for QUESTION with `shout`, run on `engine` (its warm-up is the
     CLI's, so the module pays for one)."""
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
@@ -122,6 +122,8 @@ def _cli_generate(engine: Engine, root: Path) -> str:
                     QUESTION,
                     "--max-tokens",
                     str(ANSWER_TOKENS),
+                    "--temperature",  # generate samples at 1 by default (OpenAI's); the API call is greedy
+                    "0",
                 ]
             )
             == 0
