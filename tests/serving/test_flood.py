@@ -1,5 +1,5 @@
 """A flood of maximal prompts cannot stall admission: another client's time to first token stays
-within 2x of its time on an idle server, on gRPC and on HTTP.
+within 2x of its time on an idle server, plus SLACK, on gRPC and on HTTP.
 
 Four client processes each send a chat whose `role` is just under the 4 MiB message cap, wait for
 the answer, pause PAUSE seconds and send again (16 such chats a second in all); meanwhile a probe
@@ -8,6 +8,11 @@ and the template's markup, so the engine refuses these before templating or toke
 (rendering and tokenizing one took seconds and held the tokenize slot). (Unpaced, four local clients
 of any kind, even small valid requests, take enough of a 2-core machine to triple a tiny model's
 TTFT: the pause keeps the test about stalls, not about sharing two cores.)
+
+SLACK: reading and parsing one 3.9 MB body holds the server's GIL for ~10 ms on a CI core, and a
+probe meets one or two of them. That cost is fixed while the tiny model's idle TTFT fell from ~77 ms
+to ~23 ms (chunked XLA attention), so a pure ratio came to measure the parse, not a stall; a stall
+(templating or tokenizing a refused prompt) costs seconds and still fails.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NUM_PROBES = 7
 HUGE = 3_900_000  # characters; under the 4 MiB request cap
 PAUSE = 0.25  # seconds a flooding client waits between prompts
+SLACK = 0.05  # seconds: see the module docstring
 
 # One flooding client per API: sends a chat with a role of SIZE characters every PAUSE seconds until
 # killed, prints the outcome of each.
@@ -110,7 +116,7 @@ def _signal(processes: list[subprocess.Popen], signum: int) -> None:
 
 
 @pytest.mark.parametrize("api", ["grpc", "http"])
-def test_a_role_flood_keeps_ttft_within_2x_of_idle(flood_server, tmp_path, api):
+def test_a_role_flood_keeps_ttft_within_2x_of_idle_plus_slack(flood_server, tmp_path, api):
     probe = {"grpc": _grpc_probe, "http": _http_probe}[api](flood_server)
     port = flood_server.port if api == "grpc" else flood_server.http_port
     probe()  # the first call of a client pays for lazy set-up
@@ -149,4 +155,4 @@ def test_a_role_flood_keeps_ttft_within_2x_of_idle(flood_server, tmp_path, api):
         f"refusals per flooder: {[len(o) for o in outcomes]}"
     )
     assert {word for o in outcomes for word in o} == {REFUSED[api]}, outcomes
-    assert flooded <= 2 * idle, (idle, flooded)
+    assert flooded <= 2 * idle + SLACK, (idle, flooded)
