@@ -5,6 +5,7 @@
                     overlapped with the engine's steps
     paged_pager.py  PagedPager: the same protocol over a paged bank (adapters at true rank in pages)
     page_allocator.py  which pages of the paged bank's pool are free (plain Python)
+    register_many.py  many registrations at once (start-up), from a few threads
     resident.py     ResidentBank: a fixed set of adapters resident in the bank for good (benchmarks, tests)
     registry.py     name -> validated adapter in host memory, packed as one slot wants it at its
                     rank class (widened to the bank's rank on the device at page-in)

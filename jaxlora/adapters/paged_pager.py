@@ -222,8 +222,11 @@ class PagedPager(Pager):
             invariant(head is None or not self._can_schedule(head), "a waiting adapter could have been placed")
 
     # ---------------------------------------------------------------- scheduling (lock held)
-    def _needed(self, name: str) -> int:
-        return len(self._registry.get(name).flat)
+    def _needed(self, name: str) -> int | None:
+        """Pages `name` takes; None once it is unregistered (a waiting request may still name it:
+        its `acquire` raises UnknownAdapterError, the answer the scheduler expects)."""
+        adapter = self._registry.get(name)
+        return None if adapter is None else len(adapter.flat)
 
     def _can_fit(self, name: str, exclude: Iterable[str] = ()) -> bool:
         """Whether free pages plus those of evictable residents cover `name`'s pages."""
@@ -231,7 +234,8 @@ class PagedPager(Pager):
         evictable = sum(
             len(ids) for n, ids in self._pages_of.items() if n not in exclude and not self._table.is_pinned(n)
         )
-        return self._allocator.num_free + evictable >= self._needed(name)
+        needed = self._needed(name)
+        return needed is None or self._allocator.num_free + evictable >= needed
 
     def _can_schedule(self, name: str, exclude: Iterable[str] = ()) -> bool:
         return self._table.can_assign(exclude) and self._can_fit(name, exclude)

@@ -10,13 +10,13 @@ to both the pager (which splits its bank over it) and the engine's runner (param
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 
 import jax
 
 from jaxlora.adapters import PagedPager, Pager
+from jaxlora.adapters.register_many import register_many
 from jaxlora.config import LoraBank, ModelConfig
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.engine import Engine
@@ -25,8 +25,6 @@ from jaxlora.model.params import LoadedModel
 from jaxlora.parallel import MeshConfig, make_mesh
 from jaxlora.parallel.sharding import check_divisible
 from jaxlora.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
 
 
 def build_engine(
@@ -64,9 +62,7 @@ def build_engine(
             mesh=mesh,
             compile_writes=compile_ahead,
         )
-    for name, source in (adapters or {}).items():
-        pager.register(name, source)
-        log.info("registered adapter %r from %s", name, source.source if isinstance(source, HostAdapter) else source)
+    register_many(pager, adapters or {})
     return Engine(model, tokenizer, config, pager, mesh=mesh)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -142,9 +143,16 @@ def _check_int(name: str, value: Any) -> None:
         raise RequestError(f"{name}={value!r} must be an integer")
 
 
+# The sampler computes in float32: a larger finite value (1e39, a JSON double) would arrive as inf,
+# and inf * a logit of 0 is NaN, which argmax picks.
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _check_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RequestError(f"{name}={value!r} must be a number")
+    if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+        raise RequestError(f"{name}={value!r} must be a finite number within float32's range")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

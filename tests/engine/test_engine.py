@@ -218,6 +218,12 @@ def test_bad_requests_fail_alone(engine, kwargs, error, match):
         (dict(top_k=-1), "top_k=-1"),
         (dict(seed=1.5), "seed=1.5"),
         (dict(stop=("",)), "stop"),
+        # Non-finite, or finite but past float32 (the sampler's type): 0 * inf is NaN, which argmax picks.
+        (dict(repetition_penalty=float("inf")), "repetition_penalty=inf must be a finite"),
+        (dict(repetition_penalty=1e39), "repetition_penalty=1e\\+39 must be a finite"),
+        (dict(temperature=float("inf")), "temperature=inf"),
+        (dict(top_p=float("nan")), "top_p=nan"),
+        (dict(frequency_penalty=float("-inf")), "frequency_penalty=-inf"),
     ],
 )
 def test_sampling_params_name_the_bad_value(kwargs, match):

@@ -156,3 +156,35 @@ def test_no_compiles_after_warmup_as_adapters_page_in_and_out(parts, padded_toke
     assert engine.pager.metrics.evictions > 0
     assert engine.compiles_after_warmup == 0
     engine.pager.check()
+
+
+@pytest.mark.parametrize("lora", [PADDED, PAGED], ids=["padded", "paged"])
+def test_a_waiting_request_whose_adapter_is_unregistered_fails_alone(parts, lora):
+    """B waits for a row while its adapter is unregistered: once a row frees, B fails with an
+    unknown-adapter error, and the engine goes on serving (A before it, C after it)."""
+    model, tok, adapters = parts
+    config = engine_config(max_batch=1, token_budgets=(8, 16), lora=lora)
+    pager = (
+        PagedPager(model.config, lora, dtype=model.dtype)
+        if lora.bank is LoraBank.PAGED
+        else Pager(model.config, lora, dtype=model.dtype)
+    )
+    pager.register("r4", adapters["r4"])
+    engine = Engine(model, tok, config, pager)
+    a, b, c = (
+        GenerationRequest(request_id=rid, prompt_ids=[5, 6, 7], adapter=name, sampling=SamplingParams(max_tokens=4))
+        for rid, name in (("A", None), ("B", "r4"), ("C", None))
+    )
+    fa = engine.submit(a)
+    engine.step()
+    fb = engine.submit(b)
+    engine.step()
+    engine.unregister_adapter("r4", wait=False)
+    fc = engine.submit(c)
+    for _ in range(20):
+        engine.step()
+        if fc.done:
+            break
+    assert len(fa.result(0).token_ids) == 4 and len(fc.result(0).token_ids) == 4
+    failed = fb.result(0)
+    assert failed.finish_reason == "error" and "r4" in failed.error and not failed.token_ids
