@@ -18,6 +18,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
 from jaxlora.errors import ModelLoadError
+from jaxlora.token_bytes import decoder_types, token_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,16 @@ class Tokenizer:
 
     def token_text(self, token_id: int) -> str | None:
         return self.hf.id_to_token(token_id)
+
+    @functools.cached_property
+    def _byte_decoding(self) -> tuple[frozenset[str], frozenset[int]]:
+        return decoder_types(self.hf), frozenset(self.hf.get_added_tokens_decoder())
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes `token_id` stands for, also when that is part of a UTF-8 character
+        (jaxlora.token_bytes)."""
+        types, added = self._byte_decoding
+        return token_bytes(self.hf, token_id, types=types, added=added)
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
         """Renders messages ([{"role", "content"}]) with the checkpoint's template (sandboxed jinja2)."""

