@@ -58,6 +58,11 @@ def _metric(server: InferenceServer, name: str, **labels: str) -> float:
     return 0.0
 
 
+# A request meant to hold its row until the test ends it: greedy and past EOS (the API's default
+# temperature 1 may sample EOS, and under load the request then ends by itself first).
+HOLD = {"temperature": 0, "ignore_eos": True}
+
+
 def _counts(server: InferenceServer) -> dict[str, float]:
     return {
         "ok": _metric(server, "jaxlora_requests_total", code="OK"),
@@ -113,7 +118,7 @@ def _post(path: str, body: bytes, *, length: int | None = None) -> bytes:
 def test_a_client_timeout_cancels_a_whole_completion_at_once(engine, live):
     """`curl -m 1` on a long non-streamed completion: the hang-up frees the row at once."""
     before, cancelled = _counts(live), engine.stats()["cancelled"]
-    body = json.dumps({"model": "alpha", "prompt": "hello", "max_tokens": LONG}).encode()
+    body = json.dumps({"model": "alpha", "prompt": "hello", "max_tokens": LONG, **HOLD}).encode()
     with socket.create_connection(("127.0.0.1", live.http_port), timeout=30) as s:
         s.sendall(_post("/v1/completions", body))
         wait_until(lambda: engine.stats()["running"] == 1)  # generating, holding its row
@@ -148,7 +153,7 @@ def test_an_sdk_timeout_with_retries_runs_one_cancelled_generation_per_attempt(e
 
 def test_a_stream_whose_client_leaves_without_reading_is_cancelled_too(engine, live):
     cancelled = engine.stats()["cancelled"]
-    body = json.dumps({"prompt": "queued", "max_tokens": LONG, "stream": True}).encode()
+    body = json.dumps({"prompt": "queued", "max_tokens": LONG, "stream": True, **HOLD}).encode()
     with socket.create_connection(("127.0.0.1", live.http_port), timeout=30) as s:
         s.sendall(_post("/v1/completions", body))
         wait_until(lambda: engine.stats()["running"] == 1)
@@ -226,7 +231,10 @@ def test_429_and_503_say_when_to_retry(engine, live):
     try:
         for s in held:
             s.sendall(
-                _post("/v1/completions", json.dumps({"prompt": "hold", "max_tokens": LONG, "stream": True}).encode())
+                _post(
+                    "/v1/completions",
+                    json.dumps({"prompt": "hold", "max_tokens": LONG, "stream": True, **HOLD}).encode(),
+                )
             )
         wait_until(lambda: live.admission.num_streams == MAX_STREAMS)
         response = _raw(live, _post("/v1/completions", b'{"prompt": "one too many", "max_tokens": 2}'))
