@@ -431,17 +431,20 @@ class _Call:
             text="".join(texts),
             finish_reason=str(out.finish_reason),
             usage_=openai_api.usage(out.prompt_tokens, out.completion_tokens),
-            logprobs=self._logprobs(entries, 0),
+            logprobs=self._logprobs(entries, self._text_offsets()),
         )
 
-    def _logprobs(self, entries: list[TokenLogprob], text_offset: int) -> dict[str, Any] | None:
+    def _text_offsets(self) -> openai_api.TextOffsets:
+        return openai_api.TextOffsets(self.h.engine.tokenizer.token_bytes)
+
+    def _logprobs(self, entries: list[TokenLogprob], offsets: openai_api.TextOffsets) -> dict[str, Any] | None:
         """The `logprobs` object of `entries` in this API's shape; None for a request that did not
-        ask. `text_offset`: the completion's characters before them (completions' text_offset)."""
+        ask. `offsets`: the completion's text offsets so far (completions' text_offset)."""
         if self.gen.sampling.logprobs is None:
             return None
         if self.chat:
             return openai_api.chat_logprobs(entries, self._token_text, self.h.engine.tokenizer.token_bytes)
-        return openai_api.completion_logprobs(entries, self._token_text, text_offset=text_offset)
+        return openai_api.completion_logprobs(entries, self._token_text, offsets.next([e.token_id for e in entries]))
 
     def _token_text(self, token_id: int) -> str:
         return self.h.engine.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -463,14 +466,10 @@ class _Call:
                 )
             )
 
-        offset = 0  # completions' text_offset: characters of the tokens sent so far
+        offsets = self._text_offsets()  # completions' text_offset, continued chunk after chunk
 
         def logprobs(out: RequestOutput) -> dict[str, Any] | None:
-            nonlocal offset
-            lp = self._logprobs(list(out.logprobs or ()), offset)
-            if lp is not None and not self.chat:
-                offset += sum(len(t) for t in lp["tokens"])
-            return lp
+            return self._logprobs(list(out.logprobs or ()), offsets)
 
         try:
             if self.chat:

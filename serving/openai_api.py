@@ -19,6 +19,7 @@ field is refused as unknown, with the nearest known name.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -267,24 +268,40 @@ def chat_logprobs(
     }
 
 
+class TextOffsets:
+    """Completions' `text_offset`: each token's character offset in the completion, counted from the
+    tokens' raw bytes (`Tokenizer.token_bytes`), so a character split over two tokens counts once,
+    at the token that completes it (the texts of such tokens alone are U+FFFD, one character each
+    too many). One per completion: a stream's chunks continue from where the last one ended."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
+        self._token_bytes = token_bytes
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = 0
+
+    def next(self, token_ids: Sequence[int]) -> list[int]:
+        """The offsets of the next tokens of the completion."""
+        offsets = []
+        for token_id in token_ids:
+            offsets.append(self._chars)
+            self._chars += len(self._decoder.decode(self._token_bytes(token_id)))
+        return offsets
+
+
 def completion_logprobs(
-    entries: Sequence[TokenLogprob], token_text: Callable[[int], str], *, text_offset: int = 0
+    entries: Sequence[TokenLogprob], token_text: Callable[[int], str], offsets: Sequence[int]
 ) -> dict[str, Any]:
     """Completions' legacy `logprobs` object: tokens, token_logprobs, top_logprobs (one dict of
     token text -> log-probability per token, the chosen token included, as vLLM sends them) and
-    text_offset (each token's character offset in the completion, from `text_offset`)."""
+    text_offset (`offsets`: each token's character offset in the completion, `TextOffsets`)."""
     texts = [token_text(e.token_id) for e in entries]
-    offsets, at = [], text_offset
-    for text in texts:
-        offsets.append(at)
-        at += len(text)
     return {
         "tokens": texts,
         "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": [
             {**{token_text(t): lp for t, lp in e.top}, text: e.logprob} for e, text in zip(entries, texts)
         ],
-        "text_offset": offsets,
+        "text_offset": list(offsets),
     }
 
 

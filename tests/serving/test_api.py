@@ -23,7 +23,14 @@ from jaxlora.errors import (
     UnknownAdapterError,
 )
 from serving.api import ApiError, Limits, Status, error_of, final_error, generation_request
-from serving.openai_api import chat_logprobs, chunk, completion_logprobs, error_body, parse_request
+from serving.openai_api import (
+    TextOffsets,
+    chat_logprobs,
+    chunk,
+    completion_logprobs,
+    error_body,
+    parse_request,
+)
 from serving.security import PathRefused
 
 LIMITS = Limits(max_new_tokens=64, vocab_size=100)
@@ -241,13 +248,21 @@ def test_logprobs_objects_have_openai_shapes():
     }
     raw = {5: b"ab", 6: b"c", 7: b"\xc3", 8: b"d"}.__getitem__  # token 7: half of a character
     assert chat_logprobs(entries, text, raw)["content"][1]["bytes"] == [0xC3]
-    legacy = completion_logprobs(entries, text, text_offset=4)
+    legacy = completion_logprobs(entries, text, [4, 6])
     assert legacy == {
         "tokens": ["ab", "é"],
         "token_logprobs": [-0.1, -3.0],
         "top_logprobs": [{"ab": -0.1, "c": -2.5}, {"c": -0.2, "d": -1.9, "é": -3.0}],
         "text_offset": [4, 6],
     }
+
+
+def test_text_offsets_count_a_split_character_once_across_chunks():
+    raw = {1: b"a", 2: b"\xc3", 3: b"\xa9", 4: b"b", 5: b" \xf0\x9f", 6: b"\x99\x82", 7: b"!"}.__getitem__
+    offsets = TextOffsets(raw)
+    # "a", then "é" split over tokens 2 and 3, "b", then " 🙂" split over 5 and 6, "!"; two chunks.
+    assert offsets.next([1, 2, 3]) + offsets.next([4, 5, 6, 7]) == [0, 1, 1, 2, 3, 4, 5]
+    assert len("aéb 🙂") == 5
 
 
 def test_stream_chunks_have_openai_shapes():
