@@ -310,14 +310,16 @@ class Runner:
         self.eos_ids = tuple(sorted(eos_ids))  # banned by the sampler below a row's min_tokens
         self.params = model.params if self.mesh is None else shard_params(model.params, model.config, self.mesh)
         self.pages_per_seq = pages_for(config.max_seq_len, config.page_size)
-        self.num_pages = self._pool_pages()
         # The step's small inputs go whole to every device of the mesh (None: the default device).
         self.input_sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
         # Each row's last sampled id, still on the device (see the module doc). Before the pool: a
         # fresh pool is placed like them.
         self.last_ids: jax.Array = self._initial_ids()
-        # Every row's token history for the penalties (`TokenHistory`: rows x vocab, on the device).
+        # Every row's token history for the penalties (`TokenHistory`: rows x vocab, on the device:
+        # 5 bytes a row and token, 195 MB at 256 rows of a 152k vocabulary). Before the pool is
+        # sized, so that the free memory it takes a share of is what is left after it.
         self.history: TokenHistory = self._new_history()
+        self.num_pages = self._pool_pages()
         # The last dispatched step's logprobs (on the device), when it asked for them.
         self.last_logprobs: Logprobs | None = None
         self.kv: PagedKVCache = self._new_pool()
