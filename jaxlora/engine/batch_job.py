@@ -72,6 +72,16 @@ class LineDefaults:
     base_model: str | None = None
     seed: int = 0
 
+    @property
+    def fingerprint(self) -> str:
+        """What of these defaults goes into every line's request_hash: the sampling flags and the
+        seed, as canonical JSON, so that a job resumed with other flags is refused instead of
+        mixing two jobs' answers in one file; "" for a job that gives no flag and seed 0 (its
+        hashes are its lines' own, as before jobs had flags)."""
+        if not self.sampling and self.seed == 0:
+            return ""
+        return json.dumps({"sampling": dict(self.sampling), "seed": self.seed}, sort_keys=True, separators=(",", ":"))
+
 
 def line_seed(job_seed: int, custom_id: Any) -> int:
     """The sampling seed of a line that gives none: a 32-bit hash of the job's seed and the line's
@@ -260,7 +270,7 @@ class BatchJob:
 def parse_line(number: int, raw: bytes, defaults: LineDefaults) -> _Line:
     """A request, or an error record for a line that is not one (the job goes on)."""
     text = raw.decode("utf-8", errors="backslashreplace")
-    digest = request_hash(text)
+    digest = request_hash(text, defaults.fingerprint)
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as e:  # a replaced character would change custom_id or the prompt unseen

@@ -45,13 +45,17 @@ class ResultsFileError(JobFileError):
     """The results file cannot be used or written; the message names the file and says why."""
 
 
-def request_hash(text: str) -> str:
+def request_hash(text: str, job: str = "") -> str:
     """Fingerprint of one input line: the first 16 hex digits of the SHA-256 of its canonical JSON
-    (sorted keys, no spaces), or of its stripped text when it is not JSON."""
+    (sorted keys, no spaces), or of its stripped text when it is not JSON; followed by `job`, what
+    of the job decides its answer too (`LineDefaults.fingerprint`: the sampling flags and the
+    seed), when there is any."""
     try:
         canonical = json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     except json.JSONDecodeError:
         canonical = text.strip()
+    if job:
+        canonical = f"{canonical}\n{job}"
     return hashlib.sha256(_encode(canonical)).hexdigest()[:16]
 
 
@@ -223,7 +227,8 @@ def _check_record(path: Path, i: int, raw: bytes, expected: Sequence[Mapping[str
             path,
             i + 1,
             f"a result {found} that does not answer input request {i + 1} "
-            f"{dict(expected[i])} (another job's results, or the input changed)",
+            f"{dict(expected[i])} (another job's results, or the input or the job's sampling flags or "
+            "--seed changed)",
         )
 
 

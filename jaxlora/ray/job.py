@@ -103,7 +103,7 @@ def run_ray_job(
         _start_ray(address, job)
     try:
         source = read_requests(input_path, job.rows_per_block)
-        expected = input_keys(source)
+        expected = input_keys(source, defaults.fingerprint)
         folder = OutputFolder.open(output_path, expected=expected, overwrite=overwrite)
     except ResultsFileError as e:
         print(f"jaxlora generate: {e}", file=sys.stderr)
@@ -159,10 +159,12 @@ def read_requests(path: str, rows_per_block: int = ROWS_PER_BLOCK) -> ray.data.D
     return ds.repartition(target_num_rows_per_block=rows_per_block)
 
 
-def input_keys(source: ray.data.Dataset) -> set[str]:
-    """The fingerprint of every request; ResultsFileError if one repeats (see the module docstring)."""
+def input_keys(source: ray.data.Dataset, job: str = "") -> set[str]:
+    """The fingerprint of every request in a job whose flags have the fingerprint `job`;
+    ResultsFileError if one repeats (see the module docstring)."""
     counts: Counter[str] = Counter()
-    for batch in source.map_batches(keys, batch_format="pyarrow").iter_batches(batch_format="pyarrow"):
+    by_key = functools.partial(keys, job=job)
+    for batch in source.map_batches(by_key, batch_format="pyarrow").iter_batches(batch_format="pyarrow"):
         counts.update(batch.column("key").to_pylist())
     repeated = [key for key, n in counts.items() if n > 1]
     if repeated:
@@ -188,7 +190,8 @@ def _generate(
     if todo:
         if folder.done:
             source = source.map_batches(
-                functools.partial(drop_done, done=frozenset(folder.done)), batch_format="pyarrow"
+                functools.partial(drop_done, done=frozenset(folder.done), job=defaults.fingerprint),
+                batch_format="pyarrow",
             )
         with _bar(len(todo), progress) as bar:
             for batch in _results(source, spec, job, defaults).iter_batches(batch_size=None, batch_format="pyarrow"):

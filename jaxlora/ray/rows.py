@@ -49,22 +49,24 @@ def as_lines(table) -> dict[str, list[str]]:
     return {LINE_COLUMN: request_lines(table)}
 
 
-def keys(table) -> dict[str, list[str]]:
-    """Ray Data batch function: the fingerprint (record_key) of each request row, column `key`."""
-    return {"key": [line_key(text) for text in table.column(LINE_COLUMN).to_pylist()]}
+def keys(table, job: str = "") -> dict[str, list[str]]:
+    """Ray Data batch function: the fingerprint (record_key) of each request row, column `key`;
+    `job`: `LineDefaults.fingerprint` of the job's flags."""
+    return {"key": [line_key(text, job) for text in table.column(LINE_COLUMN).to_pylist()]}
 
 
-def line_key(text: str) -> str:
-    """record_key of the record jaxlora.engine.batch_job.parse_line gives this line."""
+def line_key(text: str, job: str = "") -> str:
+    """record_key of the record jaxlora.engine.batch_job.parse_line gives this line in a job whose
+    flags have the fingerprint `job`."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError:
         obj = None
     custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
-    return record_key(custom_id, request_hash(text))
+    return record_key(custom_id, request_hash(text, job))
 
 
-def drop_done(table, done: frozenset[str]):
+def drop_done(table, done: frozenset[str], job: str = ""):
     """Ray Data batch function: the request rows whose fingerprints are not in `done`."""
-    keep = [line_key(text) not in done for text in table.column(LINE_COLUMN).to_pylist()]
+    keep = [line_key(text, job) not in done for text in table.column(LINE_COLUMN).to_pylist()]
     return table.filter(keep)

@@ -192,9 +192,10 @@ def no_engine(monkeypatch):
     monkeypatch.setattr(jaxlora.cli.engine_args, "engine_from_args", refuse)
 
 
-def _records(root: Path, count: int, **changes) -> list[dict]:
-    """Result records this job would write for its first `count` lines (fields overridden by `changes`)."""
-    lines = read_input(root / "requests.jsonl")[:count]
+def _records(root: Path, count: int, defaults: LineDefaults = LineDefaults(), **changes) -> list[dict]:
+    """Result records this job (with the flags `defaults` stands for) would write for its first
+    `count` lines (fields overridden by `changes`)."""
+    lines = read_input(root / "requests.jsonl", defaults)[:count]
     return [
         {
             **x.fingerprint,
@@ -470,6 +471,33 @@ def test_unregistered_adapters_and_a_finished_job_are_found_before_loading(job_f
     assert "already holds all" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "first, then",
+    [
+        (["--seed", "1"], ["--seed", "2"]),
+        (["--seed", "1"], []),
+        ([], ["--temperature", "0.5"]),
+        (["--max-tokens", "9"], ["--max-tokens", "10"]),
+    ],
+)
+def test_a_job_resumed_with_other_sampling_flags_is_refused(job_files, tmp_path, no_engine, capsys, first, then):
+    """The lines without a seed sample with one derived from --seed, and every line that leaves a
+    field out takes the flag's value: resuming with other flags would mix two jobs in one file."""
+    from jaxlora.cli import generate
+    from jaxlora.cli.main import UsageParser
+
+    def defaults(flags: list[str]) -> LineDefaults:
+        parser = UsageParser(prog="generate")
+        generate.add_args(parser)
+        return generate.line_defaults(parser.parse_args([*command(job_files, tmp_path / "x")[4:], *flags]))
+
+    done = tmp_path / "done.jsonl"
+    done.write_text(_jsonl(_records(job_files, NUM_GOOD + 3, defaults(first))))
+    assert main([*command(job_files, done)[3:], *first]) == 0  # the same flags: complete, as written
+    assert "already holds all" in capsys.readouterr().err
+    assert "--seed changed" in _refused(job_files, done, capsys, *then)
+
+
 # Special files: refused in one line before the model loads, whichever flag names them.
 
 
@@ -523,3 +551,22 @@ def test_a_byte_order_mark_is_dropped_and_bad_utf8_is_an_error_record(tmp_path):
     assert bad.record is not None and bad.custom_id is None and bad.fingerprint["line"] == 2
     assert "line 2: not valid UTF-8 (byte 20: invalid start byte)" in bad.record["error"]
     assert third.record is None and third.request.prompt == "cé"
+
+
+@pytest.mark.parametrize(
+    "defaults", [LineDefaults(), LineDefaults(seed=4), LineDefaults(sampling={"temperature": 0.3})]
+)
+def test_ray_row_keys_are_the_fingerprints_of_the_records_a_job_writes(job_files, defaults):
+    """jaxlora.ray finds the rows already done by these keys: they must follow the job's flags as
+    the records' request_hash does."""
+    from jaxlora.ray.output_folder import record_key
+    from jaxlora.ray.rows import line_key
+
+    texts = [t for t in (job_files / "requests.jsonl").read_text().splitlines() if t.strip()]
+    lines = read_input(job_files / "requests.jsonl", defaults)
+    assert [line_key(t, defaults.fingerprint) for t in texts] == [
+        record_key(x.custom_id, x.request_hash) for x in lines
+    ]
+    assert len(
+        {x.request_hash for x in lines} & {x.request_hash for x in read_input(job_files / "requests.jsonl")}
+    ) == (len(lines) if defaults == LineDefaults() else 0)
