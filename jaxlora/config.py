@@ -171,10 +171,13 @@ class LoraConfig:
       backend: how the per-row term is computed (padded bank only; the paged bank always runs the
         paged kernels, pallas_kernels.lora.paged).
       bank: "padded" (every slot at max_rank) or "paged" (adapters at their true rank in pages of
-        one pool; max_slots then bounds the page-table rows, pool_pages the bytes).
+        one pool per rank-row width; max_slots then bounds the page-table rows, pool_pages the bytes).
       page_rows: rank-rows per page of the paged bank (a power of two).
-      pool_pages: pages of the paged bank's pool (None: max_slots - 1 adapters at max_rank on every
-        target module, the padded bank's capacity).
+      pool_pages: pages of the paged bank's pools, summed over them (None: each pool holds
+        max_slots - 1 adapters at max_rank on every target module, the padded bank's capacity). A
+        given count is split over the pools in proportion to that default, so k times the pages of
+        one max-rank all-module adapter hold exactly k of them; it must hold at least one
+        (`jaxlora.lora.paged_bank.num_pool_pages`).
     """
 
     max_slots: int = 8

@@ -3,7 +3,7 @@ and KV pages held over a run, sampled while it runs.
 
     memory   = the adapter bank's bytes + the KV page pool's bytes
     adapters = bytes of the resident adapters: a padded bank's resident slots x its slot bytes (every
-               slot at max rank), a paged bank's pages held (true rank)
+               slot at max rank), a paged bank's pages held (true rank, each pool's pages at its own width)
     kv       = KV pages held by sequences or cached prefixes x the bytes of a page
 
 The two pools are separate device arrays today (the paged bank does not share the KV pool's
@@ -33,7 +33,7 @@ class PoolSampler:
         self.kv_bytes = _nbytes(engine.runner.kv)
         self.page_bytes = self.kv_bytes / engine.pages.num_pages
         if isinstance(pager, PagedPager):
-            self.adapter_bytes = pager.state["pool"].nbytes
+            self.adapter_bytes = pager.pool_usage()["bytes"]  # every pool (one per rank-row width)
         else:
             self.adapter_bytes = _nbytes(pager.bank) if pager is not None else 0
         self._samples: list[tuple[float, float]] = []
@@ -46,7 +46,7 @@ class PoolSampler:
         if pager is None:
             return 0.0
         if isinstance(pager, PagedPager):
-            return pager.pool_usage()["adapter_pages"] * pager.page_nbytes
+            return pager.pool_usage()["adapter_bytes"]
         return len(pager.snapshot()["resident"]) * self.adapter_bytes / pager.max_slots
 
     def sample(self) -> tuple[float, float]:

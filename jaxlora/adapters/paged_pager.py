@@ -1,26 +1,31 @@
-"""The pager of a paged bank (`lora.bank: paged`): adapters at their true rank, pages of one pool.
+"""The pager of a paged bank (`lora.bank: paged`): adapters at their true rank, in pages of one pool
+per rank-row width (`jaxlora.lora.paged_bank`).
 
 The protocol is `Pager`'s (acquire / release / prefetch / stage / commit, the step order of
 `jaxlora.engine.engine`); what differs is what a slot costs. A slot is now a row of the page
 tables, cheap, and the device bytes an adapter holds are the pages of its true ranks
 (`jaxlora.lora.paged_bank`). So a page-in needs a slot AND its pages:
 
-    _schedule(name)   a slot (free, or the LRU unpinned resident's), then pages: while too few are
-                      free, the least recently used unpinned resident is evicted (its pages freed,
-                      its slot reset). Pinned adapters are never evicted, nor adapters the same
-                      prefetch is paging in, so a step never loses what it is about to read. If
-                      the unpinned residents cannot free enough pages, the page-in waits (FIFO) as
-                      it does for a slot.
-    stage()           per queued page-in, ONE host->device copy of its pages (its host copy at
-                      true rank, padded to a compiled page count) starts
-    commit()          one jitted write per staged page-in, in issue order: its pages into the
-                      pool, its page-table rows and ranks into its slot (`paged_bank.write_adapter`)
+    _schedule(name)   a slot (free, or the LRU unpinned resident's), then pages in EVERY pool it
+                      needs: while some pool has too few free, the least recently used unpinned
+                      resident holding pages in such a pool is evicted (all its pages freed, its
+                      slot reset); residents only in pools with room are left alone. Pinned
+                      adapters are never evicted, nor adapters the same prefetch is paging in, so
+                      a step never loses what it is about to read. If the unpinned residents
+                      cannot free enough pages in every pool, the page-in waits (FIFO) as it does
+                      for a slot, and takes nothing.
+    stage()           per queued page-in and pool, ONE host->device copy of its pages (its host
+                      copy at true rank, padded to a compiled page count) starts
+    commit()          per staged page-in, in issue order: one jitted write per pool it has pages
+                      in, then one of its page-table rows and ranks into its slot
+                      (`paged_bank.write_adapter`)
 
 Pages freed by an eviction may be rewritten while the step in flight runs: no row of that step
 reads them (the evicted adapter was unpinned), and the write consumes the pool that step reads,
 so JAX orders it after the step.
 
-Host copies are the adapter's pages at true rank (no rank classes), in numpy (pageable) memory.
+Host copies are the adapter's pages at true rank (no rank classes), one numpy (pageable) buffer per
+adapter holding its pages of every pool. Each pool has its own `PageAllocator`; page ids are per pool.
 Not supported here (the padded `Pager` has them): tensor parallelism (`place_on`), pinned host
 memory and `time_transfers`.
 """
@@ -54,13 +59,14 @@ from jaxlora.lora.host_adapter import HostAdapter
 from jaxlora.lora.paged_bank import (
     PagedState,
     adapter_pages,
+    full_adapter_pages,
     init_paged_bank,
     model_view,
     module_ranks,
     num_pool_pages,
-    pack_pages,
+    pack_flat,
     padded_size,
-    pool_width,
+    pages_nbytes,
     table_rows,
     write_adapter,
     write_sizes,
@@ -70,13 +76,16 @@ from jaxlora.lora.validate import check_adapter_name
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class PagedAdapter(RegisteredAdapter):
-    """A registered adapter of a paged bank: `flat` holds its pages [n, P, W] (`paged_bank.pack_pages`).
+    """A registered adapter of a paged bank: `flat` is one 1-D buffer holding its pages of every pool
+    (`paged_bank.pack_flat`).
 
     Attributes:
       module_ranks: every target module's rank (0: untouched), which fixes its page-table rows.
+      pages: {width: [n_w, P, w]} views of `flat`, its pages in pool w (every pool, maybe empty).
     """
 
     module_ranks: dict[str, int]
+    pages: dict[int, np.ndarray]
 
 
 class PagedPager(Pager):
@@ -113,9 +122,11 @@ class PagedPager(Pager):
         self.time_transfers = False
         self.metrics = PagerMetrics()
         self.mesh = None
-        self.page_nbytes = lora_config.page_rows * pool_width(model_config, lora_config) * self.dtype.itemsize
-        full = {m: lora_config.max_rank for m in lora_config.target_modules}
-        self.slot_nbytes = adapter_pages(full, model_config.num_layers, lora_config.page_rows) * self.page_nbytes
+        # Bytes of one page of each pool, {width: bytes}; an adapter at max_rank on every module: the most.
+        self.page_nbytes = {
+            w: lora_config.page_rows * w * self.dtype.itemsize for w in full_adapter_pages(model_config, lora_config)
+        }
+        self.slot_nbytes = self._nbytes(full_adapter_pages(model_config, lora_config))
         self._sizes = write_sizes(model_config, lora_config)
         self._device = device or jax.devices()[0]
         self._device_sharding = jax.sharding.SingleDeviceSharding(self._device)
@@ -124,8 +135,8 @@ class PagedPager(Pager):
         self._released = threading.Condition(self._lock)
         self._registry = Registry(host_capacity_bytes)
         self._table = SlotTable(self.max_slots)
-        self._allocator = PageAllocator(num_pool_pages(model_config, lora_config))
-        self._pages_of: dict[str, np.ndarray] = {}  # resident adapter -> its page ids, in pack order
+        self._allocators = {w: PageAllocator(n) for w, n in num_pool_pages(model_config, lora_config).items()}
+        self._pages_of: dict[str, dict[int, np.ndarray]] = {}  # resident -> {pool width: its page ids, pack order}
         self._ready: set[str] = set()
         self._pending: dict[int, str | None] = {}
         self._scheduled_at: dict[str, float] = {}
@@ -136,6 +147,10 @@ class PagedPager(Pager):
             init_paged_bank(model_config, lora_config, self.dtype, fill=fill), self._device_sharding
         )
         self.warmup()
+
+    def _nbytes(self, pages: dict[int, int]) -> int:
+        """Bytes of {width: page count}."""
+        return pages_nbytes(pages, self.lora_config.page_rows, self.dtype.itemsize)
 
     @property
     def bank(self) -> dict[str, dict]:
@@ -151,35 +166,37 @@ class PagedPager(Pager):
         model, lora = self.model_config, self.lora_config
         adapter = load_host_adapter(name, source, model, lora)
         check_host_adapter(name, adapter, model, lora)
-        pages = pack_pages(adapter.weights, model, lora, self.dtype)
-        if len(pages) > self._allocator.num_pages:
-            raise AdapterError(
-                f"adapter {name!r} takes {len(pages)} pages; the pool holds {self._allocator.num_pages} "
-                "(raise lora.pool_pages)"
-            )
+        flat, pages = pack_flat(adapter.weights, model, lora, self.dtype)
+        for w, p in pages.items():
+            if len(p) > self._allocators[w].num_pages:
+                raise AdapterError(
+                    f"adapter {name!r} takes {len(p)} pages of the {w}-wide pool, which holds "
+                    f"{self._allocators[w].num_pages} (raise lora.pool_pages)"
+                )
         source_text = adapter.source if isinstance(source, HostAdapter) else str(source)
         return PagedAdapter(
             name=name,
             rank=adapter.rank,
             target_modules=adapter.target_modules,
             source=source_text or "<memory>",
-            flat=pages,
+            flat=flat,
             layout=None,
             max_rank=lora.max_rank,
-            nbytes=pages.nbytes,
-            identity=adapter_identity(pages),
+            nbytes=flat.nbytes,
+            identity=adapter_identity(flat),
             module_ranks=module_ranks(adapter.weights, lora),
+            pages=pages,
         )
 
     def host_nbytes(self, rank: int) -> int:
         """Host bytes of a registered adapter of `rank` on every target module (its true-rank pages)."""
         ranks = {m: rank for m in self.lora_config.target_modules}
-        return adapter_pages(ranks, self.model_config.num_layers, self.lora_config.page_rows) * self.page_nbytes
+        return self._nbytes(adapter_pages(ranks, self.model_config, self.lora_config))
 
     def _bytes_estimate(self, source: str | Path | HostAdapter) -> int:
         if isinstance(source, HostAdapter) and source.rank <= self.lora_config.max_rank:
             ranks = module_ranks(source.weights, self.lora_config)
-            return adapter_pages(ranks, self.model_config.num_layers, self.lora_config.page_rows) * self.page_nbytes
+            return self._nbytes(adapter_pages(ranks, self.model_config, self.lora_config))
         return self.slot_nbytes
 
     def host_entries(self, name: str):
@@ -187,18 +204,22 @@ class PagedPager(Pager):
 
     # ---------------------------------------------------------------- device memory, for tests and metrics
     def device_nbytes(self, name: str) -> int:
-        """Pool bytes the resident adapter `name` holds (0 when it is not resident)."""
+        """Pool bytes the resident adapter `name` holds, all pools (0 when it is not resident)."""
         with self._lock:
-            return len(self._pages_of.get(name, ())) * self.page_nbytes
+            return self._nbytes({w: len(ids) for w, ids in self._pages_of.get(name, {}).items()})
 
-    def pool_usage(self) -> dict[str, int]:
-        """Pages of the pool: total, held by adapters, free."""
+    def pool_usage(self) -> dict:
+        """Pages of the pools, summed (pages: total, adapter_pages: held by adapters, free_pages) and
+        as bytes (bytes, adapter_bytes), with the same per pool under "pools" {width: {...}}."""
         with self._lock:
-            return {
-                "pages": self._allocator.num_pages,
-                "adapter_pages": self._allocator.num_taken,
-                "free_pages": self._allocator.num_free,
+            pools = {
+                w: {"pages": a.num_pages, "adapter_pages": a.num_taken, "free_pages": a.num_free}
+                for w, a in self._allocators.items()
             }
+        usage = {key: sum(p[key] for p in pools.values()) for key in ("pages", "adapter_pages", "free_pages")}
+        usage["bytes"] = self._nbytes({w: p["pages"] for w, p in pools.items()})
+        usage["adapter_bytes"] = self._nbytes({w: p["adapter_pages"] for w, p in pools.items()})
+        return {**usage, "pools": pools}
 
     def can_place(self, name: str) -> bool:
         with self._lock:
@@ -209,11 +230,19 @@ class PagedPager(Pager):
     def check(self) -> None:
         with self._lock:
             self._table.check()
-            self._allocator.check()
             resident = self._table.resident()
             invariant(set(self._pages_of) == set(resident), "pages and slots disagree on who is resident")
-            owned = [int(p) for ids in self._pages_of.values() for p in ids]
-            invariant(len(owned) == len(set(owned)) == self._allocator.num_taken, "a page has two owners")
+            for w, allocator in self._allocators.items():
+                allocator.check()
+                owned = [int(p) for pages in self._pages_of.values() for p in pages.get(w, ())]
+                invariant(len(owned) == len(set(owned)) == allocator.num_taken, f"a page of pool {w} has two owners")
+            for name, pages in self._pages_of.items():
+                adapter = self._registry.get(name)
+                held = {w: len(pages.get(w, ())) for w in self._allocators}
+                invariant(
+                    adapter is None or held == {w: len(p) for w, p in adapter.pages.items()},
+                    f"{name!r} holds pages {held} for an adapter of {adapter and adapter.pages.keys()}",
+                )
             invariant(self._ready <= set(resident), "a ready adapter has no slot")
             invariant(not self._ready & {n for n in self._pending.values() if n}, "ready and pending at once")
             invariant(all(self._table.name_in(s) == n for s, n in self._pending.items() if n), "stale write")
@@ -222,20 +251,23 @@ class PagedPager(Pager):
             invariant(head is None or not self._can_schedule(head), "a waiting adapter could have been placed")
 
     # ---------------------------------------------------------------- scheduling (lock held)
-    def _needed(self, name: str) -> int | None:
-        """Pages `name` takes; None once it is unregistered (a waiting request may still name it:
-        its `acquire` raises UnknownAdapterError, the answer the scheduler expects)."""
+    def _needed(self, name: str) -> dict[int, int] | None:
+        """Pages `name` takes in each pool; None once it is unregistered (a waiting request may still
+        name it: its `acquire` raises UnknownAdapterError, the answer the scheduler expects)."""
         adapter = self._registry.get(name)
-        return None if adapter is None else len(adapter.flat)
+        return None if adapter is None else {w: len(p) for w, p in adapter.pages.items()}
 
     def _can_fit(self, name: str, exclude: Iterable[str] = ()) -> bool:
-        """Whether free pages plus those of evictable residents cover `name`'s pages."""
+        """Whether, in every pool, free pages plus those of evictable residents cover `name`'s pages."""
         exclude = set(exclude) | {name}
-        evictable = sum(
-            len(ids) for n, ids in self._pages_of.items() if n not in exclude and not self._table.is_pinned(n)
-        )
         needed = self._needed(name)
-        return needed is None or self._allocator.num_free + evictable >= needed
+        if needed is None:
+            return True
+        evictable = [ids for n, ids in self._pages_of.items() if n not in exclude and not self._table.is_pinned(n)]
+        return all(
+            allocator.num_free + sum(len(ids.get(w, ())) for ids in evictable) >= needed[w]
+            for w, allocator in self._allocators.items()
+        )
 
     def _can_schedule(self, name: str, exclude: Iterable[str] = ()) -> bool:
         return self._table.can_assign(exclude) and self._can_fit(name, exclude)
@@ -249,11 +281,14 @@ class PagedPager(Pager):
         slot, evicted = self._table.assign(name, exclude)
         if evicted is not None:
             self._forget(evicted)
-        while self._allocator.num_free < self._needed(name):
-            victim = self._table.victim(exclude | {name})
+        needed = self._needed(name)
+        while short := {w for w, a in self._allocators.items() if a.num_free < needed[w]}:
+            # Only a resident with pages in a short pool helps; `_can_fit` promised enough of them.
+            idle = {n for n, ids in self._pages_of.items() if not any(len(ids.get(w, ())) for w in short)}
+            victim = self._table.victim(exclude | idle | {name})
             self._queue_write(self._table.free(victim), _RESET)
             self._forget(victim)
-        self._pages_of[name] = self._allocator.allocate(self._needed(name))
+        self._pages_of[name] = {w: a.allocate(needed[w]) for w, a in self._allocators.items() if needed[w]}
         self._queue_write(slot, name)
         self._scheduled_at[name] = time.perf_counter()
         return True
@@ -262,13 +297,17 @@ class PagedPager(Pager):
         """Bookkeeping of an evicted adapter: its pages go back to the pool."""
         self._ready.discard(name)
         self._scheduled_at.pop(name, None)
-        self._allocator.free(self._pages_of.pop(name))
+        self._free_pages(name)
         self.metrics.evictions += 1
+
+    def _free_pages(self, name: str) -> None:
+        for w, ids in self._pages_of.pop(name).items():
+            self._allocators[w].free(ids)
 
     def _free_slot(self, name: str) -> int | None:
         slot = self._table.free(name)
         if name in self._pages_of:
-            self._allocator.free(self._pages_of.pop(name))
+            self._free_pages(name)
         return slot
 
     def _serve_waiting(self) -> None:
@@ -281,33 +320,31 @@ class PagedPager(Pager):
 
     # ---------------------------------------------------------------- device work (engine thread)
     def _write_args(self, slot: int, name: str | None) -> tuple:
-        """Host arguments of one `write_adapter` call: (slot, page ids [n], pages [n, P, W], rows,
-        ranks); a reset (name None) has no pages and rank 0 everywhere."""
-        lora, L = self.lora_config, self.model_config.num_layers
+        """Host arguments of one `write_adapter` call: (slot, page ids {w: [n_w]}, pages {w: [n_w, P, w]},
+        rows, ranks), only the pools it has pages in; a reset (name None) has no pages and rank 0
+        everywhere."""
+        lora = self.lora_config
         if name is None:
-            ranks = {m: 0 for m in lora.target_modules}
-            ids = np.zeros((0,), np.int32)
-            pages = np.zeros((0, *self.state["pool"].shape[1:]), self.dtype)
+            ranks, ids, pages = {m: 0 for m in lora.target_modules}, {}, {}
         else:
             adapter = self._registry.get(name)
-            ranks, ids, pages = adapter.module_ranks, self._pages_of[name], adapter.flat
-        return slot, ids, pages, table_rows(ranks, ids, L, lora), ranks
+            ranks, ids = adapter.module_ranks, self._pages_of[name]
+            pages = {w: adapter.pages[w] for w in ids}
+        return slot, ids, pages, table_rows(ranks, ids, self.model_config, lora), ranks
 
     def _to_device(self, args: tuple) -> tuple:
-        """Pads the pages to a compiled count (padding ids past the pool: dropped) and starts their copy."""
+        """Pads each pool's pages to a compiled count (padding ids past the pool: dropped) and starts
+        their copies."""
         slot, ids, pages, rows, ranks = args
-        size = padded_size(max(len(ids), 1), self._sizes)
-        padded_ids = np.full((size,), self._allocator.num_pages, np.int32)
-        padded_ids[: len(ids)] = ids
-        padded = np.zeros((size, *pages.shape[1:]), pages.dtype)
-        padded[: len(pages)] = pages
-        return (
-            np.int32(slot),
-            padded_ids,
-            jax.device_put(padded, self._device_sharding),
-            rows,
-            {m: np.int32(r) for m, r in ranks.items()},
-        )
+        padded_ids, padded_pages = {}, {}
+        for w, pool_ids in ids.items():
+            size = padded_size(max(len(pool_ids), 1), self._sizes[w])
+            padded_ids[w] = np.full((size,), self._allocators[w].num_pages, np.int32)
+            padded_ids[w][: len(pool_ids)] = pool_ids
+            padded = np.zeros((size, *pages[w].shape[1:]), pages[w].dtype)
+            padded[: len(pages[w])] = pages[w]
+            padded_pages[w] = jax.device_put(padded, self._device_sharding)
+        return np.int32(slot), padded_ids, padded_pages, rows, {m: np.int32(r) for m, r in ranks.items()}
 
     def _stage(self) -> None:
         with self._lock:
@@ -325,13 +362,15 @@ class PagedPager(Pager):
             self._finish_writes([(slot, name) for slot, name, _ in staged], None)
 
     def warmup(self) -> None:
-        """Compiles the write at every padded page count through the page-in path; the warm-up
-        writes go to a slot past the tables and pages past the pool, so they change nothing."""
+        """Compiles the writes at every padded page count of every pool through the page-in path;
+        the warm-up writes go to a slot past the tables and pages past the pools, so they change
+        nothing."""
         lora = self.lora_config
         ranks = {m: 0 for m in lora.target_modules}
-        rows = table_rows(ranks, np.zeros((0,), np.int32), self.model_config.num_layers, lora)
-        for size in self._sizes:
-            ids = np.full((size,), self._allocator.num_pages, np.int32)  # every page past the pool
-            pages = np.zeros((size, *self.state["pool"].shape[1:]), self.dtype)
-            self.state = write_adapter(self.state, *self._to_device((self.max_slots, ids, pages, rows, ranks)))
+        rows = table_rows(ranks, {}, self.model_config, lora)
+        for w, sizes in self._sizes.items():
+            for size in sizes:
+                ids = {w: np.full((size,), self._allocators[w].num_pages, np.int32)}  # past the pool
+                pages = {w: np.zeros((size, lora.page_rows, w), self.dtype)}
+                self.state = write_adapter(self.state, *self._to_device((self.max_slots, ids, pages, rows, ranks)))
         jax.block_until_ready(self.state)

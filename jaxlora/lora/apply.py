@@ -128,11 +128,12 @@ def _paged_module(
     layer: jax.Array | None,
 ) -> jax.Array:
     """y [N, out] + each row's term of `module` from a paged bank's group entries (tables [2, L, S, M],
-    or [2, S, M] without `layer`); slot s of the page tables is the row's adapter."""
+    or [2, S, M] without `layer`); slot s of the page tables is the row's adapter. A^T's pages lie in
+    the pool of x's width (in_m), B's in the pool of y's width (out_m): one pool per row width."""
     tables = group_bank["tables"][module] if layer is None else group_bank["tables"][module][:, layer]
-    pool, ranks = group_bank["pool"], group_bank["ranks"][module]
-    h = paged_shrink(x, pool, tables[0], ranks, token_slots, interpret=kernels.interpret)
-    return paged_expand(y, h, pool, tables[1], ranks, token_slots, interpret=kernels.interpret)
+    pools, ranks = group_bank["pools"], group_bank["ranks"][module]
+    h = paged_shrink(x, pools[x.shape[-1]], tables[0], ranks, token_slots, interpret=kernels.interpret)
+    return paged_expand(y, h, pools[y.shape[-1]], tables[1], ranks, token_slots, interpret=kernels.interpret)
 
 
 def step_plan(

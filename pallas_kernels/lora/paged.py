@@ -1,7 +1,8 @@
 """LoRA shrink and expand that read each row's adapter through a page table, at its true rank.
 
-Storage (S-LoRA's unified paging, adapter side). One page pool holds the rank-rows of every
-adapter module:
+Storage (S-LoRA's unified paging, adapter side). A page pool holds rank-rows of adapter modules
+(the engine keeps one pool per rank-row width, jaxlora.lora.paged_bank; each kernel is handed the
+pool of its factor's width, which may be exactly that width):
 
     pool   [num_pages, page_rows, width]   page_rows (P) rank-rows per page, each `width` wide
     table  [num_adapters, max_pages]       int32 page ids of one module's rank-rows, in rank order
@@ -216,20 +217,24 @@ def paged_expand(
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PagedLayout:
-    """What one adapter module costs in the pool (and its page-table rows), for byte accounting."""
+    """What one adapter module costs in the pools (and its page-table rows), for byte accounting.
+
+    A^T's pages are `width` wide and B's `out_width` wide (default: `width`): with one pool per
+    rank-row width (jaxlora.lora.paged_bank) each factor's pages are its own width."""
 
     page_rows: int  # P, rank-rows per page
-    width: int  # W, elements per rank-row
+    width: int  # W, elements per A^T rank-row (the module's input width)
     itemsize: int  # bytes per element
     max_pages: int  # M, page-table entries per adapter per factor
+    out_width: int | None = None  # elements per B rank-row (the output width); None: `width`
 
     def pages(self, rank: int) -> int:
         return -(-rank // self.page_rows)
 
     def module_bytes(self, rank: int) -> int:
         """Device bytes of one module at `rank`: A^T and B pages plus their two int32 table rows."""
-        page_bytes = self.page_rows * self.width * self.itemsize
-        return 2 * (self.pages(rank) * page_bytes + self.max_pages * 4)
+        widths = self.width + (self.width if self.out_width is None else self.out_width)
+        return self.pages(rank) * self.page_rows * widths * self.itemsize + 2 * self.max_pages * 4
 
     def adapter_bytes(self, module_ranks: dict[str, int]) -> int:
         """Device bytes of an adapter with these per-module ranks (`rank_pattern` included)."""

@@ -1,7 +1,8 @@
 """`PagerMachine`'s random call sequences against the paged pager, with a pool too small for every
 slot: evictions for pages as well as for slots. Beyond the padded pager's invariants (each step
 ends with `PagedPager.check()`: no page with two owners, none lost), every ready adapter's pages,
-read through its page-table rows, equal its host copy, and every free slot has rank 0."""
+read through its page-table rows in the pool of each factor's width, equal its host copy, and every
+free slot has rank 0."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis.stateful import invariant, rule
 
 from jaxlora.adapters import PagedPager
 from jaxlora.config import LoraBank
+from jaxlora.lora.paged_bank import factor_width
 from tests.adapters.test_pager_stateful import LORA, MODEL, PagerMachine
 
 # Page rows of 2: ranks 1-8 take 1-4 pages per factor and module. 40 pages hold one full adapter
@@ -45,17 +47,16 @@ class PagedPagerMachine(PagerMachine):
             if slot is None:
                 continue
             adapter = self.pager.host_adapter(name)
-            ids = []
+            ids = {w: [] for w in state["pools"]}
             for m, r in adapter.module_ranks.items():
                 assert state["ranks"][m][slot] == r
                 per = -(-r // PAGED.page_rows)
-                ids += [
-                    int(p)
-                    for f in range(2)
-                    for layer in range(MODEL.num_layers)
-                    for p in state["tables"][m][f, layer, slot, :per]
-                ]
-            np.testing.assert_array_equal(state["pool"][ids], adapter.flat)
+                for f in range(2):
+                    ids[factor_width(MODEL, m, f)] += [
+                        int(p) for layer in range(MODEL.num_layers) for p in state["tables"][m][f, layer, slot, :per]
+                    ]
+            for w, pool in state["pools"].items():  # each factor's pages, in the pool of its width
+                np.testing.assert_array_equal(pool[ids[w]], adapter.pages[w])
 
 
 PagedPagerMachine.TestCase.settings = hypothesis.settings(

@@ -64,6 +64,23 @@ def test_one_rank_row_per_page(rng):
     _check_module(rng, module, [2, -1, 0, 1, 2], hidden=21, out=17, dtype=jnp.float32)
 
 
+def test_pools_exactly_each_factors_width(rng):
+    """One pool per rank-row width: the shrink reads A^T pages from a pool exactly `hidden` wide and
+    the expand B pages from one exactly `out` wide (no trailing columns to fall back on)."""
+    hidden, out = 24, 40
+    module = paged_module(rng, [5, 16, 0, 9], hidden=hidden, out=out, page_rows=P, max_pages=3, dtype=jnp.float32)
+    a_pool, b_pool = module.pool[:, :, :hidden], module.pool[:, :, :out]
+    ids = jnp.asarray([2, 0, -1, 1, 3, 1], jnp.int32)
+    x = random_array(rng, (len(ids), hidden), jnp.float32)
+    y = random_array(rng, (len(ids), out), jnp.float32)
+    h = paged_shrink(x, a_pool, module.a_table, module.ranks, ids, block=16, interpret=True)
+    assert_close(h, paged_shrink_reference(x, module.pool, module.a_table, module.ranks, ids), jnp.float32)
+    got = paged_expand(y, h, b_pool, module.b_table, module.ranks, ids, block=16, interpret=True)
+    want = paged_expand_reference(y, h, module.pool, module.b_table, module.ranks, ids)
+    assert_close(got, want, jnp.float32)
+    assert np.isfinite(np.asarray(got)).all()
+
+
 def test_bad_operands_are_refused(rng):
     module = paged_module(rng, [4], hidden=16, out=16, page_rows=P, max_pages=2, dtype=jnp.float32)
     x, ids = random_array(rng, (3, 16), jnp.float32), jnp.zeros((3,), jnp.int32)
@@ -86,6 +103,8 @@ def test_rank_8_takes_an_eighth_of_rank_64s_bytes():
     assert small <= (1 / 8 + 0.05) * large
     mixed = layout.adapter_bytes({"q_proj": 8, "k_proj": 8, "v_proj": 64, "o_proj": 8})
     assert small < mixed < large
+    mlp = PagedLayout(page_rows=8, width=4096, out_width=11008, itemsize=2, max_pages=16)  # gate_proj
+    assert mlp.module_bytes(16) == 2 * 8 * (4096 + 11008) * 2 + 2 * 16 * 4
 
 
 def test_every_rank_from_0_to_128(rng):
