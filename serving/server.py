@@ -71,6 +71,10 @@ _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "mi
 _OPTIONAL_SAMPLING += ("repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs")
 _MAX_REQUEST_ID = 256
 _POLL_SECONDS = 0.5  # how often a stream waiting for tokens checks that the engine runs
+# A client whose deadline passes cancels the call itself, and the cancel can reach the server a
+# little before the server's copy of the deadline (counted from when the request arrived) passes:
+# a cancel this close to the deadline counts as the deadline's.
+_DEADLINE_SLACK_SECONDS = 0.25
 _UNARY_WORKERS = 16  # unary calls (adapter loads and unloads block) run at once; more wait their turn
 _LOOP_TIMEOUT_SECONDS = 30.0  # the longest a blocking call waits for the gRPC loop to do something
 
@@ -109,7 +113,7 @@ class _Call:
         self.admitted = contextlib.ExitStack()
         self.engine_id: str | None = None  # set before submitting: the done callback cancels it
         self.completed = False  # the generator ran to its end: the call is OK unless it aborted
-        self.ended = False  # the done callback ran
+        self.ended = False  # `_generate_ended` ran
 
     def release(self) -> None:
         """Frees the admission place (idempotent)."""
@@ -156,8 +160,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         call = _Call()
-        # Runs however the call ends, even when gRPC cancels it while this generator waits at a
-        # `yield` (a write to a slow client), where no exception reaches the generator.
+        # The call ends in whichever of the two runs first. The done callback runs however the call
+        # ends, even when gRPC cancels it while this generator waits at a `yield` (a write to a slow
+        # client), where no exception reaches the generator; the `finally` runs at once when the
+        # generator ends (done, aborted, or cancelled at an `await`), not after the status is sent.
         context.add_done_callback(functools.partial(self._generate_ended, call))
         try:
             async with self._errors_to_status(context):
@@ -166,21 +172,24 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     yield response
             call.completed = True
         finally:
-            call.release()  # at once, not only when the done callback runs
+            self._generate_ended(call, context)
 
     def _generate_ended(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
-        """The done callback of a Generate call (on the loop): cancels its engine request (a no-op
-        for one that finished), frees its admission place, counts its outcome."""
+        """Ends a Generate call, once (on the loop): cancels its engine request (a no-op for one that
+        finished), counts its outcome, then frees its admission place (so a server with no stream
+        in flight has counted every one)."""
+        if call.ended:
+            return
         call.ended = True
         if call.engine_id is not None:
             self.engine.cancel(call.engine_id)
-        call.release()
         code = _code_of(context) or (grpc.StatusCode.OK if call.completed else grpc.StatusCode.CANCELLED)
         self.metrics.requests.labels(code=code.name).inc()
         if code is grpc.StatusCode.CANCELLED:  # the client went away mid-stream, or its deadline passed
             remaining = context.time_remaining()
-            reason = "deadline" if remaining is not None and remaining <= 0 else "cancelled"
+            reason = "deadline" if remaining is not None and remaining <= _DEADLINE_SLACK_SECONDS else "cancelled"
             self.metrics.client_cancels.labels(reason=reason).inc()
+        call.release()
 
     async def _generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, call: _Call
@@ -226,7 +235,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
         def submit() -> None:  # on a submit_pool thread
             self.metrics.submit(self.engine, gen, deliver)
-            # The call may have ended while this ran (a cancel lands at any await): its done callback
+            # The call may have ended while this ran (a cancel lands at any await): `_generate_ended`
             # then found no such request to cancel. `ended` is set before that cancel, so one of the
             # two always sees the other.
             if call.ended:

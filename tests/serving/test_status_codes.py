@@ -272,6 +272,7 @@ def test_cancelled_stream_is_counted_once_and_frees_its_place(engine, server):
         assert mid.first_chunk.wait(30)
         mid.call.cancel()
         assert mid.join().code is Code.CANCELLED
+        wait_until(lambda: server.admission.num_streams == 0)  # the server has ended the first
         early = BackgroundStream(client, "at once", max_tokens=LONG)
         wait_until(lambda: server.admission.num_streams == 1, interval=0.001)  # the server has the call
         early.call.cancel()
