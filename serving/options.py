@@ -22,8 +22,8 @@ class ServerOptions:
       adapter_roots: folders LoadAdapter may read from; empty disables runtime loading.
       metrics_port: Prometheus /metrics HTTP port on `host` (None: no endpoint, 0: any free port); the
         HTTP API serves the same metrics at its own /metrics.
-      max_concurrent_streams: Generate calls in flight; beyond it RESOURCE_EXHAUSTED. Each holds a
-        worker thread, so this also sizes the thread pool.
+      max_concurrent_streams: Generate calls in flight (gRPC and HTTP together); beyond it
+        RESOURCE_EXHAUSTED. A call is a coroutine on its server's event loop, not a thread.
       max_message_bytes: largest request or response message.
       http_keep_alive_seconds: an HTTP connection with no request in flight is closed after this long
         idle, counted from its opening as well as from each response.

@@ -47,17 +47,18 @@ class _Denied:
     message: str
 
 
-class AuthInterceptor(grpc.ServerInterceptor):
-    """Checks the bearer key of each call before its handler runs."""
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Checks the bearer key of each call before its handler runs (an interceptor of the gRPC
+    server's event loop: the check is a few comparisons, it never blocks)."""
 
     def __init__(self, *, api_key: str | None, admin_key: str | None, allow_runtime_updates: bool = False) -> None:
         self._api_key = api_key.encode() if api_key else None
         self._admin_key = admin_key.encode() if admin_key else None
         self._allow_runtime_updates = allow_runtime_updates
 
-    def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation, handler_call_details):
         denied = self.check(handler_call_details.method, handler_call_details.invocation_metadata or ())
-        handler = continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         if denied is None or handler is None:
             return handler
         return _refusing_handler(handler, denied)
@@ -103,12 +104,12 @@ def bearer_token(metadata: Sequence[tuple[str, str | bytes]]) -> bytes | None:
 def _refusing_handler(handler: grpc.RpcMethodHandler, denied: _Denied) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that only aborts with `denied`."""
 
-    def abort(request, context):
-        context.abort(denied.code, denied.message)
+    async def abort(request, context):
+        await context.abort(denied.code, denied.message)
 
-    def abort_stream(request, context):
-        context.abort(denied.code, denied.message)
-        yield  # makes this a generator, as a streaming handler must be
+    async def abort_stream(request, context):
+        await context.abort(denied.code, denied.message)
+        yield  # makes this an async generator, as a streaming handler may be
 
     kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
     if handler.request_streaming and handler.response_streaming:

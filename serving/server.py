@@ -6,10 +6,21 @@
     ...
     server.shutdown()   # drain: health NOT_SERVING, refuse new streams, finish or cancel the rest
 
-Each Generate call runs on a gRPC worker thread. The engine calls back on its loop thread with each
-streamed update; a queue per call carries the updates across to the worker, which turns them into
-responses. When the call ends early (client cancel, deadline) a gRPC callback cancels the engine
-request, which frees its batch row at the next step.
+Threads: the gRPC server is a `grpc.aio` server on an asyncio event loop of its own, on its own
+thread ("jaxlora-grpc"), as the HTTP server runs uvicorn's loop on its thread; `InferenceServer`
+keeps a blocking API and runs what it needs on that loop (`_GrpcLoop.call`).
+
+Each Generate call is a coroutine (an async generator) on that loop, not a thread. The engine calls
+back on its loop thread with each streamed update; `LoopHandoff` (serving.handoff) carries them to
+the event loop in one batch per engine step (one wake-up per step, not one per token, so the
+engine thread does not fight hundreds of waiting threads for the GIL), into one `asyncio.Queue` per
+call; a call that finds several updates waiting sends them as one response (`coalesce`). Work that
+blocks runs off the loop, in executors: submitting a request (it tokenizes the prompt, in a tokenize
+slot shared with HTTP) and the unary RPCs (loading an adapter reads files, unloading waits).
+
+When a call ends early (client cancel, deadline) gRPC cancels its coroutine, and the call's done
+callback cancels the engine request, which frees its batch row at the next step; the same callback
+counts the call's outcome and frees its admission place, whether or not the generator ran on.
 
 With `ServerOptions(http_port=...)` the same server also runs the OpenAI-compatible HTTP API
 (serving.http_server) over the same engine, admission and metrics; `port=None` leaves gRPC out.
@@ -18,15 +29,16 @@ Field checks and status codes are shared with it (serving.api).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import importlib.metadata
 import logging
-import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from concurrent import futures
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -41,7 +53,7 @@ from serving.admission import Admission, Phase
 from serving.api import ApiError, Limits, Status, error_of, final_error, generation_request
 from serving.gen import inference_pb2 as pb
 from serving.gen import inference_pb2_grpc as pb_grpc
-from serving.handoff import coalesce
+from serving.handoff import LoopHandoff, coalesce
 from serving.http_server import HttpServer
 from serving.metrics import ServerMetrics
 from serving.options import ServerOptions
@@ -58,7 +70,13 @@ _FINISH_REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "min_tokens", "ignore_eos")
 _OPTIONAL_SAMPLING += ("repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs")
 _MAX_REQUEST_ID = 256
-_POLL_SECONDS = 0.5  # how often a stream waiting for tokens checks that its call and the engine live
+_POLL_SECONDS = 0.5  # how often a stream waiting for tokens checks that the engine runs
+# A client whose deadline passes cancels the call itself, and the cancel can reach the server a
+# little before the server's copy of the deadline (counted from when the request arrived) passes:
+# a cancel this close to the deadline counts as the deadline's.
+_DEADLINE_SLACK_SECONDS = 0.25
+_UNARY_WORKERS = 16  # unary calls (adapter loads and unloads block) run at once; more wait their turn
+_LOOP_TIMEOUT_SECONDS = 30.0  # the longest a blocking call waits for the gRPC loop to do something
 
 
 class _Abort(ApiError):
@@ -86,52 +104,104 @@ def _logprobs(out: RequestOutput) -> list[pb.TokenLogprob]:
     ]
 
 
+class _Call:
+    """One Generate call's state, shared by its generator and its done callback: its admission
+    place, the engine request it submitted, and whether it completed."""
+
+    def __init__(self) -> None:
+        self.arrival = time.perf_counter()
+        self.admitted = contextlib.ExitStack()
+        self.engine_id: str | None = None  # set before submitting: the done callback cancels it
+        self.completed = False  # the generator ran to its end: the call is OK unless it aborted
+        self.ended = False  # `_generate_ended` ran
+
+    def release(self) -> None:
+        """Frees the admission place (idempotent)."""
+        self.admitted.close()
+
+
 class InferenceServicer(pb_grpc.InferenceServicer):
-    """The RPC handlers. Errors raised by the engine become status codes (`_status_of`); anything
-    unexpected is logged and answered INTERNAL, and never leaves the handler."""
+    """The RPC handlers, coroutines on the gRPC event loop. Errors raised by the engine become status
+    codes (`_status_of`); anything unexpected is logged and answered INTERNAL, and never leaves the
+    handler.
+
+    `submit_pool` runs submits (they tokenize, in a tokenize slot), `unary_pool` the unary RPCs'
+    blocking work; neither may run on the event loop, which every stream shares."""
 
     def __init__(
-        self, engine: Engine, options: ServerOptions, metrics: ServerMetrics, admission: Admission, admin: AdapterAdmin
+        self,
+        engine: Engine,
+        options: ServerOptions,
+        metrics: ServerMetrics,
+        admission: Admission,
+        admin: AdapterAdmin,
+        *,
+        submit_pool: concurrent.futures.Executor,
+        unary_pool: concurrent.futures.Executor,
     ) -> None:
         self.engine = engine
         self.options = options
         self.metrics = metrics
         self.admission = admission
         self.admin = admin
+        self.submit_pool = submit_pool
+        self.unary_pool = unary_pool
+        self._handoff: LoopHandoff | None = None
+
+    def handoff(self) -> LoopHandoff:
+        """The engine-to-loop hand-off of the running event loop (the gRPC server's, one per server)."""
+        loop = asyncio.get_running_loop()
+        if self._handoff is None or self._handoff.loop is not loop:
+            self._handoff = LoopHandoff(loop)
+        return self._handoff
 
     # Generate.
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
-        arrival = time.perf_counter()
-        outcome = grpc.StatusCode.CANCELLED  # unless it completes: the client went away mid-stream
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        call = _Call()
+        # The call ends in whichever of the two runs first. The done callback runs however the call
+        # ends, even when gRPC cancels it while this generator waits at a `yield` (a write to a slow
+        # client), where no exception reaches the generator; the `finally` runs at once when the
+        # generator ends (done, aborted, or cancelled at an `await`), not after the status is sent.
+        context.add_done_callback(functools.partial(self._generate_ended, call))
         try:
-            with self._errors_to_status(context), self.admission.stream():
-                yield from self._generate(request, context, arrival)
-            outcome = grpc.StatusCode.OK
+            async with self._errors_to_status(context):
+                call.admitted.enter_context(self.admission.stream())
+                async for response in self._generate(request, context, call):
+                    yield response
+            call.completed = True
         finally:
-            code = _code_of(context) or outcome
-            self.metrics.requests.labels(code=code.name).inc()
-            if code is grpc.StatusCode.CANCELLED:
-                remaining = context.time_remaining()
-                reason = "deadline" if remaining is not None and remaining <= 0 else "cancelled"
-                self.metrics.client_cancels.labels(reason=reason).inc()
+            self._generate_ended(call, context)
 
-    def _generate(
-        self, request: pb.GenerateRequest, context: grpc.ServicerContext, arrival: float
-    ) -> Iterator[pb.GenerateResponse]:
+    def _generate_ended(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
+        """Ends a Generate call, once (on the loop): cancels its engine request (a no-op for one that
+        finished), counts its outcome, then frees its admission place (so a server with no stream
+        in flight has counted every one)."""
+        if call.ended:
+            return
+        call.ended = True
+        if call.engine_id is not None:
+            self.engine.cancel(call.engine_id)
+        code = _code_of(context) or (grpc.StatusCode.OK if call.completed else grpc.StatusCode.CANCELLED)
+        self.metrics.requests.labels(code=code.name).inc()
+        if code is grpc.StatusCode.CANCELLED:  # the client went away mid-stream, or its deadline passed
+            remaining = context.time_remaining()
+            reason = "deadline" if remaining is not None and remaining <= _DEADLINE_SLACK_SECONDS else "cancelled"
+            self.metrics.client_cancels.labels(reason=reason).inc()
+        call.release()
+
+    async def _generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, call: _Call
+    ) -> AsyncIterator[pb.GenerateResponse]:
         if len(request.request_id) > _MAX_REQUEST_ID:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id is longer than {_MAX_REQUEST_ID} characters")
         client_id = request.request_id or uuid.uuid4().hex
         gen = self._generation_request(request, engine_id=f"{client_id}#{uuid.uuid4().hex[:12]}")
-        updates: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-        try:
-            with self.admission.tokenize.hold(context.peer()):  # submit tokenizes
-                self.metrics.submit(self.engine, gen, updates.put)
-        except JaxloraError as e:
-            raise error_of(e, is_draining=self.admission.phase is not Phase.SERVING) from None
-        if not context.add_callback(lambda: self.engine.cancel(gen.request_id)):
-            self.engine.cancel(gen.request_id)  # the call ended before the callback could be added
+        updates: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        await self._submit(gen, self.handoff().callback(updates), context.peer(), call)
         first_token: float | None = None
-        for out in self._updates(updates, gen, context):
+        async for out in self._updates(updates, gen):
             if first_token is None and out.token_ids:
                 first_token = time.perf_counter()
             if not out.finished:
@@ -139,9 +209,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     request_id=client_id, text=out.text, token_ids=out.token_ids, logprobs=_logprobs(out)
                 )
                 continue
-            self._check_final(out, gen, context)
+            self._check_final(out, gen)
             self.metrics.observe_finished(
-                arrival=arrival,
+                arrival=call.arrival,
                 first_token=first_token,
                 end=time.perf_counter(),
                 prompt_tokens=out.prompt_tokens,
@@ -157,18 +227,42 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 logprobs=_logprobs(out),
             )
 
-    def _updates(
-        self, updates: queue.SimpleQueue[RequestOutput], gen: GenerationRequest, context: grpc.ServicerContext
-    ) -> Iterator[RequestOutput]:
-        """The engine's updates for one request, up to and including the final one."""
+    async def _submit(
+        self, gen: GenerationRequest, deliver: Callable[[RequestOutput], None], peer: str, call: _Call
+    ) -> None:
+        """Submits `gen` off the event loop, in a tokenize slot (submit tokenizes the prompt)."""
+        call.engine_id = gen.request_id
+
+        def submit() -> None:  # on a submit_pool thread
+            self.metrics.submit(self.engine, gen, deliver)
+            # The call may have ended while this ran (a cancel lands at any await): `_generate_ended`
+            # then found no such request to cancel. `ended` is set before that cancel, so one of the
+            # two always sees the other.
+            if call.ended:
+                self.engine.cancel(gen.request_id)
+
+        try:
+            async with self.admission.tokenize.hold_async(peer):
+                await asyncio.get_running_loop().run_in_executor(self.submit_pool, submit)
+        except JaxloraError as e:
+            raise error_of(e, is_draining=self.admission.phase is not Phase.SERVING) from None
+
+    async def _updates(
+        self, updates: asyncio.Queue[RequestOutput], gen: GenerationRequest
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's updates for one request, up to and including the final one; several waiting
+        ones as one (`coalesce`)."""
         while True:
-            try:
-                out = updates.get(timeout=_POLL_SECONDS)
-            except queue.Empty:
-                if not self.engine.is_running and updates.empty():
-                    self.engine.cancel(gen.request_id)
-                    raise _Abort(grpc.StatusCode.UNAVAILABLE, "the engine stopped") from None
-                continue
+            if updates.empty():
+                try:
+                    out = await asyncio.wait_for(updates.get(), _POLL_SECONDS)
+                except TimeoutError:
+                    if not self.engine.is_running and updates.empty():
+                        self.engine.cancel(gen.request_id)
+                        raise _Abort(grpc.StatusCode.UNAVAILABLE, "the engine stopped") from None
+                    continue
+            else:
+                out = updates.get_nowait()
             if not out.finished and not updates.empty():  # behind the engine: one response for all
                 waiting = [out]
                 while not out.finished and not updates.empty():
@@ -179,9 +273,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if out.finished:
                 return
 
-    def _check_final(self, out: RequestOutput, gen: GenerationRequest, context: grpc.ServicerContext) -> None:
-        """Raises ApiError unless the request finished normally (STOP or LENGTH)."""
-        error = final_error(out, gen, has_adapter=self.admin.has, client_gone=not context.is_active())
+    def _check_final(self, out: RequestOutput, gen: GenerationRequest) -> None:
+        """Raises ApiError unless the request finished normally (STOP or LENGTH). A client that went
+        away has this coroutine cancelled, so a CANCELLED update seen here is the server's doing."""
+        error = final_error(out, gen, has_adapter=self.admin.has, client_gone=False)
         if error is not None:
             raise error
 
@@ -209,61 +304,72 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         )
 
     # Adapters.
-    def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext) -> pb.AdapterInfo:
-        with self._errors_to_status(context):
-            info = self.admin.load(request.name, request.path)
+    async def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.aio.ServicerContext) -> pb.AdapterInfo:
+        async with self._errors_to_status(context):
+            info = await self._blocking(self.admin.load, request.name, request.path)  # reads files
             log.info("loaded adapter %r from %s", info.name, info.source)
             return _adapter_info(info)
 
-    def UnloadAdapter(
-        self, request: pb.UnloadAdapterRequest, context: grpc.ServicerContext
+    async def UnloadAdapter(
+        self, request: pb.UnloadAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.UnloadAdapterResponse:
-        with self._errors_to_status(context):
-            self.admin.unload(request.name)
+        async with self._errors_to_status(context):
+            await self._blocking(self.admin.unload, request.name)  # waits for requests using it
             log.info("unloaded adapter %r", request.name)
             return pb.UnloadAdapterResponse()
 
-    def ListAdapters(self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext) -> pb.ListAdaptersResponse:
-        with self._errors_to_status(context):
-            return pb.ListAdaptersResponse(adapters=[_adapter_info(a) for a in self.engine.list_adapters()])
+    async def ListAdapters(
+        self, request: pb.ListAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListAdaptersResponse:
+        async with self._errors_to_status(context):
+            adapters = await self._blocking(self.engine.list_adapters)
+            return pb.ListAdaptersResponse(adapters=[_adapter_info(a) for a in adapters])
 
-    def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.ServicerContext) -> pb.ServerInfo:
-        with self._errors_to_status(context):
-            c, model = self.engine.config, self.engine.model
-            return pb.ServerInfo(
-                version=_version(),
-                model=served_model_name(self.engine, self.options),
-                vocab_size=model.config.vocab_size,
-                max_batch=c.max_batch,
-                max_seq_len=c.max_seq_len,
-                max_new_tokens=c.max_new_tokens_limit,
-                max_queue=c.max_queue,
-                max_adapter_slots=c.lora.max_slots,
-                max_lora_rank=c.lora.max_rank,
-                target_modules=list(c.lora.target_modules),
-                lora_backend=str(c.lora.backend),
-                max_concurrent_streams=self.options.max_concurrent_streams,
-                max_message_bytes=self.options.max_message_bytes,
-            )
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> pb.ServerInfo:
+        async with self._errors_to_status(context):
+            return await self._blocking(self._server_info)
+
+    def _server_info(self) -> pb.ServerInfo:
+        c, model = self.engine.config, self.engine.model
+        return pb.ServerInfo(
+            version=_version(),
+            model=served_model_name(self.engine, self.options),
+            vocab_size=model.config.vocab_size,
+            max_batch=c.max_batch,
+            max_seq_len=c.max_seq_len,
+            max_new_tokens=c.max_new_tokens_limit,
+            max_queue=c.max_queue,
+            max_adapter_slots=c.lora.max_slots,
+            max_lora_rank=c.lora.max_rank,
+            target_modules=list(c.lora.target_modules),
+            lora_backend=str(c.lora.backend),
+            max_concurrent_streams=self.options.max_concurrent_streams,
+            max_message_bytes=self.options.max_message_bytes,
+        )
 
     # Helpers.
-    @contextlib.contextmanager
-    def _errors_to_status(self, context: grpc.ServicerContext) -> Iterator[None]:
-        """Turns ApiError and library errors into the call's status; unexpected errors into INTERNAL."""
+    async def _blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on a unary_pool thread (never on the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self.unary_pool, fn, *args)
+
+    @contextlib.asynccontextmanager
+    async def _errors_to_status(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Turns ApiError and library errors into the call's status; unexpected errors into INTERNAL.
+        (`context.abort` raises AbortError, which gRPC expects to leave the handler.)"""
         try:
             yield
         except ApiError as e:
-            context.abort(e.status.grpc_code, e.message)
+            await context.abort(e.status.grpc_code, e.message)
         except (JaxloraError, PathRefused, FileNotFoundError) as e:
-            context.abort(*_status_of(e))
+            await context.abort(*_status_of(e))
+        except grpc.aio.AbortError:
+            raise
         except Exception as e:
-            if _code_of(context) is not None:  # context.abort already ran (it raises)
-                raise
             log.exception("unexpected error in an RPC")
-            context.abort(*_status_of(e))
+            await context.abort(*_status_of(e))
 
 
-def _code_of(context: grpc.ServicerContext) -> grpc.StatusCode | None:
+def _code_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode | None:
     code = getattr(context, "code", lambda: None)()
     return code if isinstance(code, grpc.StatusCode) else None
 
@@ -287,25 +393,73 @@ def _version() -> str:
         return "unknown"
 
 
+class _GrpcLoop:
+    """An asyncio event loop running on its own daemon thread, for the gRPC server. `call` runs a
+    coroutine on it from another thread and waits for its result."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="jaxlora-grpc", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            # Whatever is left (gRPC's stop has ended every call by now) is cancelled, async
+            # generators are finalized, and then the loop closes.
+            tasks = asyncio.all_tasks(self.loop)
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                self.loop.run_until_complete(asyncio.wait(tasks, timeout=_LOOP_TIMEOUT_SECONDS))
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    def call[T](self, coro: Coroutine[Any, Any, T], timeout: float | None = _LOOP_TIMEOUT_SECONDS) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def run[T](self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the loop's thread (gRPC aio objects are used on their loop only)."""
+
+        async def on_loop() -> T:
+            return fn(*args)
+
+        return self.call(on_loop())
+
+    def close(self) -> None:
+        """Stops the loop and waits for its thread (idempotent)."""
+        if self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(2 * _LOOP_TIMEOUT_SECONDS)
+
+
 class InferenceServer(grpc.Server):
-    """A grpc.Server (delegating to the real one) that also owns the serving lifecycle: warm-up,
-    health status, graceful drain, the metrics endpoint, the engine's background loop, and the
-    OpenAI-compatible HTTP server if there is one (same engine, same admission, same metrics)."""
+    """The serving process's servers and their lifecycle, with a blocking API: the gRPC server (a
+    `grpc.aio` server on its own loop, `_GrpcLoop`; absent with `port=None`), warm-up, health status,
+    graceful drain, the metrics endpoint, the engine's background loop, and the OpenAI-compatible
+    HTTP server if there is one (same engine, same admission, same metrics)."""
 
     def __init__(
         self,
-        server: grpc.Server,
+        server: grpc.aio.Server | None,
         *,
         engine: Engine,
         options: ServerOptions,
         servicer: InferenceServicer,
-        health_servicer: health.HealthServicer,
+        health_servicer: health.aio.HealthServicer | None,
         metrics: ServerMetrics,
         admission: Admission,
         port: int | None,
         http: HttpServer | None = None,
+        loop: _GrpcLoop | None = None,
+        pools: tuple[concurrent.futures.ThreadPoolExecutor, ...] = (),
     ) -> None:
         self._server = server
+        self._loop = loop
+        self._pools = pools
         self.engine = engine
         self.options = options
         self.servicer = servicer
@@ -318,6 +472,9 @@ class InferenceServer(grpc.Server):
         # Wall seconds of `warm_up`: "compile" and "run" (one call of each step program and one real
         # request); empty until it ran.
         self.warmup_seconds: dict[str, float] = {}
+        self._terminated = threading.Event()  # the gRPC server stopped and its loop closed
+        self._stop_lock = threading.Lock()
+        self._stopping: threading.Thread | None = None
 
     @property
     def http_port(self) -> int | None:
@@ -327,39 +484,43 @@ class InferenceServer(grpc.Server):
     def phase(self) -> Phase:
         return self.admission.phase
 
-    # grpc.Server.
+    # grpc.Server (each runs on the gRPC loop).
     def add_generic_rpc_handlers(self, generic_rpc_handlers) -> None:
-        self._server.add_generic_rpc_handlers(generic_rpc_handlers)
+        self._grpc().run(self._server.add_generic_rpc_handlers, generic_rpc_handlers)
 
     def add_registered_method_handlers(self, service_name, method_handlers) -> None:
-        self._server.add_registered_method_handlers(service_name, method_handlers)
+        self._grpc().run(self._server.add_registered_method_handlers, service_name, method_handlers)
 
     def add_insecure_port(self, address: str) -> int:
-        return self._server.add_insecure_port(address)
+        return self._grpc().run(self._server.add_insecure_port, address)
 
     def add_secure_port(self, address: str, server_credentials) -> int:
-        return self._server.add_secure_port(address, server_credentials)
+        return self._grpc().run(self._server.add_secure_port, address, server_credentials)
 
     def start(self) -> None:
         """Starts listening (health NOT_SERVING until `warm_up`) and the metrics endpoint."""
         if self.options.metrics_port is not None and self.metrics_port is None:
             self.metrics_port = self.metrics.serve_http(self.options.host, self.options.metrics_port)
-        self._server.start()
+        if self._server is not None:
+            self._grpc().call(self._server.start())
         if self.http is not None:
             self.http.start()
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
-        return self._server.wait_for_termination(timeout)
+        """Blocks until the gRPC server stopped; True if `timeout` seconds passed first."""
+        return not self._terminated.wait(timeout)
 
     def stop(self, grace: float | None) -> threading.Event:
-        """Stops at once: cancels in-flight streams (UNAVAILABLE), stops the engine loop."""
+        """Stops at once: cancels in-flight streams (UNAVAILABLE), stops the engine loop. The event is
+        set once the gRPC server has stopped (after `grace` seconds at most)."""
         self.admission.set_phase(Phase.STOPPED)
-        self.health.enter_graceful_shutdown()
+        self._set_health(None)
         self.engine.stop(drain=False)
         self.metrics.close()
         if self.http is not None:
             self.http.stop()
-        return self._server.stop(grace)
+        self._stop_grpc(grace)
+        return self._terminated
 
     # Lifecycle.
     def warm_up(self) -> None:
@@ -387,8 +548,7 @@ class InferenceServer(grpc.Server):
         if self.admission.set_phase(Phase.SERVING) is not Phase.WARMING:
             self.admission.set_phase(Phase.STOPPED)
             raise RuntimeError("warm_up() after shutdown")
-        for service in ("", SERVICE_NAME):
-            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     def drain(self, grace_seconds: float | None = None) -> bool:
         """Health NOT_SERVING, new streams UNAVAILABLE; in-flight streams get `grace_seconds` to finish,
@@ -398,7 +558,7 @@ class InferenceServer(grpc.Server):
         if previous in (Phase.DRAINING, Phase.STOPPED):
             self.admission.set_phase(previous)
             return True
-        self.health.enter_graceful_shutdown()
+        self._set_health(None)
         finished = self.admission.wait_for_streams(grace)
         if not finished:
             log.warning(
@@ -415,8 +575,51 @@ class InferenceServer(grpc.Server):
         self.metrics.close()
         if self.http is not None:
             self.http.stop()
-        self._server.stop(1.0).wait()
+        self._stop_grpc(1.0)
+        self._terminated.wait()
         return finished
+
+    # Helpers.
+    def _grpc(self) -> _GrpcLoop:
+        if self._loop is None:
+            raise RuntimeError("this server runs no gRPC API (port=None)")
+        return self._loop
+
+    def _set_health(self, status: int | None) -> None:
+        """Sets every service's health status (None: NOT_SERVING for good, `enter_graceful_shutdown`).
+        The aio health servicer's methods are coroutines of the gRPC loop."""
+        if self.health is None or self._terminated.is_set():
+            return
+        if status is None:
+            self._grpc().call(self.health.enter_graceful_shutdown())
+            return
+        for service in ("", SERVICE_NAME):
+            self._grpc().call(self.health.set(service, status))
+
+    def _stop_grpc(self, grace: float | None) -> None:
+        """Stops the gRPC server (in-flight calls get `grace` seconds, then are cancelled), then its
+        loop and the executors, on a thread of its own; `_terminated` is set when all is done.
+        Idempotent: a second call changes nothing."""
+        with self._stop_lock:
+            if self._stopping is not None:
+                return
+
+            def stop() -> None:
+                try:
+                    if self._server is not None:
+                        timeout = None if grace is None else grace + _LOOP_TIMEOUT_SECONDS
+                        try:
+                            self._loop.call(self._server.stop(grace), timeout)
+                        except Exception:
+                            log.exception("stopping the gRPC server")
+                        self._loop.close()
+                    for pool in self._pools:
+                        pool.shutdown(wait=False, cancel_futures=True)
+                finally:
+                    self._terminated.set()
+
+            self._stopping = threading.Thread(target=stop, name="jaxlora-grpc-stop", daemon=True)
+            self._stopping.start()
 
 
 def build_server(engine: Engine, options: ServerOptions = ServerOptions()) -> tuple[InferenceServer, int | None]:
@@ -438,29 +641,20 @@ def build_server(engine: Engine, options: ServerOptions = ServerOptions()) -> tu
         base_model=served_model_name(engine, options),
         unload_timeout_seconds=options.unload_timeout_seconds,
     )
-    servicer = InferenceServicer(engine, options, metrics, admission, admin)
-    num_threads = options.max_concurrent_streams + 16  # streams plus room for unary and health calls
-    auth = AuthInterceptor(
-        api_key=options.api_key, admin_key=options.admin_key, allow_runtime_updates=options.allow_runtime_updates
+    # Submits wait for a tokenize slot first, so no more than `tokenize_slots` run at once.
+    submit_pool = concurrent.futures.ThreadPoolExecutor(options.tokenize_slots, thread_name_prefix="jaxlora-submit")
+    unary_pool = concurrent.futures.ThreadPoolExecutor(_UNARY_WORKERS, thread_name_prefix="jaxlora-grpc-unary")
+    servicer = InferenceServicer(
+        engine, options, metrics, admission, admin, submit_pool=submit_pool, unary_pool=unary_pool
     )
-    interceptors = [auth, DecodeGuard()]
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="jaxlora-grpc"),
-        interceptors=interceptors,
-        maximum_concurrent_rpcs=num_threads,
-        options=[
-            ("grpc.max_receive_message_length", options.max_message_bytes),
-            ("grpc.max_send_message_length", options.max_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ],
-    )
-    pb_grpc.add_InferenceServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
-    for service in ("", SERVICE_NAME):
-        health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = None if options.port is None else _bind_grpc(server, options.host, options.port)
+    server = health_servicer = loop = port = None
+    if options.port is not None:
+        loop = _GrpcLoop()
+        try:
+            server, health_servicer, port = loop.call(_grpc_server(servicer, options))
+        except BaseException:
+            loop.close()
+            raise
     http = None
     if options.http_port is not None:
         http = HttpServer(
@@ -481,14 +675,47 @@ def build_server(engine: Engine, options: ServerOptions = ServerOptions()) -> tu
         admission=admission,
         port=port,
         http=http,
+        loop=loop,
+        pools=(submit_pool, unary_pool),
     )
     return wrapped, port
 
 
-def _bind_grpc(server: grpc.Server, host: str, port: int) -> int:
+async def _grpc_server(
+    servicer: InferenceServicer, options: ServerOptions
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """The gRPC server, made on its loop (aio objects belong to the loop they are made on), bound."""
+    auth = AuthInterceptor(
+        api_key=options.api_key, admin_key=options.admin_key, allow_runtime_updates=options.allow_runtime_updates
+    )
+    server = grpc.aio.server(
+        interceptors=[auth, DecodeGuard()],
+        # Beyond this gRPC itself answers RESOURCE_EXHAUSTED; Admission refuses streams beyond
+        # max_concurrent_streams before that, with a message saying so (room left for unary calls
+        # and health checks).
+        maximum_concurrent_rpcs=options.max_concurrent_streams + _UNARY_WORKERS,
+        options=[
+            ("grpc.max_receive_message_length", options.max_message_bytes),
+            ("grpc.max_send_message_length", options.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    pb_grpc.add_InferenceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return server, health_servicer, _bind_grpc(server, options.host, options.port)
+
+
+def _bind_grpc(server: grpc.aio.Server, host: str, port: int) -> int:
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(address)
-    if port and bound != port:
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpc.aio raises where the sync server returned 0
+        bound = 0
+    if port and bound != port or not bound:
         raise RuntimeError(f"cannot listen on {address}")
     return bound
 

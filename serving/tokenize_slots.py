@@ -1,15 +1,15 @@
 """The slots in which generation calls tokenize their prompts, shared by gRPC and HTTP, handed out
 fairly between clients.
 
-Tokenizing runs on the calling thread, outside the engine loop; a few slots at once keep a burst of
-long prompts from taking every core from the loop. Waiting calls are served round-robin by client
-(a gRPC peer, an HTTP connection): a client that sends a hundred prompts waits behind its own
-requests, and another client's one request gets the next free slot.
+Tokenizing runs on a worker thread, outside the engine loop and the servers' event loops; a few
+slots at once keep a burst of long prompts from taking every core from the engine loop. Waiting calls
+are served round-robin by client (a gRPC peer, an HTTP connection): a client that sends a hundred
+prompts waits behind its own requests, and another client's one request gets the next free slot.
 
-    with slots.hold(peer):               # a gRPC worker thread
+    async with slots.hold_async(peer):   # the gRPC or HTTP event loop; the wait is cancellable
+        await loop.run_in_executor(pool, engine.submit, ...)
+    with slots.hold(peer):               # a plain thread
         engine.submit(...)
-    async with slots.hold_async(peer):   # the HTTP event loop; the wait is cancellable
-        await run_in_threadpool(engine.submit, ...)
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ with INVALID_ARGUMENT.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 
 import grpc
@@ -26,11 +27,13 @@ class Undecodable:
     reason: str
 
 
-class DecodeGuard(grpc.ServerInterceptor):
-    """Answers undecodable requests INVALID_ARGUMENT instead of INTERNAL (see the module docstring)."""
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """Answers undecodable requests INVALID_ARGUMENT instead of INTERNAL (see the module docstring).
+    Guards the async handlers of a `grpc.aio` server (async generators and coroutines); a sync
+    handler keeps its decoder, as its context's abort does not await."""
 
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
         method = handler_call_details.method
@@ -44,25 +47,37 @@ class DecodeGuard(grpc.ServerInterceptor):
 
         if handler.response_streaming:
             behaviour = handler.unary_stream
+            if inspect.isasyncgenfunction(behaviour):
 
-            def guarded_stream(request, context):
-                _refuse_undecodable(request, context, method)
-                yield from behaviour(request, context)
+                async def guarded_stream(request, context):
+                    await _refuse_undecodable(request, context, method)
+                    async for response in behaviour(request, context):
+                        yield response
 
+            elif inspect.iscoroutinefunction(behaviour):  # writes with context.write (health's Watch)
+
+                async def guarded_stream(request, context):
+                    await _refuse_undecodable(request, context, method)
+                    return await behaviour(request, context)
+
+            else:
+                return handler
             return handler._replace(request_deserializer=guarded_decode, unary_stream=guarded_stream)
         behaviour = handler.unary_unary
+        if not inspect.iscoroutinefunction(behaviour):
+            return handler
 
-        def guarded_unary(request, context):
-            _refuse_undecodable(request, context, method)
-            return behaviour(request, context)
+        async def guarded_unary(request, context):
+            await _refuse_undecodable(request, context, method)
+            return await behaviour(request, context)
 
         return handler._replace(request_deserializer=guarded_decode, unary_unary=guarded_unary)
 
 
-def _refuse_undecodable(request, context: grpc.ServicerContext, method: str) -> None:
+async def _refuse_undecodable(request, context: grpc.aio.ServicerContext, method: str) -> None:
     if isinstance(request, Undecodable):
         log.warning("%s from %s: undecodable request (%s)", method, context.peer(), request.reason)
-        context.abort(
+        await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"the request message does not decode ({request.reason}): string fields must be valid "
             "UTF-8 and the bytes a serialized request of this method",

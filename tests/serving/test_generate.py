@@ -141,3 +141,26 @@ def test_load_64_concurrent_clients(engine, server):
     )
     assert_capacity_whole(engine, server)
     assert engine.compiles_after_warmup == 0
+
+
+def test_32_concurrent_streams_match_greedy_references(engine, server):
+    """32 streams at once (twice the batch: half wait in the queue) over every adapter and the base
+    model: each gets its whole greedy answer, in order, as the engine gives it alone."""
+    adapters = ADAPTERS + ("",)
+    jobs = [(adapters[i % len(adapters)], f"stream {i} says", 12 + i % 9) for i in range(32)]
+    expected = [_offline(engine, i, a, p, dict(max_tokens=n, temperature=0)) for i, (a, p, n) in enumerate(jobs)]
+    with connect(server) as client:
+        streams = [
+            BackgroundStream(client, prompt, adapter=adapter, max_tokens=n, request_id=f"c{i}")
+            for i, (adapter, prompt, n) in enumerate(jobs)
+        ]
+        for i, (stream, want) in enumerate(zip(streams, expected)):
+            stream.join()
+            assert stream.error is None, (i, stream.error)
+            assert tuple(stream.token_ids) == want.token_ids, jobs[i]
+            assert "".join(c.text for c in stream.chunks) == want.text
+            assert all(c.request_id == f"c{i}" for c in stream.chunks)
+            assert stream.chunks[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+            assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in stream.chunks[:-1])
+            assert stream.chunks[-1].completion_tokens == len(want.token_ids)
+    assert_capacity_whole(engine, server)

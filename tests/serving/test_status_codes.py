@@ -254,3 +254,29 @@ def test_a_chat_too_large_as_rendered_is_refused_before_templating(engine, clien
     monkeypatch.setattr(type(engine.tokenizer), "apply_chat_template", no_templating)
     e = rpc_error(lambda: client.generate(messages=messages, temperature=0, max_tokens=2))
     assert e.code() is Code.INVALID_ARGUMENT and reason in e.details(), e.details()
+
+
+def test_cancelled_stream_is_counted_once_and_frees_its_place(engine, server):
+    """A client cancel ends the engine request, frees the stream's admission place and counts one
+    CANCELLED call and one client cancel ("cancelled"), whether it lands mid-stream or while the
+    request still waits for its first token."""
+
+    def sample(name: str, labels: dict) -> float:
+        return server.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    cancelled = lambda: sample("jaxlora_requests_total", {"code": "CANCELLED"})  # noqa: E731
+    client_cancels = lambda: sample("jaxlora_client_cancels_total", {"reason": "cancelled"})  # noqa: E731
+    before = cancelled(), client_cancels(), engine.stats()["cancelled"]
+    with connect(server) as client:
+        mid = BackgroundStream(client, "mid-stream", max_tokens=LONG)
+        assert mid.first_chunk.wait(30)
+        mid.call.cancel()
+        assert mid.join().code is Code.CANCELLED
+        wait_until(lambda: server.admission.num_streams == 0)  # the server has ended the first
+        early = BackgroundStream(client, "at once", max_tokens=LONG)
+        wait_until(lambda: server.admission.num_streams == 1, interval=0.001)  # the server has the call
+        early.call.cancel()
+        assert early.join().code is Code.CANCELLED
+    assert_capacity_whole(engine, server)
+    wait_until(lambda: (cancelled(), client_cancels()) == (before[0] + 2, before[1] + 2))
+    assert 1 <= engine.stats()["cancelled"] - before[2] <= 2  # the early one may not have reached the engine
