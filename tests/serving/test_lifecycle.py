@@ -52,7 +52,13 @@ def test_many_cancelled_streams_leave_capacity_whole(engine, server, client):
     """40 streams cancelled while queued, prefilling or decoding, 8 more ended by deadlines; then a full
     batch of 16 streams runs to completion."""
     streams = [
-        BackgroundStream(client, f"cancel {i}", adapter=("alpha", "beta", "gamma", "delta", "")[i % 5], max_tokens=LONG, ignore_eos=True)
+        BackgroundStream(
+            client,
+            f"cancel {i}",
+            adapter=("alpha", "beta", "gamma", "delta", "")[i % 5],
+            max_tokens=LONG,
+            ignore_eos=True,
+        )
         for i in range(40)
     ]
     # Every stream in a handler before any cancel: a call cancelled before its handler starts is
