@@ -471,9 +471,14 @@ class Llama(nnx.Module):
             # Weight-bound steps only: XLA copies a scanned layer's weights out of the stack before
             # each GEMM, which costs a weight-bound step more than the unrolled loop's compile
             # (benchmarks/DECISIONS.md#unroll-layers); compute-bound steps keep the scan's short compile.
+            # One jitted layer called num_layers times: JAX traces and lowers it once (its lowering
+            # is cached per module) and XLA inlines the calls, so the program is the unrolled one but
+            # a start-up with a warm compilation cache, which still traces and lowers every step, no
+            # longer pays for every layer (benchmarks/DECISIONS.md#layer-call).
+            layer_call = jax.jit(body)
             carry = (x, kv)
             for i in range(self.cfg.num_layers):
-                carry, _ = body(carry, (jax.tree.map(lambda a: a[i], layer_state), jnp.int32(i)))
+                carry, _ = layer_call(carry, (jax.tree.map(lambda a: a[i], layer_state), jnp.int32(i)))
             x, kv = carry
         else:
             layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)

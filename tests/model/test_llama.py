@@ -97,3 +97,26 @@ def test_unrolled_layers_give_the_same_tokens():
     assert kernels.unrolls(len(prompts)) and not kernels.unrolls(len(prompts), tokens_per_row=2)
     got = batched_greedy(model, prompts, [0, 0, 0], 6, kernels=kernels)
     assert got == want
+
+
+def test_unrolled_layers_trace_and_lower_one_layer(monkeypatch):
+    """An unrolled step traces its layer once and lowers it to one function called per layer: a
+    warm-cache start, which still traces and lowers every step, does not pay per layer."""
+    from jaxlora.kernels import StepKernels
+    from jaxlora.model.llama import DecoderLayer
+
+    layers = 5
+    model = random_model(tiny_config(head_dim=16, num_layers=layers), seed=3)
+    traced = []
+    call = DecoderLayer.__call__
+    monkeypatch.setattr(DecoderLayer, "__call__", lambda self, *a, **k: traced.append(1) or call(self, *a, **k))
+    kernels = StepKernels(unroll_layers=True)
+    tokens = jnp.asarray([[3], [4]])
+    kv = init_kv_cache(model.config, 2, 8)
+    lowered = forward_logits.lower(
+        model.graphdef, model.params, tokens, jnp.zeros((2, 1), jnp.int32), kv, kernels=kernels
+    )
+    assert kernels.unrolls(2) and len(traced) == 1
+    text = lowered.as_text()
+    callees = [line.split("call @")[1].split("(")[0] for line in text.splitlines() if "call @" in line]
+    assert callees.count("body") == layers, callees
