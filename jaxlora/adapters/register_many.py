@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -42,16 +43,21 @@ def register_many(
     thread met it first. The adapters registered before it stay registered.
     """
     items = list(adapters.items())
-    threads = threads or default_threads()
-    if threads == 1 or len(items) <= 1:
-        return {name: _register(pager, name, source) for name, source in items}
-    with concurrent.futures.ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="register") as pool:
-        futures = [pool.submit(_register, pager, name, source) for name, source in items]
-        concurrent.futures.wait(futures)
-    return {name: future.result() for (name, _), future in zip(items, futures, strict=True)}
+    threads = min(threads or default_threads(), max(len(items), 1))
+    start = time.perf_counter()
+    if threads == 1:
+        infos = {name: _register(pager, name, source) for name, source in items}
+    else:
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="register") as pool:
+            futures = [pool.submit(_register, pager, name, source) for name, source in items]
+            concurrent.futures.wait(futures)
+        infos = {name: future.result() for (name, _), future in zip(items, futures, strict=True)}
+    if items:  # one line for thousands of adapters; each one's source is logged at DEBUG
+        log.info("registered %d adapter(s) in %.1f s on %d thread(s)", len(items), time.perf_counter() - start, threads)
+    return infos
 
 
 def _register(pager: AdapterSource, name: str, source: str | Path | HostAdapter) -> AdapterInfo:
     info = pager.register(name, source)
-    log.info("registered adapter %r from %s", name, source.source if isinstance(source, HostAdapter) else source)
+    log.debug("registered adapter %r from %s", name, source.source if isinstance(source, HostAdapter) else source)
     return info

@@ -63,3 +63,14 @@ def test_a_full_host_budget_is_raised_as_itself(tmp_path):
     with pytest.raises(CapacityError, match="host adapter memory is full"):
         register_many(pager, {a.name: a for a in ads}, threads=4)
     assert len(pager.list()) == 3
+
+
+def test_one_info_line_for_all_adapters(tmp_path, caplog):
+    """Thousands of start-up adapters log one INFO line, not one each (each source at DEBUG)."""
+    lora = tiny_lora()
+    folders = _folders(tmp_path, random_adapters(5, MODEL, lora, seed=6))
+    with caplog.at_level("DEBUG", logger="jaxlora.adapters.register_many"):
+        register_many(Pager(MODEL, lora), folders, threads=2)
+    info = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert len(info) == 1 and info[0].startswith("registered 5 adapter(s) in ") and info[0].endswith("on 2 thread(s)")
+    assert sum(r.levelname == "DEBUG" for r in caplog.records) == 5
