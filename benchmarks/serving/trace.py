@@ -1002,7 +1002,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--bank",
         choices=[b.value for b in LoraBank],
         default=LoraBank.PADDED.value,
-        help="the device adapter bank: every slot padded to the max rank, or true-rank pages (in-process only)",
+        help="the device adapter bank: every slot padded to the max rank, or true-rank pages",
     )
     p.add_argument(
         "--lora-groups",
@@ -1261,7 +1261,7 @@ def run_setting_api(
     from benchmarks.serving import server_api as serving_api
 
     host = None if args.tiny else int(args.host_gb * 1e9) if args.host_gb else size.engine.host_capacity_bytes
-    lora = lora_config(setting, backend)
+    lora = lora_config(setting, backend, args.bank)  # the preset's lora.bank: the server builds that pager
     n = setting.n if host is None else num_fitting_bytes(setting, size, lora, host)
     sets, ranks = adapter_weights(setting, size.model)
     folder = work / setting.name
@@ -1295,6 +1295,7 @@ def run_setting_api(
                         **key,
                         "api": api,
                         "start": start,
+                        "bank": args.bank,
                         "server_ready_s": round(server.ready_s, 2),
                         "startup": startup,
                         "rate": rate,
@@ -1406,8 +1407,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"rendered {args.out / 'serving.md'}", flush=True)
         return
     if set(args.api) != {"inprocess"}:
-        if args.bank != LoraBank.PADDED.value:
-            raise SystemExit("--bank paged runs in-process only: the server's config has no paged bank flag yet")
         main_servers(args, argv)
         return
     clock = _Clock(args.budget_s)

@@ -291,3 +291,16 @@ def test_smoke_through_the_server(tmp_path):
         assert set(r["startup"]) == {"import", "load", "register", "compile", "warm-up run", "total"}
         assert r["startup"]["total"] <= r["server_ready_s"]
         assert r["ttft_ms_p50"] > 0 and r["tpot_ms_p50"] > 0 and r["steps"] is None  # engine counters: not seen
+
+
+def test_smoke_through_the_server_on_the_paged_bank(tmp_path):
+    """--bank paged with a server api: the preset asks for the paged bank, the server runs the paged
+    kernels (its warm-up log says so), and the rows say "paged"."""
+    work = tmp_path / "work"
+    rows = _run(tmp_path, "--smoke", "--api", "http", "--starts", "1", "--bank", "paged", "--work-dir", str(work))[
+        "rows"
+    ]
+    assert [(r["api"], r["bank"]) for r in rows] == [("http", "paged")]
+    assert rows[0]["completed"] == rows[0]["requests"] > 0 and rows[0]["errors"] == []
+    assert "bank: paged" in (work / "s1" / "engine.yaml").read_text()
+    assert "lora=paged" in (work / "s1" / "serve-first.log").read_text()
