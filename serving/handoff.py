@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from jaxlora.engine.request import RequestOutput
 
@@ -55,6 +55,52 @@ class LoopHandoff:
         while pending:
             updates, out = pending.popleft()
             updates.put_nowait(out)
+
+
+class LoopHandoffs:
+    """The LoopHandoff of the running event loop, made on first use and again if a server's loop is
+    replaced (a restarted loop thread): one per frontend."""
+
+    def __init__(self) -> None:
+        self._handoff: LoopHandoff | None = None
+
+    def current(self) -> LoopHandoff:
+        loop = asyncio.get_running_loop()
+        if self._handoff is None or self._handoff.loop is not loop:
+            self._handoff = LoopHandoff(loop)
+        return self._handoff
+
+
+POLL_SECONDS = 0.5  # how often a request waiting for updates checks that the engine runs
+
+
+class EngineStopped(Exception):
+    """The engine stopped while a request waited for its updates, with none left to read."""
+
+
+async def request_updates(updates: asyncio.Queue, is_running: Callable[[], bool]) -> AsyncIterator[RequestOutput]:
+    """One request's updates from its queue, up to and including the final one; several waiting
+    ones as one (`coalesce`: a frontend behind the engine sends one message for all). Raises
+    EngineStopped when the engine is no longer running and nothing is waiting."""
+    while True:
+        if updates.empty():
+            try:
+                out = await asyncio.wait_for(updates.get(), POLL_SECONDS)
+            except TimeoutError:
+                if not is_running() and updates.empty():
+                    raise EngineStopped from None
+                continue
+        else:
+            out = updates.get_nowait()
+        if not out.finished and not updates.empty():
+            waiting = [out]
+            while not out.finished and not updates.empty():
+                out = updates.get_nowait()
+                waiting.append(out)
+            out = coalesce(waiting)
+        yield out
+        if out.finished:
+            return
 
 
 def coalesce(outs: list[RequestOutput]) -> RequestOutput:

@@ -47,7 +47,7 @@ from serving import json_body, openai_api
 from serving.adapter_admin import AdapterAdmin
 from serving.admission import Admission, Phase
 from serving.api import ApiError, Limits, Status, error_of, final_error, generation_request
-from serving.handoff import LoopHandoff, coalesce
+from serving.handoff import EngineStopped, LoopHandoffs, request_updates
 from serving.http_limits import HeadLimit, limited_protocol
 from serving.metrics import ServerMetrics
 from serving.openai_api import ParsedRequest
@@ -59,7 +59,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_POLL_SECONDS = 0.5  # how often a request waiting for tokens checks that the engine runs
 _RETRY_AFTER_SECONDS = 1  # in 429 and 503 answers: a place or the server comes back within seconds
 _START_TIMEOUT_SECONDS = 30.0
 _STOP_TIMEOUT_SECONDS = 10.0
@@ -159,14 +158,7 @@ class _Handlers:
             api_key=options.api_key, admin_key=options.admin_key, allow_runtime_updates=options.allow_runtime_updates
         )
         self.created = int(time.time())
-        self._handoff: LoopHandoff | None = None
-
-    def handoff(self) -> LoopHandoff:
-        """The engine-to-loop hand-off of the running event loop (uvicorn's, one per server)."""
-        loop = asyncio.get_running_loop()
-        if self._handoff is None or self._handoff.loop is not loop:
-            self._handoff = LoopHandoff(loop)
-        return self._handoff
+        self.handoffs = LoopHandoffs()  # engine-to-loop hand-off of the running loop (uvicorn's)
 
     def app(self) -> Starlette:
         routes = [
@@ -353,7 +345,7 @@ class _Call:
         await self._submit()
 
     async def _submit(self) -> None:
-        deliver = self.h.handoff().callback(self.updates)
+        deliver = self.h.handoffs.current().callback(self.updates)
         try:  # off the event loop, in a tokenize slot: submit tokenizes the prompt
             async with self.h.admission.tokenize.hold_async(self.client):
                 await run_in_threadpool(self.h.metrics.submit, self.h.engine, self.gen, deliver)
@@ -370,32 +362,16 @@ class _Call:
             raise error from None
 
     async def _updates(self) -> AsyncIterator[RequestOutput]:
-        """The engine's updates up to and including the final one; several waiting ones as one
-        (`coalesce`). (A client that disconnects has the task running this cancelled:
+        """The engine's updates up to and including the final one (`request_updates`). (A client that disconnects has the task running this cancelled:
         `_unless_disconnected`, or Starlette for a stream.)"""
-        updates = self.updates
-        while True:
-            if updates.empty():
-                try:
-                    out = await asyncio.wait_for(updates.get(), _POLL_SECONDS)
-                except TimeoutError:
-                    if not self.h.engine.is_running and updates.empty():
-                        raise ApiError(Status.UNAVAILABLE, "the engine stopped") from None
-                    continue
-            else:
-                out = updates.get_nowait()
-            if not out.finished and not updates.empty():
-                waiting = [out]
-                while not out.finished and not updates.empty():
-                    out = updates.get_nowait()
-                    waiting.append(out)
-                out = coalesce(waiting)
-            if self.first_token is None and out.token_ids:
-                self.first_token = time.perf_counter()
-            self.finished = out.finished
-            yield out
-            if out.finished:
-                return
+        try:
+            async for out in request_updates(self.updates, lambda: self.h.engine.is_running):
+                if self.first_token is None and out.token_ids:
+                    self.first_token = time.perf_counter()
+                self.finished = out.finished
+                yield out
+        except EngineStopped:
+            raise ApiError(Status.UNAVAILABLE, "the engine stopped") from None
 
     def _finish(self, out: RequestOutput) -> None:
         """Raises ApiError unless the final update `out` ended the request normally; records the

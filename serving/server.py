@@ -53,7 +53,7 @@ from serving.admission import Admission, Phase
 from serving.api import ApiError, Limits, Status, error_of, final_error, generation_request
 from serving.gen import inference_pb2 as pb
 from serving.gen import inference_pb2_grpc as pb_grpc
-from serving.handoff import LoopHandoff, coalesce
+from serving.handoff import POLL_SECONDS, EngineStopped, LoopHandoffs, request_updates
 from serving.http_server import HttpServer
 from serving.metrics import ServerMetrics
 from serving.options import ServerOptions
@@ -70,7 +70,6 @@ _FINISH_REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "min_tokens", "ignore_eos")
 _OPTIONAL_SAMPLING += ("repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs")
 _MAX_REQUEST_ID = 256
-_POLL_SECONDS = 0.5  # how often a stream waiting for tokens checks that the engine runs
 # A client whose deadline passes cancels the call itself, and the cancel can reach the server a
 # little before the server's copy of the deadline (counted from when the request arrived) passes:
 # a cancel this close to the deadline counts as the deadline's.
@@ -146,14 +145,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.admin = admin
         self.submit_pool = submit_pool
         self.unary_pool = unary_pool
-        self._handoff: LoopHandoff | None = None
-
-    def handoff(self) -> LoopHandoff:
-        """The engine-to-loop hand-off of the running event loop (the gRPC server's, one per server)."""
-        loop = asyncio.get_running_loop()
-        if self._handoff is None or self._handoff.loop is not loop:
-            self._handoff = LoopHandoff(loop)
-        return self._handoff
+        self.handoffs = LoopHandoffs()  # engine-to-loop hand-off of the running loop (the gRPC server's)
 
     # Generate.
     async def Generate(
@@ -199,7 +191,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         client_id = request.request_id or uuid.uuid4().hex
         gen = self._generation_request(request, engine_id=f"{client_id}#{uuid.uuid4().hex[:12]}")
         updates: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        await self._submit(gen, self.handoff().callback(updates), context.peer(), call)
+        await self._submit(gen, self.handoffs.current().callback(updates), context.peer(), call)
         first_token: float | None = None
         async for out in self._updates(updates, gen):
             if first_token is None and out.token_ids:
@@ -250,28 +242,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def _updates(
         self, updates: asyncio.Queue[RequestOutput], gen: GenerationRequest
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's updates for one request, up to and including the final one; several waiting
-        ones as one (`coalesce`)."""
-        while True:
-            if updates.empty():
-                try:
-                    out = await asyncio.wait_for(updates.get(), _POLL_SECONDS)
-                except TimeoutError:
-                    if not self.engine.is_running and updates.empty():
-                        self.engine.cancel(gen.request_id)
-                        raise _Abort(grpc.StatusCode.UNAVAILABLE, "the engine stopped") from None
-                    continue
-            else:
-                out = updates.get_nowait()
-            if not out.finished and not updates.empty():  # behind the engine: one response for all
-                waiting = [out]
-                while not out.finished and not updates.empty():
-                    out = updates.get_nowait()
-                    waiting.append(out)
-                out = coalesce(waiting)
-            yield out
-            if out.finished:
-                return
+        """The engine's updates for one request (`request_updates`); UNAVAILABLE if the engine stops."""
+        try:
+            async for out in request_updates(updates, lambda: self.engine.is_running):
+                yield out
+        except EngineStopped:
+            self.engine.cancel(gen.request_id)
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "the engine stopped") from None
 
     def _check_final(self, out: RequestOutput, gen: GenerationRequest) -> None:
         """Raises ApiError unless the request finished normally (STOP or LENGTH). A client that went
@@ -565,7 +542,7 @@ class InferenceServer(grpc.Server):
                 "cancelling %d stream(s) still running after the %.1f s grace period", self.admission.num_streams, grace
             )
         self.engine.stop(drain=False)  # cancels what is left; their streams end UNAVAILABLE
-        self.admission.wait_for_streams(max(1.0, 2 * _POLL_SECONDS))
+        self.admission.wait_for_streams(max(1.0, 2 * POLL_SECONDS))
         return finished
 
     def shutdown(self, grace_seconds: float | None = None) -> bool:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from jaxlora.engine.request import FinishReason, RequestOutput, token_output
-from serving.handoff import LoopHandoff, coalesce
+from serving.handoff import EngineStopped, LoopHandoff, coalesce, request_updates
 
 
 def test_a_burst_from_another_thread_arrives_in_order_with_one_wake_up():
@@ -51,3 +53,25 @@ def test_coalesce_joins_text_and_ids_and_keeps_the_last_fields():
     joined = coalesce([*outs, final])
     assert joined == final._replace(text="abc", token_ids=(5, 6, 7))
     assert coalesce(outs[:1]) is outs[0]
+
+
+def test_request_updates_joins_what_waits_and_ends_at_the_final_update():
+    async def run() -> list[RequestOutput]:
+        updates = asyncio.Queue()
+        for i in range(3):
+            updates.put_nowait(token_output("r", "ab"[i % 2], i, 2, i + 1))
+        final = token_output("r", "", 9, 2, 4)._replace(finished=True, finish_reason=FinishReason.STOP)
+        updates.put_nowait(final)
+        return [out async for out in request_updates(updates, lambda: True)]
+
+    (out,) = asyncio.run(run())  # all four were waiting: one update, the final one's fields
+    assert out.finished and out.text == "aba" and out.token_ids == (0, 1, 2, 9)
+
+
+def test_request_updates_raises_engine_stopped_when_nothing_is_waiting():
+    async def run() -> None:
+        async for _ in request_updates(asyncio.Queue(), lambda: False):
+            pass
+
+    with pytest.raises(EngineStopped):
+        asyncio.run(run())
