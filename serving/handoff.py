@@ -4,7 +4,7 @@ The engine calls each request's callback on its loop thread, once per generated 
 that is 256 calls between two steps, and whatever they cost delays the next dispatch. Two pieces
 keep that cost low and let the frontends catch up in batches:
 
-`LoopHandoff` (the HTTP server's asyncio loop): a callback appends (queue, update) to one deque and
+`LoopHandoff` (a frontend's asyncio loop, HTTP's or gRPC's): a callback appends (queue, update) to one deque and
 wakes the event loop only if no wake-up is pending: one `call_soon_threadsafe` (a self-pipe write)
 per engine step instead of one per token, and no lock (deque appends and pops are atomic). The
 loop's drain moves every pending update into its request's queue, in order.
