@@ -41,13 +41,20 @@ from jaxlora.model.params import abstract_model
 from jaxlora.tokenizer import Tokenizer, save_tokenizer
 from jaxlora.weights_file import save_safetensors
 
+_STAMP = ".benchmark-model.json"
 _POOL_VALUES = 1 << 20  # random values tiled into every weight: writing a 7B model takes seconds
 
 
 def write_model_folder(config: ModelConfig, dtype: str, tokenizer: Tokenizer, out: Path, *, seed: int = 0) -> Path:
     """A Hugging Face folder of `config` with random weights (N(0, 0.02) matrices, norm scales near
     1) in `dtype`, and `tokenizer`. Values repeat with a period of `_POOL_VALUES`: the benchmark
-    times the server, and the weights' values do not change its work."""
+    times the server, and the weights' values do not change its work. A folder this wrote before
+    for the same config, dtype and seed is kept (two benchmark runs in one device call share it)."""
+    hf = config.to_hf_dict()
+    hf["torch_dtype"] = dtype
+    stamp = json.dumps({"config": hf, "seed": seed, "pool": _POOL_VALUES}, sort_keys=True)
+    if (out / _STAMP).is_file() and (out / _STAMP).read_text() == stamp:
+        return out
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
     normal = np.random.default_rng(seed).standard_normal(_POOL_VALUES, np.float32)
     # Tiled in the stored dtype: no float32 copy of a 7B model is ever made.
@@ -62,10 +69,9 @@ def write_model_folder(config: ModelConfig, dtype: str, tokenizer: Tokenizer, ou
     save_safetensors(
         {k: np.ascontiguousarray(v) for k, v in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"}
     )
-    hf = config.to_hf_dict()
-    hf["torch_dtype"] = dtype
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     save_tokenizer(tokenizer, out)
+    (out / _STAMP).write_text(stamp)  # last: a folder cut short by a crash is written again
     return out
 
 
@@ -151,11 +157,11 @@ def serve_command(model: Path, preset: Path, adapters: dict[str, Path], *, http_
     """The `jaxlora serve` command line (the console script beside this interpreter if installed)."""
     script = Path(sys.executable).with_name("jaxlora")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "jaxlora.cli.main"]
-    command += ["serve", "--model", str(model), "--config", str(preset), "--host", "127.0.0.1"]
+    command += ["serve", "--model", str(model.resolve()), "--config", str(preset.resolve()), "--host", "127.0.0.1"]
     command += ["--http-port", str(http_port), _grpc_flag(), str(grpc_port)]
     command += ["--max-concurrent-streams", "4096", "--max-connections", "4096"]
     for name, folder in adapters.items():
-        command += ["--adapter", f"{name}={folder}"]
+        command += ["--adapter", f"{name}={folder.resolve()}"]
     return command
 
 
@@ -171,18 +177,32 @@ def _grpc_flag() -> str:
 
 
 def start_server(
-    model: Path, preset: Path, adapters: dict[str, Path], *, log: Path, cache: Path | None, timeout_s: float
+    model: Path,
+    preset: Path,
+    adapters: dict[str, Path],
+    *,
+    log: Path,
+    cache: Path | None,
+    timeout_s: float,
+    code: Path | None = None,
 ) -> Server:
     """Starts `jaxlora serve` and waits for /health to answer 200; raises RuntimeError with the end
-    of its log if it exits or is not ready within `timeout_s`."""
+    of its log if it exits or is not ready within `timeout_s`. `code`: a source tree whose jaxlora
+    and serving the server runs (first on its PYTHONPATH), e.g. an export of an older commit."""
     http_port, grpc_port = free_port(), free_port()
     env = dict(os.environ)
     if cache is not None:
-        env["JAXLORA_COMPILATION_CACHE"] = str(cache)
+        env["JAXLORA_COMPILATION_CACHE"] = str(cache.resolve())
     command = serve_command(model, preset, adapters, http_port=http_port, grpc_port=grpc_port)
+    cwd = None
+    if code is not None:
+        # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: run in `code`.
+        cwd = code.resolve()
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (str(cwd), env.get("PYTHONPATH")) if x)
+        command = [sys.executable, "-m", "jaxlora.cli.main", *command[command.index("serve") :]]
     out = open(log, "w")
     started = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(command, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     out.close()
     server = Server(process, http_port, grpc_port, log, started)
     deadline = started + timeout_s

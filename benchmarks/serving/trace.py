@@ -895,6 +895,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="server starts per setting, each serving every run (2: then a warm-cache start; default 1, --smoke 2)",
     )
+    p.add_argument(
+        "--server-code",
+        type=Path,
+        default=None,
+        help="a source tree (an export of another commit) whose jaxlora the servers run; needs --server-commit",
+    )
+    p.add_argument("--server-commit", default=None, help="the commit --server-code was exported from (rows)")
     p.add_argument("--client-workers", type=int, default=4, help="client processes sending a server api's requests")
     p.add_argument("--server-timeout-s", type=float, default=900.0, help="longest wait for a server's /health")
     p.add_argument(
@@ -1046,6 +1053,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.setup_s = 30.0 if args.tiny else 150.0
     if args.skip_measured and not args.merge:
         p.error("--skip-measured needs --merge")
+    if (args.server_code is None) != (args.server_commit is None):
+        p.error("--server-code and --server-commit go together")
+    if args.server_code is not None and set(args.api) == {"inprocess"}:
+        p.error("--server-code needs a server api (--api http or grpc)")
     return args
 
 
@@ -1272,13 +1283,22 @@ def run_setting_api(
     key = dict(
         engine=ENGINE_KIND, setting=setting.name, n=n, cv=args.cv, alpha=args.alpha, temperature=args.temperature
     )
-    for start in ("first", "second")[: args.starts]:
+    for k in range(args.starts):
+        # "second": the compilation cache holds this setting's programs already (an earlier start,
+        # of this invocation or of an earlier one on the same --work-dir).
+        start = "second" if cache.is_dir() and any(cache.iterdir()) else "first"
         if not clock.fits(args.setup_s):
             print(f"[{setting.name}] time budget spent: no {start} server start", flush=True)
             break
-        log = folder / f"serve-{start}.log"
+        log = folder / f"serve-{k + 1}-{start}{'-' + args.server_code.name if args.server_code else ''}.log"
         server = serving_api.start_server(
-            model_folder, preset, adapters, log=log, cache=cache, timeout_s=args.server_timeout_s
+            model_folder,
+            preset,
+            adapters,
+            log=log,
+            cache=cache,
+            timeout_s=args.server_timeout_s,
+            code=args.server_code,
         )
         startup = server.startup()
         print(f"[{setting.name}] server ready in {server.ready_s:.1f} s ({start} start): {startup}", flush=True)
@@ -1292,6 +1312,8 @@ def run_setting_api(
                     result = run_trace_api(server, api, setting, n, size, args, rate=rate, duration=duration)
                     row = {
                         **base_row,
+                        # The server ran another tree's code: its commit, not this checkout's.
+                        **({"engine_commit": args.server_commit} if args.server_code else {}),
                         **key,
                         "api": api,
                         "start": start,

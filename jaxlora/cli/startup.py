@@ -4,8 +4,9 @@
       (compilation cache: /home/me/.cache/jaxlora/jax)
 
 The phases, in order: "import" (the interpreter's start to the command's first line of work: JAX and
-the engine's modules), "load" (the base model read and placed), "register" (adapters registered
-and the engine built: the pager's bank and its slot-write programs, the KV pool), "compile" (the
+the engine's modules), "load" (the base model read and placed; the adapters register
+meanwhile, on the main thread), "register" (what registering outlasts the load by, and the engine
+built: the pager's bank and its slot-write programs, the KV pool), "compile" (the
 step program of every token budget, served from the persistent compilation cache when it holds
 them), "warm-up run" (one call of each step program and, for a server, one real request).
 `generate --prompt` has neither of the last two: it warms nothing up, and the few programs one
@@ -42,6 +43,12 @@ class StartupClock:
         now = time.perf_counter()
         self.add(phase, now - self._last)
         self._last = now
+
+    def lap_at(self, phase: str, when: float) -> None:
+        """Charges the time from the last lap to `when` (a `time.perf_counter()` reading, now or
+        earlier: the end of work that ran beside the caller's) to `phase`."""
+        self.add(phase, max(0.0, when - self._last))
+        self._last = max(self._last, when)
 
     def add(self, phase: str, seconds: float) -> None:
         """Charges `seconds` measured elsewhere to `phase` (they are inside a lap: call `lap` on a

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from jaxlora.adapters import PagedPager, Pager
 from jaxlora.adapters.register_many import register_many
@@ -47,23 +48,32 @@ def build_engine(
     Raises ValueError when the model cannot be split over `config.mesh` or there are too few
     devices, AdapterError for an adapter that cannot be registered.
     """
-    mesh = engine_mesh(config.mesh, model.config)
+    pager, mesh = make_pager(config, model.config, model.dtype, compile_ahead=compile_ahead)
+    register_many(pager, adapters or {})
+    return Engine(model, tokenizer, config, pager, mesh=mesh)
+
+
+def make_pager(
+    config: EngineConfig, model_config: ModelConfig, dtype: jnp.dtype, *, compile_ahead: bool = True
+) -> tuple[Pager | PagedPager, jax.sharding.Mesh | None]:
+    """The engine's (empty) pager for a model of `model_config` in `dtype`, and the mesh it and the
+    engine share: the model's weights are not needed, so a caller can register adapters while they
+    load (`jaxlora.engine.load`). `compile_ahead` and the errors are `build_engine`'s."""
+    mesh = engine_mesh(config.mesh, model_config)
     if config.lora.bank is LoraBank.PAGED:
         if mesh is not None:
             raise ValueError("lora.bank='paged' runs on one device; use lora.bank='padded' with a mesh")
         # PagedPager takes no compile_writes: its page writes compile at warm-up either way.
-        pager = PagedPager(model.config, config.lora, host_capacity_bytes=config.host_capacity_bytes, dtype=model.dtype)
-    else:
-        pager = Pager(
-            model.config,
-            config.lora,
-            host_capacity_bytes=config.host_capacity_bytes,
-            dtype=model.dtype,
-            mesh=mesh,
-            compile_writes=compile_ahead,
-        )
-    register_many(pager, adapters or {})
-    return Engine(model, tokenizer, config, pager, mesh=mesh)
+        return PagedPager(model_config, config.lora, host_capacity_bytes=config.host_capacity_bytes, dtype=dtype), None
+    pager = Pager(
+        model_config,
+        config.lora,
+        host_capacity_bytes=config.host_capacity_bytes,
+        dtype=dtype,
+        mesh=mesh,
+        compile_writes=compile_ahead,
+    )
+    return pager, mesh
 
 
 def engine_mesh(mesh_config: MeshConfig, model_config: ModelConfig) -> jax.sharding.Mesh | None:

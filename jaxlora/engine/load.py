@@ -9,13 +9,18 @@ same files.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.engine import Engine
+from jaxlora.errors import ModelLoadError
+from jaxlora.model.params import LoadedModel
+from jaxlora.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,28 +61,56 @@ def engine_config(spec: EngineSpec) -> EngineConfig:
 
 def load_engine(spec: EngineSpec, *, clock=None, compile_ahead: bool = True) -> Engine:
     """Loads the model and returns an (un-warmed) Engine with the spec's adapters registered.
-    `clock`: anything with `lap(name)`, told "load" after the model and "register" after the adapters.
-    `compile_ahead`: see `build_engine` (False for a one-shot command that never warms up).
 
-    Raises JaxloraError / ValueError / OSError with a message fit for the command line.
+    The adapters are read and registered while the model's weights load on another thread: both
+    are mostly file reads and copies that release the GIL, and neither needs the other (the pager
+    needs the model's config only, read first from its config file; benchmarks/DECISIONS.md#load-on-device).
+    `clock`: anything with `lap_at(name, when)` and `lap(name)`, told "load" when the model is ready
+    and "register" when the adapters and the engine are (the adapters' time that ran beside the load
+    is in "load"). `compile_ahead`: see `build_engine` (False for a one-shot command that never warms up).
+
+    Raises JaxloraError / ValueError / OSError with a message fit for the command line: the model's
+    error first when both the model and an adapter fail.
     """
+    from jaxlora.adapters.register_many import register_many
     from jaxlora.adapters.registry import slot_nbytes
-    from jaxlora.engine.build import build_engine
-    from jaxlora.loading import load_model
+    from jaxlora.engine.build import make_pager
+    from jaxlora.loading import read_model_config
 
     config = engine_config(spec)
     # The serving layout (q|k|v, gate|up fused: fewer, wider GEMMs) on one device; a tensor-parallel
     # split needs the separate matrices (jaxlora.model.fused).
     fused = not config.mesh.is_sharded
-    model, tokenizer = load_model(spec.model, dtype=config.jnp_dtype, quantization=spec.quantize, fused=fused)
-    if clock is not None:
-        clock.lap("load")
-    capacity = _host_capacity(spec, config, slot_nbytes(model.config, config.lora, model.dtype))
+    model_config = read_model_config(spec.model)
+    capacity = _host_capacity(spec, config, slot_nbytes(model_config, config.lora, config.jnp_dtype))
     config = dataclasses.replace(config, host_capacity_bytes=capacity)
-    engine = build_engine(config, model, tokenizer, dict(spec.adapters), compile_ahead=compile_ahead)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="load-model") as pool:
+        loading = pool.submit(_timed_load, spec, config, fused)
+        adapter_error: BaseException | None = None
+        try:
+            pager, mesh = make_pager(config, model_config, config.jnp_dtype, compile_ahead=compile_ahead)
+            register_many(pager, dict(spec.adapters))
+        except Exception as e:  # raised after the model's own error, which says more
+            adapter_error = e
+        model, tokenizer, loaded_at = loading.result()
+    if adapter_error is not None:
+        raise adapter_error
+    if model.config != model_config:
+        raise ModelLoadError(f"{spec.model}: the loaded model's config differs from its config file's")
+    if clock is not None:
+        clock.lap_at("load", loaded_at)
+    engine = Engine(model, tokenizer, config, pager, mesh=mesh)
     if clock is not None:
         clock.lap("register")
     return engine
+
+
+def _timed_load(spec: EngineSpec, config: EngineConfig, fused: bool) -> tuple[LoadedModel, Tokenizer, float]:
+    """(model, tokenizer, the `time.perf_counter()` at which they were ready)."""
+    from jaxlora.loading import load_model
+
+    model, tokenizer = load_model(spec.model, dtype=config.jnp_dtype, quantization=spec.quantize, fused=fused)
+    return model, tokenizer, time.perf_counter()
 
 
 def _host_capacity(spec: EngineSpec, config: EngineConfig, slot_bytes: int) -> int:

@@ -7,13 +7,33 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from jaxlora.config import ModelConfig
 from jaxlora.errors import ModelLoadError
 from jaxlora.loading.default_model import default_model_path
 from jaxlora.model.params import LoadedModel, build_model
 from jaxlora.model.quant import Quantization, parse_quantization
 from jaxlora.tokenizer import Tokenizer, tokenizer_from_folder
 
-__all__ = ["default_model_path", "load_model"]
+__all__ = ["default_model_path", "load_model", "read_model_config"]
+
+
+def read_model_config(source: str | Path | None = None) -> ModelConfig:
+    """The ModelConfig `load_model(source)` will give, from the config file or metadata alone (no
+    weights read): what a caller needs to prepare adapters while the weights load."""
+    path = default_model_path() if source is None else Path(source)
+    if path.is_dir():
+        from jaxlora.loading.orbax_ckpt import is_converted, read_converted_config
+
+        if is_converted(path):
+            return read_converted_config(path)
+        from jaxlora.loading.hf_folder import read_hf_config
+
+        return read_hf_config(path)
+    if path.suffix == ".gguf" or path.is_file():
+        from jaxlora.loading.gguf_file import read_gguf_config
+
+        return read_gguf_config(path)
+    raise ModelLoadError(f"{path}: no such model file or folder")
 
 
 def load_model(

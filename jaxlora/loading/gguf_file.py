@@ -155,6 +155,12 @@ def _quantized_rows(tensor: Any, quantization: Quantization, *, source: str) -> 
     return np.asarray(q).T, np.asarray(scale)
 
 
+def read_gguf_config(path: Path) -> ModelConfig:
+    """The file's ModelConfig, from its metadata and tensor names (no tensor data read)."""
+    reader = open_gguf(path)
+    return config_from_gguf(metadata(reader), any(t.name == "output.weight" for t in reader.tensors), source=str(path))
+
+
 def load_gguf_arrays(
     path: Path, *, quantization: Quantization | None = None
 ) -> tuple[ModelConfig, dict[str, np.ndarray], GGUFFile]:

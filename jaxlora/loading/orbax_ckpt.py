@@ -58,6 +58,22 @@ def _config_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**d)
 
 
+def read_converted_config(folder: Path) -> ModelConfig:
+    """The checkpoint's ModelConfig, from its metadata file alone."""
+    return _read_meta(folder)[1]
+
+
+def _read_meta(folder: Path) -> tuple[dict, ModelConfig]:
+    """(the metadata file's dict, its config); ModelLoadError for a bad or foreign-format file."""
+    try:
+        meta = json.loads((folder / MARKER).read_text())
+        if meta.get("format") != FORMAT_VERSION:
+            raise ModelLoadError(f"{folder}: checkpoint format {meta.get('format')} != {FORMAT_VERSION}")
+        return meta, _config_from_dict(meta["config"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{folder / MARKER}: invalid metadata ({e})") from None
+
+
 def load_converted(
     folder: Path, *, dtype: jnp.dtype | None = None, quantization: Quantization | None = None, fused: bool = False
 ) -> tuple[LoadedModel, Tokenizer]:
@@ -67,13 +83,10 @@ def load_converted(
     quantization: quantize a dense checkpoint's projections at load; for a quantized checkpoint it
     must be None or its own format (re-quantizing quantized weights would compound two errors).
     """
+    meta, config = _read_meta(folder)
     try:
-        meta = json.loads((folder / MARKER).read_text())
-        if meta.get("format") != FORMAT_VERSION:
-            raise ModelLoadError(f"{folder}: checkpoint format {meta.get('format')} != {FORMAT_VERSION}")
-        config = _config_from_dict(meta["config"])
         saved_quantization = parse_quantization(meta.get("quantization"))
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+    except ValueError as e:
         raise ModelLoadError(f"{folder / MARKER}: invalid metadata ({e})") from None
     if saved_quantization is not None and quantization not in (None, saved_quantization):
         raise ModelLoadError(

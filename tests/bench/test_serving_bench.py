@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -293,14 +294,24 @@ def test_smoke_through_the_server(tmp_path):
         assert r["ttft_ms_p50"] > 0 and r["tpot_ms_p50"] > 0 and r["steps"] is None  # engine counters: not seen
 
 
-def test_smoke_through_the_server_on_the_paged_bank(tmp_path):
+def test_smoke_through_the_server_on_the_paged_bank_with_other_code(tmp_path):
     """--bank paged with a server api: the preset asks for the paged bank, the server runs the paged
-    kernels (its warm-up log says so), and the rows say "paged"."""
-    work = tmp_path / "work"
-    rows = _run(tmp_path, "--smoke", "--api", "http", "--starts", "1", "--bank", "paged", "--work-dir", str(work))[
-        "rows"
-    ]
-    assert [(r["api"], r["bank"]) for r in rows] == [("http", "paged")]
+    kernels (its warm-up log says so), and the rows say "paged". --server-code: the server runs
+    another source tree (here an export of this one, holding a marker module), rows record its commit."""
+    work, code = tmp_path / "work", tmp_path / "code"
+    code.mkdir()
+    root = Path(__file__).resolve().parents[2]
+    for package in ("jaxlora", "serving"):
+        shutil.copytree(root / package, code / package, ignore=shutil.ignore_patterns("__pycache__"))
+    (code / "jaxlora" / "cli" / "main.py").write_text(
+        (root / "jaxlora" / "cli" / "main.py")
+        .read_text()
+        .replace("def main(", 'print("running the exported tree", flush=True)\n\n\ndef main(', 1)
+    )
+    argv = ["--smoke", "--api", "http", "--starts", "1", "--bank", "paged", "--work-dir", str(work)]
+    rows = _run(tmp_path, *argv, "--server-code", str(code), "--server-commit", "exported")["rows"]
+    assert [(r["api"], r["bank"], r["engine_commit"]) for r in rows] == [("http", "paged", "exported")]
     assert rows[0]["completed"] == rows[0]["requests"] > 0 and rows[0]["errors"] == []
     assert "bank: paged" in (work / "s1" / "engine.yaml").read_text()
-    assert "lora=paged" in (work / "s1" / "serve-first.log").read_text()
+    log = (work / "s1" / "serve-1-first-code.log").read_text()
+    assert "lora=paged" in log and "running the exported tree" in log

@@ -24,3 +24,13 @@ def test_split_charges_what_the_parts_leave_out_to_the_last_part():
     assert clock.seconds["compile"] == 1.0 and clock.seconds["warm-up run"] > 2.0
     with pytest.raises(ValueError, match="unknown start-up phase"):
         clock.add("coffee", 1.0)
+
+
+def test_lap_at_charges_up_to_an_earlier_reading_and_the_rest_to_the_next_lap():
+    clock = StartupClock(started=10.0)
+    clock.lap_at("load", 14.0)  # work that ended at 14.0, beside the caller's
+    assert clock.seconds == {"load": 4.0}
+    clock.lap_at("register", 12.0)  # earlier than the last lap: nothing charged, the clock never runs back
+    assert clock.seconds == {"load": 4.0, "register": 0.0}
+    clock.lap("register")  # from 14.0 to now
+    assert clock.seconds["register"] > 0.0
