@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import jax
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for bf16 safetensors)
 import numpy as np
 from safetensors import safe_open
@@ -50,31 +47,21 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_tensors(files: list[Path], place: Callable[[np.ndarray], Any] | None = None) -> dict[str, Any]:
-    """All tensors of the files as numpy arrays (bf16 via ml_dtypes), or each passed through `place`
-    as soon as it is read (`jax.device_put`: the host then holds one tensor at a time, not the
-    model, and the next read overlaps the last transfer)."""
-    out: dict[str, Any] = {}
+def read_tensors(files: list[Path]) -> dict[str, np.ndarray]:
+    """All tensors of the files as numpy arrays (bf16 via ml_dtypes)."""
+    out: dict[str, np.ndarray] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="numpy") as st:
                 for key in st.keys():
-                    tensor = st.get_tensor(key)
-                    out[key] = tensor if place is None else place(tensor)
+                    out[key] = st.get_tensor(key)
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
             raise ModelLoadError(f"{f}: cannot read safetensors file ({type(e).__name__}: {e})") from None
     return out
 
 
-def load_hf_arrays(folder: Path, *, on_device: bool | None = None) -> tuple[ModelConfig, dict[str, Any]]:
-    """(config, flat parameter arrays) of an HF Llama-family folder.
-
-    on_device: each tensor goes to the default device as it is read, and the layers are transposed
-    and stacked there; False keeps everything numpy on the host. None: on the device unless that
-    is the CPU, whose XLA transposes are slower than numpy's (benchmarks/DECISIONS.md#load-on-device).
-    """
-    if on_device is None:
-        on_device = jax.default_backend() != "cpu"
+def load_hf_arrays(folder: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """(config, flat parameter arrays) of an HF Llama-family folder."""
     config = read_hf_config(folder)
-    tensors = read_tensors(safetensors_files(folder), place=jax.device_put if on_device else None)
+    tensors = read_tensors(safetensors_files(folder))
     return config, hf_to_flat(tensors, config, source=str(folder))

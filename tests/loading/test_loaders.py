@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import gguf
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -61,36 +60,6 @@ def test_sharded_hf_folder(tiny, tmp_path):
     np.testing.assert_array_equal(_logits(build_model(config, arrays)), _logits(tiny))
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_hf_folder_stacked_on_the_device_equals_the_host_stack(tiny, tmp_path, fused):
-    # The device path (the default on GPU) transposes and stacks with XLA; the host path with numpy.
-    # They share the HF-name table only, so a swapped axis or layer order shows as a difference.
-    save_hf_folder(tiny, None, tmp_path)
-    config, host = load_hf_arrays(tmp_path, on_device=False)
-    _, device = load_hf_arrays(tmp_path, on_device=True)
-    assert sorted(host) == sorted(device)
-    assert all(isinstance(a, np.ndarray) for a in host.values())
-    assert all(isinstance(a, jax.Array) for a in device.values())
-    for name in host:
-        np.testing.assert_array_equal(np.asarray(device[name]), host[name], err_msg=name)
-    for name, ref in tiny.flat_params().items():
-        np.testing.assert_array_equal(np.asarray(device[name]), np.asarray(ref), err_msg=name)
-    # fused changes the GEMMs' summation, so the reference is the host arrays in the same layout.
-    reference = build_model(config, host, fused=fused)
-    np.testing.assert_array_equal(_logits(build_model(config, device, fused=fused)), _logits(reference))
-
-
-@pytest.mark.parametrize("on_device", [False, True])
-def test_layer_shape_mismatch_is_named(tiny, tmp_path, on_device):
-    save_hf_folder(tiny, None, tmp_path)
-    tensors = flat_to_hf({k: np.asarray(v) for k, v in tiny.flat_params().items()}, tiny.config)
-    w = tensors["model.layers.1.self_attn.o_proj.weight"]
-    tensors["model.layers.1.self_attn.o_proj.weight"] = np.ascontiguousarray(w[:, :-1])
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match=r"layers disagree on the shape of layers\.self_attn\.o_proj\.kernel"):
-        load_hf_arrays(tmp_path, on_device=on_device)
-
-
 def test_truncated_safetensors_names_the_file(tiny, tmp_path):
     save_hf_folder(tiny, None, tmp_path)
     f = tmp_path / "model.safetensors"
@@ -99,14 +68,13 @@ def test_truncated_safetensors_names_the_file(tiny, tmp_path):
         load_hf_arrays(tmp_path)
 
 
-@pytest.mark.parametrize("on_device", [False, True])
-def test_missing_tensor_is_named(tiny, tmp_path, on_device):
+def test_missing_tensor_is_named(tiny, tmp_path):
     save_hf_folder(tiny, None, tmp_path)
     tensors = flat_to_hf({k: np.asarray(v) for k, v in tiny.flat_params().items()}, tiny.config)
     del tensors["model.layers.1.mlp.down_proj.weight"]
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"missing tensor for layer\(s\) \[1\] of layers\.mlp\.down_proj"):
-        load_hf_arrays(tmp_path, on_device=on_device)
+        load_hf_arrays(tmp_path)
 
 
 def test_unsupported_hf_architecture(tmp_path):
