@@ -32,7 +32,8 @@ contracts both operands' last axes), so one call gives the layout A/B on the sam
 fp8-kmajor-weight-only-mgpu asks for the Mosaic GPU kernel by name (KernelConfig(quant_matmul="mgpu"),
 whose e4m3 output benchmarks/DECISIONS.md#quant-kernel-choice says was not checked on the GPU); it
 takes bf16 activations only, so under --smoke (float32) its cells land in `not_run` with the
-kernel's reason rather than running another kernel.
+kernel's reason rather than running another kernel, and steps above the kernel's token limit, which
+would run fp8-kmajor-weight-only's program again, are skipped (`not_run`, with that reason).
 
 The engine's default for a format ("auto") is its weight-only row at steps the kernel takes and,
 where jaxlora.kernels.W8A8_AUTO lists the format, its w8a8 row above: these rows are the data that
@@ -86,7 +87,7 @@ from jaxlora.engine.compiles import backend_compiles, check_no_compiles
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.runner import Runner, packed_step
 from jaxlora.engine.step_inputs import StepLayout
-from jaxlora.kernels import KernelConfig
+from jaxlora.kernels import QUANT_KERNEL_MAX_TOKENS, KernelConfig
 from jaxlora.model import RaggedBatch
 from jaxlora.model.params import quantized_model, random_model
 
@@ -279,6 +280,12 @@ def run(opts: argparse.Namespace) -> dict:
             if time.perf_counter() - t_start > opts.budget_s:
                 payload["not_run"].append({"case": dataclasses.asdict(case), **dataclasses.asdict(variant)})
                 continue
+            reason = skip_reason(variant, case)
+            if reason is not None:
+                payload["not_run"].append(
+                    {"case": dataclasses.asdict(case), **dataclasses.asdict(variant), "reason": reason}
+                )
+                continue
             try:
                 row = run_cell(variant, case, cfg, models, runners, bank, dtype, opts, hbm, rates, itemsize)
             except Exception as e:  # one broken cell must not lose the others
@@ -310,6 +317,14 @@ def build_models(dense, variants: tuple[Variant, ...]) -> dict[tuple[str, bool |
             models[key] = dense if v.gemm == "dense" else quantized_model(dense, v.weights, kmajor=v.kmajor)
     jax.block_until_ready([m.params for m in models.values()])
     return models
+
+
+def skip_reason(variant: Variant, case: Case) -> str | None:
+    """Why a cell would only repeat another one, or None: the Mosaic kernel by name takes steps of
+    at most QUANT_KERNEL_MAX_TOKENS tokens, above which the step is fp8-kmajor-weight-only's."""
+    if variant.kernel == "mgpu" and case.tokens > QUANT_KERNEL_MAX_TOKENS:
+        return f"above {QUANT_KERNEL_MAX_TOKENS} tokens the step runs XLA's path: the kmajor weight-only program"
+    return None
 
 
 def set_vs_bf16(rows: list[dict]) -> None:

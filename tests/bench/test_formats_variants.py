@@ -9,7 +9,15 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks.common import TINY
-from benchmarks.engine.formats import VARIANTS, Variant, build_models, selected_variants, set_vs_bf16
+from benchmarks.engine.formats import (
+    GPU_CASES,
+    VARIANTS,
+    Variant,
+    build_models,
+    selected_variants,
+    set_vs_bf16,
+    skip_reason,
+)
 from jaxlora.kernels import KMAJOR_SERVING
 from jaxlora.model.params import random_model
 
@@ -51,3 +59,10 @@ def test_vs_bf16_does_not_depend_on_the_order():
     ]
     set_vs_bf16(rows)
     assert [r["vs_bf16"] for r in rows] == [1.5, 1.0, None]
+
+
+def test_only_the_mosaic_variant_skips_steps_above_its_limit():
+    mgpu = Variant("fp8", "weight-only", "kmajor", kernel="mgpu")
+    skipped = {c.label for c in GPU_CASES if skip_reason(mgpu, c)}
+    assert skipped == {"mixed-512", "mixed-2048"}
+    assert not any(skip_reason(v, c) for v in VARIANTS if v.kernel == "auto" for c in GPU_CASES)
