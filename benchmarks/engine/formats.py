@@ -3,7 +3,7 @@ FP8 in both serving layouts.
 
     python -m benchmarks.engine.formats --smoke --out /tmp/formats     # CPU, toy model, seconds
     bash benchmarks/run.sh --budget-s 480 engine.formats               # GPU: Llama-2-7B shape
-    python -m benchmarks.engine.formats --budget-s 300 --cases mixed-2048 decode-64 \
+    python -m benchmarks.engine.formats --budget-s 280 --cases mixed-2048 decode-64 \
         --variants bf16-dense fp8-w8a8 fp8-kmajor-w8a8 fp8-weight-only fp8-kmajor-weight-only \
         fp8-kmajor-weight-only-mgpu                                     # GPU: the FP8 layout A/B
 
