@@ -24,6 +24,10 @@ Why each rule is what it is, the runs behind it and what would change it (one se
     gemm        benchmarks/DECISIONS.md#gemm-backend
     concurrent  benchmarks/DECISIONS.md#concurrent-scheduling
 
+One table here is a choice of the model's storage rather than of the step: `KMAJOR_SERVING`, which
+8-bit formats the serving layout stores K-major (jaxlora.model.params.build_model reads it where its
+`kmajor` argument is not given; benchmarks/DECISIONS.md#fp8-layout).
+
 This module is the ground floor of the choice: it imports nothing of the model or the engine, which
 read it.
 """
@@ -59,14 +63,25 @@ class QuantKernel(enum.StrEnum):
     BEST = "best"  # per format, the fastest kernel checked on the GPU: BEST_KERNEL
 
 
-# QuantKernel.BEST by storage dtype, and so the serving layout's storage (`model.quant.kmajor_serving`):
-# per format the fastest kernel whose output was compared with a float64 product on the GPU. int8
-# runs the Mosaic kernel (faster than the Triton one at every decode size); e4m3 stays on the Triton
-# kernel in the [in, out] layout until the Mosaic kernel's e4m3 output is checked on the GPU
-# (benchmarks/DECISIONS.md#quant-kernel-choice).
+# QuantKernel.BEST by storage dtype: per format the fastest kernel whose output was compared with a
+# float64 product on the GPU. int8 runs the Mosaic kernel (faster than the Triton one at every decode
+# size); e4m3 stays on the Triton kernel (in either layout, `KMAJOR_SERVING`) until the Mosaic
+# kernel's e4m3 output is checked on the GPU (benchmarks/DECISIONS.md#quant-kernel-choice).
 BEST_KERNEL: dict[jnp.dtype, QuantKernel] = {
     jnp.dtype(jnp.int8): QuantKernel.MGPU,
     jnp.dtype(jnp.float8_e4m3fn): QuantKernel.TRITON,
+}
+
+# The serving layout's storage by format, where build_model is not told (its `kmajor` argument,
+# `model.quant.serving_kmajor`): True stores the projections K-major (`qkernel_t` [L, out, in], the
+# layout both the Mosaic kernel and cuBLASLt's 8-bit GEMMs read without a transpose), False as
+# `qkernel` [L, in, out]. A format whose BEST_KERNEL is the Mosaic kernel must be K-major (that
+# kernel reads nothing else). e4m3 stays [in, out], the layout its Triton kernel was checked and timed
+# in, until the formats benchmark's A/B of both layouts says otherwise
+# (benchmarks/DECISIONS.md#fp8-layout).
+KMAJOR_SERVING: dict[jnp.dtype, bool] = {
+    jnp.dtype(jnp.int8): True,
+    jnp.dtype(jnp.float8_e4m3fn): False,
 }
 
 # QuantMatmul -> QuantKernel, for the choices that run a kernel.
@@ -397,7 +412,7 @@ class KernelConfig:
 
         Pallas runs natively on GPU; on CPU the only way to run it is the interpreter. A quant kernel
         by name: "pallas" runs the Triton kernel in every step (up to quant_kernel_max_tokens when
-        given); "mgpu" (which reads only the serving layout's K-major int8 weights) and "best" need a
+        given); "mgpu" (which reads only the serving layout's K-major weights, `KMAJOR_SERVING`) and "best" need a
         Hopper GPU (`compute_capability` 9.x; None reads the default GPU's) or the interpreter on CPU,
         and run steps of up to QUANT_KERNEL_MAX_TOKENS (XLA above). Every quant kernel is a GPU one,
         so any on a TPU raises ValueError, as do "mgpu" for the separate layout
@@ -467,7 +482,7 @@ class KernelConfig:
                 )
             if quant_matmul is QuantMatmul.MGPU and not fused_projections:
                 raise ValueError(
-                    "quant_matmul=mgpu reads the serving layout's K-major int8 weights; the separate layout "
+                    "quant_matmul=mgpu reads the serving layout's K-major weights; the separate layout "
                     "(tensor parallelism) has none: use 'pallas' or 'best'"
                 )
             limit = min(limit or QUANT_KERNEL_MAX_TOKENS, QUANT_KERNEL_MAX_TOKENS)

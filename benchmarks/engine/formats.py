@@ -1,7 +1,11 @@
-"""Base weight formats on the engine's step, in one call: bf16, int8 / fp8 weight-only, fp8 / int8 W8A8.
+"""Base weight formats on the engine's step, in one call: bf16, int8 / fp8 weight-only, fp8 / int8 W8A8,
+FP8 in both serving layouts.
 
     python -m benchmarks.engine.formats --smoke --out /tmp/formats     # CPU, toy model, seconds
     bash benchmarks/run.sh --budget-s 480 engine.formats               # GPU: Llama-2-7B shape
+    python -m benchmarks.engine.formats --budget-s 280 --cases mixed-2048 decode-64 \
+        --variants bf16-dense fp8-w8a8 fp8-kmajor-w8a8 fp8-weight-only fp8-kmajor-weight-only \
+        fp8-kmajor-weight-only-mgpu                                     # GPU: the FP8 layout A/B
 
 A Llama-2-7B-shape model with random bf16 weights drawn on the device, quantized from that draw to
 int8 and FP8 (every format the same weights), 64 distinct rank-16 adapters on all seven modules,
@@ -11,13 +15,25 @@ and the engine's jitted step (`runner.packed_step`) timed on its own, `--steps` 
     decode B=16, B=64   decode-only steps, every row on its own adapter, context 512
     mixed 512, 2048     64 decoding rows (as above) + one prompt chunk filling the step to T tokens
 
-Variants ("weights", "gemm"):
+Variants ("weights", "gemm", "layout", "kernel"; --variants picks them by label, in that order):
 
-    bf16  dense         the dense base
-    int8  weight-only   KernelConfig(w8a8=False): the weight-only kernel up to its token limit,
-    fp8   weight-only   XLA's dequantize-then-GEMM above (jaxlora.kernels.QUANT_AUTO)
-    fp8   w8a8          KernelConfig(quant_matmul="xla", w8a8=<format>, w8a8_min_tokens=1): every step
-    int8  w8a8          quantizes its activations per token, 8-bit GEMM (jaxlora.model.w8a8)
+    bf16-dense          the dense base
+    int8-weight-only    KernelConfig(w8a8=False): the weight-only kernel up to its token limit,
+    fp8-weight-only     XLA's dequantize-then-GEMM above (jaxlora.kernels.QUANT_AUTO)
+    fp8-w8a8            KernelConfig(quant_matmul="xla", w8a8=<format>, w8a8_min_tokens=1): every step
+    int8-w8a8           quantizes its activations per token, 8-bit GEMM (jaxlora.model.w8a8)
+
+The layout of the 8-bit weights: "in-out" stores them [L, in, out] (`qkernel`), "kmajor" [L, out, in]
+(`qkernel_t`: build_model's kmajor=True, the layout cuBLASLt's 8-bit GEMMs and the Mosaic kernel
+read), "default" what jaxlora.kernels.KMAJOR_SERVING gives the format. The fp8 rows name theirs:
+fp8-weight-only and fp8-w8a8 are "in-out", fp8-kmajor-weight-only and fp8-kmajor-w8a8 the same on
+K-major weights (the Triton kernel reading K-major tiles at decode sizes, a W8A8 GEMM that
+contracts both operands' last axes), so one call gives the layout A/B on the same weights.
+fp8-kmajor-weight-only-mgpu asks for the Mosaic GPU kernel by name (KernelConfig(quant_matmul="mgpu"),
+whose e4m3 output benchmarks/DECISIONS.md#quant-kernel-choice says was not checked on the GPU); it
+takes bf16 activations only, so under --smoke (float32) its cells land in `not_run` with the
+kernel's reason rather than running another kernel, and steps above the kernel's token limit, which
+would run fp8-kmajor-weight-only's program again, are skipped (`not_run`, with that reason).
 
 The engine's default for a format ("auto") is its weight-only row at steps the kernel takes and,
 where jaxlora.kernels.W8A8_AUTO lists the format, its w8a8 row above: these rows are the data that
@@ -31,9 +47,11 @@ table is set from. Per row:
                 dense and weight-only rows, 8-bit x 8-bit for w8a8 rows)
   fp8_gemm      (w8a8 rows on GPU, the 2,048-token case) whether the compiled step calls cuBLASLt's FP8
                 GEMM (`__cublas$lt$matmul$f8`) and how many transposes of an f8 operand it holds
+  layout        the 8-bit weights' storage ("kmajor" | "in-out"; None for bf16)
 
-Cells run in priority order (B=64, mixed 2048, B=16, mixed 512) until --budget-s is spent;
-formats.json is rewritten after every cell.
+Cells run case by case (default order B=64, mixed 2048, B=16, mixed 512; --cases reorders), each
+case's variants in --variants order, until --budget-s is spent; formats.json is rewritten after
+every cell.
 """
 
 from __future__ import annotations
@@ -69,29 +87,53 @@ from jaxlora.engine.compiles import backend_compiles, check_no_compiles
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.runner import Runner, packed_step
 from jaxlora.engine.step_inputs import StepLayout
-from jaxlora.kernels import KernelConfig
+from jaxlora.kernels import QUANT_KERNEL_MAX_TOKENS, KernelConfig
 from jaxlora.model import RaggedBatch
 from jaxlora.model.params import quantized_model, random_model
 
 RANK, DISTINCT, DECODE_CONTEXT, PAGE = 16, 64, 512, 16
 
 
+LAYOUTS: dict[str, bool | None] = {"default": None, "kmajor": True, "in-out": False}  # -> build_model's kmajor
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     weights: str  # "bf16" (dense; "f32" in --smoke) | "fp8" | "int8"
     gemm: str  # "dense" | "weight-only" | "w8a8"
+    layout: str = "default"  # LAYOUTS: the 8-bit weights' storage
+    kernel: str = "auto"  # weight-only steps: "auto" (QUANT_AUTO's rule) | "mgpu" (the Mosaic kernel by name)
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS or self.kernel not in ("auto", "mgpu"):
+            raise ValueError(f"{self}: layout must be one of {list(LAYOUTS)}, kernel 'auto' or 'mgpu'")
+
+    @property
+    def label(self) -> str:
+        """e.g. "fp8-kmajor-w8a8" (--variants)."""
+        layout = "-kmajor" if self.layout == "kmajor" else ""
+        return f"{self.weights}{layout}-{self.gemm}{'-mgpu' if self.kernel == 'mgpu' else ''}"
+
+    @property
+    def kmajor(self) -> bool | None:
+        return LAYOUTS[self.layout]
 
     def kernel_config(self) -> KernelConfig:
         if self.gemm == "w8a8":
             return KernelConfig(quant_matmul="xla", w8a8=self.weights, w8a8_min_tokens=1)
+        if self.kernel == "mgpu":
+            return KernelConfig(quant_matmul="mgpu", w8a8=False)
         return KernelConfig(w8a8=False)
 
 
 VARIANTS = (
     Variant("bf16", "dense"),
     Variant("int8", "weight-only"),
-    Variant("fp8", "weight-only"),
-    Variant("fp8", "w8a8"),
+    Variant("fp8", "weight-only", "in-out"),
+    Variant("fp8", "weight-only", "kmajor"),
+    Variant("fp8", "weight-only", "kmajor", kernel="mgpu"),
+    Variant("fp8", "w8a8", "in-out"),
+    Variant("fp8", "w8a8", "kmajor"),
     Variant("int8", "w8a8"),
 )
 
@@ -218,9 +260,8 @@ def run(opts: argparse.Namespace) -> dict:
         rates[name] = matmul_tflops_8bit(n, d)
     dev = jax.devices()[0]
     print(f"{dev.device_kind}: HBM {hbm:.0f} GB/s, TFLOP/s {rates}", flush=True)
-    dense = random_model(cfg, dtype=dtype, fused=True)
-    models = {"bf16": dense, **{q: quantized_model(dense, q) for q in ("fp8", "int8")}}
-    jax.block_until_ready([m.params for m in models.values()])
+    variants = selected_variants(opts)
+    models = build_models(random_model(cfg, dtype=dtype, fused=True), variants)
     payload = {
         "device": str(dev.device_kind),
         "jax_version": jax.__version__,
@@ -234,11 +275,16 @@ def run(opts: argparse.Namespace) -> dict:
     lora = engine_config(VARIANTS[0], cases, dtype).lora
     bank = random_bank(cfg, lora, DISTINCT, dtype)
     itemsize = jnp.dtype(dtype).itemsize
-    bf16_ms: dict[Case, float] = {}
     for case in cases:
-        for variant in VARIANTS:
+        for variant in variants:
             if time.perf_counter() - t_start > opts.budget_s:
                 payload["not_run"].append({"case": dataclasses.asdict(case), **dataclasses.asdict(variant)})
+                continue
+            reason = skip_reason(variant, case)
+            if reason is not None:
+                payload["not_run"].append(
+                    {"case": dataclasses.asdict(case), **dataclasses.asdict(variant), "reason": reason}
+                )
                 continue
             try:
                 row = run_cell(variant, case, cfg, models, runners, bank, dtype, opts, hbm, rates, itemsize)
@@ -252,15 +298,52 @@ def run(opts: argparse.Namespace) -> dict:
                 )
                 print(f"  FAILED {variant} {case}: {type(e).__name__}: {e}", flush=True)
                 continue
-            if variant.gemm == "dense":
-                bf16_ms[case] = row["step_ms"]
-            row["vs_bf16"] = round(row["step_ms"] / bf16_ms[case], 3) if case in bf16_ms else None
             payload["rows"].append(row)
+            set_vs_bf16(payload["rows"])
             print("  " + json.dumps(row), flush=True)
             write(payload, opts.out)
     payload["wall_s"] = round(time.perf_counter() - t_start, 1)
     write(payload, opts.out)
     return payload
+
+
+def build_models(dense, variants: tuple[Variant, ...]) -> dict[tuple[str, bool | None], object]:
+    """(weights, layout's kmajor) -> the model every variant of it runs: the dense draw, quantized
+    once per format and layout the variants need (the same underlying weights everywhere)."""
+    models = {}
+    for v in variants:
+        key = (v.weights, v.kmajor)
+        if key not in models:
+            models[key] = dense if v.gemm == "dense" else quantized_model(dense, v.weights, kmajor=v.kmajor)
+    jax.block_until_ready([m.params for m in models.values()])
+    return models
+
+
+def skip_reason(variant: Variant, case: Case) -> str | None:
+    """Why a cell would only repeat another one, or None: the Mosaic kernel by name takes steps of
+    at most QUANT_KERNEL_MAX_TOKENS tokens, above which the step is fp8-kmajor-weight-only's."""
+    if variant.kernel == "mgpu" and case.tokens > QUANT_KERNEL_MAX_TOKENS:
+        return f"above {QUANT_KERNEL_MAX_TOKENS} tokens the step runs XLA's path: the kmajor weight-only program"
+    return None
+
+
+def set_vs_bf16(rows: list[dict]) -> None:
+    """vs_bf16 = step_ms / the dense row's of the same case (None until that row exists), so that
+    the dense variant need not run first."""
+    dense = {r["case_label"]: r["step_ms"] for r in rows if r["gemm"] == "dense"}
+    for r in rows:
+        base = dense.get(r["case_label"])
+        r["vs_bf16"] = round(r["step_ms"] / base, 3) if base else None
+
+
+def selected_variants(opts: argparse.Namespace) -> tuple[Variant, ...]:
+    if not opts.variants:
+        return VARIANTS
+    by_label = {v.label: v for v in VARIANTS}
+    unknown = set(opts.variants) - set(by_label)
+    if unknown:
+        raise SystemExit(f"--variants {sorted(unknown)}: choose from {list(by_label)}")
+    return tuple(by_label[name] for name in opts.variants)
 
 
 def selected_cases(opts: argparse.Namespace) -> tuple[Case, ...]:
@@ -277,7 +360,7 @@ def selected_cases(opts: argparse.Namespace) -> tuple[Case, ...]:
 def run_cell(variant, case, cfg, models, runners, bank, dtype, opts, hbm, rates, itemsize) -> dict:
     if variant not in runners:
         config = engine_config(variant, selected_cases(opts), dtype)
-        model = models[variant.weights]
+        model = models[(variant.weights, variant.kmajor)]
         runners[variant] = Runner(model, config, kernels=config.step_kernels(fused_projections=model.fused))
         gc.collect()
     runner = runners[variant]
@@ -285,9 +368,13 @@ def run_cell(variant, case, cfg, models, runners, bank, dtype, opts, hbm, rates,
     floor = step_bytes(cfg, variant, case, itemsize) / (hbm * 1e9) * 1e3
     rate = rates[variant.weights] if variant.gemm == "w8a8" else rates["bf16"]
     row = {
+        "variant": variant.label,
         "weights": "f32" if opts.smoke and variant.weights == "bf16" else variant.weights,
         "gemm": variant.gemm,
+        "layout": None if runner.model.quantization is None else ("kmajor" if runner.model.kmajor else "in-out"),
+        "kernel": variant.kernel,
         "case": case.name,
+        "case_label": case.label,
         "decode_rows": case.decode_rows,
         "tokens": case.tokens,
         "distinct_adapters": min(DISTINCT, case.decode_rows),
@@ -318,6 +405,12 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=[],
         help="run only these cases, in this order (GPU: decode-64 mixed-2048 decode-16 mixed-512; smoke: decode-4 mixed-24)",
+    )
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=[],
+        help=f"run only these variants, in this order (default all: {' '.join(v.label for v in VARIANTS)})",
     )
     opts = p.parse_args(argv)
     payload = run(opts)

@@ -42,6 +42,7 @@ def load_model(
     dtype: jnp.dtype = jnp.float32,
     quantization: Quantization | str | None = None,
     fused: bool = False,
+    kmajor: bool | None = None,
 ) -> tuple[LoadedModel, Tokenizer]:
     """Loads a base model and its tokenizer.
 
@@ -54,25 +55,28 @@ def load_model(
         quantization loads in its own format.
       fused: hold q|k|v and gate|up as one projection each, the serving layout (jaxlora.model.fused:
         fewer, wider GEMMs per decode step); tensor-parallel engines need False.
+      kmajor: the serving layout's quantized projections stored K-major (`qkernel_t`); None: the
+        format's default, jaxlora.kernels.KMAJOR_SERVING (jaxlora.model.params.build_model).
     """
     quantization = parse_quantization(quantization)
+    layout = dict(dtype=dtype, quantization=quantization, fused=fused, kmajor=kmajor)
     path = default_model_path() if source is None else Path(source)
     if path.is_dir():
         from jaxlora.loading.orbax_ckpt import is_converted, load_converted
 
         if is_converted(path):
-            return load_converted(path, dtype=dtype, quantization=quantization, fused=fused)
+            return load_converted(path, dtype=dtype, quantization=quantization, fused=fused, kmajor=kmajor)
         from jaxlora.loading.hf_folder import load_hf_arrays
 
         config, arrays = load_hf_arrays(path)
-        model = build_model(config, arrays, dtype=dtype, quantization=quantization, fused=fused, source=str(path))
+        model = build_model(config, arrays, **layout, source=str(path))
         return model, tokenizer_from_folder(path, eos_token_ids=config.eos_token_ids)
     if path.suffix == ".gguf" or path.is_file():
         from jaxlora.loading.gguf_file import load_gguf_arrays, metadata
         from jaxlora.loading.gguf_tokenizer import tokenizer_from_gguf
 
         config, arrays, reader = load_gguf_arrays(path, quantization=quantization)
-        model = build_model(config, arrays, dtype=dtype, quantization=quantization, fused=fused, source=str(path))
+        model = build_model(config, arrays, **layout, source=str(path))
         return model, tokenizer_from_gguf(reader, metadata(reader), source=str(path))
     raise ModelLoadError(f"{path}: no such model file or folder")
 

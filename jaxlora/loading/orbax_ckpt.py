@@ -75,10 +75,16 @@ def _read_meta(folder: Path) -> tuple[dict, ModelConfig]:
 
 
 def load_converted(
-    folder: Path, *, dtype: jnp.dtype | None = None, quantization: Quantization | None = None, fused: bool = False
+    folder: Path,
+    *,
+    dtype: jnp.dtype | None = None,
+    quantization: Quantization | None = None,
+    fused: bool = False,
+    kmajor: bool | None = None,
 ) -> tuple[LoadedModel, Tokenizer]:
     """The checkpoint's model in `dtype` (default: the saved one); fused: in the serving layout
-    (jaxlora.model.fused; checkpoints always hold the canonical one).
+    (jaxlora.model.fused; checkpoints always hold the canonical one, [in, out]), its quantized
+    weights stored K-major where `kmajor` says (jaxlora.model.params.build_model).
 
     quantization: quantize a dense checkpoint's projections at load; for a quantized checkpoint it
     must be None or its own format (re-quantizing quantized weights would compound two errors).
@@ -107,6 +113,7 @@ def load_converted(
         dtype=dtype or saved,
         quantization=quantization or saved_quantization,
         fused=fused,
+        kmajor=kmajor,
         source=str(folder),
     )
     return model, tokenizer_from_folder(folder, eos_token_ids=config.eos_token_ids)

@@ -34,7 +34,7 @@ from jaxlora.lora.apply import (
 )
 from jaxlora.model.fused import module_columns
 from jaxlora.model.kv_cache import KVCache, PagedKVCache
-from jaxlora.model.quant import Quantization, QuantLinear, kmajor_serving, project
+from jaxlora.model.quant import Quantization, QuantLinear, project, serving_kmajor
 from jaxlora.model.rope import apply_rope, inverse_frequencies
 from jaxlora.parallel import layers as tp
 
@@ -62,12 +62,11 @@ def _linear(
     dtype: jnp.dtype,
     rngs: nnx.Rngs,
     quantization: Quantization | None = None,
-    fused: bool = False,
+    k_major: bool = False,
 ) -> nnx.Linear | QuantLinear:
-    """A projection, `layer(x) = x @ W (+ b)`: dense in `dtype`, or weight-only quantized (int8 stored
-    K-major in the serving layout, `fused`: jaxlora.model.quant's module doc)."""
+    """A projection, `layer(x) = x @ W (+ b)`: dense in `dtype`, or weight-only quantized (stored
+    K-major with `k_major`: jaxlora.model.quant's module doc)."""
     if quantization is not None:
-        k_major = fused and kmajor_serving(quantization)
         return QuantLinear(d_in, d_out, quantization=quantization, use_bias=bias, dtype=dtype, k_major=k_major)
     return nnx.Linear(
         d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs, kernel_init=nnx.initializers.normal(0.02)
@@ -173,17 +172,18 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs,
         quantization: Quantization | None = None,
         fused: bool = False,
+        kmajor: bool = False,
     ):
         self.cfg = cfg
         self.fused = fused
         if fused:
             width = cfg.q_size + 2 * cfg.kv_size
-            self.qkv_proj = _linear(cfg.hidden_size, width, cfg.attention_bias, dtype, rngs, quantization, fused)
+            self.qkv_proj = _linear(cfg.hidden_size, width, cfg.attention_bias, dtype, rngs, quantization, kmajor)
         else:
             self.q_proj = _linear(cfg.hidden_size, cfg.q_size, cfg.attention_bias, dtype, rngs, quantization)
             self.k_proj = _linear(cfg.hidden_size, cfg.kv_size, cfg.attention_bias, dtype, rngs, quantization)
             self.v_proj = _linear(cfg.hidden_size, cfg.kv_size, cfg.attention_bias, dtype, rngs, quantization)
-        self.o_proj = _linear(cfg.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, rngs, quantization, fused)
+        self.o_proj = _linear(cfg.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, rngs, quantization, kmajor)
 
     def __call__(self, x: jax.Array, kv: KVCache, layer: jax.Array, lora: dict, s: StepInputs):
         """x [b, t, D]; kv: every layer's cache; layer: this layer's index -> (out [b, t, D], kv)."""
@@ -302,16 +302,17 @@ class MLP(nnx.Module):
         rngs: nnx.Rngs,
         quantization: Quantization | None = None,
         fused: bool = False,
+        kmajor: bool = False,
     ):
         self.cfg = cfg
         self.fused = fused
         if fused:
             width = 2 * cfg.intermediate_size
-            self.gate_up_proj = _linear(cfg.hidden_size, width, False, dtype, rngs, quantization, fused)
+            self.gate_up_proj = _linear(cfg.hidden_size, width, False, dtype, rngs, quantization, kmajor)
         else:
             self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs, quantization)
             self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs, quantization)
-        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, rngs, quantization, fused)
+        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, rngs, quantization, kmajor)
 
     def __call__(self, x: jax.Array, layer: jax.Array, lora: dict, s: StepInputs) -> jax.Array:
         b, t, _ = x.shape
@@ -350,11 +351,13 @@ class DecoderLayer(nnx.Module):
         rngs: nnx.Rngs,
         quantization: Quantization | None = None,
         fused: bool = False,
+        kmajor: bool = False,
     ):
+        layout = dict(quantization=quantization, fused=fused, kmajor=kmajor)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=dtype)
-        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, quantization=quantization, fused=fused)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, **layout)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=dtype)
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, quantization=quantization, fused=fused)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, **layout)
 
     def __call__(self, x, kv: KVCache, layer: jax.Array, lora: dict, s: StepInputs):
         attn, kv = self.self_attn(self.input_layernorm(x), kv, layer, lora, s)
@@ -369,6 +372,9 @@ class Llama(nnx.Module):
     quantization: store the seven projections of every layer weight-only quantized
     (jaxlora.model.quant); embeddings, norms and the LM head stay in `dtype`.
     fused: q|k|v and gate|up as one projection each (the serving layout, jaxlora.model.fused).
+    kmajor: the serving layout's quantized projections stored K-major (`qkernel_t`); None: the
+      format's default (jaxlora.model.quant.serving_kmajor, which raises ValueError for True on a
+      dense or separate-layout model).
     """
 
     def __init__(
@@ -379,9 +385,11 @@ class Llama(nnx.Module):
         rngs: nnx.Rngs,
         quantization: Quantization | None = None,
         fused: bool = False,
+        kmajor: bool | None = None,
     ):
         self.cfg = cfg
         self.fused = fused
+        kmajor = serving_kmajor(quantization, fused, kmajor)
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -394,7 +402,7 @@ class Llama(nnx.Module):
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(cfg, dtype=dtype, rngs=rngs, quantization=quantization, fused=fused)
+            return DecoderLayer(cfg, dtype=dtype, rngs=rngs, quantization=quantization, fused=fused, kmajor=kmajor)
 
         self.layers = make_layers(rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=dtype)

@@ -26,9 +26,9 @@ from jaxlora.model.llama import Llama
 from jaxlora.model.quant import (
     Quantization,
     from_kmajor_arrays,
-    kmajor_serving,
     parse_quantization,
     quantize_arrays,
+    serving_kmajor,
     to_kmajor_arrays,
 )
 
@@ -38,7 +38,8 @@ class LoadedModel:
     """A base model ready to run: config, the static graph and the parameter state (a pytree).
 
     dtype: activations and every dense parameter; quantization: how the projections are stored
-    (None: dense, in `dtype`); fused: q|k|v and gate|up stored as one projection each.
+    (None: dense, in `dtype`); fused: q|k|v and gate|up stored as one projection each; kmajor:
+    the quantized projections stored K-major (`qkernel_t`, the serving layout only).
     """
 
     config: ModelConfig
@@ -47,6 +48,7 @@ class LoadedModel:
     dtype: jnp.dtype
     quantization: Quantization | None = None
     fused: bool = False
+    kmajor: bool = False
 
     def module(self) -> Llama:
         """A Llama module bound to the params (cheap: use inside jit, or for eager tests)."""
@@ -63,9 +65,14 @@ def _flat(state: nnx.State) -> list[tuple[tuple, jax.Array]]:
 
 
 def _abstract_state(
-    config: ModelConfig, dtype: jnp.dtype, quantization: Quantization | None, fused: bool = False
+    config: ModelConfig,
+    dtype: jnp.dtype,
+    quantization: Quantization | None,
+    fused: bool = False,
+    kmajor: bool = False,
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    make = lambda: Llama(config, dtype=dtype, quantization=quantization, fused=fused, rngs=nnx.Rngs(0))  # noqa: E731
+    layout = dict(quantization=quantization, fused=fused, kmajor=kmajor)
+    make = lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0), **layout)  # noqa: E731
     return nnx.split(nnx.eval_shape(make))
 
 
@@ -101,10 +108,17 @@ def _check_arrays(
 
 
 def abstract_model(
-    config: ModelConfig, dtype: jnp.dtype, quantization: Quantization | str | None = None, fused: bool = False
+    config: ModelConfig,
+    dtype: jnp.dtype,
+    quantization: Quantization | str | None = None,
+    fused: bool = False,
+    kmajor: bool | None = None,
 ) -> tuple[nnx.GraphDef, dict[str, jax.ShapeDtypeStruct]]:
-    """The graph and the expected name -> (shape, dtype) of every parameter, without allocating."""
-    graphdef, state = _abstract_state(config, dtype, parse_quantization(quantization), fused)
+    """The graph and the expected name -> (shape, dtype) of every parameter, without allocating
+    (kmajor as in `build_model`)."""
+    quantization = parse_quantization(quantization)
+    kmajor = serving_kmajor(quantization, fused, kmajor)
+    graphdef, state = _abstract_state(config, dtype, quantization, fused, kmajor)
     return graphdef, _expected(state)
 
 
@@ -115,6 +129,7 @@ def build_model(
     dtype: jnp.dtype = jnp.float32,
     quantization: Quantization | str | None = None,
     fused: bool = False,
+    kmajor: bool | None = None,
     source: str = "<arrays>",
 ) -> LoadedModel:
     """Validates names and shapes of `arrays` (canonical names) against `config` and places them on
@@ -123,11 +138,14 @@ def build_model(
     With a quantization, dense projection kernels among `arrays` are quantized here (on the default
     device, one tensor at a time); projections given already quantized must have the format's dtype.
     fused=True builds the serving layout (jaxlora.model.fused): q|k|v and gate|up are concatenated
-    here, after quantizing (each scale stays with its column), and int8 weights are stored K-major
-    (`qkernel_t`, jaxlora.model.quant).
+    here, after quantizing (each scale stays with its column), and the quantized weights are stored
+    K-major (`qkernel_t`, jaxlora.model.quant) where `kmajor` says: None takes the format's default,
+    jaxlora.kernels.KMAJOR_SERVING (int8 yes, FP8 no); True or False overrides it (True only for a
+    quantized serving layout: ValueError otherwise), so one process can build both layouts.
     Raises ModelLoadError naming `source` and the offending tensor.
     """
     quantization = parse_quantization(quantization)
+    kmajor = serving_kmajor(quantization, fused, kmajor)
     if quantization is not None:
         arrays = quantize_arrays(arrays, quantization)
     if fused:
@@ -137,9 +155,11 @@ def build_model(
         # swapped pieces (q as wide as k|v), and a misshapen one would fail inside the concatenate.
         _check_arrays(_expected(_abstract_state(config, dtype, quantization)[1]), arrays, quantization, source)
         arrays = fuse_arrays(arrays)
-        if kmajor_serving(quantization):
+        if kmajor:
             arrays = to_kmajor_arrays(arrays)
-    return assemble_model(config, arrays, dtype=dtype, quantization=quantization, fused=fused, source=source)
+    return assemble_model(
+        config, arrays, dtype=dtype, quantization=quantization, fused=fused, kmajor=kmajor, source=source
+    )
 
 
 def assemble_model(
@@ -149,13 +169,16 @@ def assemble_model(
     dtype: jnp.dtype,
     quantization: Quantization | None,
     fused: bool,
+    kmajor: bool | None = None,
     source: str = "<arrays>",
 ) -> LoadedModel:
-    """A LoadedModel of `arrays` given in the stored layout (fused names where `fused`, storage dtypes):
-    checked against `config` and placed, nothing converted or concatenated, so arrays already on the
-    device (a 70B-shape base drawn there in FP8) are used as they are. Raises ModelLoadError."""
+    """A LoadedModel of `arrays` given in the stored layout (fused names where `fused`, `qkernel_t`
+    where `kmajor`, as in `build_model`; storage dtypes): checked against `config` and placed,
+    nothing converted or concatenated, so arrays already on the device (a 70B-shape base drawn there
+    in FP8) are used as they are. Raises ModelLoadError."""
     quantization = parse_quantization(quantization)
-    graphdef, state = _abstract_state(config, dtype, quantization, fused)
+    kmajor = serving_kmajor(quantization, fused, kmajor)
+    graphdef, state = _abstract_state(config, dtype, quantization, fused, kmajor)
     _check_arrays(_expected(state), arrays, quantization, source)
     for path, var in nnx.to_flat_state(state):
         # The expected dtype: `dtype` for dense parameters, the storage dtype / float32 for quantized ones.
@@ -167,6 +190,7 @@ def assemble_model(
         dtype=jnp.dtype(dtype),
         quantization=quantization,
         fused=fused,
+        kmajor=kmajor,
     )
 
 
@@ -183,9 +207,10 @@ def random_model(
     std: float = 0.02,
     quantization: Quantization | str | None = None,
     fused: bool = False,
+    kmajor: bool | None = None,
 ) -> LoadedModel:
     """A model with random weights (tests and benchmarks); fused=True in the serving layout, with
-    the same values as the separate layout drawn from the same seed.
+    the same values as the separate layout drawn from the same seed (kmajor as in `build_model`).
 
     Matrices are N(0, std); norm scales are 1 + N(0, 0.1) so that a norm applied with the wrong
     weight cannot go unnoticed. Drawn as `draw_params` says (small models on the host, large ones
@@ -198,6 +223,7 @@ def random_model(
         dtype=dtype,
         quantization=quantization,
         fused=fused,
+        kmajor=kmajor,
         source="random",
     )
 
@@ -248,8 +274,9 @@ def _normal(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Arr
     return jax.lax.map(lambda i: jax.random.normal(jax.random.fold_in(key, i), shape[1:], dtype), layers)
 
 
-def quantized_model(model: LoadedModel, quantization: Quantization | str) -> LoadedModel:
-    """`model` (dense) with its projections quantized; the dense model is left as it is."""
+def quantized_model(model: LoadedModel, quantization: Quantization | str, *, kmajor: bool | None = None) -> LoadedModel:
+    """`model` (dense) with its projections quantized, in `model`'s layout and stored K-major where
+    `kmajor` says (as in `build_model`); the dense model is left as it is."""
     if model.quantization is not None:
         raise ValueError(f"the model is already quantized ({model.quantization}); quantize a dense model")
     return build_model(
@@ -258,6 +285,7 @@ def quantized_model(model: LoadedModel, quantization: Quantization | str) -> Loa
         dtype=model.dtype,
         quantization=quantization,
         fused=model.fused,
+        kmajor=kmajor,
         source="quantized_model",
     )
 

@@ -25,13 +25,17 @@ norms and the LM head keep the model's dtype. A quantized projection's parameter
 `qkernel` ([L, in, out], stacked over layers like `kernel`) and `qscale` ([L, out]), so that code
 reading a dense `kernel` fails loudly instead of multiplying by raw integers.
 
-The serving layout (jaxlora.model.fused) stores int8 weights K-major instead, as `qkernel_t`
-([L, out, in]: each output column's weights contiguous), the layout the Hopper GEMM kernel
+The serving layout (jaxlora.model.fused) may store the weights K-major instead, as `qkernel_t`
+([L, out, in]: each output column's weights contiguous): the layout the Hopper GEMM kernel
 `pallas_kernels.quant.mgpu` reads (wgmma takes its register operand, the widened weight tile,
-from the [out, in] side). A different name again, so that code expecting [in, out] fails loudly
-rather than reading a square matrix transposed. FP8 keeps `qkernel` there: its kernel (jaxlora.kernels.BEST_KERNEL)
-is the Triton one, checked on the GPU in that layout (benchmarks/DECISIONS.md#quant-kernel-choice). `to_kmajor_arrays` /
-`from_kmajor_arrays` convert; `LoadedModel.flat_params()` always returns the canonical `qkernel`.
+from the [out, in] side), and the one cuBLASLt's 8-bit GEMMs want for both operands (contracting
+axis last), so a W8A8 step on K-major weights needs no transposed copy of a weight. A different
+name again, so that code expecting [in, out] fails loudly rather than reading a square matrix
+transposed. Which formats are K-major is build_model's `kmajor` argument, by default
+jaxlora.kernels.KMAJOR_SERVING (`serving_kmajor`): int8 is (its BEST_KERNEL is the Mosaic kernel),
+FP8 is not until the GPU says which layout is faster (benchmarks/DECISIONS.md#fp8-layout); its
+weight-only steps run the Triton kernel in either layout. `to_kmajor_arrays` / `from_kmajor_arrays`
+convert; `LoadedModel.flat_params()` always returns the canonical `qkernel`.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlora.config import TARGET_MODULES
-from jaxlora.kernels import BEST_KERNEL, QuantKernel
+from jaxlora.kernels import BEST_KERNEL, KMAJOR_SERVING, QuantKernel
 from jaxlora.model.w8a8 import matmul_w8a8
 from pallas_kernels.quant.mgpu import X_DTYPES as MGPU_X_DTYPES
 from pallas_kernels.quant.mgpu import quant_matmul_mgpu
@@ -114,9 +118,29 @@ def matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *, k_major: bool = Fals
 
 
 def kmajor_serving(quantization: Quantization | None) -> bool:
-    """Whether the serving layout stores this format's weights K-major (`qkernel_t`): where its
-    BEST_KERNEL is the Mosaic one, which reads only that layout."""
-    return quantization is not None and BEST_KERNEL[quantization.storage_dtype] is QuantKernel.MGPU
+    """Whether the serving layout stores this format's weights K-major (`qkernel_t`) by default:
+    jaxlora.kernels.KMAJOR_SERVING's entry (False for dense weights)."""
+    return quantization is not None and KMAJOR_SERVING[quantization.storage_dtype]
+
+
+def serving_kmajor(quantization: Quantization | None, fused: bool, kmajor: bool | None = None) -> bool:
+    """Whether a model of this format and layout stores its projections K-major.
+
+    kmajor None: the table's default for the serving layout (`kmajor_serving`), never for the
+    separate one. True or False is taken as given; True needs quantized weights in the serving
+    layout (the separate layout, which tensor parallelism splits, has no K-major storage), else
+    ValueError.
+    """
+    if kmajor is None:
+        return fused and kmajor_serving(quantization)
+    if not isinstance(kmajor, bool):
+        raise ValueError(f"kmajor={kmajor!r} must be a bool or None")
+    if kmajor and (quantization is None or not fused):
+        raise ValueError(
+            f"kmajor=True stores quantized projections of the serving layout K-major; this model is "
+            f"{quantization or 'dense'}, fused={fused}"
+        )
+    return kmajor
 
 
 class QuantLinear(nnx.Module):
@@ -183,7 +207,7 @@ def project(
     `pallas_kernels.quant.triton` (either layout); MGPU is `pallas_kernels.quant.mgpu`, which
     needs the K-major layout and takes bf16 / f16 steps of at most 256 rows whose widths fit its
     tiles (`pallas_kernels.quant.tuning.mgpu_knobs`), and raises ValueError for any other;
-    BEST picks per format (BEST_KERNEL; TRITON for the separate layout), and where the Mosaic kernel
+    BEST picks per format (BEST_KERNEL for K-major weights; TRITON for [in, out] ones), and where the Mosaic kernel
     cannot take a projection (a float32 model, a width that is not a multiple of 64) runs the
     Triton kernel instead: a static choice by shape and dtype, made at trace time. `interpret`: in the Pallas
     interpreter (CPU; the Mosaic kernel's shared-memory operand variant, which the interpreter
@@ -210,7 +234,9 @@ def project(
         kernel = BEST_KERNEL[jnp.dtype(q.dtype)] if linear.k_major else QuantKernel.TRITON
     if kernel is QuantKernel.MGPU:
         if not linear.k_major:
-            raise ValueError("the Mosaic GPU kernel reads K-major weights (qkernel_t): int8 in the serving layout")
+            raise ValueError(
+                "the Mosaic GPU kernel reads K-major weights (qkernel_t): build the serving layout with kmajor=True"
+            )
         knobs = mgpu_knobs(x.shape[0], q.shape[1], q.shape[2], interpret=interpret)
         fits = knobs is not None and jnp.dtype(x.dtype) in MGPU_X_DTYPES
         if fits:

@@ -142,6 +142,8 @@ VARIANTS = {
     "magic": (Quantization.INT8, dict(convert="magic")),
     "magic-swap": (Quantization.INT8, dict(convert="magic", swap_ab=True)),
     "int8-kmajor": (Quantization.INT8, dict(k_major=True)),
+    "fp8-kmajor": (Quantization.FP8, dict(k_major=True)),  # the serving layout's FP8 with kmajor=True
+    "fp8-kmajor-swap": (Quantization.FP8, dict(k_major=True, swap_ab=True)),
     "fp8-swap": (Quantization.FP8, dict(swap_ab=True)),
     "w8a8-int8": (Quantization.INT8, dict(w8a8=True)),
     "w8a8-fp8": (Quantization.FP8, dict(w8a8=True)),
@@ -227,7 +229,7 @@ def test_variants_match_reference_on_awkward_shapes(variant, num_rows):
     _assert_variant_close(x, q, scale, got, flags, "float32", f"{variant} M={num_rows}")
 
 
-@pytest.mark.parametrize("variant", ["magic", "w8a8-int8-kmajor-swap", "w8a8-fp8"])
+@pytest.mark.parametrize("variant", ["magic", "fp8-kmajor", "w8a8-int8-kmajor-swap", "w8a8-fp8"])
 def test_variants_take_bf16_activations(variant):
     quantization, flags = VARIANTS[variant]
     x, q, scale = _data(9, quantization, 17, 200, 72, jnp.bfloat16)
@@ -253,7 +255,7 @@ def test_w8a8_is_within_the_activation_rounding_of_the_dense_product(quantizatio
     assert np.abs(got - want).max() > 0  # the activations were quantized, not passed through
 
 
-@pytest.mark.parametrize("variant", ["magic-swap", "int8-kmajor", "w8a8-int8", "w8a8-fp8-kmajor"])
+@pytest.mark.parametrize("variant", ["magic-swap", "int8-kmajor", "fp8-kmajor", "w8a8-int8", "w8a8-fp8-kmajor"])
 def test_variants_in_a_scan_read_each_layer(variant):
     quantization, flags = VARIANTS[variant]
     rng = np.random.default_rng(12)

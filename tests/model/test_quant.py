@@ -181,7 +181,7 @@ def test_quant_matmul_choice_is_resolved_per_platform():
         assert StepKernels.for_platform("xla", "gpu").quant_matmul is QuantMatmul.PALLAS
     mgpu = StepKernels.for_platform("xla", "gpu", compute_capability="9.0", quant_matmul="mgpu")
     assert mgpu.quant_kernel == "mgpu" and mgpu.quant_kernel_max_tokens == QUANT_KERNEL_MAX_TOKENS
-    with pytest.raises(ValueError, match="K-major int8 weights"):
+    with pytest.raises(ValueError, match="reads the serving layout.s K-major weights"):
         StepKernels.for_platform("xla", "gpu", compute_capability="9.0", quant_matmul="mgpu", fused_projections=False)
     for kernel, limit in (("mgpu", None), ("best", 257)):
         with pytest.raises(ValueError, match="at most 256 rows"):
