@@ -587,6 +587,9 @@ def _fresh_pool(model: ModelConfig, num_pages: int, page_size: int, dtype: jnp.d
     return jax.tree.map(lambda x: x + zero, init_paged_kv_cache(model, num_pages, page_size, dtype))
 
 
+BLOCK_SHARE = 0.95  # of the largest free block the pool may take: the allocator rounds and aligns
+
+
 def pool_positions(model: ModelConfig, config: EngineConfig, mesh: jax.sharding.Mesh | None = None) -> int:
     """KV positions the page pool can hold: `config.num_pages`, else on GPU the share
     `kv_memory_fraction` of the device memory free now (call it with weights and bank placed), else
@@ -597,8 +600,20 @@ def pool_positions(model: ModelConfig, config: EngineConfig, mesh: jax.sharding.
         return CPU_MAX_SEQ_LEN
     stats = jax.local_devices()[0].memory_stats() or {}
     free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    # The pool's buffers need contiguous memory: a load that freed temporaries between live buffers
+    # leaves the free bytes in pieces, and a pool sized from their sum failed to allocate at
+    # warm-up (benchmarks/DECISIONS.md#load-on-device). Size it to fit the largest piece instead.
+    block = stats.get("largest_free_block_bytes", free)
+    if block < free * config.kv_memory_fraction:
+        log.warning(
+            "device memory is fragmented: %.2f GiB free, the largest free block %.2f GiB; the KV pool is "
+            "sized to that block",
+            free / 2**30,
+            block / 2**30,
+        )
+    usable = min(free * config.kv_memory_fraction, block * BLOCK_SHARE)
     per_page = kv_bytes_per_position(model, config.jnp_dtype) * config.page_size // tensor_size(mesh)
-    return int(free * config.kv_memory_fraction) // per_page * config.page_size
+    return int(usable) // per_page * config.page_size
 
 
 def _home_device(params) -> jax.Device:
