@@ -337,24 +337,22 @@ def set_vs_bf16(rows: list[dict]) -> None:
 
 
 def selected_variants(opts: argparse.Namespace) -> tuple[Variant, ...]:
-    if not opts.variants:
-        return VARIANTS
-    by_label = {v.label: v for v in VARIANTS}
-    unknown = set(opts.variants) - set(by_label)
-    if unknown:
-        raise SystemExit(f"--variants {sorted(unknown)}: choose from {list(by_label)}")
-    return tuple(by_label[name] for name in opts.variants)
+    return _by_label(VARIANTS, opts.variants, "--variants")
 
 
 def selected_cases(opts: argparse.Namespace) -> tuple[Case, ...]:
-    cases = SMOKE_CASES if opts.smoke else GPU_CASES
-    if not opts.cases:
-        return cases
-    by_label = {c.label: c for c in cases}
-    unknown = set(opts.cases) - set(by_label)
+    return _by_label(SMOKE_CASES if opts.smoke else GPU_CASES, opts.cases, "--cases")
+
+
+def _by_label(items: tuple, names: list[str] | None, flag: str) -> tuple:
+    """The items `names` picks by label, in that order (all when None); SystemExit for an unknown one."""
+    if not names:
+        return items
+    by_label = {item.label: item for item in items}
+    unknown = set(names) - set(by_label)
     if unknown:
-        raise SystemExit(f"--cases {sorted(unknown)}: choose from {list(by_label)}")
-    return tuple(by_label[name] for name in opts.cases)
+        raise SystemExit(f"{flag} {sorted(unknown)}: choose from {list(by_label)}")
+    return tuple(by_label[name] for name in names)
 
 
 def run_cell(variant, case, cfg, models, runners, bank, dtype, opts, hbm, rates, itemsize) -> dict:
