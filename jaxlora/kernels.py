@@ -64,24 +64,22 @@ class QuantKernel(enum.StrEnum):
 
 
 # QuantKernel.BEST by storage dtype: per format the fastest kernel whose output was compared with a
-# float64 product on the GPU. int8 runs the Mosaic kernel (faster than the Triton one at every decode
-# size); e4m3 stays on the Triton kernel (in either layout, `KMAJOR_SERVING`) until the Mosaic
-# kernel's e4m3 output is checked on the GPU (benchmarks/DECISIONS.md#quant-kernel-choice).
+# float64 product on the GPU. Both 8-bit formats run the Mosaic kernel, faster than the Triton one at
+# every decode size, e4m3 since its output passed that check (benchmarks/DECISIONS.md#quant-kernel-choice).
 BEST_KERNEL: dict[jnp.dtype, QuantKernel] = {
     jnp.dtype(jnp.int8): QuantKernel.MGPU,
-    jnp.dtype(jnp.float8_e4m3fn): QuantKernel.TRITON,
+    jnp.dtype(jnp.float8_e4m3fn): QuantKernel.MGPU,
 }
 
 # The serving layout's storage by format, where build_model is not told (its `kmajor` argument,
 # `model.quant.serving_kmajor`): True stores the projections K-major (`qkernel_t` [L, out, in], the
 # layout both the Mosaic kernel and cuBLASLt's 8-bit GEMMs read without a transpose), False as
 # `qkernel` [L, in, out]. A format whose BEST_KERNEL is the Mosaic kernel must be K-major (that
-# kernel reads nothing else). e4m3 stays [in, out], the layout its Triton kernel was checked and timed
-# in, until the formats benchmark's A/B of both layouts says otherwise
-# (benchmarks/DECISIONS.md#fp8-layout).
+# kernel reads nothing else); for e4m3 the formats benchmark's A/B of both layouts also measured
+# K-major W8A8 steps faster and its Triton decode steps no slower (benchmarks/DECISIONS.md#fp8-layout).
 KMAJOR_SERVING: dict[jnp.dtype, bool] = {
     jnp.dtype(jnp.int8): True,
-    jnp.dtype(jnp.float8_e4m3fn): False,
+    jnp.dtype(jnp.float8_e4m3fn): True,
 }
 
 # QuantMatmul -> QuantKernel, for the choices that run a kernel.

@@ -126,7 +126,26 @@ def test_two_replicas_give_the_single_process_records(cluster, files, reference,
     assert {r["adapter"] for r in reference.values()} == {None, *ADAPTERS}
     summary = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
     assert summary["requests"] == NUM_ROWS + 2 and summary["errors"] == 2 and summary["replicas"] == 2
+    assert summary["calls_per_replica"] == 2  # 2 x max_batch 8 = 16 rows = one block; at least two
     assert summary["generated_tokens"] == sum(len(r["token_ids"]) for r in reference.values())
+
+
+@pytest.mark.parametrize(
+    ("job", "max_batch", "calls"),
+    [
+        (RayJob(), 256, 32),  # the 7B preset: 512 rows in flight, so its 256-row batch stays full
+        (RayJob(rows_per_block=100), 256, 6),  # rounded up: never fewer rows than two batches
+        (RayJob(), 4, 2),  # a small engine still gets a second block while one travels back
+        (RayJob(calls_per_replica=3), 256, 3),  # the job's own number wins
+    ],
+)
+def test_calls_in_flight_keep_the_engine_batch_full(job, max_batch, calls):
+    assert job.calls_in_flight(max_batch) == calls
+
+
+def test_a_job_refuses_zero_calls_in_flight():
+    with pytest.raises(ValueError, match="calls_per_replica=0"):
+        RayJob(calls_per_replica=0)
 
 
 def _actor_pids() -> set[int]:

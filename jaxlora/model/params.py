@@ -140,7 +140,7 @@ def build_model(
     fused=True builds the serving layout (jaxlora.model.fused): q|k|v and gate|up are concatenated
     here, after quantizing (each scale stays with its column), and the quantized weights are stored
     K-major (`qkernel_t`, jaxlora.model.quant) where `kmajor` says: None takes the format's default,
-    jaxlora.kernels.KMAJOR_SERVING (int8 yes, FP8 no); True or False overrides it (True only for a
+    jaxlora.kernels.KMAJOR_SERVING (both 8-bit formats); True or False overrides it (True only for a
     quantized serving layout: ValueError otherwise), so one process can build both layouts.
     Raises ModelLoadError naming `source` and the offending tensor.
     """

@@ -32,10 +32,10 @@ from the [out, in] side), and the one cuBLASLt's 8-bit GEMMs want for both opera
 axis last), so a W8A8 step on K-major weights needs no transposed copy of a weight. A different
 name again, so that code expecting [in, out] fails loudly rather than reading a square matrix
 transposed. Which formats are K-major is build_model's `kmajor` argument, by default
-jaxlora.kernels.KMAJOR_SERVING (`serving_kmajor`): int8 is (its BEST_KERNEL is the Mosaic kernel),
-FP8 is not until the GPU says which layout is faster (benchmarks/DECISIONS.md#fp8-layout); its
-weight-only steps run the Triton kernel in either layout. `to_kmajor_arrays` / `from_kmajor_arrays`
-convert; `LoadedModel.flat_params()` always returns the canonical `qkernel`.
+jaxlora.kernels.KMAJOR_SERVING (`serving_kmajor`): both 8-bit formats are (their BEST_KERNEL is the
+Mosaic kernel; benchmarks/DECISIONS.md#fp8-layout); the Triton kernel reads either layout.
+`to_kmajor_arrays` / `from_kmajor_arrays` convert; `LoadedModel.flat_params()` always returns the
+canonical `qkernel`.
 """
 
 from __future__ import annotations

@@ -43,9 +43,15 @@ from jaxlora.ray.output_folder import OutputFolder, record_key
 from jaxlora.ray.rows import LINE_COLUMN, as_lines, drop_done, keys
 
 # Rows per block and per call: small enough that every replica gets blocks of a short input, and
-# with CALLS_PER_REPLICA calls in flight an engine's batch holds rows of several blocks.
+# that an engine's batch holds rows of many blocks.
 ROWS_PER_BLOCK = 16
-CALLS_PER_REPLICA = 4
+# Rows an actor holds, in engine batches, when the job does not say: one batch decoding and one
+# waiting in the engine's queue, so that a finished row is replaced at the next step; and at least
+# two blocks, so that the engine decodes one while the other's results travel back. With fewer rows
+# than max_batch in flight the engine decodes a smaller batch for the whole job
+# (benchmarks/DECISIONS.md#ray-calls-in-flight).
+BATCHES_IN_FLIGHT = 2
+MIN_CALLS_IN_FLIGHT = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,7 +63,8 @@ class RayJob:
       cpus_per_replica: CPUs Ray reserves for each actor.
       gpus_per_replica: GPUs for each actor; None: 1 when the cluster has GPUs, else 0.
       rows_per_block: rows per Ray Data block (and per call of an actor).
-      calls_per_replica: blocks one actor works on at once (their rows share the engine's batch).
+      calls_per_replica: blocks one actor works on at once (their rows share the engine's batch);
+        None: enough for BATCHES_IN_FLIGHT times the engine's max_batch rows (calls_in_flight).
       compilation_cache: JAX's persistent compilation cache folder for the actors, or None.
     """
 
@@ -65,15 +72,21 @@ class RayJob:
     cpus_per_replica: float = 1.0
     gpus_per_replica: float | None = None
     rows_per_block: int = ROWS_PER_BLOCK
-    calls_per_replica: int = CALLS_PER_REPLICA
+    calls_per_replica: int | None = None
     compilation_cache: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("replicas", "rows_per_block", "calls_per_replica"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.cpus_per_replica <= 0:
             raise ValueError(f"cpus_per_replica={self.cpus_per_replica} must be > 0")
+
+    def calls_in_flight(self, max_batch: int) -> int:
+        """Blocks one actor works on at once, for an engine of `max_batch` rows."""
+        if self.calls_per_replica is not None:
+            return self.calls_per_replica
+        return max(MIN_CALLS_IN_FLIGHT, math.ceil(BATCHES_IN_FLIGHT * max_batch / self.rows_per_block))
 
 
 def run_ray_job(
@@ -93,7 +106,7 @@ def run_ray_job(
     for unusable input or output, 1 when results cannot be written."""
     spec, input_path = _absolute_paths(spec), _absolute(str(input_path))
     try:
-        engine_config(spec)  # a bad config file or adapter folder fails here, not in every replica
+        config = engine_config(spec)  # a bad config file or adapter folder fails here, not in every replica
         if "://" not in input_path and not Path(input_path).exists():
             raise OSError(f"--input {input_path}: no such file or folder")
     except (JaxloraError, ValueError, OSError) as e:
@@ -110,7 +123,8 @@ def run_ray_job(
         return 2
     with folder:
         try:
-            summary = _generate(source, folder, set(expected) - folder.done, spec, job, progress, defaults)
+            calls = job.calls_in_flight(config.max_batch)
+            summary = _generate(source, folder, set(expected) - folder.done, spec, job, calls, progress, defaults)
         except ResultsFileError as e:
             print(f"jaxlora generate: {e}", file=sys.stderr)
             return 1
@@ -181,6 +195,7 @@ def _generate(
     todo: set[str],
     spec: EngineSpec,
     job: RayJob,
+    calls: int,
     progress: bool,
     defaults: LineDefaults,
 ) -> dict[str, Any]:
@@ -194,7 +209,9 @@ def _generate(
                 batch_format="pyarrow",
             )
         with _bar(len(todo), progress) as bar:
-            for batch in _results(source, spec, job, defaults).iter_batches(batch_size=None, batch_format="pyarrow"):
+            for batch in _results(source, spec, job, calls, defaults).iter_batches(
+                batch_size=None, batch_format="pyarrow"
+            ):
                 new = _new_records(batch.to_pylist(), todo, folder.done)
                 folder.append([{k: r[k] for k in OUTPUT_COLUMNS} for r in new])
                 written += new
@@ -202,7 +219,7 @@ def _generate(
                 if first is None and new:
                     first = (time.perf_counter(), len(written))
     seconds = time.perf_counter() - start
-    summary = _summary(written, seconds, job)
+    summary = {**_summary(written, seconds, job), "calls_per_replica": calls}
     if first is not None:
         # Replicas warm up inside the job: the rate once results flow is the engines' own.
         rest = written[first[1] :]
@@ -238,7 +255,9 @@ def _summary(written: list[dict[str, Any]], seconds: float, job: RayJob) -> dict
     }
 
 
-def _results(source: ray.data.Dataset, spec: EngineSpec, job: RayJob, defaults: LineDefaults) -> ray.data.Dataset:
+def _results(
+    source: ray.data.Dataset, spec: EngineSpec, job: RayJob, calls: int, defaults: LineDefaults
+) -> ray.data.Dataset:
     gpus = job.gpus_per_replica
     if gpus is None:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
@@ -249,8 +268,8 @@ def _results(source: ray.data.Dataset, spec: EngineSpec, job: RayJob, defaults: 
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(
             size=job.replicas,
-            max_tasks_in_flight_per_actor=job.calls_per_replica,
-            max_concurrent_calls_per_actor=job.calls_per_replica,
+            max_tasks_in_flight_per_actor=calls,
+            max_concurrent_calls_per_actor=calls,
         ),
         num_cpus=job.cpus_per_replica,
         num_gpus=gpus,

@@ -276,9 +276,10 @@ def _kmajor_linear(quantization: Quantization, dtype=jnp.bfloat16, k_major: bool
     ("quantization", "kernel", "k_major", "dtype", "runs"),
     [
         ("int8", "best", True, jnp.bfloat16, "mgpu"),  # BEST_KERNEL: int8 on the Mosaic kernel
-        ("fp8", "best", True, jnp.bfloat16, "triton"),  # e4m3 stays on Triton until checked on the GPU
+        ("fp8", "best", True, jnp.bfloat16, "mgpu"),  # and e4m3, since its GPU check
         ("int8", "best", False, jnp.bfloat16, "triton"),  # the separate layout is not K-major
-        ("fp8", "mgpu", True, jnp.bfloat16, "mgpu"),  # opted in
+        ("fp8", "best", False, jnp.bfloat16, "triton"),
+        ("fp8", "triton", True, jnp.bfloat16, "triton"),  # opted out
         ("int8", "best", True, jnp.float32, "triton"),  # the Mosaic kernel takes bf16 / f16 only
         ("int8", "triton", True, jnp.bfloat16, "triton"),
     ],
