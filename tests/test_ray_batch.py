@@ -128,6 +128,11 @@ def test_two_replicas_give_the_single_process_records(cluster, files, reference,
     assert summary["requests"] == NUM_ROWS + 2 and summary["errors"] == 2 and summary["replicas"] == 2
     assert summary["calls_per_replica"] == 2  # 2 x max_batch 8 = 16 rows = one block; at least two
     assert summary["generated_tokens"] == sum(len(r["token_ids"]) for r in reference.values())
+    # The generation-only figure counts every row from the first replica's end of warm-up, which is
+    # after the job started (the replicas load inside it).
+    since = summary["since_ready"]
+    assert since["requests"] == summary["requests"] and since["generated_tokens"] == summary["generated_tokens"]
+    assert 0 < since["seconds"] < summary["seconds"]
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,11 @@ Every run is a `jaxlora` command in its own process, as a user runs it, with a c
 its own (every run starts cold). Two rates per run:
 - `rows_per_s_e2e`: requests / the command's wall time, model load and warm-up included;
 - `rows_per_s` / `tokens_per_s`: generation alone. Single-process: the summary line's (measured
-  after warm-up). Ray: the replicas warm up inside the job, so the rate counts only what arrives
-  after the first result batch (`after_first` in the summary line: requests, tokens, seconds).
+  after warm-up). Ray: the replicas warm up inside the job, so the rate counts every row from the
+  first replica's end of warm-up to the job's end (`since_ready` in the summary line: requests,
+  tokens, seconds). An earlier rate counted from the first result batch (`after_first`); once a
+  replica held 2 x max_batch rows it counted the tokens decoded before that batch returned but not
+  their time, and read 1.65x the single process's rate on the 7B shape.
 `ratio` is the Ray run's rate over the single-process one. Results: one JSON file (`--out`), with
 the machine's load average before and after, since a shared machine skews CPU figures.
 """
@@ -188,7 +191,7 @@ def _run(label: str, flags: list[str], env: dict[str, str]) -> dict[str, Any]:
     if done.returncode != 0:
         raise SystemExit(f"{label} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     summary = json.loads(done.stderr.strip().splitlines()[-1])
-    after = summary.get("after_first")
+    after = summary.get("since_ready")
     if after:  # Ray: generation after the replicas are warm
         rows_per_s = after["requests"] / after["seconds"] if after["seconds"] else 0.0
         tokens_per_s = after["generated_tokens"] / after["seconds"] if after["seconds"] else 0.0

@@ -473,8 +473,13 @@ class Runner:
     def warmup(self, bank: Bank | None, pages: PageTable, progress: WarmupProgress | None = None) -> None:
         """Compiles the step at every token budget, with the bank and without, all tokens padding.
 
-        The shapes compile at once, one thread each: XLA compiles release the GIL and each is mostly
-        single-threaded, so n compiles take about the longest one on a machine with n cores. The
+        The programs are traced and lowered one after another, in a fixed order, on this thread, and
+        each compiles on a pool thread as soon as it is lowered: XLA compiles release the GIL and each
+        is mostly single-threaded, so n compiles take about the longest one on a machine with n
+        cores. Lowering in a fixed order keeps the programs' cache keys the same from one start to
+        the next: a Pallas kernel traced once is reused by every program that calls it, carrying the
+        source locations of the first caller into its serialized kernel, so lowering in threads made
+        the key depend on which thread won (benchmarks/DECISIONS.md#deterministic-lowering). The
         compiled programs land in jit's compile cache; the calls below then only execute them.
         `progress(what, k, n)` is called as each of the n compiles finishes; `what` names the shape and
         the kernels it runs (`StepKernels.describe`).
@@ -491,15 +496,15 @@ class Runner:
         layouts = self.packer.layouts
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(shapes), os.cpu_count() or 1)) as pool:
+            jobs = {
+                pool.submit(self._lower(bank, packed[budget], layouts[budget], lora).compile): (budget, lora)
+                for budget, lora in shapes
+            }
             samplers = [
-                pool.submit(self._compile_sampler, packed[budget], layouts[budget], extended)
+                pool.submit(self._lower_sampler(packed[budget], layouts[budget], extended).compile)
                 for budget in self.config.token_budgets
                 for extended in SAMPLER_VARIANTS
             ]
-            jobs = {
-                pool.submit(self._compile, bank, packed[budget], layouts[budget], lora): (budget, lora)
-                for budget, lora in shapes
-            }
             for k, done in enumerate(concurrent.futures.as_completed(jobs)):
                 done.result()
                 budget, lora = jobs[done]
@@ -540,12 +545,12 @@ class Runner:
         self.last_ids = ids
         ids.block_until_ready()
 
-    def _compile_sampler(self, packed: jax.Array, layout: StepLayout, extended: bool) -> None:
-        """Compiles (without running) `packed_sample` of `layout`, as `_sample` calls it, on logits
-        placed like the ids (as the step returns both)."""
+    def _lower_sampler(self, packed: jax.Array, layout: StepLayout, extended: bool) -> jax.stages.Lowered:
+        """`packed_sample` of `layout` lowered (not compiled), as `_sample` calls it, on logits placed
+        like the ids (as the step returns both)."""
         rows, vocab = self.config.max_batch, self.model.config.vocab_size
         logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32, sharding=self.last_ids.sharding)
-        packed_sample.lower(
+        return packed_sample.lower(
             logits,
             self.last_ids,
             packed,
@@ -554,13 +559,13 @@ class Runner:
             layout=layout,
             eos_ids=self.eos_ids,
             extended=extended,
-        ).compile()
+        )
 
-    def _compile(self, bank: Bank | None, packed: jax.Array, layout: StepLayout, lora: bool) -> None:
-        """Compiles (without running) the step of `layout`, with the bank or without."""
+    def _lower(self, bank: Bank | None, packed: jax.Array, layout: StepLayout, lora: bool) -> jax.stages.Lowered:
+        """The step of `layout` lowered (not compiled), with the bank or without."""
         bank = self._bank_for(bank, False, lora)
         # Called exactly as `dispatch_packed` calls it (positional vs keyword is part of jit's cache key).
-        packed_step.lower(self.params, bank, self.kv, packed, self.last_ids, layout=layout, **self._static).compile()
+        return packed_step.lower(self.params, bank, self.kv, packed, self.last_ids, layout=layout, **self._static)
 
     def _bank_for(self, bank: Bank | None, has_adapter: bool, lora: bool | None) -> Bank | None:
         """The bank when the step needs it: asked for (lora), else when some token has an adapter, or

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxlora.config import ModelConfig
 from jaxlora.errors import ModelLoadError
 from jaxlora.loading.default_model import default_model_path
-from jaxlora.model.params import LoadedModel, build_model
+from jaxlora.model.params import LoadedModel, abstract_model, assemble_model, build_model
 from jaxlora.model.quant import Quantization, parse_quantization
 from jaxlora.tokenizer import Tokenizer, tokenizer_from_folder
 
@@ -66,11 +66,8 @@ def load_model(
 
         if is_converted(path):
             return load_converted(path, dtype=dtype, quantization=quantization, fused=fused, kmajor=kmajor)
-        from jaxlora.loading.hf_folder import load_hf_arrays
-
-        config, arrays = load_hf_arrays(path)
-        model = build_model(config, arrays, **layout, source=str(path))
-        return model, tokenizer_from_folder(path, eos_token_ids=config.eos_token_ids)
+        model = _load_hf(path, **layout)
+        return model, tokenizer_from_folder(path, eos_token_ids=model.config.eos_token_ids)
     if path.suffix == ".gguf" or path.is_file():
         from jaxlora.loading.gguf_file import load_gguf_arrays, metadata
         from jaxlora.loading.gguf_tokenizer import tokenizer_from_gguf
@@ -79,6 +76,27 @@ def load_model(
         model = build_model(config, arrays, **layout, source=str(path))
         return model, tokenizer_from_gguf(reader, metadata(reader), source=str(path))
     raise ModelLoadError(f"{path}: no such model file or folder")
+
+
+def _load_hf(
+    path: Path, *, dtype: jnp.dtype, quantization: Quantization | None, fused: bool, kmajor: bool | None
+) -> LoadedModel:
+    """A Hugging Face folder's model. A dense base goes from the mapped files to the device in one
+    pass (jaxlora.loading.hf_placement); a quantized one is read whole and quantized by
+    `build_model` (its weights change format on the device, one tensor at a time)."""
+    from jaxlora.loading.hf_folder import load_hf_arrays, read_hf_config, safetensors_files
+
+    if quantization is not None:
+        config, arrays = load_hf_arrays(path)
+        return build_model(
+            config, arrays, dtype=dtype, quantization=quantization, fused=fused, kmajor=kmajor, source=str(path)
+        )
+    from jaxlora.loading.hf_placement import load_hf_placed
+
+    config = read_hf_config(path)
+    _, expected = abstract_model(config, dtype, None, fused, kmajor)
+    arrays = load_hf_placed(path, safetensors_files(path), config, expected)
+    return assemble_model(config, arrays, dtype=dtype, quantization=None, fused=fused, kmajor=kmajor, source=str(path))
 
 
 def timed_load(source: str | Path | None = None, **kw) -> tuple[LoadedModel, Tokenizer, float]:

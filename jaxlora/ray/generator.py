@@ -13,7 +13,9 @@ Input columns: the batch JSONL's own fields (`custom_id`, `prompt` or `messages`
 `max_tokens`, the sampling fields, `stop`), or one column `request_line` holding whole JSONL lines
 (how `jaxlora generate --ray` reads JSONL: a malformed line still becomes an error row). Output
 columns: the JSONL result fields (`custom_id`, `request_hash`, `adapter`, `text`, `token_ids`,
-`finish_reason`, `error`) and `prompt_tokens`, one row per input row. Each row is parsed and
+`finish_reason`, `error`), `prompt_tokens`, and `replica_ready_at` (the `time.time()` at which this
+actor's engine finished warming up: the job's generation-only rate counts from the earliest), one
+row per input row. Each row is parsed and
 fingerprinted by jaxlora.engine.batch_job, so a row gives the record `jaxlora generate` writes for
 the same line; a bad row gets an `error`, never a failed block.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import time
 from typing import Any
 
 from jaxlora.engine.batch_job import LineDefaults, error_record, parse_line, result_record
@@ -57,6 +60,7 @@ class BatchGenerator:
             _use_compilation_cache(compilation_cache)
         self.engine = load_engine(spec)
         self.engine.warmup()
+        self.ready_at = time.time()
         self._request_ids = itertools.count()
 
     async def __call__(self, batch: Any) -> dict[str, list]:
@@ -81,7 +85,7 @@ class BatchGenerator:
             lines[i].record, prompt_tokens[i] = result_record(lines[i], result), result.prompt_tokens
         records = [_positionless(line.record) for line in lines]
         columns = {name: [r[name] for r in records] for name in OUTPUT_COLUMNS}
-        return {**columns, "prompt_tokens": prompt_tokens}
+        return {**columns, "prompt_tokens": prompt_tokens, "replica_ready_at": [self.ready_at] * len(lines)}
 
     async def _submit(self, request):
         """The request's handle, or the error message of a request the engine refuses."""

@@ -201,7 +201,7 @@ def _generate(
 ) -> dict[str, Any]:
     start = time.perf_counter()
     written: list[dict[str, Any]] = []
-    first: tuple[float, int] | None = None  # when the first results were written, and how many
+    ready_at: float | None = None  # the earliest replica's end of warm-up (time.time(), its own clock)
     if todo:
         if folder.done:
             source = source.map_batches(
@@ -216,17 +216,18 @@ def _generate(
                 folder.append([{k: r[k] for k in OUTPUT_COLUMNS} for r in new])
                 written += new
                 bar.update(len(new))
-                if first is None and new:
-                    first = (time.perf_counter(), len(written))
+                if batch.num_rows:
+                    earliest = min(batch.column("replica_ready_at").to_pylist())
+                    ready_at = earliest if ready_at is None else min(ready_at, earliest)
     seconds = time.perf_counter() - start
     summary = {**_summary(written, seconds, job), "calls_per_replica": calls}
-    if first is not None:
-        # Replicas warm up inside the job: the rate once results flow is the engines' own.
-        rest = written[first[1] :]
-        summary["after_first"] = {
-            "requests": len(rest),
-            "generated_tokens": sum(len(r["token_ids"]) for r in rest),
-            "seconds": round(time.perf_counter() - first[0], 3),
+    if ready_at is not None:
+        # Replicas load and warm up inside the job: the engines' own rate counts every row from
+        # the first replica's end of warm-up (wall clocks of one machine, or of synchronized ones).
+        summary["since_ready"] = {
+            "requests": len(written),
+            "generated_tokens": sum(len(r["token_ids"]) for r in written),
+            "seconds": round(max(0.0, time.time() - ready_at), 3),
         }
     return summary
 

@@ -1,0 +1,230 @@
+"""A dense Hugging Face base straight from its mapped safetensors files into its final device buffers.
+
+Each stored parameter ([num_layers, in, out] kernels, fused where the serving layout fuses q|k|v
+and gate|up, see jaxlora.model.fused) is allocated once on the device. Worker threads read each
+layer's Hugging Face tensors ([out, in]) from the memory-mapped files (jaxlora.loading.safetensors_map):
+a single tensor goes as the mapped view itself, a fused layer's pieces as one concatenation of their
+rows. The device transposes, casts and writes each layer into its slice in place. The older path
+(`hf_folder.load_hf_arrays` then `build_model`) read, transposed, stacked and fused on the host:
+four copies of every weight, the transpose the slowest (numpy transposes a 2-byte matrix
+element by element, far below memory bandwidth). Why and what it measured: benchmarks/DECISIONS.md#hf-one-pass.
+
+Every check happens before a byte is copied: each expected piece must exist with its shape, no
+tensor may be left unused (rotary `inv_freq` buffers and a tied model's `lm_head.weight` aside),
+and weights must be floats.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import os
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlora.config import ModelConfig
+from jaxlora.errors import ModelLoadError
+from jaxlora.loading.names import LAYER_TENSORS
+from jaxlora.loading.safetensors_map import MappedTensor, map_files
+from jaxlora.model.fused import FUSED_GROUPS, module_columns
+
+# Hugging Face names of the tensors outside the layers: flat name -> (HF name, transposed).
+GLOBAL_TENSORS: dict[str, tuple[str, bool]] = {
+    "embed_tokens.embedding": ("model.embed_tokens.weight", False),
+    "norm.scale": ("model.norm.weight", False),
+    "lm_head.kernel": ("lm_head.weight", True),
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_FLOATS = ("bfloat16", "float16", "float32", "float64")
+# Host work is reads of the mapped files and memcpys; past a few threads they only contend.
+MAX_COPY_THREADS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One Hugging Face tensor's place in a stored buffer: `dst[layer][..., column:column + w]`
+    (`dst[...]` for a tensor outside the layers), transposed from [out, in] where `transpose`."""
+
+    key: str
+    canonical: str  # the flat (unfused) name it belongs to, for error messages
+    layer: int | None
+    column: int
+    width: int
+    transpose: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredParam:
+    """One stored parameter: its shape and dtype and the pieces that fill it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    pieces: tuple[Piece, ...]
+
+
+def _pieces(name: str, config: ModelConfig, column: int, width: int) -> list[Piece]:
+    """The pieces of one canonical flat parameter, at columns [column, column + width) of its
+    stored buffer."""
+    if name in GLOBAL_TENSORS:
+        key, transpose = GLOBAL_TENSORS[name]
+        return [Piece(key, name, None, column, width, transpose)]
+    by_flat = {flat: (suffix, t) for suffix, (flat, t) in LAYER_TENSORS.items()}
+    if name not in by_flat:
+        raise ModelLoadError(f"no Hugging Face tensor holds parameter {name}")
+    suffix, transpose = by_flat[name]
+    return [Piece(f"model.layers.{i}.{suffix}", name, i, column, width, transpose) for i in range(config.num_layers)]
+
+
+def stored_params(config: ModelConfig, expected: Mapping[str, jax.ShapeDtypeStruct]) -> list[StoredParam]:
+    """The plan: each stored parameter of `expected` (jaxlora.model.params.abstract_model's shapes,
+    fused names included) with its pieces, fused columns at jaxlora.model.fused's offsets."""
+    fused_parts = {
+        f"{parent}.{fused}.{leaf}": [f"{parent}.{p}.{leaf}" for p in parts]
+        for parent, fused, parts in FUSED_GROUPS
+        for leaf in ("kernel", "bias")
+    }
+    offsets = {parent: module_columns(config, parts) for parent, _, parts in FUSED_GROUPS}
+    out = []
+    for name, spec in expected.items():
+        parts = fused_parts.get(name, [name])
+        starts = offsets[name.rsplit(".", 2)[0]] if name in fused_parts else (0,)
+        ends = (*starts[1:], spec.shape[-1])
+        pieces = [p for part, a, b in zip(parts, starts, ends) for p in _pieces(part, config, a, b - a)]
+        out.append(StoredParam(name, tuple(spec.shape), np.dtype(spec.dtype), tuple(pieces)))
+    return out
+
+
+def _piece_shape(param: StoredParam, piece: Piece) -> tuple[int, ...]:
+    """The shape the piece's Hugging Face tensor must have."""
+    inner = param.shape if piece.layer is None else param.shape[1:]
+    slot = (*inner[:-1], piece.width)
+    return slot[::-1] if piece.transpose else slot
+
+
+def check_plan(plan: list[StoredParam], tensors: Mapping[str, MappedTensor], config: ModelConfig, source: str) -> None:
+    """Raises ModelLoadError naming the first problem: an unexpected, missing, misshapen or
+    non-float tensor."""
+    wanted = {p.key for param in plan for p in param.pieces}
+    for key in tensors:
+        if key in wanted or key.endswith("rotary_emb.inv_freq"):
+            continue
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: the embedding is the head (as the older loader did)
+        raise ModelLoadError(f"{source}: unexpected tensor {key}")
+    for param in plan:
+        missing = [p for p in param.pieces if p.key not in tensors]
+        if missing:
+            layers = [p.layer for p in missing if p.layer is not None]
+            if layers:
+                raise ModelLoadError(f"{source}: missing tensor for layer(s) {layers[:5]} of {missing[0].canonical}")
+            raise ModelLoadError(f"{source}: missing tensor(s) {[p.key for p in missing][:5]}")
+        for p in param.pieces:
+            t = tensors[p.key]
+            if t.dtype.name not in _FLOATS:
+                raise ModelLoadError(f"{source}: tensor {p.key} has dtype {t.dtype}, a dense base needs floats")
+            if t.shape != _piece_shape(param, p):
+                raise ModelLoadError(f"{source}: tensor {p.key} has shape {t.shape}, expected {_piece_shape(param, p)}")
+
+
+def _host_piece(param: StoredParam, layer: int | None, tensors: Mapping[str, MappedTensor]) -> np.ndarray:
+    """One layer of `param` (or the whole of a tensor outside the layers) in the Hugging Face
+    layout: the mapped view itself for a single piece (no copy), else its pieces concatenated in
+    column order (one contiguous copy: [out, in] pieces stack on their rows)."""
+    pieces = [p for p in param.pieces if p.layer == layer]
+    views = [tensors[p.key].array() for p in pieces]
+    if len(views) == 1:
+        return views[0]
+    return np.concatenate(views, axis=0 if pieces[0].transpose else -1)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_layer(dst: jax.Array, x: jax.Array, layer: jax.Array) -> jax.Array:
+    """dst [L, ...] with dst[layer] = x, in place (dst donated)."""
+    return jax.lax.dynamic_update_index_in_dim(dst, x, layer, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "transpose"))
+def _to_stored(x: jax.Array, *, dtype: np.dtype, transpose: bool) -> jax.Array:
+    """x transposed from [out, in] (where `transpose`) and cast. A program of its own, not fused into
+    `_write_layer`: XLA's CPU backend runs a transpose fused into the in-place update several times
+    slower than the two apart."""
+    return (x.T if transpose else x).astype(dtype)
+
+
+def _place(param: StoredParam, layers: Iterator[np.ndarray], device: jax.Device) -> jax.Array:
+    """`param` on `device` from its host pieces (in `_jobs` order): transposed and cast there."""
+    transpose = param.pieces[0].transpose
+    if param.pieces[0].layer is None:
+        x = jax.device_put(next(layers), device)
+        return _to_stored(x, dtype=param.dtype, transpose=transpose)
+    dst = jnp.zeros(param.shape, param.dtype, device=device)
+    for i in range(param.shape[0]):
+        x = _to_stored(jax.device_put(next(layers), device), dtype=param.dtype, transpose=transpose)
+        dst = _write_layer(dst, x, np.int32(i))
+    return dst
+
+
+def _jobs(plan: list[StoredParam]) -> list[tuple[StoredParam, int | None]]:
+    """(param, layer) in placement order: each parameter's layers in order, then the next."""
+    return [
+        (param, layer)
+        for param in plan
+        for layer in sorted({p.layer for p in param.pieces}, key=lambda x: -1 if x is None else x)
+    ]
+
+
+def place_params(
+    plan: list[StoredParam],
+    tensors: Mapping[str, MappedTensor],
+    *,
+    device: jax.Device | None = None,
+    threads: int | None = None,
+) -> dict[str, jax.Array]:
+    """Every stored parameter of `plan` on `device` (default: JAX's first), filled from `tensors`.
+
+    Worker threads read the pieces (page faults on the mapped files, the concatenation of fused
+    pieces) at most `2 x threads` pieces ahead of the device, which receives them in order and
+    transposes, casts and writes each layer into its final buffer in place (donated): no buffer
+    but that one piece is ever freed between live weights, so the device memory the KV pool takes
+    next stays in one block (benchmarks/DECISIONS.md#load-on-device).
+    """
+    threads = threads or max(1, min(MAX_COPY_THREADS, os.cpu_count() or 1))
+    device = device or jax.devices()[0]
+    jobs = _jobs(plan)
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jaxlora-load") as pool:
+        ahead: collections.deque[concurrent.futures.Future] = collections.deque()
+        queued = iter(jobs)
+
+        def pieces() -> Iterator[np.ndarray]:
+            while True:
+                while len(ahead) < 2 * threads:
+                    job = next(queued, None)
+                    if job is None:
+                        break
+                    ahead.append(pool.submit(_host_piece, job[0], job[1], tensors))
+                if not ahead:
+                    return
+                yield ahead.popleft().result()
+
+        stream = pieces()
+        out = {param.name: _place(param, stream, device) for param in plan}
+    return jax.block_until_ready(out)
+
+
+def load_hf_placed(
+    folder: Path, files: list[Path], config: ModelConfig, expected: Mapping[str, jax.ShapeDtypeStruct]
+) -> dict[str, jax.Array]:
+    """name -> device array of every stored parameter in `expected` (fused names where fused),
+    from the safetensors `files` of `folder`. Raises ModelLoadError."""
+    tensors = map_files(files)
+    plan = stored_params(config, expected)
+    check_plan(plan, tensors, config, str(folder))
+    return place_params(plan, tensors)
