@@ -25,6 +25,7 @@ from jaxlora.engine.load import EngineSpec  # noqa: E402
 from jaxlora.loading.orbax_ckpt import save_converted  # noqa: E402
 from jaxlora.lora.peft_format import save_peft_adapter  # noqa: E402
 from jaxlora.ray import RayJob, run_ray_job  # noqa: E402
+from jaxlora.ray.generator import OUTPUT_COLUMNS  # noqa: E402
 from jaxlora.ray.output_folder import read_records  # noqa: E402
 from tests.factories import char_tokenizer, tiny_model  # noqa: E402
 
@@ -316,3 +317,5 @@ def test_the_callable_class_on_request_columns(cluster, files, reference):
     for result in results[:9]:
         assert {k: result[k] for k in reference[result["custom_id"]]} == reference[result["custom_id"]]
     assert results[9]["finish_reason"] == "error" and results[9]["error"]
+    # A user's pipeline gets the result columns only; the timing column is the job's, asked for.
+    assert set(out) == {*OUTPUT_COLUMNS, "prompt_tokens"}

@@ -2,7 +2,9 @@
 `load_model` runs (jaxlora.loading.hf_placement) against the older host path (read every tensor,
 transpose and stack on the host, fuse, then place: `load_hf_arrays` + `build_model`), alternating,
 on a random-weight folder of the 7B shape with `--layers` layers (written once, then read from the
-page cache as a restart reads it). Checks that both give the same parameters.
+page cache as a restart reads it). Checks that both give the same parameters ("same_params":
+the first 64 columns of every parameter, all layers and rows; whole copies of two 7B models do not
+fit the host comfortably).
 
 `--adapters N` then times what a server start does next, on the preset's engine
 (configs/llama2-7b-h200.yaml: rank 16 on all seven modules): N PEFT folders registered alone

@@ -42,6 +42,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import inspect
+import itertools
 import logging
 import os
 import threading
@@ -495,26 +496,30 @@ class Runner:
         }
         layouts = self.packer.layouts
         start = time.perf_counter()
+        finished = itertools.count(1)
+        lock = threading.Lock()
+
+        def report(job: concurrent.futures.Future, budget: int, lora: bool) -> None:
+            # On the compiling thread, as each compile ends (lowering of the others may go on).
+            if progress is None or job.exception() is not None:
+                return
+            what = f"step of {budget} tokens{' with adapters' if lora else ''} [{self.kernels.describe(budget)}]"
+            with lock:
+                progress(what, next(finished), len(shapes))
+
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(shapes), os.cpu_count() or 1)) as pool:
-            jobs = {
-                pool.submit(self._lower(bank, packed[budget], layouts[budget], lora).compile): (budget, lora)
-                for budget, lora in shapes
-            }
-            samplers = [
+            jobs = []
+            for budget, lora in shapes:
+                job = pool.submit(self._lower(bank, packed[budget], layouts[budget], lora).compile)
+                job.add_done_callback(functools.partial(report, budget=budget, lora=lora))
+                jobs.append(job)
+            jobs += [
                 pool.submit(self._lower_sampler(packed[budget], layouts[budget], extended).compile)
                 for budget in self.config.token_budgets
                 for extended in SAMPLER_VARIANTS
             ]
-            for k, done in enumerate(concurrent.futures.as_completed(jobs)):
-                done.result()
-                budget, lora = jobs[done]
-                if progress is not None:
-                    what = (
-                        f"step of {budget} tokens{' with adapters' if lora else ''} [{self.kernels.describe(budget)}]"
-                    )
-                    progress(what, k + 1, len(shapes))
-            for done in samplers:
-                done.result()
+            for job in jobs:
+                job.result()
         compiled = time.perf_counter()
         # One call of each compiled program (it compiles nothing: the fresh pool and ids are placed
         # as the step returns them, see `_fresh_pool`), so that every shape's entry in jit's fast

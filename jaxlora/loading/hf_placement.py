@@ -1,17 +1,19 @@
 """A dense Hugging Face base straight from its mapped safetensors files into its final device buffers.
 
-Each stored parameter ([num_layers, in, out] kernels, fused where the serving layout fuses q|k|v
-and gate|up, see jaxlora.model.fused) is allocated once on the device. Worker threads read each
-layer's Hugging Face tensors ([out, in]) from the memory-mapped files (jaxlora.loading.safetensors_map):
-a single tensor goes as the mapped view itself, a fused layer's pieces as one concatenation of their
-rows. The device transposes, casts and writes each layer into its slice in place. The older path
-(`hf_folder.load_hf_arrays` then `build_model`) read, transposed, stacked and fused on the host:
-four copies of every weight, the transpose the slowest (numpy transposes a 2-byte matrix
-element by element, far below memory bandwidth). Why and what it measured: benchmarks/DECISIONS.md#hf-one-pass.
+Each stored layer parameter ([num_layers, in, out] kernels, fused where the serving layout fuses
+q|k|v and gate|up, see jaxlora.model.fused) is allocated once on the device. Worker threads prepare
+each layer's Hugging Face tensors ([out, in]) from the memory-mapped files
+(jaxlora.loading.safetensors_map): a single tensor as the mapped view itself, its pages asked for
+ahead (madvise), a fused layer's pieces as one concatenation of their rows. The device transposes
+and casts each layer and writes it into its slice in place. The tensors outside the layers
+(embedding, final norm, lm_head) go whole. The older path (`hf_folder.load_hf_arrays` then
+`build_model`) read, transposed, stacked and fused on the host: four copies of every weight, the
+transpose the slowest (numpy transposes a 2-byte matrix element by element, far below memory
+bandwidth). Why and what it measured: benchmarks/DECISIONS.md#hf-one-pass.
 
 Every check happens before a byte is copied: each expected piece must exist with its shape, no
 tensor may be left unused (rotary `inv_freq` buffers and a tied model's `lm_head.weight` aside),
-and weights must be floats.
+and weights must be bf16, f16, f32 or f64.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
-import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -41,10 +42,11 @@ GLOBAL_TENSORS: dict[str, tuple[str, bool]] = {
     "norm.scale": ("model.norm.weight", False),
     "lm_head.kernel": ("lm_head.weight", True),
 }
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _FLOATS = ("bfloat16", "float16", "float32", "float64")
 # Host work is reads of the mapped files and memcpys; past a few threads they only contend.
 MAX_COPY_THREADS = 8
+# Host pieces prepared ahead of the device, at most (at least one is, whatever its size).
+MAX_AHEAD_BYTES = 2 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,14 +124,17 @@ def check_plan(plan: list[StoredParam], tensors: Mapping[str, MappedTensor], con
     for param in plan:
         missing = [p for p in param.pieces if p.key not in tensors]
         if missing:
-            layers = [p.layer for p in missing if p.layer is not None]
+            first = missing[0].canonical
+            layers = [p.layer for p in missing if p.layer is not None and p.canonical == first]
             if layers:
-                raise ModelLoadError(f"{source}: missing tensor for layer(s) {layers[:5]} of {missing[0].canonical}")
+                raise ModelLoadError(f"{source}: missing tensor for layer(s) {layers[:5]} of {first}")
             raise ModelLoadError(f"{source}: missing tensor(s) {[p.key for p in missing][:5]}")
         for p in param.pieces:
             t = tensors[p.key]
             if t.dtype.name not in _FLOATS:
-                raise ModelLoadError(f"{source}: tensor {p.key} has dtype {t.dtype}, a dense base needs floats")
+                raise ModelLoadError(
+                    f"{source}: tensor {p.key} has dtype {t.dtype}; a dense base loads from bf16, f16, f32 or f64"
+                )
             if t.shape != _piece_shape(param, p):
                 raise ModelLoadError(f"{source}: tensor {p.key} has shape {t.shape}, expected {_piece_shape(param, p)}")
 
@@ -139,9 +144,10 @@ def _host_piece(param: StoredParam, layer: int | None, tensors: Mapping[str, Map
     layout: the mapped view itself for a single piece (no copy), else its pieces concatenated in
     column order (one contiguous copy: [out, in] pieces stack on their rows)."""
     pieces = [p for p in param.pieces if p.layer == layer]
+    if len(pieces) == 1:
+        tensors[pieces[0].key].will_need()
+        return tensors[pieces[0].key].array()
     views = [tensors[p.key].array() for p in pieces]
-    if len(views) == 1:
-        return views[0]
     return np.concatenate(views, axis=0 if pieces[0].transpose else -1)
 
 
@@ -159,11 +165,14 @@ def _to_stored(x: jax.Array, *, dtype: np.dtype, transpose: bool) -> jax.Array:
     return (x.T if transpose else x).astype(dtype)
 
 
-def _place(param: StoredParam, layers: Iterator[np.ndarray], device: jax.Device) -> jax.Array:
-    """`param` on `device` from its host pieces (in `_jobs` order): transposed and cast there."""
+def _place(param: StoredParam, layers: Iterator[np.ndarray], device: jax.Device | None) -> jax.Array:
+    """`param` on `device` (None: JAX's default) from its host pieces (in `_jobs` order): transposed
+    and cast there."""
     transpose = param.pieces[0].transpose
     if param.pieces[0].layer is None:
         x = jax.device_put(next(layers), device)
+        if not transpose and x.dtype == param.dtype:
+            return x  # already fresh device memory in its final form
         return _to_stored(x, dtype=param.dtype, transpose=transpose)
     dst = jnp.zeros(param.shape, param.dtype, device=device)
     for i in range(param.shape[0]):
@@ -181,6 +190,10 @@ def _jobs(plan: list[StoredParam]) -> list[tuple[StoredParam, int | None]]:
     ]
 
 
+def _piece_nbytes(param: StoredParam, layer: int | None, tensors: Mapping[str, MappedTensor]) -> int:
+    return sum(tensors[p.key].nbytes for p in param.pieces if p.layer == layer)
+
+
 def place_params(
     plan: list[StoredParam],
     tensors: Mapping[str, MappedTensor],
@@ -188,31 +201,30 @@ def place_params(
     device: jax.Device | None = None,
     threads: int | None = None,
 ) -> dict[str, jax.Array]:
-    """Every stored parameter of `plan` on `device` (default: JAX's first), filled from `tensors`.
+    """Every stored parameter of `plan` on `device` (None: JAX's default device), filled from `tensors`.
 
-    Worker threads read the pieces (page faults on the mapped files, the concatenation of fused
-    pieces) at most `2 x threads` pieces ahead of the device, which receives them in order and
-    transposes, casts and writes each layer into its final buffer in place (donated): no buffer
-    but that one piece is ever freed between live weights, so the device memory the KV pool takes
-    next stays in one block (benchmarks/DECISIONS.md#load-on-device).
+    Worker threads prepare the pieces at most `2 x threads` pieces and MAX_AHEAD_BYTES ahead of the
+    device, which receives them in order and transposes, casts and writes each layer into its final
+    buffer in place (donated): no buffer larger than one layer's piece is freed between the layer
+    weights, so the device memory the KV pool takes next stays in one block
+    (benchmarks/DECISIONS.md#load-on-device).
     """
     threads = threads or max(1, min(MAX_COPY_THREADS, os.cpu_count() or 1))
-    device = device or jax.devices()[0]
-    jobs = _jobs(plan)
+    jobs = collections.deque(_jobs(plan))
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jaxlora-load") as pool:
-        ahead: collections.deque[concurrent.futures.Future] = collections.deque()
-        queued = iter(jobs)
+        ahead: collections.deque[tuple[concurrent.futures.Future, int]] = collections.deque()
 
         def pieces() -> Iterator[np.ndarray]:
             while True:
-                while len(ahead) < 2 * threads:
-                    job = next(queued, None)
-                    if job is None:
+                while jobs and len(ahead) < 2 * threads:
+                    nbytes = _piece_nbytes(*jobs[0], tensors)
+                    if ahead and sum(n for _, n in ahead) + nbytes > MAX_AHEAD_BYTES:
                         break
-                    ahead.append(pool.submit(_host_piece, job[0], job[1], tensors))
+                    param, layer = jobs.popleft()
+                    ahead.append((pool.submit(_host_piece, param, layer, tensors), nbytes))
                 if not ahead:
                     return
-                yield ahead.popleft().result()
+                yield ahead.popleft()[0].result()
 
         stream = pieces()
         out = {param.name: _place(param, stream, device) for param in plan}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import mmap
 import struct
 from pathlib import Path
@@ -47,9 +48,19 @@ class MappedTensor:
     buffer: mmap.mmap = dataclasses.field(repr=False, compare=False)
     offset: int  # absolute byte offset in the file
 
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
     def array(self) -> np.ndarray:
-        count = int(np.prod(self.shape, dtype=np.int64))
-        return np.frombuffer(self.buffer, self.dtype, count, self.offset).reshape(self.shape)
+        return np.frombuffer(self.buffer, self.dtype, math.prod(self.shape), self.offset).reshape(self.shape)
+
+    def will_need(self) -> None:
+        """Asks the kernel to read the tensor's pages ahead (a no-op where madvise is missing)."""
+        if not hasattr(mmap, "MADV_WILLNEED") or not self.nbytes:
+            return
+        start = self.offset - self.offset % mmap.PAGESIZE
+        self.buffer.madvise(mmap.MADV_WILLNEED, start, self.offset + self.nbytes - start)
 
 
 def _bad(path: Path, why: str) -> ModelLoadError:
@@ -66,8 +77,8 @@ def _header(path: Path, buffer: mmap.mmap) -> tuple[dict, int]:
         raise _bad(path, f"header length {n} does not fit a file of {size} bytes")
     try:
         header = json.loads(bytes(buffer[8 : 8 + n]))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _bad(path, f"invalid header: {e}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise _bad(path, f"invalid header: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(header, dict):
         raise _bad(path, "header is not a JSON object")
     return header, 8 + n
@@ -77,14 +88,17 @@ def _entry(path: Path, name: str, info: object, data_start: int, size: int) -> t
     """(dtype, shape, absolute offset) of one header entry, checked against the file's size."""
     try:
         dtype = DTYPES[info["dtype"]]  # type: ignore[index]
-        shape = tuple(int(d) for d in info["shape"])  # type: ignore[index]
-        begin, end = (int(x) for x in info["data_offsets"])  # type: ignore[index]
-    except KeyError as e:
+        shape, offsets = info["shape"], info["data_offsets"]  # type: ignore[index]
+    except (KeyError, TypeError) as e:
         raise _bad(path, f"tensor {name}: unknown dtype or missing field {e}") from None
-    except (TypeError, ValueError) as e:
-        raise _bad(path, f"tensor {name}: malformed entry ({e})") from None
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if any(d < 0 for d in shape) or end - begin != nbytes or begin < 0 or data_start + end > size:
+    # Exact Python ints only: a float, a bool or a huge number is a damaged header, not a size.
+    ints = isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
+    if not ints or not all(type(x) is int and 0 <= x < 2**62 for x in (*shape, *offsets)):
+        raise _bad(path, f"tensor {name}: malformed shape {str(shape)[:80]} or offsets {str(offsets)[:80]}")
+    shape = tuple(shape)
+    begin, end = offsets
+    nbytes = math.prod(shape) * dtype.itemsize
+    if end - begin != nbytes or data_start + end > size:
         raise _bad(path, f"tensor {name}: bytes [{begin}, {end}) do not hold {shape} {dtype} in a file of {size} bytes")
     return dtype, shape, data_start + begin
 

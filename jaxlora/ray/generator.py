@@ -13,9 +13,9 @@ Input columns: the batch JSONL's own fields (`custom_id`, `prompt` or `messages`
 `max_tokens`, the sampling fields, `stop`), or one column `request_line` holding whole JSONL lines
 (how `jaxlora generate --ray` reads JSONL: a malformed line still becomes an error row). Output
 columns: the JSONL result fields (`custom_id`, `request_hash`, `adapter`, `text`, `token_ids`,
-`finish_reason`, `error`), `prompt_tokens`, and `replica_ready_at` (the `time.time()` at which this
-actor's engine finished warming up: the job's generation-only rate counts from the earliest), one
-row per input row. Each row is parsed and
+`finish_reason`, `error`) and `prompt_tokens`, one row per input row; with `report_ready_at`, also
+`replica_ready_at` (the `time.time()` at which this actor's engine finished warming up, the same in
+every row: `jaxlora generate --ray` counts its generation-only rate from the earliest). Each row is parsed and
 fingerprinted by jaxlora.engine.batch_job, so a row gives the record `jaxlora generate` writes for
 the same line; a bad row gets an `error`, never a failed block.
 
@@ -50,12 +50,19 @@ class BatchGenerator:
         for `jaxlora generate`'s lines.
       compilation_cache: a folder for JAX's persistent compilation cache in this actor's process, so
         that a restarted actor reads its compiles back (None: off).
+      report_ready_at: add the `replica_ready_at` column (see the module docstring).
     """
 
     def __init__(
-        self, spec: EngineSpec, *, defaults: LineDefaults = LineDefaults(), compilation_cache: str | None = None
+        self,
+        spec: EngineSpec,
+        *,
+        defaults: LineDefaults = LineDefaults(),
+        compilation_cache: str | None = None,
+        report_ready_at: bool = False,
     ) -> None:
         self.defaults = defaults
+        self.report_ready_at = report_ready_at
         if compilation_cache:
             _use_compilation_cache(compilation_cache)
         self.engine = load_engine(spec)
@@ -85,7 +92,10 @@ class BatchGenerator:
             lines[i].record, prompt_tokens[i] = result_record(lines[i], result), result.prompt_tokens
         records = [_positionless(line.record) for line in lines]
         columns = {name: [r[name] for r in records] for name in OUTPUT_COLUMNS}
-        return {**columns, "prompt_tokens": prompt_tokens, "replica_ready_at": [self.ready_at] * len(lines)}
+        out = {**columns, "prompt_tokens": prompt_tokens}
+        if self.report_ready_at:
+            out["replica_ready_at"] = [self.ready_at] * len(lines)
+        return out
 
     async def _submit(self, request):
         """The request's handle, or the error message of a request the engine refuses."""

@@ -216,7 +216,7 @@ def _generate(
                 folder.append([{k: r[k] for k in OUTPUT_COLUMNS} for r in new])
                 written += new
                 bar.update(len(new))
-                if batch.num_rows:
+                if batch.num_rows and "replica_ready_at" in batch.column_names:
                     earliest = min(batch.column("replica_ready_at").to_pylist())
                     ready_at = earliest if ready_at is None else min(ready_at, earliest)
     seconds = time.perf_counter() - start
@@ -264,7 +264,12 @@ def _results(
         gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
     return source.map_batches(
         BatchGenerator,
-        fn_constructor_kwargs={"spec": spec, "defaults": defaults, "compilation_cache": job.compilation_cache},
+        fn_constructor_kwargs={
+            "spec": spec,
+            "defaults": defaults,
+            "compilation_cache": job.compilation_cache,
+            "report_ready_at": True,
+        },
         batch_size=job.rows_per_block,
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(

@@ -123,7 +123,7 @@ def test_integer_weights_are_refused(tiny, tmp_path):
     tensors = _hf_tensors(tiny)
     name = "model.layers.0.mlp.down_proj.weight"
     tensors[name] = tensors[name].astype(np.int8)
-    with pytest.raises(ModelLoadError, match=rf"{name} has dtype int8, a dense base needs floats"):
+    with pytest.raises(ModelLoadError, match=rf"{name} has dtype int8; a dense base loads from bf16, f16, f32 or f64"):
         load_model(_folder(tmp_path, tiny, tensors))
 
 
@@ -154,6 +154,44 @@ def test_damaged_file_names_the_file(tiny, tmp_path, damage, message):
     f.write_bytes(damage(f.read_bytes()))
     with pytest.raises(ModelLoadError, match=rf"model\.safetensors: cannot read safetensors file \(.*{message}"):
         load_model(tmp_path)
+
+
+def _raw_file(path, header: bytes, data: bytes = b"\0" * 16) -> None:
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
+@pytest.mark.parametrize(
+    "header,message",
+    [
+        (b"[" * 200_000, "invalid header: RecursionError"),
+        (b'{"t": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 4]}}', "invalid header"),
+        (b'{"t": {"dtype": "F32", "shape": [Infinity], "data_offsets": [0, 4]}}', "malformed shape"),
+        (b'{"t": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}}', "malformed shape"),
+        (b'{"t": {"dtype": "F32", "shape": [1], "data_offsets": [false, true]}}', "malformed shape"),
+        (b'{"t": {"dtype": "F32", "shape": [4611686018427387904, 4], "data_offsets": [0, 0]}}', "malformed shape"),
+        (b'{"t": {"dtype": "F32", "shape": [1099511627776, 1099511627776], "data_offsets": [0, 0]}}', "do not hold"),
+        (b'{"t": {"dtype": "X9", "shape": [1], "data_offsets": [0, 4]}}', "unknown dtype"),
+        (b'{"t": "F32"}', "unknown dtype or missing field"),
+        (b'["t"]', "not a JSON object"),
+    ],
+    ids=[
+        "deep",
+        "huge-int",
+        "infinity",
+        "float",
+        "bools",
+        "too-large",
+        "overflowing-product",
+        "dtype",
+        "entry",
+        "list",
+    ],
+)
+def test_damaged_header_is_a_load_error(tmp_path, header, message):
+    path = tmp_path / "t.safetensors"
+    _raw_file(path, header)
+    with pytest.raises(ModelLoadError, match=rf"t\.safetensors: cannot read safetensors file \(.*{message}"):
+        map_file(path)
 
 
 def test_mapped_views_equal_the_library_reads(tmp_path):
