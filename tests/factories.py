@@ -8,11 +8,16 @@ Models: two shapes, one builder each.
 Adapters: `random_adapter` (one, on given modules) and `random_adapters` (many, random ranks and
 module subsets), A and B drawn at fan-in scale so that an adapter changes greedy outputs.
 Tokenizers: `char_tokenizer` (one visible character per token) and `word_tokenizer` (`w<id>` words).
+Files: `save_sharded` (a sharded Hugging Face weights folder).
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
+from safetensors.numpy import save_file
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -177,3 +182,17 @@ def random_adapters(
         modules = tuple(m for m, keep in zip(lora.target_modules, mask) if keep)
         out.append(random_adapter(f"{prefix}-{i}", config, rank=rank, modules=modules, rng=rng))
     return out
+
+
+# Files.
+
+
+def save_sharded(folder: Path, tensors: dict[str, np.ndarray], shard_names: tuple[str, str]) -> None:
+    """`tensors` as two safetensors shards (alternate names, sorted) and the index that lists them,
+    as a sharded Hugging Face folder holds its weights."""
+    names = sorted(tensors)
+    shards = dict(zip(shard_names, (names[::2], names[1::2])))
+    for fname, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(folder / fname))
+    index = {"weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))

@@ -32,16 +32,10 @@ import numpy as np
 
 from jaxlora.config import ModelConfig
 from jaxlora.errors import ModelLoadError
-from jaxlora.loading.names import LAYER_TENSORS
+from jaxlora.loading.names import FLAT_LAYER_TENSORS, GLOBAL_TENSORS
 from jaxlora.loading.safetensors_map import MappedTensor, map_files
 from jaxlora.model.fused import FUSED_GROUPS, module_columns
 
-# Hugging Face names of the tensors outside the layers: flat name -> (HF name, transposed).
-GLOBAL_TENSORS: dict[str, tuple[str, bool]] = {
-    "embed_tokens.embedding": ("model.embed_tokens.weight", False),
-    "norm.scale": ("model.norm.weight", False),
-    "lm_head.kernel": ("lm_head.weight", True),
-}
 _FLOATS = ("bfloat16", "float16", "float32", "float64")
 # Host work is reads of the mapped files and memcpys; past a few threads they only contend.
 MAX_COPY_THREADS = 8
@@ -78,10 +72,9 @@ def _pieces(name: str, config: ModelConfig, column: int, width: int) -> list[Pie
     if name in GLOBAL_TENSORS:
         key, transpose = GLOBAL_TENSORS[name]
         return [Piece(key, name, None, column, width, transpose)]
-    by_flat = {flat: (suffix, t) for suffix, (flat, t) in LAYER_TENSORS.items()}
-    if name not in by_flat:
+    if name not in FLAT_LAYER_TENSORS:
         raise ModelLoadError(f"no Hugging Face tensor holds parameter {name}")
-    suffix, transpose = by_flat[name]
+    suffix, transpose = FLAT_LAYER_TENSORS[name]
     return [Piece(f"model.layers.{i}.{suffix}", name, i, column, width, transpose) for i in range(config.num_layers)]
 
 
@@ -135,8 +128,9 @@ def check_plan(plan: list[StoredParam], tensors: Mapping[str, MappedTensor], con
                 raise ModelLoadError(
                     f"{source}: tensor {p.key} has dtype {t.dtype}; a dense base loads from bf16, f16, f32 or f64"
                 )
-            if t.shape != _piece_shape(param, p):
-                raise ModelLoadError(f"{source}: tensor {p.key} has shape {t.shape}, expected {_piece_shape(param, p)}")
+            want = _piece_shape(param, p)
+            if t.shape != want:
+                raise ModelLoadError(f"{source}: tensor {p.key} has shape {t.shape}, expected {want}")
 
 
 def _host_piece(param: StoredParam, layer: int | None, tensors: Mapping[str, MappedTensor]) -> np.ndarray:
@@ -166,7 +160,7 @@ def _to_stored(x: jax.Array, *, dtype: np.dtype, transpose: bool) -> jax.Array:
 
 
 def _place(param: StoredParam, layers: Iterator[np.ndarray], device: jax.Device | None) -> jax.Array:
-    """`param` on `device` (None: JAX's default) from its host pieces (in `_jobs` order): transposed
+    """`param` on `device` (None: JAX's default) from its host pieces (in `_layers` order): transposed
     and cast there."""
     transpose = param.pieces[0].transpose
     if param.pieces[0].layer is None:
@@ -175,19 +169,15 @@ def _place(param: StoredParam, layers: Iterator[np.ndarray], device: jax.Device 
             return x  # already fresh device memory in its final form
         return _to_stored(x, dtype=param.dtype, transpose=transpose)
     dst = jnp.zeros(param.shape, param.dtype, device=device)
-    for i in range(param.shape[0]):
+    for i in _layers(param):
         x = _to_stored(jax.device_put(next(layers), device), dtype=param.dtype, transpose=transpose)
         dst = _write_layer(dst, x, np.int32(i))
     return dst
 
 
-def _jobs(plan: list[StoredParam]) -> list[tuple[StoredParam, int | None]]:
-    """(param, layer) in placement order: each parameter's layers in order, then the next."""
-    return [
-        (param, layer)
-        for param in plan
-        for layer in sorted({p.layer for p in param.pieces}, key=lambda x: -1 if x is None else x)
-    ]
+def _layers(param: StoredParam) -> list[int | None]:
+    """The host pieces `param` is placed from, in order: its layers, or [None] outside the layers."""
+    return [None] if param.pieces[0].layer is None else list(range(param.shape[0]))
 
 
 def _piece_nbytes(param: StoredParam, layer: int | None, tensors: Mapping[str, MappedTensor]) -> int:
@@ -210,7 +200,7 @@ def place_params(
     (benchmarks/DECISIONS.md#load-on-device).
     """
     threads = threads or max(1, min(MAX_COPY_THREADS, os.cpu_count() or 1))
-    jobs = collections.deque(_jobs(plan))
+    jobs = collections.deque((param, layer) for param in plan for layer in _layers(param))
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jaxlora-load") as pool:
         ahead: collections.deque[tuple[concurrent.futures.Future, int]] = collections.deque()
 

@@ -21,6 +21,15 @@ LAYER_TENSORS: dict[str, tuple[str, bool]] = {
     **{f"self_attn.{m}.bias": (f"layers.self_attn.{m}.bias", False) for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
     **{f"mlp.{m}.weight": (f"layers.mlp.{m}.kernel", True) for m in ("gate_proj", "up_proj", "down_proj")},
 }
+# flat name -> (HF per-layer suffix, transposed): LAYER_TENSORS read the other way.
+FLAT_LAYER_TENSORS: dict[str, tuple[str, bool]] = {flat: (suffix, t) for suffix, (flat, t) in LAYER_TENSORS.items()}
+# The tensors outside the layers: flat name -> (HF name, is a Linear weight stored [out, in]).
+GLOBAL_TENSORS: dict[str, tuple[str, bool]] = {
+    "embed_tokens.embedding": ("model.embed_tokens.weight", False),
+    "norm.scale": ("model.norm.weight", False),
+    "lm_head.kernel": ("lm_head.weight", True),
+}
+_GLOBAL_BY_HF = {hf: (flat, t) for flat, (hf, t) in GLOBAL_TENSORS.items()}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -38,13 +47,10 @@ def hf_to_flat(tensors: Mapping[str, np.ndarray], config: ModelConfig, *, source
                 raise ModelLoadError(f"{source}: unexpected tensor {key}")
             name, transpose = LAYER_TENSORS[suffix]
             per_layer.setdefault(name, [None] * config.num_layers)[layer] = value.T if transpose else value
-        elif key == "model.embed_tokens.weight":
-            flat["embed_tokens.embedding"] = value
-        elif key == "model.norm.weight":
-            flat["norm.scale"] = value
-        elif key == "lm_head.weight":
-            if not config.tie_word_embeddings:
-                flat["lm_head.kernel"] = value.T
+        elif key in _GLOBAL_BY_HF:
+            name, transpose = _GLOBAL_BY_HF[key]
+            if name != "lm_head.kernel" or not config.tie_word_embeddings:
+                flat[name] = value.T if transpose else value
         else:
             raise ModelLoadError(f"{source}: unexpected tensor {key}")
     flat.update(stack_layers(per_layer, source=source))
@@ -68,21 +74,17 @@ def stack_layers(per_layer: Mapping[str, list[np.ndarray | None]], *, source: st
 
 def flat_to_hf(flat: Mapping[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
     """The inverse of hf_to_flat: HF tensor names, [out, in] Linear weights, one tensor per layer."""
-    inverse = {name: (suffix, t) for suffix, (name, t) in LAYER_TENSORS.items()}
     out: dict[str, np.ndarray] = {}
     for name, value in flat.items():
         value = np.asarray(value)
-        if name in inverse:
-            suffix, transpose = inverse[name]
+        if name in FLAT_LAYER_TENSORS:
+            suffix, transpose = FLAT_LAYER_TENSORS[name]
             for i in range(config.num_layers):
                 layer = value[i].T if transpose else value[i]
                 out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(layer)
-        elif name == "embed_tokens.embedding":
-            out["model.embed_tokens.weight"] = value
-        elif name == "norm.scale":
-            out["model.norm.weight"] = value
-        elif name == "lm_head.kernel":
-            out["lm_head.weight"] = np.ascontiguousarray(value.T)
+        elif name in GLOBAL_TENSORS:
+            hf, transpose = GLOBAL_TENSORS[name]
+            out[hf] = np.ascontiguousarray(value.T) if transpose else value
         else:
             raise ValueError(f"no Hugging Face name for parameter {name}")
     return out

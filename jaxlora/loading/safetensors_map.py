@@ -41,7 +41,6 @@ MAX_HEADER_BYTES = 100 << 20
 class MappedTensor:
     """One tensor of a mapped file: `array()` is a read-only view (no bytes read until touched)."""
 
-    name: str
     file: Path
     dtype: np.dtype
     shape: tuple[int, ...]
@@ -117,7 +116,7 @@ def map_file(path: Path) -> dict[str, MappedTensor]:
         if name == "__metadata__":
             continue
         dtype, shape, offset = _entry(path, name, info, data_start, len(buffer))
-        out[name] = MappedTensor(name, path, dtype, shape, buffer, offset)
+        out[name] = MappedTensor(path, dtype, shape, buffer, offset)
     return out
 
 

@@ -2,7 +2,6 @@
 older host path (`load_hf_arrays` + `build_model`, which shares no placement code with it), and
 the errors bad folders give before anything is placed."""
 
-import json
 import struct
 
 import jax.numpy as jnp
@@ -19,7 +18,7 @@ from jaxlora.loading.hf_writer import save_hf_folder
 from jaxlora.loading.names import flat_to_hf
 from jaxlora.loading.safetensors_map import map_file
 from jaxlora.model.params import build_model, random_model
-from tests.factories import tiny_config, word_tokenizer
+from tests.factories import save_sharded, tiny_config, word_tokenizer
 
 
 @pytest.fixture(
@@ -77,12 +76,7 @@ def test_sharded_folder_and_unused_buffers(tiny, tmp_path):
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
     if tiny.config.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] + 1
-    names = sorted(tensors)
-    shards = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
-    for fname, keys in shards.items():
-        save_file({k: tensors[k] for k in keys}, str(tmp_path / fname))
-    index = {"weight_map": {k: f for f, keys in shards.items() for k in keys}}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_sharded(tmp_path, tensors, ("a.safetensors", "b.safetensors"))
     _same(load_model(tmp_path, fused=True)[0], tiny)
 
 

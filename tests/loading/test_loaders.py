@@ -20,7 +20,7 @@ from jaxlora.loading.orbax_ckpt import save_converted
 from jaxlora.model import init_kv_cache
 from jaxlora.model.forward import forward_logits
 from jaxlora.model.params import build_model, random_model
-from tests.factories import tiny_config, word_tokenizer
+from tests.factories import save_sharded, tiny_config, word_tokenizer
 
 TOKENS = jnp.array([[3, 17, 42, 5, 88, 9, 1]])
 
@@ -50,12 +50,7 @@ def test_sharded_hf_folder(tiny, tmp_path):
     save_hf_folder(tiny, None, tmp_path)
     tensors = flat_to_hf({k: np.asarray(v) for k, v in tiny.flat_params().items()}, tiny.config)
     (tmp_path / "model.safetensors").unlink()
-    names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
-    for fname, keys in shards.items():
-        save_file({k: tensors[k] for k in keys}, str(tmp_path / fname))
-    index = {"weight_map": {k: f for f, keys in shards.items() for k in keys}}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_sharded(tmp_path, tensors, ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"))
     config, arrays = load_hf_arrays(tmp_path)
     np.testing.assert_array_equal(_logits(build_model(config, arrays)), _logits(tiny))
 
