@@ -165,7 +165,7 @@ class PagedPager(Pager):
         check_adapter_name(name)
         model, lora = self.model_config, self.lora_config
         adapter = load_host_adapter(name, source, model, lora)
-        check_host_adapter(name, adapter, model, lora)
+        check_host_adapter(name, adapter, model, lora, weights=isinstance(source, HostAdapter))
         flat, pages = pack_flat(adapter.weights, model, lora, self.dtype)
         for w, p in pages.items():
             if len(p) > self._allocators[w].num_pages:

@@ -280,9 +280,12 @@ def load_host_adapter(name: str, source: str | Path | HostAdapter, model: ModelC
         raise AdapterError(f"adapter {name!r} ({source}): {e}") from e
 
 
-def check_host_adapter(name: str, adapter: HostAdapter, model: ModelConfig, lora: LoraConfig) -> None:
-    """Raises AdapterError unless `adapter` fits the model and the bank and its weights are finite and
-    within MAX_ADAPTER_WEIGHT (jaxlora.lora.validate)."""
+def check_host_adapter(
+    name: str, adapter: HostAdapter, model: ModelConfig, lora: LoraConfig, *, weights: bool = True
+) -> None:
+    """Raises AdapterError unless `adapter` fits the model and the bank and (with `weights`) its
+    weights are finite and within MAX_ADAPTER_WEIGHT (jaxlora.lora.validate). `weights=False` for
+    an adapter read from a PEFT folder: the reader checked them as it stacked them."""
     where = f"adapter {name!r}"
     extra = sorted(set(adapter.target_modules) - set(lora.target_modules))
     if extra:
@@ -299,7 +302,7 @@ def check_host_adapter(name: str, adapter: HostAdapter, model: ModelConfig, lora
                 f"{where}: {module} has a {a.shape}, b {b.shape}; the model wants "
                 f"a [{model.num_layers}, {d_in}, r], b [{model.num_layers}, r, {d_out}]"
             )
-        for which, x in (("a", a), ("b", b)):
+        for which, x in (("a", a), ("b", b)) if weights else ():
             check_weight_magnitude(f"{where}: {module}.{which}", x)
 
 
@@ -322,7 +325,7 @@ def prepare_adapter(
     """
     check_adapter_name(name)
     adapter = load_host_adapter(name, source, model, lora)
-    check_host_adapter(name, adapter, model, lora)
+    check_host_adapter(name, adapter, model, lora, weights=isinstance(source, HostAdapter))
     layouts = layouts or FlatLayout.classes_for_bank(model, lora, dtype)
     layout = layouts[rank_class(adapter.rank, layouts)]
     flat = layout.pack(adapter.weights, model, lora)

@@ -33,6 +33,7 @@ DTYPES: dict[str, np.dtype] = {
     "I64": np.dtype(np.int64),
     "BOOL": np.dtype(np.bool_),
 }
+CODES: dict[np.dtype, str] = {dtype: code for code, dtype in DTYPES.items()}  # dtype -> its header code
 # A header longer than this is not a weight file's (real ones are a few hundred KB).
 MAX_HEADER_BYTES = 100 << 20
 

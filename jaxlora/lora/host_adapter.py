@@ -15,7 +15,6 @@ exact zeros. The scale (`lora_alpha / r`, or `lora_alpha / sqrt(r)` with rsLoRA,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so np.dtype("bfloat16") works)
 import numpy as np
@@ -99,20 +98,3 @@ def _check_pair(module: str, a: np.ndarray, b: np.ndarray) -> int:
     if a.dtype != np.float32 or b.dtype != np.float32:
         raise ValueError(f"{module}: weights must be float32, got {a.dtype} and {b.dtype}")
     return a.shape[2]
-
-
-def stack_module(
-    layers: Mapping[int, tuple[np.ndarray, np.ndarray]], num_layers: int, shape: tuple[int, int]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Stacks per-layer (a [in, r_l], b [r_l, out]) into zero-padded (a [L, in, r], b [L, r, out]).
-
-    `r` is the largest r_l; layers missing from `layers` stay zero (the adapter leaves them alone).
-    """
-    d_in, d_out = shape
-    rank = max(a.shape[1] for a, _ in layers.values())
-    a_all = np.zeros((num_layers, d_in, rank), np.float32)
-    b_all = np.zeros((num_layers, rank, d_out), np.float32)
-    for layer, (a, b) in layers.items():
-        a_all[layer, :, : a.shape[1]] = a
-        b_all[layer, : b.shape[0], :] = b
-    return a_all, b_all

@@ -29,14 +29,14 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors' numpy reader needs it)
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
-from safetensors import safe_open
 
 from jaxlora.config import TARGET_MODULES, ModelConfig
-from jaxlora.errors import AdapterError
-from jaxlora.lora.host_adapter import HostAdapter, stack_module
-from jaxlora.lora.validate import RANK_HINT, check_adapter_name, check_weight_magnitude
+from jaxlora.errors import AdapterError, ModelLoadError
+from jaxlora.loading.safetensors_map import CODES, map_file
+from jaxlora.lora.host_adapter import HostAdapter
+from jaxlora.lora.validate import RANK_HINT, check_adapter_name, check_weight_magnitude, weights_within_bound
 from jaxlora.weights_file import save_safetensors
 
 CONFIG_FILE = "adapter_config.json"
@@ -211,8 +211,10 @@ def load_peft_adapter(path: str | Path, *, name: str, model_config: ModelConfig,
     for module in TARGET_MODULES:
         layers = {i: ab for (i, m), ab in pairs.items() if m == module}
         if layers:
-            folded = {i: _fold(i, module, a, b, spec, model_config, max_rank, where) for i, (a, b) in layers.items()}
-            weights[module] = stack_module(folded, model_config.num_layers, model_config.module_shape(module))
+            scales = {
+                i: _check_pair(i, module, a, b, spec, model_config, max_rank, where) for i, (a, b) in layers.items()
+            }
+            weights[module] = _stack_folded(module, layers, scales, model_config, where)
     base = raw.get("base_model_name_or_path")
     return HostAdapter(
         name=name,
@@ -369,25 +371,20 @@ def _read_weights(folder: Path, where: str) -> dict[str, np.ndarray]:
                 f"convert to {WEIGHTS_FILE}"
             )
         raise AdapterError(f"{where}: no {WEIGHTS_FILE}")
-    tensors: dict[str, np.ndarray] = {}
+    # Read-only views of the mapped file: each weight is read once, by the copy that transposes,
+    # widens and stacks it (`_stack_folded`), not first into an array of its own.
     try:
-        with safe_open(str(path), framework="numpy") as f:
-            for key in f.keys():
-                dtype = f.get_slice(key).get_dtype()
-                if _safetensors_dtype(dtype) not in _FLOAT_DTYPES:
-                    raise AdapterError(f"{where}: tensor {key}: dtype {dtype} is not a float type (F32/F16/BF16)")
-                tensors[key] = f.get_tensor(key)
-    except AdapterError:
-        raise
-    except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
-        raise AdapterError(f"{where}: cannot read {WEIGHTS_FILE} ({type(e).__name__}: {e})") from None
+        mapped = map_file(path)
+    except ModelLoadError as e:
+        raise AdapterError(f"{where}: cannot read {WEIGHTS_FILE} ({e})") from None
+    tensors: dict[str, np.ndarray] = {}
+    for key, tensor in mapped.items():
+        if tensor.dtype.name not in _FLOAT_DTYPES:
+            raise AdapterError(f"{where}: tensor {key}: dtype {CODES[tensor.dtype]} is not a float type (F32/F16/BF16)")
+        tensors[key] = tensor.array()
     if not tensors:
         raise AdapterError(f"{where}: {WEIGHTS_FILE} holds no tensors (empty adapter)")
     return tensors
-
-
-def _safetensors_dtype(code: str) -> str:
-    return {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}.get(code, code)
 
 
 _LORA_KEY_RE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.default)?\.weight$")
@@ -474,7 +471,7 @@ def _check_coverage(pairs: Mapping[tuple[int, str], Any], spec: LoraSpec, config
         )
 
 
-def _fold(
+def _check_pair(
     layer: int,
     module: str,
     a: np.ndarray,
@@ -483,8 +480,9 @@ def _fold(
     config: ModelConfig,
     max_rank: int,
     where: str,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Checks one module's PEFT pair (A [r, in], B [out, r]); returns (A.T, B.T * scale) in float32."""
+) -> float:
+    """Checks one module's PEFT pair (A [r, in], B [out, r]) against the model and the config;
+    returns the scale folded into its B."""
     key = module_key(layer, module)
     r, _ = spec.rank_and_alpha(key)
     d_in, d_out = config.module_shape(module)
@@ -507,11 +505,37 @@ def _fold(
             f"{where}: tensor {a_key}: rank {a.shape[0]} but {CONFIG_FILE} gives r={r} "
             "for this module (r / rank_pattern)"
         )
-    a32 = a.astype(np.float32).T
-    b32 = b.astype(np.float32).T * np.float32(spec.scale(key))
-    for tensor, value in ((a_key, a32), (b_key, b32)):
-        check_weight_magnitude(f"{where}: tensor {tensor}", value)
-    return np.ascontiguousarray(a32), np.ascontiguousarray(b32)
+    return spec.scale(key)
+
+
+def _stack_folded(
+    module: str,
+    layers: Mapping[int, tuple[np.ndarray, np.ndarray]],
+    scales: Mapping[int, float],
+    config: ModelConfig,
+    where: str,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One module's checked pairs {layer: (A [r_l, in], B [out, r_l])} -> (a [L, in, r], b [L, r, out])
+    in float32, B times its layer's scale, r the largest r_l, layers and ranks missing zero.
+
+    Each weight is copied once, transposed and widened on the way; the bound check then reads the
+    stacked arrays once (it names the offending tensor only when one fails)."""
+    d_in, d_out = config.module_shape(module)
+    rank = max(a.shape[0] for a, _ in layers.values())
+    a_all = np.zeros((config.num_layers, d_in, rank), np.float32)
+    b_all = np.zeros((config.num_layers, rank, d_out), np.float32)
+    for layer, (a, b) in layers.items():
+        r = a.shape[0]
+        a_all[layer, :, :r] = a.T
+        b_layer = b_all[layer, :r]
+        b_layer[...] = b.T
+        if scales[layer] != 1.0:
+            b_layer *= np.float32(scales[layer])
+    if not (weights_within_bound(a_all) and weights_within_bound(b_all)):
+        for layer in sorted(layers):
+            for which, x in (("A", a_all[layer]), ("B", b_all[layer])):
+                check_weight_magnitude(f"{where}: tensor {tensor_key(layer, module, which)}", x)
+    return a_all, b_all
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,12 +33,24 @@ def check_adapter_name(name: object) -> str:
     return name
 
 
+def _extremes(weights: np.ndarray) -> tuple[float, float]:
+    # max and min read the array once each and allocate nothing; either is NaN if any entry is.
+    return float(weights.max(initial=-np.inf)), float(weights.min(initial=np.inf))
+
+
+def weights_within_bound(weights: np.ndarray) -> bool:
+    """Whether every entry of `weights` is finite and at most MAX_ADAPTER_WEIGHT in magnitude."""
+    hi, lo = _extremes(weights)
+    return -MAX_ADAPTER_WEIGHT <= lo and hi <= MAX_ADAPTER_WEIGHT  # False for NaN
+
+
 def check_weight_magnitude(where: str, weights: np.ndarray) -> None:
     """Raises AdapterError unless every entry of `weights` (an adapter's A, or B with its scale
     folded in) is finite and at most MAX_ADAPTER_WEIGHT in magnitude; `where` names the tensor."""
-    if not np.isfinite(weights).all():
+    hi, lo = _extremes(weights)
+    if weights.size and not (np.isfinite(hi) and np.isfinite(lo)):
         raise AdapterError(f"{where}: contains NaN or Inf values")
-    largest = float(np.abs(weights).max(initial=0.0))
+    largest = max(hi, -lo, 0.0)
     if largest > MAX_ADAPTER_WEIGHT:
         raise AdapterError(
             f"{where}: holds a weight of magnitude {largest:.3g} (scale folded in), above the "
