@@ -34,3 +34,8 @@ class CapacityError(JaxloraError, RuntimeError):
 
 class AdapterInUseError(JaxloraError, RuntimeError):
     """An adapter cannot be unregistered now: running requests still use it (gRPC FAILED_PRECONDITION)."""
+
+
+class EngineFailedError(JaxloraError, RuntimeError):
+    """The engine's background loop died (a device failure it could not recover from): it takes no
+    more requests, and the process must be restarted (gRPC / HTTP UNAVAILABLE)."""

@@ -18,6 +18,7 @@ class Phase(enum.Enum):
     SERVING = "serving"
     DRAINING = "draining"  # new generation calls are UNAVAILABLE; running ones finish or are cancelled
     STOPPED = "stopped"
+    FAILED = "failed"  # the engine's loop died: generation calls are UNAVAILABLE until a restart
 
 
 class Admission:
@@ -28,6 +29,7 @@ class Admission:
         self.max_streams = max_streams
         self.tokenize = TokenizeSlots(tokenize_slots)
         self.phase = Phase.WARMING
+        self.failure: str | None = None  # why the engine failed (Phase.FAILED)
         self.num_streams = 0
         self._lock = threading.Condition()
 
@@ -41,6 +43,8 @@ class Admission:
         with self._lock:
             if self.phase is Phase.WARMING:
                 raise ApiError(Status.UNAVAILABLE, "the server is warming up; retry shortly")
+            if self.phase is Phase.FAILED:
+                raise ApiError(Status.UNAVAILABLE, f"the engine failed ({self.failure}); the server must be restarted")
             if self.phase is not Phase.SERVING:
                 raise ApiError(Status.UNAVAILABLE, "the server is shutting down")
             if self.num_streams >= self.max_streams:
@@ -56,10 +60,17 @@ class Admission:
                 self._lock.notify_all()
 
     def set_phase(self, phase: Phase) -> Phase:
-        """Sets the phase; returns the previous one."""
+        """Sets the phase (Phase.FAILED stays); returns the previous one."""
         with self._lock:
-            previous, self.phase = self.phase, phase
+            previous = self.phase
+            if previous is not Phase.FAILED:
+                self.phase = phase
             return previous
+
+    def fail(self, reason: str) -> None:
+        """The engine's loop died: Phase.FAILED for good (a drain or stop no longer changes it)."""
+        with self._lock:
+            self.failure, self.phase = reason, Phase.FAILED
 
     def wait_for_streams(self, timeout: float) -> bool:
         """Waits until no stream is in flight; False if some still are after `timeout` seconds."""

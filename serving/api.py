@@ -42,6 +42,7 @@ from jaxlora.errors import (
     AdapterExistsError,
     AdapterInUseError,
     CapacityError,
+    EngineFailedError,
     JaxloraError,
     RequestError,
     UnknownAdapterError,
@@ -131,6 +132,8 @@ def error_of(error: Exception, *, is_draining: bool = False) -> ApiError:
             return ApiError(Status.NOT_FOUND, str(error))
         case RequestError() | AdapterError():
             return ApiError(Status.INVALID_ARGUMENT, str(error))
+        case EngineFailedError():
+            return ApiError(Status.UNAVAILABLE, str(error))
         case CapacityError() if is_draining:
             return ApiError(Status.UNAVAILABLE, "the server is shutting down")
         case CapacityError():

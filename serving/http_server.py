@@ -250,6 +250,8 @@ class _Handlers:
         phase = self.admission.phase
         if phase is Phase.SERVING:
             return JSONResponse({"status": phase.value})
+        if phase is Phase.FAILED:  # no Retry-After: this process will not recover, it must be restarted
+            return JSONResponse({"status": phase.value, "error": self.admission.failure}, status_code=503)
         return JSONResponse({"status": phase.value}, status_code=503, headers=_RETRY_AFTER)
 
     async def prometheus(self, request: Request) -> Response:

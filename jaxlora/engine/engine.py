@@ -64,7 +64,7 @@ from jaxlora.engine.request import (
 from jaxlora.engine.runner import Runner, WarmupProgress, num_traces, pool_positions
 from jaxlora.engine.sampling import Logprobs
 from jaxlora.engine.scheduler import Scheduler, StepPlan
-from jaxlora.errors import CapacityError, JaxloraError, RequestError, UnknownAdapterError
+from jaxlora.errors import CapacityError, EngineFailedError, JaxloraError, RequestError, UnknownAdapterError
 from jaxlora.lora.bank import Bank
 from jaxlora.lora.host_adapter import HostAdapter
 from jaxlora.model.params import LoadedModel
@@ -213,6 +213,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._draining = False
+        self._failure: str | None = None  # why the background loop died, once it has
+        self._failure_listeners: list[Callable[[str], None]] = []
 
     # Submission (thread-safe).
     def submit(
@@ -231,6 +233,8 @@ class Engine:
         self._validate(request, prompt_ids)
         seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(32)
         with self._lock:
+            if self._failure is not None:
+                raise EngineFailedError(f"the engine failed and takes no requests ({self._failure})")
             if self._stopping:
                 raise CapacityError("the engine is stopping and accepts no new requests")
             if request.request_id in self._live:
@@ -451,6 +455,8 @@ class Engine:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
+        if self._failure is not None:
+            raise EngineFailedError(f"the engine failed and cannot start again ({self._failure})")
         if self.is_running:
             return
         self._stopping = self._draining = False
@@ -477,7 +483,24 @@ class Engine:
             self._thread.join()
         self._thread = None
 
+    @property
+    def failure(self) -> str | None:
+        """Why the background loop died (a failure it could not recover from), or None."""
+        return self._failure
+
+    def on_failure(self, listener: Callable[[str], None]) -> None:
+        """Calls `listener(reason)` (on the loop's thread) if the background loop dies: the server
+        turns unhealthy and its process exits, so that a supervisor restarts it."""
+        self._failure_listeners.append(listener)
+
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # the loop is gone: nobody may wait on it, nothing may queue for it
+            log.exception("engine loop died")
+            self._die(f"{type(e).__name__}: {e}")
+
+    def _serve(self) -> None:
         while True:
             with self._lock:
                 while not (self._inbox or self._cancels or self._stopping) and self._is_idle():
@@ -488,7 +511,35 @@ class Engine:
                 self.step()
             except Exception as e:  # a device failure must not leave callers waiting forever
                 log.exception("engine step failed")
+                # Raises if the device cannot even give a fresh KV pool: then the loop dies (`_die`).
                 self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+
+    def _die(self, reason: str) -> None:
+        """Fails every request still live (host bookkeeping only: the device may be gone), refuses new
+        ones, and tells the failure listeners."""
+        with self._lock:
+            self._failure = reason
+            live, self._live, self._inbox = list(self._live.values()), {}, []
+        message = f"the engine failed: {reason}"
+        for entry in live:
+            rid = entry.request.request_id
+            out = RequestOutput(
+                request_id=rid,
+                text="",
+                token_ids=(),
+                finished=True,
+                finish_reason=FinishReason.ERROR,
+                prompt_tokens=entry.request.num_prompt,
+                completion_tokens=entry.request.num_output,
+                error=message,
+            )
+            self._emit(entry, out, [])
+            entry.handle._complete(_error_output(rid, message))
+        for listener in self._failure_listeners:
+            try:
+                listener(reason)
+            except Exception:
+                log.exception("an engine failure listener raised")
 
     # Warm-up and stats.
     def warmup(self, progress: WarmupProgress | None = None) -> None:

@@ -111,7 +111,16 @@ def run(args: argparse.Namespace) -> int:
     clock.print("jaxlora serve", getattr(args, "compilation_cache_dir", None))
     metrics = f", metrics on http://{args.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
     print(f"jaxlora serve: ready on {_addresses(args.host, server)}{metrics}", file=sys.stderr, flush=True)
+    # An engine whose loop died cannot serve again: exit non-zero so that a supervisor restarts us.
+    # (Registered after warm_up's own listener, which turns the server unhealthy first.)
+    server.engine.on_failure(lambda reason: stop.set())
+    if server.engine.failure is not None:
+        stop.set()
     stop.wait()
+    if server.engine.failure is not None:
+        print(f"jaxlora serve: the engine failed ({server.engine.failure}); exiting", file=sys.stderr, flush=True)
+        server.shutdown(0)
+        return 1
     print("jaxlora serve: shutting down", file=sys.stderr, flush=True)
     finished = server.shutdown(args.grace_period)
     print(

@@ -1,0 +1,211 @@
+"""An engine that fails under open streams: every stream ends with a clear error, none hangs.
+
+A step that raises (a device fault the engine recovers from) fails the requests it was running and
+the engine serves the next one. A loop that dies (the device cannot even give a fresh KV pool) fails
+every live request, turns the server unhealthy for good (HTTP /health 503 with the reason, gRPC
+NOT_SERVING), refuses new calls with UNAVAILABLE, and makes `jaxlora serve` exit non-zero so that a
+supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from jaxlora.adapters import Pager
+from jaxlora.engine import Engine
+from jaxlora.engine.request import GenerationRequest, SamplingParams
+from jaxlora.errors import EngineFailedError
+from serving.admission import Phase
+from serving.server import InferenceServer
+from tests.factories import char_tokenizer, tiny_model
+from tests.serving.support import (
+    ADAPTERS,
+    ENGINE_CONFIG,
+    LONG,
+    LORA,
+    assert_capacity_whole,
+    connect,
+    running_server,
+    wait_until,
+)
+
+# Greedy past EOS: the request holds its row until the test ends it.
+HOLD = {"temperature": 0, "ignore_eos": True}
+ENDS_WITHIN = 20.0  # seconds: a failed stream ends at the next engine step, far sooner
+
+
+class SseStream:
+    """A streamed /v1/completions call read event by event (raw HTTP: the test sees every event)."""
+
+    def __init__(self, server: InferenceServer, adapter: str) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=ENDS_WITHIN)
+        body = {"model": adapter, "prompt": "hold this row", "max_tokens": LONG, "stream": True, **HOLD}
+        self.conn.request(
+            "POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"}
+        )
+        self.response = self.conn.getresponse()
+        if self.response.status != 200:
+            raise AssertionError(f"stream refused: {self.response.status} {self.response.read()!r}")
+
+    def events(self) -> Iterator[str]:
+        while True:
+            line = self.response.readline()
+            if not line:
+                return
+            if line.startswith(b"data: "):
+                data = line[len(b"data: ") :].strip().decode()
+                yield data
+                if data == "[DONE]":
+                    return
+
+    def first_token(self) -> None:
+        for data in self.events():
+            if json.loads(data)["choices"][0]["text"]:
+                return
+        raise AssertionError("the stream ended before its first token")
+
+    def error_at_end(self) -> str:
+        """The message of the error event the stream ends with (AssertionError if it ends without)."""
+        errors = [json.loads(d)["error"]["message"] for d in self.events() if d != "[DONE]" and '"error"' in d]
+        self.conn.close()
+        if not errors:
+            raise AssertionError("the stream ended without an error event")
+        return errors[-1]
+
+
+def _grpc_stream(server: InferenceServer, adapter: str) -> tuple[threading.Thread, dict]:
+    """A gRPC stream on a thread of its own; its outcome lands in the returned dict."""
+    outcome: dict = {"tokens": 0}
+
+    def run() -> None:
+        with connect(server, timeout=ENDS_WITHIN * 3) as client:
+            try:
+                for chunk in client.stream("hold this row", adapter=adapter, max_tokens=LONG, **HOLD):
+                    outcome["tokens"] += len(chunk.token_ids)
+                outcome["error"] = None
+            except grpc.RpcError as e:
+                outcome["error"] = (e.code(), e.details())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def _http_status(server: InferenceServer, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=ENDS_WITHIN)
+    conn.request(
+        method, path, body=None if body is None else json.dumps(body), headers={"Content-Type": "application/json"}
+    )
+    response = conn.getresponse()
+    status, payload = response.status, json.loads(response.read() or b"{}")
+    conn.close()
+    return status, payload
+
+
+def _fail_steps(monkeypatch, engine: Engine, message: str, *, times: int) -> None:
+    """engine.step raises RuntimeError(message) on its next `times` calls, then runs again."""
+    original, left = engine.step, [times]
+
+    def failing():
+        if left[0]:
+            left[0] -= 1
+            raise RuntimeError(message)
+        return original()
+
+    monkeypatch.setattr(engine, "step", failing)
+
+
+def test_a_failed_step_fails_every_open_stream_and_the_engine_serves_on(engine, adapter_root, monkeypatch):
+    with running_server(engine, http_port=0, adapter_roots=(str(adapter_root),)) as server:
+        sse = SseStream(server, ADAPTERS[0])
+        sse.first_token()
+        thread, outcome = _grpc_stream(server, ADAPTERS[1])
+        wait_until(lambda: outcome["tokens"] > 0)
+
+        _fail_steps(monkeypatch, engine, "injected device fault", times=1)
+
+        message = sse.error_at_end()
+        assert "engine step failed" in message and "injected device fault" in message
+        thread.join(ENDS_WITHIN)
+        assert not thread.is_alive(), "the gRPC stream hung"
+        code, details = outcome["error"]
+        assert code == grpc.StatusCode.INTERNAL and "injected device fault" in details
+        assert_capacity_whole(engine, server)
+        # The engine recovered: the next request is served, and the server stayed healthy.
+        assert _http_status(server, "GET", "/health") == (200, {"status": "serving"})
+        status, body = _http_status(
+            server, "POST", "/v1/completions", {"model": ADAPTERS[0], "prompt": "hi", "max_tokens": 3}
+        )
+        assert status == 200 and body["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.fixture
+def doomed_engine(adapter_root) -> Engine:
+    """An engine of its own: its loop is killed, and a dead engine cannot start again."""
+    model = tiny_model()
+    pager = Pager(model.config, LORA, dtype=model.dtype)
+    for name in ADAPTERS[:2]:
+        pager.register(name, adapter_root / name)
+    return Engine(model, char_tokenizer(), ENGINE_CONFIG, pager)
+
+
+def test_a_dead_engine_loop_fails_every_stream_and_the_server_turns_unhealthy(doomed_engine, monkeypatch):
+    engine = doomed_engine
+    server_context = running_server(engine, http_port=0)
+    server = server_context.__enter__()
+    try:
+        sse = SseStream(server, ADAPTERS[0])
+        sse.first_token()
+        thread, outcome = _grpc_stream(server, ADAPTERS[1])
+        wait_until(lambda: outcome["tokens"] > 0)
+        # The step fails, then the device cannot give a fresh KV pool either: the loop dies.
+        _fail_steps(monkeypatch, engine, "injected device fault", times=1)
+        monkeypatch.setattr(engine.runner, "reset_pool", lambda: (_ for _ in ()).throw(RuntimeError("device lost")))
+
+        assert "injected device fault" in sse.error_at_end()
+        thread.join(ENDS_WITHIN)
+        assert not thread.is_alive(), "the gRPC stream hung"
+        assert outcome["error"][0] == grpc.StatusCode.INTERNAL
+        assert server.failed.wait(ENDS_WITHIN)
+        assert not engine.is_running and "device lost" in engine.failure
+
+        status, body = _http_status(server, "GET", "/health")
+        assert status == 503 and body["status"] == Phase.FAILED.value and "device lost" in body["error"]
+        status, body = _http_status(
+            server, "POST", "/v1/completions", {"model": ADAPTERS[0], "prompt": "hi", "max_tokens": 3}
+        )
+        assert (
+            status == 503
+            and "the engine failed" in body["error"]["message"]
+            and "restarted" in body["error"]["message"]
+        )
+        with connect(server, timeout=ENDS_WITHIN) as client:
+            with pytest.raises(grpc.RpcError) as raised:
+                client.generate("hi", max_tokens=3)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and "device lost" in raised.value.details()
+        with pytest.raises(EngineFailedError, match="device lost"):
+            engine.start()
+    finally:
+        server.shutdown(grace_seconds=0)
+
+
+def test_a_request_submitted_to_a_dead_engine_is_refused(doomed_engine, monkeypatch):
+    engine = doomed_engine
+    _fail_steps(monkeypatch, engine, "injected device fault", times=1)
+    monkeypatch.setattr(engine.runner, "reset_pool", lambda: (_ for _ in ()).throw(RuntimeError("device lost")))
+    heard: list[str] = []
+    engine.on_failure(heard.append)
+    engine.start()
+    handle = engine.submit(GenerationRequest(request_id="r0", prompt="hello", sampling=SamplingParams(max_tokens=4)))
+    final = handle.result(ENDS_WITHIN)  # still queued when the loop died: failed by the loop's end
+    assert final.finish_reason.name == "ERROR" and final.error == "the engine failed: RuntimeError: device lost"
+    wait_until(lambda: heard, timeout=ENDS_WITHIN)
+    assert "device lost" in heard[0]
+    with pytest.raises(EngineFailedError, match="the engine failed and takes no requests"):
+        engine.submit(GenerationRequest(request_id="r1", prompt="hello", sampling=SamplingParams(max_tokens=4)))
