@@ -274,7 +274,11 @@ class Engine:
         The cost of running one step behind: a request that stops on an EOS id or a stop string has
         one extra token computed and thrown away; `max_tokens` is known in advance and never
         overshoots.
+
+        Raises EngineFailedError once the background loop has died (`failure`).
         """
+        if self._failure is not None:
+            raise EngineFailedError(f"the engine failed and runs no steps ({self._failure})")
         outputs: list[RequestOutput] = []
         times = self._times
         times.start()
@@ -515,31 +519,45 @@ class Engine:
                 self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
 
     def _die(self, reason: str) -> None:
-        """Fails every request still live (host bookkeeping only: the device may be gone), refuses new
-        ones, and tells the failure listeners."""
+        """Fails every request still live and frees what each held, host side only (the device may
+        be gone); refuses new requests and steps from here on; tells the failure listeners."""
         with self._lock:
             self._failure = reason
-            live, self._live, self._inbox = list(self._live.values()), {}, []
         message = f"the engine failed: {reason}"
-        for entry in live:
-            rid = entry.request.request_id
-            out = RequestOutput(
-                request_id=rid,
-                text="",
-                token_ids=(),
-                finished=True,
-                finish_reason=FinishReason.ERROR,
-                prompt_tokens=entry.request.num_prompt,
-                completion_tokens=entry.request.num_output,
-                error=message,
-            )
-            self._emit(entry, out, [])
-            entry.handle._complete(_error_output(rid, message))
+        scheduled = [*self.scheduler.running.values(), *self.scheduler.waiting]
+        for req in scheduled:  # rows, pages and adapter pins are given back
+            self._guarded(self._finish, req, FinishReason.ERROR, [], error=message)
+        with self._lock:
+            unscheduled, self._live, self._inbox = list(self._live.values()), {}, []
+        for entry in unscheduled:  # still in the inbox: holds nothing yet
+            self._guarded(self._fail_unscheduled, entry, message)
         for listener in self._failure_listeners:
-            try:
-                listener(reason)
-            except Exception:
-                log.exception("an engine failure listener raised")
+            self._guarded(listener, reason)
+
+    @staticmethod
+    def _guarded(fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        # Everything must run to its end on a dying loop: one failure must not strand the rest.
+        try:
+            fn(*args, **kw)
+        except Exception:
+            log.exception("while failing the engine's requests")
+
+    def _fail_unscheduled(self, entry: _Live, message: str) -> None:
+        rid = entry.request.request_id
+        self._counters.finished += 1
+        self._counters.errors += 1
+        out = RequestOutput(
+            request_id=rid,
+            text="",
+            token_ids=(),
+            finished=True,
+            finish_reason=FinishReason.ERROR,
+            prompt_tokens=entry.request.num_prompt,
+            completion_tokens=0,
+            error=message,
+        )
+        self._emit(entry, out, [])
+        entry.handle._complete(_error_output(rid, message))
 
     # Warm-up and stats.
     def warmup(self, progress: WarmupProgress | None = None) -> None:

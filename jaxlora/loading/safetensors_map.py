@@ -63,6 +63,17 @@ class MappedTensor:
         self.buffer.madvise(mmap.MADV_WILLNEED, start, self.offset + self.nbytes - start)
 
 
+class UnsupportedDtypeError(ModelLoadError):
+    """A tensor's dtype code is none of `DTYPES` (the file itself may be sound)."""
+
+    def __init__(self, path: Path, name: str, code: str) -> None:
+        known = ", ".join(DTYPES)
+        super().__init__(
+            f"{path}: cannot read safetensors file (tensor {name}: dtype {code} is not supported: {known})"
+        )
+        self.name, self.code = name, code
+
+
 def _bad(path: Path, why: str) -> ModelLoadError:
     return ModelLoadError(f"{path}: cannot read safetensors file ({why})")
 
@@ -87,10 +98,15 @@ def _header(path: Path, buffer: mmap.mmap) -> tuple[dict, int]:
 def _entry(path: Path, name: str, info: object, data_start: int, size: int) -> tuple[np.dtype, tuple[int, ...], int]:
     """(dtype, shape, absolute offset) of one header entry, checked against the file's size."""
     try:
-        dtype = DTYPES[info["dtype"]]  # type: ignore[index]
+        code = info["dtype"]  # type: ignore[index]
         shape, offsets = info["shape"], info["data_offsets"]  # type: ignore[index]
     except (KeyError, TypeError) as e:
-        raise _bad(path, f"tensor {name}: unknown dtype or missing field {e}") from None
+        raise _bad(path, f"tensor {name}: not an entry with dtype, shape and data_offsets ({e})") from None
+    if not isinstance(code, str):
+        raise _bad(path, f"tensor {name}: malformed dtype {str(code)[:40]}")
+    if code not in DTYPES:
+        raise UnsupportedDtypeError(path, name, code[:40])
+    dtype = DTYPES[code]
     # Exact Python ints only: a float, a bool or a huge number is a damaged header, not a size.
     ints = isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
     if not ints or not all(type(x) is int and 0 <= x < 2**62 for x in (*shape, *offsets)):

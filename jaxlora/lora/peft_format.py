@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxlora.config import TARGET_MODULES, ModelConfig
 from jaxlora.errors import AdapterError, ModelLoadError
-from jaxlora.loading.safetensors_map import CODES, map_file
+from jaxlora.loading.safetensors_map import CODES, UnsupportedDtypeError, map_file
 from jaxlora.lora.host_adapter import HostAdapter
 from jaxlora.lora.validate import RANK_HINT, check_adapter_name, check_weight_magnitude, weights_within_bound
 from jaxlora.weights_file import save_safetensors
@@ -375,6 +375,8 @@ def _read_weights(folder: Path, where: str) -> dict[str, np.ndarray]:
     # widens and stacks it (`_stack_folded`), not first into an array of its own.
     try:
         mapped = map_file(path)
+    except UnsupportedDtypeError as e:
+        raise AdapterError(f"{where}: tensor {e.name}: dtype {e.code} is not a float type (F32/F16/BF16)") from None
     except ModelLoadError as e:
         raise AdapterError(f"{where}: cannot read {WEIGHTS_FILE} ({e})") from None
     tensors: dict[str, np.ndarray] = {}
@@ -535,6 +537,7 @@ def _stack_folded(
         for layer in sorted(layers):
             for which, x in (("A", a_all[layer]), ("B", b_all[layer])):
                 check_weight_magnitude(f"{where}: tensor {tensor_key(layer, module, which)}", x)
+        raise AdapterError(f"{where}: {module}: a weight is NaN, Inf or above the bound")  # unreachable
     return a_all, b_all
 
 

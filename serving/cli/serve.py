@@ -112,23 +112,28 @@ def run(args: argparse.Namespace) -> int:
     metrics = f", metrics on http://{args.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
     print(f"jaxlora serve: ready on {_addresses(args.host, server)}{metrics}", file=sys.stderr, flush=True)
     # An engine whose loop died cannot serve again: exit non-zero so that a supervisor restarts us.
-    # (Registered after warm_up's own listener, which turns the server unhealthy first.)
-    server.engine.on_failure(lambda reason: stop.set())
-    if server.engine.failure is not None:
-        stop.set()
-    stop.wait()
-    if server.engine.failure is not None:
+    # Polled, not a `stop.set()` from the engine: a supervisor's SIGTERM after a failure is then a
+    # first signal (a drain), not the second one that exits at once.
+    while not (stop.wait(WAKE_SECONDS) or server.engine.failure is not None):
+        pass
+    if not stop.is_set():
         print(f"jaxlora serve: the engine failed ({server.engine.failure}); exiting", file=sys.stderr, flush=True)
         server.shutdown(0)
         return 1
     print("jaxlora serve: shutting down", file=sys.stderr, flush=True)
     finished = server.shutdown(args.grace_period)
+    if server.engine.failure is not None:
+        print(f"jaxlora serve: the engine failed ({server.engine.failure}) while draining", file=sys.stderr, flush=True)
+        return 1
     print(
         f"jaxlora serve: stopped ({'all streams finished' if finished else 'some streams were cancelled'})",
         file=sys.stderr,
         flush=True,
     )
     return 0
+
+
+WAKE_SECONDS = 0.5  # how often the main thread, waiting for a signal, checks the engine is alive
 
 
 def configure_logging() -> None:

@@ -128,3 +128,29 @@ def assert_capacity_whole(engine: Engine, server: InferenceServer | None = None)
     wait_until(lambda: not engine.pager.snapshot()["refcounts"])
     if server is not None:
         wait_until(lambda: server.admission.num_streams == 0)
+
+
+def fail_steps(monkeypatch, engine: Engine, message: str, *, times: int, after: int = 0) -> None:
+    """engine.step runs `after` more times, then raises RuntimeError(message) `times` times, then
+    runs again."""
+    original, good, left = engine.step, [after], [times]
+
+    def failing():
+        if good[0]:
+            good[0] -= 1
+            return original()
+        if left[0]:
+            left[0] -= 1
+            raise RuntimeError(message)
+        return original()
+
+    monkeypatch.setattr(engine, "step", failing)
+
+
+def lose_the_device(monkeypatch, engine: Engine) -> None:
+    """The KV pool cannot be made again: a failed step then kills the engine's loop."""
+
+    def reset_pool():
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "reset_pool", reset_pool)

@@ -9,6 +9,7 @@ supervisor restarts it.
 
 from __future__ import annotations
 
+import collections
 import http.client
 import json
 import threading
@@ -31,6 +32,8 @@ from tests.serving.support import (
     LORA,
     assert_capacity_whole,
     connect,
+    fail_steps,
+    lose_the_device,
     running_server,
     wait_until,
 )
@@ -108,19 +111,6 @@ def _http_status(server: InferenceServer, method: str, path: str, body: dict | N
     return status, payload
 
 
-def _fail_steps(monkeypatch, engine: Engine, message: str, *, times: int) -> None:
-    """engine.step raises RuntimeError(message) on its next `times` calls, then runs again."""
-    original, left = engine.step, [times]
-
-    def failing():
-        if left[0]:
-            left[0] -= 1
-            raise RuntimeError(message)
-        return original()
-
-    monkeypatch.setattr(engine, "step", failing)
-
-
 def test_a_failed_step_fails_every_open_stream_and_the_engine_serves_on(engine, adapter_root, monkeypatch):
     with running_server(engine, http_port=0, adapter_roots=(str(adapter_root),)) as server:
         sse = SseStream(server, ADAPTERS[0])
@@ -128,7 +118,7 @@ def test_a_failed_step_fails_every_open_stream_and_the_engine_serves_on(engine, 
         thread, outcome = _grpc_stream(server, ADAPTERS[1])
         wait_until(lambda: outcome["tokens"] > 0)
 
-        _fail_steps(monkeypatch, engine, "injected device fault", times=1)
+        fail_steps(monkeypatch, engine, "injected device fault", times=1)
 
         message = sse.error_at_end()
         assert "engine step failed" in message and "injected device fault" in message
@@ -164,9 +154,10 @@ def test_a_dead_engine_loop_fails_every_stream_and_the_server_turns_unhealthy(do
         sse.first_token()
         thread, outcome = _grpc_stream(server, ADAPTERS[1])
         wait_until(lambda: outcome["tokens"] > 0)
-        # The step fails, then the device cannot give a fresh KV pool either: the loop dies.
-        _fail_steps(monkeypatch, engine, "injected device fault", times=1)
-        monkeypatch.setattr(engine.runner, "reset_pool", lambda: (_ for _ in ()).throw(RuntimeError("device lost")))
+        # The step fails, then the device cannot give a fresh KV pool either: the loop dies. (The pool
+        # first: a step failing between the two would otherwise recover.)
+        lose_the_device(monkeypatch, engine)
+        fail_steps(monkeypatch, engine, "injected device fault", times=1)
 
         assert "injected device fault" in sse.error_at_end()
         thread.join(ENDS_WITHIN)
@@ -195,17 +186,47 @@ def test_a_dead_engine_loop_fails_every_stream_and_the_server_turns_unhealthy(do
         server.shutdown(grace_seconds=0)
 
 
-def test_a_request_submitted_to_a_dead_engine_is_refused(doomed_engine, monkeypatch):
+def test_a_dead_loop_ends_every_request_once_and_frees_what_they_held(doomed_engine, monkeypatch):
+    # Many long prompts on a 32-token budget: after one good step some requests run, most wait in
+    # the scheduler with their adapter pinned, and those submitted after it sit in the inbox.
     engine = doomed_engine
-    _fail_steps(monkeypatch, engine, "injected device fault", times=1)
-    monkeypatch.setattr(engine.runner, "reset_pool", lambda: (_ for _ in ()).throw(RuntimeError("device lost")))
+    lose_the_device(monkeypatch, engine)
+    fail_steps(monkeypatch, engine, "injected device fault", times=1, after=1)
     heard: list[str] = []
     engine.on_failure(heard.append)
+    finals: dict[str, list] = collections.defaultdict(list)
+
+    def submit(i: int, *, stream: bool = False):
+        rid = f"r{i}"
+        callback = None if stream else (lambda out: finals[out.request_id].append(out) if out.finished else None)
+        prompt = "a prompt of some thirty characters " * 2
+        request = GenerationRequest(
+            request_id=rid, prompt=prompt, adapter=ADAPTERS[i % 2], sampling=SamplingParams(max_tokens=50)
+        )
+        return engine.submit(request, callback, stream=stream)
+
+    for i in range(12):
+        submit(i)
+    streamed = submit(12, stream=True)
     engine.start()
-    handle = engine.submit(GenerationRequest(request_id="r0", prompt="hello", sampling=SamplingParams(max_tokens=4)))
-    final = handle.result(ENDS_WITHIN)  # still queued when the loop died: failed by the loop's end
-    assert final.finish_reason.name == "ERROR" and final.error == "the engine failed: RuntimeError: device lost"
     wait_until(lambda: heard, timeout=ENDS_WITHIN)
-    assert "device lost" in heard[0]
+    assert heard == ["RuntimeError: device lost"]
     with pytest.raises(EngineFailedError, match="the engine failed and takes no requests"):
-        engine.submit(GenerationRequest(request_id="r1", prompt="hello", sampling=SamplingParams(max_tokens=4)))
+        submit(13)
+
+    for rid in (f"r{i}" for i in range(12)):
+        outs = finals[rid]
+        assert len(outs) == 1 and outs[0].finish_reason.name == "ERROR", (rid, outs)
+    errors = {out.error for outs in finals.values() for out in outs}
+    assert "the engine failed: RuntimeError: device lost" in errors  # the waiting ones: ended by the loop's end
+    stream = list(streamed)
+    assert [o.finished for o in stream].count(True) == 1 and stream[-1].error.startswith("the engine")
+    # Nothing is held: rows, queue, pins.
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0 and not engine.has_work()
+    assert not engine.pager.snapshot()["refcounts"]
+    engine.unregister_adapter(ADAPTERS[0], timeout=ENDS_WITHIN)  # no request pins it
+    with pytest.raises(EngineFailedError, match="runs no steps"):
+        engine.step()
+    with pytest.raises(EngineFailedError, match="cannot start again"):
+        engine.start()

@@ -16,11 +16,22 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from jaxlora.cli.main import main as jaxlora_main
+from jaxlora.engine.request import GenerationRequest, SamplingParams
 from jaxlora.loading.hf_writer import save_hf_folder
+from serving.admission import Phase
+from serving.cli import serve as serve_cli
 from serving.options import ServerOptions
-from serving.server import SERVICE_NAME, build_server
+from serving.server import SERVICE_NAME, InferenceServer, build_server
 from tests.factories import char_tokenizer, tiny_model
-from tests.serving.support import LONG, BackgroundStream, assert_capacity_whole, connect, wait_until
+from tests.serving.support import (
+    LONG,
+    BackgroundStream,
+    assert_capacity_whole,
+    connect,
+    fail_steps,
+    lose_the_device,
+    wait_until,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -222,3 +233,27 @@ def test_client_cli_lists_no_adapters_in_words(engine, server, monkeypatch, caps
     monkeypatch.setattr(engine, "list_adapters", lambda: [])
     assert jaxlora_main(["client", "--port", str(server.port), "--list-adapters"]) == 0
     assert "no adapters loaded" in capsys.readouterr().out
+
+
+def test_serve_exits_1_when_its_engine_dies(tiny_hf_folder, monkeypatch, capsys):
+    built: list[InferenceServer] = []
+    build = serve_cli._build
+    monkeypatch.setattr(serve_cli, "_build", lambda *a, **kw: built.append(build(*a, **kw)) or built[-1])
+
+    def kill_the_engine() -> None:
+        wait_until(lambda: built and built[0].phase is Phase.SERVING, timeout=300)
+        engine = built[0].engine
+        lose_the_device(monkeypatch, engine)
+        fail_steps(monkeypatch, engine, "injected device fault", times=1)
+        engine.submit(GenerationRequest(request_id="trigger", prompt="hi", sampling=SamplingParams(max_tokens=2)))
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    threading.Thread(target=kill_the_engine, daemon=True).start()
+    try:
+        args = ["serve", "--model", str(tiny_hf_folder), "--config", str(tiny_hf_folder / "engine.yaml")]
+        code = jaxlora_main([*args, "--grpc-port", "0", "--port", "0"])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert code == 1
+    assert "the engine failed (RuntimeError: device lost); exiting" in capsys.readouterr().err
