@@ -333,6 +333,22 @@ RECIPES: dict[str, Recipe] = {
             for arm, share in (("split", 0.5), ("tuned", 1.0))
         ),
     ),
+    "paged_bank": Recipe(
+        doc="Issue 38's rows: S-LoRA's trace on the padded bank, then on the paged (true-rank) bank, one process "
+        "per arm, the same draw, the clock split evenly (s2's mixed ranks are where the padded bank pays most; "
+        "rows carry `bank` and the pool column).",
+        variables={"settings": "s2 s1", "rates": "40 10", "setup_s": "200"},
+        parts=tuple(
+            Part(
+                module="serving.trace",
+                label=bank,
+                args=f"--settings {{settings}} --rates {{rates}} --probe-steps 0 --setup-s {{setup_s}} --bank {bank} {TRACE}",
+                share=share,
+                margin_s=8,
+            )
+            for bank, share in (("padded", 0.5), ("paged", 1.0))
+        ),
+    ),
     "prefix_cache": Recipe(
         doc="The prefix cache on and off from one engine per setting: the multi-turn chat trace at 10 "
         "conversations/s and at saturation (20), then S-LoRA's s1 at 40 req/s (no shared prefixes: what the "
