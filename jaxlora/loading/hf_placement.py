@@ -3,7 +3,7 @@
 Each stored layer parameter ([num_layers, in, out] kernels, fused where the serving layout fuses
 q|k|v and gate|up, see jaxlora.model.fused) is allocated once on the device. Worker threads prepare
 each layer's Hugging Face tensors ([out, in]) from the memory-mapped files
-(jaxlora.loading.safetensors_map): a single tensor as the mapped view itself, its pages asked for
+(jaxlora.safetensors_map): a single tensor as the mapped view itself, its pages asked for
 ahead (madvise), a fused layer's pieces as one concatenation of their rows. The device transposes
 and casts each layer and writes it into its slice in place. The tensors outside the layers
 (embedding, final norm, lm_head) go whole. The older path (`hf_folder.load_hf_arrays` then
@@ -33,8 +33,8 @@ import numpy as np
 from jaxlora.config import ModelConfig
 from jaxlora.errors import ModelLoadError
 from jaxlora.loading.names import FLAT_LAYER_TENSORS, GLOBAL_TENSORS
-from jaxlora.loading.safetensors_map import MappedTensor, map_files
 from jaxlora.model.fused import FUSED_GROUPS, module_columns
+from jaxlora.safetensors_map import MappedTensor, map_files
 
 _FLOATS = ("bfloat16", "float16", "float32", "float64")
 # Host work is reads of the mapped files and memcpys; past a few threads they only contend.

@@ -34,9 +34,9 @@ import numpy as np
 
 from jaxlora.config import TARGET_MODULES, ModelConfig
 from jaxlora.errors import AdapterError, ModelLoadError
-from jaxlora.loading.safetensors_map import CODES, UnsupportedDtypeError, map_file
 from jaxlora.lora.host_adapter import HostAdapter
 from jaxlora.lora.validate import RANK_HINT, check_adapter_name, check_weight_magnitude, weights_within_bound
+from jaxlora.safetensors_map import CODES, UnsupportedDtypeError, map_file
 from jaxlora.weights_file import save_safetensors
 
 CONFIG_FILE = "adapter_config.json"

@@ -16,8 +16,8 @@ from jaxlora.loading import load_model
 from jaxlora.loading.hf_folder import load_hf_arrays
 from jaxlora.loading.hf_writer import save_hf_folder
 from jaxlora.loading.names import flat_to_hf
-from jaxlora.loading.safetensors_map import map_file
 from jaxlora.model.params import build_model, random_model
+from jaxlora.safetensors_map import map_file
 from tests.factories import save_sharded, tiny_config, word_tokenizer
 
 
