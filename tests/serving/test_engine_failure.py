@@ -187,11 +187,22 @@ def test_a_dead_engine_loop_fails_every_stream_and_the_server_turns_unhealthy(do
 
 
 def test_a_dead_loop_ends_every_request_once_and_frees_what_they_held(doomed_engine, monkeypatch):
-    # Many long prompts on a 32-token budget: after one good step some requests run, most wait in
-    # the scheduler with their adapter pinned, and those submitted after it sit in the inbox.
+    # Many long prompts on a 32-token budget: after one good step some requests run and most wait in
+    # the scheduler with their adapter pinned; two more are submitted as the next step starts (and
+    # fails), so they are still in the inbox when the loop dies.
     engine = doomed_engine
     lose_the_device(monkeypatch, engine)
-    fail_steps(monkeypatch, engine, "injected device fault", times=1, after=1)
+    good_step, calls = engine.step, [0]
+
+    def step():
+        calls[0] += 1
+        if calls[0] == 1:
+            return good_step()
+        inboxed.extend([submit(20), submit(21, stream=True)])
+        raise RuntimeError("injected device fault")
+
+    monkeypatch.setattr(engine, "step", step)
+    inboxed: list = []
     heard: list[str] = []
     engine.on_failure(heard.append)
     finals: dict[str, list] = collections.defaultdict(list)
@@ -221,12 +232,16 @@ def test_a_dead_loop_ends_every_request_once_and_frees_what_they_held(doomed_eng
     assert "the engine failed: RuntimeError: device lost" in errors  # the waiting ones: ended by the loop's end
     stream = list(streamed)
     assert [o.finished for o in stream].count(True) == 1 and stream[-1].error.startswith("the engine")
+    died = "the engine failed: RuntimeError: device lost"
+    assert [(o.finish_reason.name, o.error) for o in finals["r20"]] == [("ERROR", died)]  # from the inbox
+    assert [(o.finished, o.error) for o in inboxed[1]] == [(True, died)]
+    assert all(h.result(0).error == died for h in inboxed)
     # Nothing is held: rows, queue, pins.
     stats = engine.stats()
     assert stats["running"] == 0 and stats["waiting"] == 0 and not engine.has_work()
     assert not engine.pager.snapshot()["refcounts"]
     engine.unregister_adapter(ADAPTERS[0], timeout=ENDS_WITHIN)  # no request pins it
     with pytest.raises(EngineFailedError, match="runs no steps"):
-        engine.step()
+        Engine.step(engine)  # the engine's own step, not the test's wrapper
     with pytest.raises(EngineFailedError, match="cannot start again"):
         engine.start()
