@@ -63,6 +63,22 @@ E2E = "--no-plots --budget-s {budget_s} --out {out}"
 HOST = "--steps 60 --warmup-steps 20 --profile-steps 0 --out {out}"
 TRACE = "--duration 25 --max-drain-s 20 --budget-s {budget_s} --out {out}"
 
+
+def _trace_arms(flag: str, arms: tuple[str, str]) -> tuple[Part, ...]:
+    """An A/B of S-LoRA's trace, one process per arm (`flag ARM`), the same draw, the clock split
+    evenly; the recipe's variables give the setting(s), rate(s) and setup_s."""
+    return tuple(
+        Part(
+            module="serving.trace",
+            label=arm,
+            args=f"--settings {{setting}} --rates {{rate}} --probe-steps 0 --setup-s {{setup_s}} {flag} {arm} {TRACE}",
+            share=share,
+            margin_s=8,
+        )
+        for arm, share in zip(arms, (0.5, 1.0), strict=True)
+    )
+
+
 RECIPES: dict[str, Recipe] = {
     "e2e": Recipe(
         doc="`jaxlora bench`'s plan on the 7B shape, every group in plan order (the e2e table).",
@@ -322,32 +338,14 @@ RECIPES: dict[str, Recipe] = {
         doc="An A/B of the LoRA group rule on S-LoRA's trace, one process per arm (--lora-groups split, then "
         "tuned), the same draw, the clock split evenly; setup_s is the set-up time the benchmark budgets for.",
         variables={"setting": "all", "rate": "40", "setup_s": "150"},
-        parts=tuple(
-            Part(
-                module="serving.trace",
-                label=arm,
-                args=f"--settings {{setting}} --rates {{rate}} --probe-steps 0 --setup-s {{setup_s}} --lora-groups {arm} {TRACE}",
-                share=share,
-                margin_s=8,
-            )
-            for arm, share in (("split", 0.5), ("tuned", 1.0))
-        ),
+        parts=_trace_arms("--lora-groups", ("split", "tuned")),
     ),
     "paged_bank": Recipe(
         doc="Issue 38's rows: S-LoRA's trace on the padded bank, then on the paged (true-rank) bank, one process "
         "per arm, the same draw, the clock split evenly (s2's mixed ranks are where the padded bank pays most; "
         "rows carry `bank` and the pool column).",
-        variables={"settings": "s2 s1", "rates": "40 10", "setup_s": "200"},
-        parts=tuple(
-            Part(
-                module="serving.trace",
-                label=bank,
-                args=f"--settings {{settings}} --rates {{rates}} --probe-steps 0 --setup-s {{setup_s}} --bank {bank} {TRACE}",
-                share=share,
-                margin_s=8,
-            )
-            for bank, share in (("padded", 0.5), ("paged", 1.0))
-        ),
+        variables={"setting": "s2 s1", "rate": "40 10", "setup_s": "200"},
+        parts=_trace_arms("--bank", ("padded", "paged")),
     ),
     "prefix_cache": Recipe(
         doc="The prefix cache on and off from one engine per setting: the multi-turn chat trace at 10 "

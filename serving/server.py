@@ -450,7 +450,6 @@ class InferenceServer(grpc.Server):
         # request); empty until it ran.
         self.warmup_seconds: dict[str, float] = {}
         self._terminated = threading.Event()  # the gRPC server stopped and its loop closed
-        self.failed = threading.Event()  # the engine's loop died (`admission.failure` says why)
         self._stop_lock = threading.Lock()
         self._stopping: threading.Thread | None = None
 
@@ -531,14 +530,13 @@ class InferenceServer(grpc.Server):
 
     def _engine_failed(self, reason: str) -> None:
         """The engine's loop died (on its thread): every open stream has its error already; new calls
-        are UNAVAILABLE, health is NOT_SERVING for good, and `failed` wakes whoever waits on it."""
+        are UNAVAILABLE (Phase.FAILED) and health is NOT_SERVING for good."""
         log.error("the engine failed (%s): not serving; restart the server", reason)
         self.admission.fail(reason)
         try:
             self._set_health(None)
         except Exception:  # the gRPC loop may be stopping too; the phase already refuses calls
             log.exception("could not set health NOT_SERVING")
-        self.failed.set()
 
     def drain(self, grace_seconds: float | None = None) -> bool:
         """Health NOT_SERVING, new streams UNAVAILABLE; in-flight streams get `grace_seconds` to finish,

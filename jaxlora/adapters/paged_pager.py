@@ -49,8 +49,7 @@ from jaxlora.adapters.registry import (
     RegisteredAdapter,
     Registry,
     adapter_identity,
-    check_host_adapter,
-    load_host_adapter,
+    load_checked_adapter,
 )
 from jaxlora.adapters.slot_table import SlotTable, invariant
 from jaxlora.config import LoraBank, LoraConfig, ModelConfig
@@ -71,7 +70,6 @@ from jaxlora.lora.paged_bank import (
     write_adapter,
     write_sizes,
 )
-from jaxlora.lora.validate import check_adapter_name
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -162,10 +160,8 @@ class PagedPager(Pager):
 
     # ---------------------------------------------------------------- registry
     def _prepare(self, name: str, source: str | Path | HostAdapter) -> PagedAdapter:
-        check_adapter_name(name)
         model, lora = self.model_config, self.lora_config
-        adapter = load_host_adapter(name, source, model, lora)
-        check_host_adapter(name, adapter, model, lora, weights=isinstance(source, HostAdapter))
+        adapter = load_checked_adapter(name, source, model, lora)
         flat, pages = pack_flat(adapter.weights, model, lora, self.dtype)
         for w, p in pages.items():
             if len(p) > self._allocators[w].num_pages:

@@ -306,6 +306,18 @@ def check_host_adapter(
             check_weight_magnitude(f"{where}: {module}.{which}", x)
 
 
+def load_checked_adapter(
+    name: str, source: str | Path | HostAdapter, model: ModelConfig, lora: LoraConfig
+) -> HostAdapter:
+    """The adapter `source` gives (`load_host_adapter`), its name and its fit to the model and the
+    bank checked; AdapterError otherwise."""
+    check_adapter_name(name)
+    adapter = load_host_adapter(name, source, model, lora)
+    # A PEFT folder's weights were bound-checked as the reader stacked them; a HostAdapter's were not.
+    check_host_adapter(name, adapter, model, lora, weights=isinstance(source, HostAdapter))
+    return adapter
+
+
 def prepare_adapter(
     name: str,
     source: str | Path | HostAdapter,
@@ -323,9 +335,7 @@ def prepare_adapter(
     Raises:
       AdapterError: the name is invalid or the adapter does not fit the model or the bank.
     """
-    check_adapter_name(name)
-    adapter = load_host_adapter(name, source, model, lora)
-    check_host_adapter(name, adapter, model, lora, weights=isinstance(source, HostAdapter))
+    adapter = load_checked_adapter(name, source, model, lora)
     layouts = layouts or FlatLayout.classes_for_bank(model, lora, dtype)
     layout = layouts[rank_class(adapter.rank, layouts)]
     flat = layout.pack(adapter.weights, model, lora)

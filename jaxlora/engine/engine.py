@@ -519,18 +519,14 @@ class Engine:
                 self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
 
     def _die(self, reason: str) -> None:
-        """Fails every request still live and frees what each held, host side only (the device may
-        be gone); refuses new requests and steps from here on; tells the failure listeners."""
+        """Fails every request still live (running, waiting or still in the inbox) through `_finish`,
+        which gives back rows, pages and adapter pins host side only (the device may be gone); new
+        requests and steps are refused from here on; then tells the failure listeners."""
         with self._lock:
             self._failure = reason
-        message = f"the engine failed: {reason}"
-        scheduled = [*self.scheduler.running.values(), *self.scheduler.waiting]
-        for req in scheduled:  # rows, pages and adapter pins are given back
-            self._guarded(self._finish, req, FinishReason.ERROR, [], error=message)
-        with self._lock:
-            unscheduled, self._live, self._inbox = list(self._live.values()), {}, []
-        for entry in unscheduled:  # still in the inbox: holds nothing yet
-            self._guarded(self._fail_unscheduled, entry, message)
+            live, self._inbox = list(self._live.values()), []
+        for entry in live:
+            self._guarded(self._finish, entry.request, FinishReason.ERROR, [], error=f"the engine failed: {reason}")
         for listener in self._failure_listeners:
             self._guarded(listener, reason)
 
@@ -541,23 +537,6 @@ class Engine:
             fn(*args, **kw)
         except Exception:
             log.exception("while failing the engine's requests")
-
-    def _fail_unscheduled(self, entry: _Live, message: str) -> None:
-        rid = entry.request.request_id
-        self._counters.finished += 1
-        self._counters.errors += 1
-        out = RequestOutput(
-            request_id=rid,
-            text="",
-            token_ids=(),
-            finished=True,
-            finish_reason=FinishReason.ERROR,
-            prompt_tokens=entry.request.num_prompt,
-            completion_tokens=0,
-            error=message,
-        )
-        self._emit(entry, out, [])
-        entry.handle._complete(_error_output(rid, message))
 
     # Warm-up and stats.
     def warmup(self, progress: WarmupProgress | None = None) -> None:

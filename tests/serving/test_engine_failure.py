@@ -163,7 +163,7 @@ def test_a_dead_engine_loop_fails_every_stream_and_the_server_turns_unhealthy(do
         thread.join(ENDS_WITHIN)
         assert not thread.is_alive(), "the gRPC stream hung"
         assert outcome["error"][0] == grpc.StatusCode.INTERNAL
-        assert server.failed.wait(ENDS_WITHIN)
+        wait_until(lambda: server.phase is Phase.FAILED, timeout=ENDS_WITHIN)
         assert not engine.is_running and "device lost" in engine.failure
 
         status, body = _http_status(server, "GET", "/health")
