@@ -64,9 +64,10 @@ HOST = "--steps 60 --warmup-steps 20 --profile-steps 0 --out {out}"
 TRACE = "--duration 25 --max-drain-s 20 --budget-s {budget_s} --out {out}"
 
 
-def _trace_arms(flag: str, arms: tuple[str, str]) -> tuple[Part, ...]:
-    """An A/B of S-LoRA's trace, one process per arm (`flag ARM`), the same draw, the clock split
-    evenly; the recipe's variables give the setting(s), rate(s) and setup_s."""
+def _trace_arms(flag: str, arms: tuple[str, ...]) -> tuple[Part, ...]:
+    """An A/B(/C...) of S-LoRA's trace, one process per arm (`flag ARM`), the same draw, the clock
+    split evenly (arm i takes 1 / (arms left) of what is left); the recipe's variables give the
+    setting(s), rate(s) and setup_s."""
     return tuple(
         Part(
             module="serving.trace",
@@ -75,7 +76,7 @@ def _trace_arms(flag: str, arms: tuple[str, str]) -> tuple[Part, ...]:
             share=share,
             margin_s=8,
         )
-        for arm, share in zip(arms, (0.5, 1.0), strict=True)
+        for arm, share in zip(arms, [1 / (len(arms) - i) for i in range(len(arms))], strict=True)
     )
 
 
@@ -341,11 +342,12 @@ RECIPES: dict[str, Recipe] = {
         parts=_trace_arms("--lora-groups", ("split", "tuned")),
     ),
     "paged_bank": Recipe(
-        doc="Issue 38's rows: S-LoRA's trace on the padded bank, then on the paged (true-rank) bank, one process "
-        "per arm, the same draw, the clock split evenly (s2's mixed ranks are where the padded bank pays most; "
-        "rows carry `bank` and the pool column).",
+        doc="Issue 38's rows: S-LoRA's trace on the padded bank, then on the paged (true-rank pools) bank, then "
+        "on the unified bank (true rank in the KV pool's pages), one process per arm, the same draw, the clock "
+        "split evenly (s2's mixed ranks are where the padded bank pays most; rows carry `bank` and the pool "
+        "column).",
         variables={"setting": "s2 s1", "rate": "40 10", "setup_s": "200"},
-        parts=_trace_arms("--bank", ("padded", "paged")),
+        parts=_trace_arms("--bank", ("padded", "paged", "unified")),
     ),
     "prefix_cache": Recipe(
         doc="The prefix cache on and off from one engine per setting: the multi-turn chat trace at 10 "

@@ -38,6 +38,7 @@ class LoraBank(enum.StrEnum):
 
     PADDED = "padded"  # one slot per adapter, every module padded to max_rank (jaxlora.lora.bank)
     PAGED = "paged"  # true-rank pages of one pool, read through page tables (jaxlora.lora.paged_bank)
+    UNIFIED = "unified"  # true-rank runs in the KV cache's own pages, one allocator (jaxlora.lora.unified_layout)
 
 
 class AttentionBackend(enum.StrEnum):
@@ -170,8 +171,11 @@ class LoraConfig:
       target_modules: projections that get a LoRA term; others cost nothing.
       backend: how the per-row term is computed (padded bank only; the paged bank always runs the
         paged kernels, pallas_kernels.lora.paged).
-      bank: "padded" (every slot at max_rank) or "paged" (adapters at their true rank in pages of
-        one pool per rank-row width; max_slots then bounds the page-table rows, pool_pages the bytes).
+      bank: "padded" (every slot at max_rank), "paged" (adapters at their true rank in pages of
+        one pool per rank-row width; max_slots then bounds the page-table rows, pool_pages the bytes)
+        or "unified" (adapters at their true rank in the KV cache's pages, taken from the same
+        allocator as sequences: S-LoRA's unified pool; max_slots bounds the resident adapters, the
+        KV pool the bytes; page_rows and pool_pages do not apply).
       page_rows: rank-rows per page of the paged bank (a power of two).
       pool_pages: pages of the paged bank's pools, summed over them (None: each pool holds
         max_slots - 1 adapters at max_rank on every target module, the padded bank's capacity). A

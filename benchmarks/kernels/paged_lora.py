@@ -2,9 +2,11 @@
 
 One decode shrink + expand (4096 -> 4096, bf16), every row on its own adapter. `padded`: the shipped
 Pallas kernels over a bank padded to the mix's max rank; `paged`: `pallas_kernels.lora.paged` reading
-each adapter's true-rank pages through its page table. Both run on the same factors (the padded bank
-holds them zero-padded), and their results are compared before timing. Bytes: the device bytes the
-adapters of the case take in each layout.
+each adapter's true-rank pages through its page table; `unified`: `pallas_kernels.lora.unified`
+reading each adapter out of a 7B-layer KV pool's pages (16 positions, 32 KV heads of 128: S-LoRA's
+unified pool). All run on the same factors (the padded bank holds them zero-padded), and their
+results are compared before timing. Bytes: the device bytes the adapters of the case take in each
+layout.
 
     python -m benchmarks.kernels.paged_lora --out DIR     # GPU -> DIR/paged_lora.{json,md}
     python -m benchmarks.kernels.paged_lora --smoke       # tiny shapes in interpret mode (CPU)
@@ -23,10 +25,13 @@ import numpy as np
 import pallas_kernels as pk
 from benchmarks.common import best_ms
 from pallas_kernels.lora.paged import PagedLayout, paged_expand, paged_shrink
+from pallas_kernels.lora.unified import unified_expand, unified_shrink
 
 MIXES = {"s1": (8,), "s2": (8, 16, 32, 64)}  # the serving benchmark's rank settings
 PAGE_ROWS = 8
 BLOCKS = (128, 256, 512)  # the paged kernels' column block, swept on the GPU
+RANK_BLOCKS = (8, 16, 32)  # the unified kernels' rank-rows per step, swept with the column block
+KV_PAGE = (16, 32, 128)  # positions, KV heads, head_dim of one page of the 7B shape's KV pool
 
 
 def _best_paged(paged_at, x, y, reps: int, blocks) -> dict:
@@ -61,6 +66,47 @@ def _case(rng, ranks: np.ndarray, hidden: int, dtype):
     return cast(a), cast(b), cast(pool), jnp.asarray(tables[0]), jnp.asarray(tables[1])
 
 
+def _unified_case(a: jax.Array, b: jax.Array, ranks: np.ndarray, kv_page: tuple[int, int, int], dtype):
+    """The padded bank's factors as runs in a one-layer KV pool: slot n's run is A^T's rank-rows then
+    B's, over consecutive pages; (k, v, pages [N, MP], A^T offsets, B offsets, bytes of the pages)."""
+    seg = int(np.prod(kv_page))
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    hidden = a.shape[1]
+    need = [-(-2 * int(r) * hidden // (2 * seg)) for r in ranks]
+    flat_k = np.zeros((1 + sum(need), seg), np.float32)
+    flat_v = np.zeros_like(flat_k)
+    pages = np.zeros((len(ranks), max(need)), np.int32)
+    first = 1
+    for n, r in enumerate(ranks):
+        run = np.zeros(need[n] * 2 * seg, np.float32)
+        run[: r * hidden] = a[n + 1, :, :r].T.reshape(-1)
+        run[r * hidden : 2 * r * hidden] = b[n + 1, :r].reshape(-1)
+        for i in range(need[n]):
+            pages[n, i] = first + i
+            flat_k[first + i], flat_v[first + i] = (
+                run[2 * i * seg : (2 * i + 1) * seg],
+                run[(2 * i + 1) * seg : (2 * i + 2) * seg],
+            )
+        first += need[n]
+    shape = (1, flat_k.shape[0], *kv_page)
+    k, v = (jnp.asarray(f.reshape(shape), dtype) for f in (flat_k, flat_v))
+    b_offsets = jnp.asarray(np.asarray(ranks) * hidden, jnp.int32)
+    return (
+        k,
+        v,
+        jnp.asarray(pages),
+        jnp.zeros((len(ranks),), jnp.int32),
+        b_offsets,
+        int(sum(need) * 2 * seg * jnp.dtype(dtype).itemsize),
+    )
+
+
+def _best_unified(unified_at, x, y, reps: int, knobs) -> dict:
+    timed = {knob: 1e3 * best_ms(unified_at(*knob), x, y, reps=reps) for knob in knobs}
+    knob = min(timed, key=timed.get)
+    return {"unified_us": timed[knob], "unified_block": knob[0], "unified_rank_block": knob[1]}
+
+
 def run_case(rng, mix: str, num_tokens: int, hidden: int, dtype, interpret: bool, reps: int) -> dict:
     ranks = rng.choice(np.asarray(MIXES[mix]), size=num_tokens).astype(np.int32)
     a, b, pool, a_table, b_table = _case(rng, ranks, hidden, dtype)
@@ -81,11 +127,27 @@ def run_case(rng, mix: str, num_tokens: int, hidden: int, dtype, interpret: bool
 
         return jax.jit(paged)
 
-    paged = paged_at(BLOCKS[0])
-    want, got = np.asarray(padded(x, y), np.float32), np.asarray(paged(x, y), np.float32)
-    err = float(np.max(np.abs(want - got)) / (np.max(np.abs(want)) + 1e-6))
-    if not np.isfinite(got).all() or err > 2e-2:
-        raise RuntimeError(f"{mix} T={num_tokens}: paged differs from padded (relative max error {err:.3g})")
+    kv_page = KV_PAGE if not interpret else (2, 2, 8)
+    k, v, pages, a_off, b_off, unified_bytes = _unified_case(a, b, ranks, kv_page, dtype)
+    layer, max_rank = jnp.int32(0), int(ranks.max())
+
+    def unified_at(block: int, rank_block: int):
+        def unified(x, y):
+            common = dict(block=block, rank_block=rank_block, interpret=interpret)
+            h = unified_shrink(x, k, v, layer, pages, a_off, rank_arr, ids, max_rank=max_rank, **common)
+            return unified_expand(y, h, k, v, layer, pages, b_off, rank_arr, ids, **common)
+
+        return jax.jit(unified)
+
+    want = np.asarray(padded(x, y), np.float32)
+    err = 0.0
+    for name, fn in (("paged", paged_at(BLOCKS[0])), ("unified", unified_at(BLOCKS[0], RANK_BLOCKS[1]))):
+        got = np.asarray(fn(x, y), np.float32)
+        err_of = float(np.max(np.abs(want - got)) / (np.max(np.abs(want)) + 1e-6))
+        if not np.isfinite(got).all() or err_of > 2e-2:
+            raise RuntimeError(f"{mix} T={num_tokens}: {name} differs from padded (relative max error {err_of:.3g})")
+        err = max(err, err_of)
+    knobs = [(BLOCKS[0], RANK_BLOCKS[1])] if interpret else [(bl, rb) for bl in BLOCKS[:2] for rb in RANK_BLOCKS]
     itemsize = jnp.dtype(dtype).itemsize
     layout = PagedLayout(page_rows=PAGE_ROWS, width=hidden, itemsize=itemsize, max_pages=a_table.shape[1])
     return {
@@ -95,8 +157,10 @@ def run_case(rng, mix: str, num_tokens: int, hidden: int, dtype, interpret: bool
         "ranks": sorted(set(ranks.tolist())),
         "padded_us": 1e3 * best_ms(padded, x, y, reps=reps),
         **_best_paged(paged_at, x, y, reps, blocks=BLOCKS[:1] if interpret else BLOCKS),
+        **_best_unified(unified_at, x, y, reps, knobs),
         "padded_bytes": int((a.size - a[0].size + b.size - b[0].size) * itemsize),
         "paged_bytes": int(sum(layout.module_bytes(int(r)) for r in ranks)),
+        "unified_bytes": unified_bytes,
         "max_rel_err": err,
     }
 
@@ -107,14 +171,15 @@ def _markdown(rows: list[dict], device: str) -> str:
         "",
         "Decode shrink + expand, every row on its own adapter; microseconds per call (paged: best column block); bytes of the adapters.",
         "",
-        "| mix | T | ranks | padded us | paged us (block) | paged/padded time | padded MB | paged MB | bytes ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mix | T | ranks | padded us | paged us (block) | unified us (block, rank block) | paged / unified time vs padded | padded MB | paged MB | unified MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['mix']} | {r['T']} | {r['ranks']} | {r['padded_us']:.1f} | {r['paged_us']:.1f} ({r['paged_block']}) | "
-            f"{r['paged_us'] / r['padded_us']:.2f} | {r['padded_bytes'] / 1e6:.1f} | {r['paged_bytes'] / 1e6:.1f} | "
-            f"{r['paged_bytes'] / r['padded_bytes']:.3f} |"
+            f"{r['unified_us']:.1f} ({r['unified_block']}, {r['unified_rank_block']}) | "
+            f"{r['paged_us'] / r['padded_us']:.2f} / {r['unified_us'] / r['padded_us']:.2f} | "
+            f"{r['padded_bytes'] / 1e6:.1f} | {r['paged_bytes'] / 1e6:.1f} | {r['unified_bytes'] / 1e6:.1f} |"
         )
     return "\n".join(lines) + "\n"
 

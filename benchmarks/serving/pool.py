@@ -1,13 +1,16 @@
 """The serving rows' pool column: which share of the engine's adapter + KV device memory adapters
 and KV pages held over a run, sampled while it runs.
 
-    memory   = the adapter bank's bytes + the KV page pool's bytes
+    memory   = the adapter bank's bytes + the KV page pool's bytes (a unified bank has no bytes of
+               its own: its adapters live in the KV pool, so memory is the KV pool's bytes)
     adapters = bytes of the resident adapters: a padded bank's resident slots x its slot bytes (every
-               slot at max rank), a paged bank's pages held (true rank, each pool's pages at its own width)
+               slot at max rank), a paged bank's pages held (true rank, each pool's pages at its own
+               width), a unified bank's KV pages held
     kv       = KV pages held by sequences or cached prefixes x the bytes of a page
 
-The two pools are separate device arrays today (the paged bank does not share the KV pool's
-allocator), so the shares say how much of each pool the traffic used, not how memory moved.
+With the padded and paged banks the two pools are separate device arrays, so the shares say how
+much of each pool the traffic used; with the unified bank they are one pool, and the shares say how
+memory moved between adapters and KV.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import threading
 
 import jax
 
-from jaxlora.adapters import PagedPager
+from jaxlora.adapters import PagedPager, UnifiedPager
 from jaxlora.engine.engine import Engine
 
 
@@ -32,7 +35,9 @@ class PoolSampler:
         pager = engine.pager
         self.kv_bytes = _nbytes(engine.runner.kv)
         self.page_bytes = self.kv_bytes / engine.pages.num_pages
-        if isinstance(pager, PagedPager):
+        if isinstance(pager, UnifiedPager):
+            self.adapter_bytes = 0  # its adapters' pages are the KV pool's
+        elif isinstance(pager, PagedPager):
             self.adapter_bytes = pager.pool_usage()["bytes"]  # every pool (one per rank-row width)
         else:
             self.adapter_bytes = _nbytes(pager.bank) if pager is not None else 0
@@ -52,7 +57,8 @@ class PoolSampler:
     def sample(self) -> tuple[float, float]:
         """(adapter share, KV share) of the memory now."""
         pages = self.engine.pages
-        kv_held = (pages.num_pages - pages.num_free) * self.page_bytes
+        # Free or cached pages are takeable; what is neither is held by sequences or by adapters.
+        kv_held = (pages.num_pages - pages.num_takeable - pages.num_owned) * self.page_bytes
         total = self.adapter_bytes + self.kv_bytes
         return self.adapter_held() / total, kv_held / total
 

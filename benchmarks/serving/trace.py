@@ -28,10 +28,12 @@ token. Settings (S-LoRA's S1 and S2, plus one with adapters on all seven modules
        rows with "bound_req_s" (benchmarks/serving/s70.py); runs alone (its own model).
 Rows say which base weights served them: "weights": "bf16" | "fp8".
 
-`--bank padded|paged` (default padded): the device adapter bank (`lora.bank`). "paged" keeps every
-adapter at its true rank in pages of one pool (`jaxlora.adapters.PagedPager`) with as many page-table
-rows as the padded bank has slots and a pool of the padded bank's bytes, and reads them through the
-paged kernels; rows record "bank". Every row has the pool column (`benchmarks/serving/pool.py`): the
+`--bank padded|paged|unified` (default padded): the device adapter bank (`lora.bank`). "paged" keeps
+every adapter at its true rank in pages of one pool (`jaxlora.adapters.PagedPager`) with as many
+page-table rows as the padded bank has slots and a pool of the padded bank's bytes, and reads them
+through the paged kernels; "unified" keeps them at true rank in the KV pool's own pages
+(`jaxlora.adapters.UnifiedPager`, S-LoRA's unified pool: no memory of their own, the KV pool takes
+what a bank would); rows record "bank". Every row has the pool column (`benchmarks/serving/pool.py`): the
 mean share of the adapter + KV device memory held by resident adapters (pool_adapter_share) and by
 KV pages (pool_kv_share) over the run.
 
@@ -112,7 +114,7 @@ from benchmarks.serving.chat_trace import (
     make_chat_trace,
 )
 from benchmarks.serving.pool import PoolSampler
-from jaxlora.adapters import PagedPager, Pager
+from jaxlora.adapters import PagedPager, Pager, UnifiedPager
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraBank, LoraConfig, ModelConfig
 from jaxlora.engine.config import ENGINE_KIND, EngineConfig
 from jaxlora.engine.engine import Engine
@@ -337,27 +339,33 @@ def make_pager(
 ) -> tuple[Pager, int, float]:
     """A pager with the setting's adapters registered as a0..a{n-1} (n capped by `host_bytes`);
     returns (pager, n, registration seconds). Adapters share a few random weight sets per rank.
-    `bank`: "padded" (`Pager`) or "paged" (`PagedPager`, the pool of the padded bank's bytes)."""
+    `bank`: "padded" (`Pager`), "paged" (`PagedPager`, the pool of the padded bank's bytes) or
+    "unified" (`UnifiedPager`: the engine's KV pages; its adapters page in once the engine exists)."""
     lora = lora_config(setting, backend, bank)
     # Page-ins per commit: the pager's default 16, or fewer with fewer slots (each size up to it compiles).
-    kind = PagedPager if lora.bank is LoraBank.PAGED else Pager
-    pager = kind(
-        model.config,
-        lora,
-        dtype=jnp.dtype(size.dtype),
-        host_capacity_bytes=host_bytes,
-        max_page_ins_per_commit=min(16, setting.slots),
-    )
+    kw = dict(dtype=jnp.dtype(size.dtype), host_capacity_bytes=host_bytes, max_page_ins_per_commit=min(16, setting.slots))
+    if lora.bank is LoraBank.UNIFIED:
+        pager = UnifiedPager(model.config, lora, page_size=size.engine.page_size, **kw)
+    else:
+        pager = (PagedPager if lora.bank is LoraBank.PAGED else Pager)(model.config, lora, **kw)
     n = num_fitting(pager, setting.ranks, setting.n, host_bytes)
     if n < 1:
         raise ValueError(f"--host-gb holds no {pager.host_nbytes(setting.ranks[0]) / 1e6:.0f} MB adapter")
     adapters = [pool_adapters([w], r, setting.modules)[0] for w, r in zip(*adapter_weights(setting, model.config))]
     seconds = register_copies(pager, adapters, n)
-    if n <= setting.slots:  # all resident: page them all in before serving
+    if not isinstance(pager, UnifiedPager):
+        page_in_all(pager, n, setting)
+    return pager, n, seconds
+
+
+def page_in_all(pager: Pager, n: int, setting: Setting) -> None:
+    """All resident when they fit the slots: page a0..a{n-1} in before serving (a unified pager once
+    its engine exists: its pages are the engine's)."""
+    if n <= setting.slots:
         pager.prefetch([f"a{i}" for i in range(n)])
         while pager.snapshot()["pending"]:
             pager.commit()
-    return pager, n, seconds
+        pager.prefetch([])
 
 
 def adapter_weights(setting: Setting, model: ModelConfig) -> tuple[list[dict], tuple[int, ...]]:
@@ -1009,7 +1017,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--bank",
         choices=[b.value for b in LoraBank],
         default=LoraBank.PADDED.value,
-        help="the device adapter bank: every slot padded to the max rank, or true-rank pages",
+        help="the device adapter bank: every slot padded to the max rank, true-rank pages of its own pools, or "
+        "true-rank runs in the KV pool's pages (unified)",
     )
     p.add_argument(
         "--lora-groups",
@@ -1103,6 +1112,8 @@ def run_setting(
     print(f"[{setting.name}] {n} adapters x {mb:.1f} MB on average registered in {reg_s:.1f} s", flush=True)
     engine = make_engine(setting, model, pager, size, backend)
     engine.warmup()
+    if isinstance(pager, UnifiedPager):
+        page_in_all(pager, n, setting)
     tokens = token_counter(engine)
     pool = PoolSampler(engine)
     print(f"[{setting.name}] set up in {time.perf_counter() - t0:.1f} s", flush=True)

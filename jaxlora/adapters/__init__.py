@@ -4,6 +4,7 @@
     pager.py        Pager: thousands of adapters in host memory, a few device slots, page-ins
                     overlapped with the engine's steps
     paged_pager.py  PagedPager: the same protocol over a paged bank (adapters at true rank in pages)
+    unified_pager.py  UnifiedPager: adapters at true rank in the KV cache's own pages, one allocator
     page_allocator.py  which pages of the paged bank's pool are free (plain Python)
     register_many.py  many registrations at once (start-up), from a few threads
     resident.py     ResidentBank: a fixed set of adapters resident in the bank for good (benchmarks, tests)
@@ -24,6 +25,7 @@ from jaxlora.adapters.registry import HostMemory, RegisteredAdapter, Registry
 from jaxlora.adapters.resident import ResidentBank
 from jaxlora.adapters.slot_table import SlotTable
 from jaxlora.adapters.source import AdapterSource
+from jaxlora.adapters.unified_pager import UnifiedPager
 
 __all__ = [
     "AdapterInfo",
@@ -36,4 +38,5 @@ __all__ = [
     "Registry",
     "ResidentBank",
     "SlotTable",
+    "UnifiedPager",
 ]

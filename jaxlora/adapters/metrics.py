@@ -52,7 +52,9 @@ class PagerMetrics:
       misses: acquires that had to wait for a page-in (scheduled now or already under way).
       page_ins: slot writes issued by `commit` (prefetches included).
       prefetches: page-ins scheduled by `prefetch` rather than by a request.
-      evictions: resident adapters pushed out of their slot to make room for another.
+      evictions: resident adapters pushed out of their slot to make room for another (or, in a
+        unified bank, for sequences' KV pages).
+      reclaimed: of those, the idle adapters a unified bank gave up for sequences' KV pages.
       bytes_moved: host->device bytes of all page-ins.
       page_in_seconds: per page-in, from scheduling to the commit that issued its write (what a
         request waits before its slot is usable, ignoring the copy itself, which overlaps the step).
@@ -69,6 +71,7 @@ class PagerMetrics:
     page_ins: int = 0
     prefetches: int = 0
     evictions: int = 0
+    reclaimed: int = 0
     bytes_moved: int = 0
     page_in_seconds: collections.deque[float] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=MAX_LATENCY_SAMPLES)
@@ -93,6 +96,7 @@ class PagerMetrics:
             "page_ins": self.page_ins,
             "prefetches": self.prefetches,
             "evictions": self.evictions,
+            "reclaimed": self.reclaimed,
             "bytes_moved": self.bytes_moved,
         }
 

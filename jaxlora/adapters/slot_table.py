@@ -54,6 +54,10 @@ class SlotTable:
         """name -> slot of every resident adapter."""
         return dict(self._slot_of)
 
+    def resident_lru(self) -> list[str]:
+        """Resident names, least recently used first."""
+        return list(self._lru)
+
     def can_assign(self, exclude: Container[str] = ()) -> bool:
         """Whether `assign` would find a slot (free, or an unpinned resident not in `exclude`)."""
         return bool(self._free) or self._victim(exclude) is not None

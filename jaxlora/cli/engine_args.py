@@ -81,8 +81,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, adapters_help: str = "registe
         "--lora-bank",
         choices=[b.value for b in LoraBank],
         default=None,
-        help="the device adapter bank: every slot padded to the max rank, or adapters at their true rank in "
-        "pages read through page tables (one device only; default: the config's, padded)",
+        help="the device adapter bank: every slot padded to the max rank (padded), adapters at their true rank "
+        "in pages of their own pools (paged), or in the KV cache's pages, sharing its memory (unified); paged "
+        "and unified run on one device only (default: the config's, padded)",
     )
     p.add_argument(
         "--attention",

@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxlora.adapters import PagedPager, Pager
+from jaxlora.adapters import PagedPager, Pager, UnifiedPager
 from jaxlora.adapters.register_many import register_many
 from jaxlora.config import LoraBank, ModelConfig
 from jaxlora.engine.config import EngineConfig
@@ -55,14 +55,24 @@ def build_engine(
 
 def make_pager(
     config: EngineConfig, model_config: ModelConfig, dtype: jnp.dtype, *, compile_ahead: bool = True
-) -> tuple[Pager | PagedPager, jax.sharding.Mesh | None]:
+) -> tuple[Pager | PagedPager | UnifiedPager, jax.sharding.Mesh | None]:
     """The engine's (empty) pager for a model of `model_config` in `dtype`, and the mesh it and the
     engine share: the model's weights are not needed, so a caller can register adapters while they
     load (`jaxlora.engine.load`). `compile_ahead` and the errors are `build_engine`'s."""
     mesh = engine_mesh(config.mesh, model_config)
+    if config.lora.bank is not LoraBank.PADDED and mesh is not None:
+        raise ValueError(f"lora.bank={config.lora.bank.value!r} runs on one device; use lora.bank='padded' with a mesh")
+    if config.lora.bank is LoraBank.UNIFIED:
+        # Its pages are the KV pool's: the engine attaches it to its runner; writes compile at warm-up.
+        pager = UnifiedPager(
+            model_config,
+            config.lora,
+            page_size=config.page_size,
+            host_capacity_bytes=config.host_capacity_bytes,
+            dtype=dtype,
+        )
+        return pager, None
     if config.lora.bank is LoraBank.PAGED:
-        if mesh is not None:
-            raise ValueError("lora.bank='paged' runs on one device; use lora.bank='padded' with a mesh")
         # PagedPager takes no compile_writes: its page writes compile at warm-up either way.
         return PagedPager(model_config, config.lora, host_capacity_bytes=config.host_capacity_bytes, dtype=dtype), None
     pager = Pager(

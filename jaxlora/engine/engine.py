@@ -46,6 +46,7 @@ import jax
 
 from jaxlora.adapters.pager import AdapterInfo
 from jaxlora.adapters.source import AdapterSource
+from jaxlora.adapters.unified_pager import UnifiedPager
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.detokenizer import Detokenizer
 from jaxlora.engine.host_timing import HostTimes
@@ -195,6 +196,11 @@ class Engine:
             reserve_pages=max(1, self.runner.num_pages // 100),
             prefix_caching=config.enable_prefix_caching,
         )
+        # A unified bank's adapters live in this engine's KV pages: beyond the AdapterSource protocol,
+        # it shares the runner's pool and the page table (and hears when the pool is lost).
+        self._unified = pager if isinstance(pager, UnifiedPager) else None
+        if self._unified is not None:
+            self._unified.attach(self.runner, self.pages, reserve=self.scheduler.reserve_pages)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox: list[_Live] = []
@@ -810,6 +816,8 @@ class Engine:
             self._finish(req, FinishReason.ERROR, outputs, error=message)
         self.runner.reset_pool()
         self.pages.forget_cached()  # the fresh pool holds none of the cached contents
+        if self._unified is not None:
+            self._unified.pool_lost()  # nor the adapters that lived in its pages
 
 
 @dataclasses.dataclass(frozen=True)

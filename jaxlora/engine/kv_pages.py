@@ -16,8 +16,15 @@ counts as free: `grow` takes never-keyed free pages first, then evicts the least
 cached page (forgetting its key). A sequence only ever writes positions past the pages it attached,
 so a shared page is never written while shared.
 
-Every page is exactly one of: free, cached (keyed, no holder), or held by its reference count of
-sequences; a key names at most one page. `check()` verifies all of it.
+Adapter weights (S-LoRA's unified pool, `jaxlora.lora.unified_layout`) take whole pages from the
+same free list: `take_for(owner, n)` gives an owner (an adapter's name) n pages, all or nothing,
+evicting cached prefix pages as `grow` does (never a sequence's page), and `give_back(owner)`
+returns them. So KV and adapters trade memory page by page. The other way, a `Reclaimer` (the
+unified pager) offers the pages of idle adapters to sequences: they count as free, and `grow` takes
+never-keyed free pages, then cached ones, then asks the reclaimer to evict an idle adapter.
+
+Every page is exactly one of: free, cached (keyed, no holder), held by its reference count of
+sequences, or owned by one owner; a key names at most one page. `check()` verifies all of it.
 
 Memory follows actual lengths: admission asks `can_grow`/`can_admit`, not whether a
 `max_seq_len` row is free.
@@ -27,8 +34,21 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
+
+
+class Reclaimer(Protocol):
+    """Owner-held pages that sequences may take back (idle adapters'): the unified pager."""
+
+    def reclaimable_pages(self) -> int:
+        """Pages `reclaim` could free now (cheap: called on every admission check)."""
+        ...
+
+    def reclaim(self) -> None:
+        """Evicts one idle owner, giving its pages back through `PageTable.give_back`."""
+        ...
 
 
 def pages_for(num_positions: int, page_size: int) -> int:
@@ -59,18 +79,40 @@ class PageTable:
         self._key_of: dict[int, bytes] = {}  # keyed page -> its key
         self._page_of: dict[bytes, int] = {}  # key -> page
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # no holder, LRU first
+        self._owned: dict[str, list[int]] = {}  # pages taken for non-sequence owners (adapters)
+        self._reclaimer: Reclaimer | None = None
         self.num_evictions = 0
 
     # Queries.
     @property
     def num_free(self) -> int:
-        """Pages a sequence may take: never-keyed free pages plus cached ones (evicted on demand)."""
+        """Pages a sequence may take: never-keyed free pages, cached ones and idle owners' (both
+        evicted on demand)."""
+        reclaimable = self._reclaimer.reclaimable_pages() if self._reclaimer is not None else 0
+        return len(self._free) + len(self._cached) + reclaimable
+
+    @property
+    def num_takeable(self) -> int:
+        """Pages `take_for` may take: free and cached ones (owners never evict each other here)."""
         return len(self._free) + len(self._cached)
+
+    def set_reclaimer(self, reclaimer: Reclaimer | None) -> None:
+        """Lets sequences take idle owners' pages through `reclaimer` (module doc)."""
+        self._reclaimer = reclaimer
 
     @property
     def num_cached(self) -> int:
         """Keyed pages no sequence holds (kept for later hits until their memory is needed)."""
         return len(self._cached)
+
+    @property
+    def num_owned(self) -> int:
+        """Pages taken by owners other than sequences (adapter weights)."""
+        return sum(len(pages) for pages in self._owned.values())
+
+    def owned(self, owner: str) -> list[int]:
+        """The pages `owner` holds, in the order taken (empty if none)."""
+        return list(self._owned.get(owner, []))
 
     def pages_of(self, seq: int) -> list[int]:
         return self._pages.get(seq, [])
@@ -152,6 +194,23 @@ class PageTable:
             pages.append(page)
         self._set_held(seq, len(pages))
 
+    def take_for(self, owner: str, num: int) -> np.ndarray:
+        """`num` pages for `owner` (which holds none yet), int32 [num]: free pages first, then cached
+        ones, least recently used first. RuntimeError, nothing taken, if fewer are free."""
+        if owner in self._owned:
+            raise RuntimeError(f"{owner!r} holds pages already")
+        if num < 1 or num > self.num_takeable:
+            raise RuntimeError(f"{owner!r} asks for {num} pages; {self.num_takeable} of {self.num_pages} are free")
+        pages = [self._take() for _ in range(num)]
+        self._owned[owner] = pages
+        return np.asarray(pages, np.int32)
+
+    def give_back(self, owner: str) -> int:
+        """Frees every page `owner` holds (its contents are dead: no key); returns how many."""
+        pages = self._owned.pop(owner, [])
+        self._free.extend(reversed(pages))
+        return len(pages)
+
     def register(self, seq: int, keys: Sequence[bytes], start: int, stop: int) -> None:
         """Keys the sequence's pages [start, stop) with keys[start:stop] (each a full page whose
         contents the key names), so later sequences can attach them. A page keyed already keeps its
@@ -193,6 +252,10 @@ class PageTable:
     def _take(self) -> int:
         if self._free:
             return self._free.pop()
+        if not self._cached and self._reclaimer is not None:
+            self._reclaimer.reclaim()  # gives an idle owner's pages back to the free list
+            if self._free:
+                return self._free.pop()
         page, _ = self._cached.popitem(last=False)
         del self._page_of[self._key_of.pop(page)]
         self.num_evictions += 1
@@ -214,12 +277,15 @@ class PageTable:
         and must hold under `python -O` too."""
         holders = collections.Counter(p for pages in self._pages.values() for p in pages)
         held, free, cached = set(holders), set(self._free), set(self._cached)
-        every = len(held) + len(self._free) + len(self._cached)
-        if every != self.num_pages or held | free | cached != set(range(self.num_pages)):
+        owned = [p for pages in self._owned.values() for p in pages]
+        every = len(held) + len(self._free) + len(self._cached) + len(owned)
+        if every != self.num_pages or held | free | cached | set(owned) != set(range(self.num_pages)):
             raise RuntimeError(
                 f"page table corrupt: {len(held)} held + {len(self._free)} free + {len(self._cached)} cached "
-                f"!= {self.num_pages} distinct pages"
+                f"+ {len(owned)} owned != {self.num_pages} distinct pages"
             )
+        if set(owned) & set(self._key_of):
+            raise RuntimeError("page table corrupt: an owned page is keyed")
         if any(self._refs[p] != holders.get(p, 0) for p in range(self.num_pages)):
             raise RuntimeError("page table corrupt: a reference count disagrees with the sequences holding the page")
         if any(len(set(pages)) != len(pages) for pages in self._pages.values()):

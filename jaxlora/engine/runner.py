@@ -55,7 +55,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxlora.config import ModelConfig
+from jaxlora.config import LoraBank, ModelConfig
 from jaxlora.engine.compiles import start_counting, thread_backend_compiles
 from jaxlora.engine.config import CPU_MAX_SEQ_LEN, CPU_POOL_POSITIONS, EngineConfig
 from jaxlora.engine.kv_pages import PageTable, pages_for
@@ -66,6 +66,7 @@ from jaxlora.engine.static_arg import Hashed
 from jaxlora.engine.step_inputs import HostInputs, InputPacker, StepLayout
 from jaxlora.kernels import GemmBackend, StepKernels, gemm_compiler_options
 from jaxlora.lora.bank import Bank
+from jaxlora.lora.unified_layout import max_adapter_pages
 from jaxlora.model import PagedKVCache, RaggedBatch, init_paged_kv_cache
 from jaxlora.model.kv_cache import kv_bytes_per_position
 from jaxlora.model.params import LoadedModel
@@ -352,13 +353,22 @@ class Runner:
     def _pool_pages(self) -> int:
         """The configured page count, else what the device memory left after weights and adapter bank
         holds (GPU), else one max_seq_len sequence per row within CPU_POOL_POSITIONS (CPU, where
-        memory is the host's)."""
+        memory is the host's), plus a unified bank's adapters."""
         cfg = self.config
         if cfg.num_pages is not None:
             return cfg.num_pages
         if jax.default_backend() != "gpu":
-            return max(self.pages_per_seq, min(cfg.max_batch * self.pages_per_seq, CPU_POOL_POSITIONS // cfg.page_size))
+            kv = max(self.pages_per_seq, min(cfg.max_batch * self.pages_per_seq, CPU_POOL_POSITIONS // cfg.page_size))
+            return kv + self._unified_adapter_pages()
         return max(self.pages_per_seq, pool_positions(self.model.config, cfg, self.mesh) // cfg.page_size)
+
+    def _unified_adapter_pages(self) -> int:
+        """On CPU, where the pool is sized for the sequences alone: room for a unified bank's
+        max_slots - 1 largest adapters on top (on GPU the pool takes the memory a bank would)."""
+        lora = self.config.lora
+        if lora.bank is not LoraBank.UNIFIED:
+            return 0
+        return (lora.max_slots - 1) * max_adapter_pages(self.model.config, lora, self.config.page_size)
 
     def _new_pool(self) -> PagedKVCache:
         cfg, model = self.config, self.model

@@ -8,7 +8,9 @@ Contract (every backend computes exactly this; pallas_kernels documents the math
 
 Slot 0 is all-zero, so base-model rows come out unchanged. A paged bank (jaxlora.lora.paged_bank)
 computes the same per module, reading each row's A and B at their true rank through page tables
-(`pallas_kernels.lora.paged`); its slot 0 has rank 0.
+(`pallas_kernels.lora.paged`); its slot 0 has rank 0. A unified bank (jaxlora.lora.unified_bank)
+does too, reading them out of the KV pool's pages (`pallas_kernels.lora.unified`): the decoder
+layer hands the group entries the pool it carries (`with_kv_pool`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import pallas_kernels
 from jaxlora.kernels import StepKernels
 from jaxlora.lora.bank import GROUPS
 from jaxlora.lora.paged_bank import is_paged
+from jaxlora.lora.unified_bank import UnifiedGroup, is_unified
 from pallas_kernels.lora.paged import paged_expand, paged_shrink
+from pallas_kernels.lora.unified import unified_expand, unified_shrink
 
 GROUP_MODULES: dict[str, tuple[str, ...]] = dict(GROUPS)
 
@@ -55,11 +59,13 @@ def apply_group(
     """
     if group_bank is None:
         return outputs
-    if is_paged(group_bank):
-        modules = [m for m in GROUP_MODULES[group] if m in group_bank["ranks"]]
+    if is_unified(group_bank) or is_paged(group_bank):
+        per_module = _unified_module if is_unified(group_bank) else _paged_module
+        ranks = group_bank.ranks if is_unified(group_bank) else group_bank["ranks"]
+        modules = [m for m in GROUP_MODULES[group] if m in ranks]
         return {
             **outputs,
-            **{m: _paged_module(group_bank, m, x, outputs[m], token_slots, kernels, layer) for m in modules},
+            **{m: per_module(group_bank, m, x, outputs[m], token_slots, kernels, layer) for m in modules},
         }
     # Pytrees sort dict keys, so the rank-axis order comes from GROUPS, never from the dict.
     modules = tuple(m for m in GROUP_MODULES[group] if m in group_bank["b"])
@@ -94,11 +100,13 @@ def apply_group_fused(
     if group_bank is None:
         return y
     modules = GROUP_MODULES[group]
-    if is_paged(group_bank):
+    if is_unified(group_bank) or is_paged(group_bank):
+        per_module = _unified_module if is_unified(group_bank) else _paged_module
+        ranks = group_bank.ranks if is_unified(group_bank) else group_bank["ranks"]
         ends = (*columns[1:], y.shape[1])
         for i, m in enumerate(modules):
-            if m in group_bank["ranks"]:
-                part = _paged_module(group_bank, m, x, y[:, columns[i] : ends[i]], token_slots, kernels, layer)
+            if m in ranks:
+                part = per_module(group_bank, m, x, y[:, columns[i] : ends[i]], token_slots, kernels, layer)
                 y = y.at[:, columns[i] : ends[i]].set(part)
         return y
     held = [i for i, m in enumerate(modules) if m in group_bank["b"]]
@@ -136,6 +144,27 @@ def _paged_module(
     return paged_expand(y, h, pools[y.shape[-1]], tables[1], ranks, token_slots, interpret=kernels.interpret)
 
 
+def _unified_module(
+    group_bank: UnifiedGroup,
+    module: str,
+    x: jax.Array,
+    y: jax.Array,
+    token_slots: jax.Array,
+    kernels: StepKernels,
+    layer: jax.Array | None,
+) -> jax.Array:
+    """y [N, out] + each row's term of `module`, read out of the KV pool's pages at `layer` through
+    the unified bank's tables; slot s of the tables is the row's adapter."""
+    if group_bank.pool is None or layer is None:
+        raise ValueError("a unified bank reads the KV pool at a layer: the decoder layer must pass both")
+    k, v = group_bank.pool
+    common = (k, v, layer, group_bank.pages)
+    offsets, ranks = group_bank.offsets[module], group_bank.ranks[module]
+    interpret = kernels.interpret
+    h = unified_shrink(x, *common, offsets[:, 0], ranks, token_slots, max_rank=group_bank.max_rank, interpret=interpret)
+    return unified_expand(y, h, *common, offsets[:, 1], ranks, token_slots, interpret=interpret)
+
+
 def step_plan(
     bank: dict | None, token_slots: jax.Array, kernels: StepKernels, seg_len: int | None
 ) -> pallas_kernels.LoraPlan | None:
@@ -143,8 +172,8 @@ def step_plan(
 
     bank leaves are stacked over layers, [L, S, ...], so axis 1 is the slot count.
     """
-    if not bank or is_paged(bank):
-        return None  # the paged kernels read each row's page table themselves
+    if not bank or is_paged(bank) or is_unified(bank):
+        return None  # the paged and unified kernels read each row's page table themselves
     num_slots = jax.tree.leaves(bank)[0].shape[1]
     return pallas_kernels.lora_plan(token_slots, num_slots=num_slots, seg_len=seg_len, backend=kernels.lora.value)
 

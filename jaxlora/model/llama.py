@@ -32,6 +32,7 @@ from jaxlora.lora.apply import (
     step_plan,
     token_slots_for,
 )
+from jaxlora.lora.unified_bank import is_unified, with_kv_pool
 from jaxlora.model.fused import module_columns
 from jaxlora.model.kv_cache import KVCache, PagedKVCache
 from jaxlora.model.quant import Quantization, QuantLinear, project, serving_kmajor
@@ -191,6 +192,7 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         x2 = x.reshape(b * t, -1)
         _check_unfused(self.fused, s)
+        lora = _read_pool(lora, kv)
         if self.fused:
             qkv = _fused_projection(self.qkv_proj, "qkv", _QKV, cfg, x2, layer, lora, s)
         else:
@@ -225,7 +227,15 @@ class Attention(nnx.Module):
                 )
             }
         out = apply_group(
-            "o", lora.get("o"), a2, out, s.token_slots, s.kernels, s.seg_len, plan=s.lora_plan, layer=layer
+            "o",
+            _read_pool(lora, kv).get("o"),
+            a2,
+            out,
+            s.token_slots,
+            s.kernels,
+            s.seg_len,
+            plan=s.lora_plan,
+            layer=layer,
         )
         o = out["o_proj"]
         if s.tensor_axis is not None:
@@ -234,6 +244,17 @@ class Attention(nnx.Module):
             if self.o_proj.bias is not None:
                 o = o + self.o_proj.bias[...]
         return o.reshape(b, t, -1), kv
+
+
+def _read_pool(lora: dict, kv: KVCache | PagedKVCache) -> dict:
+    """A unified bank's groups reading `kv` as it stands here (adapters live in its pages); any other
+    bank unchanged. The pool after this layer's KV write serves o and the MLP: their adapter pages
+    are not the pages written."""
+    if not is_unified(lora):
+        return lora
+    if not isinstance(kv, PagedKVCache):
+        raise ValueError("a unified adapter bank lives in the paged KV pool: run the ragged (engine) step")
+    return with_kv_pool(lora, kv.k, kv.v)
 
 
 def _update_cache(kv: KVCache, layer: jax.Array, k, v, positions, row_ids):
@@ -362,7 +383,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, kv: KVCache, layer: jax.Array, lora: dict, s: StepInputs):
         attn, kv = self.self_attn(self.input_layernorm(x), kv, layer, lora, s)
         x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x), layer, lora, s)
+        x = x + self.mlp(self.post_attention_layernorm(x), layer, _read_pool(lora, kv), s)
         return x, kv
 
 

@@ -24,8 +24,8 @@ ceil(ranks[n] / P) pages its rank needs, so the work per row is proportional to 
     paged_expand:  y[t, o] + sum_r h[t, r] * B_n[r, o]          r < ranks[n]
 
 Triton on GPU (interpret=True runs them on CPU). The engine reads a paged bank through them
-(`lora.bank: paged`, jaxlora.lora.paged_bank); the one allocator shared with the KV cache is still
-to come.
+(`lora.bank: paged`, jaxlora.lora.paged_bank). Their twins in `unified` read adapters out of the KV
+cache's own pages instead (`lora.bank: unified`: one allocator for adapters and KV).
 """
 
 from __future__ import annotations

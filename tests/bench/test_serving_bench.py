@@ -148,13 +148,15 @@ def _run(out: Path, *args: str) -> dict:
     return json.loads((out / "serving.json").read_text())
 
 
-def test_tiny_paged_bank_run_has_its_bank_and_pool_columns(tmp_path):
-    """--bank paged: the rows say so, get their own key, and carry the pool shares."""
-    payload = _run(tmp_path, "--settings", "s2", "--bank", "paged", "--rates", "8@1", "--max-drain-s", "60")
+@pytest.mark.parametrize("bank", ["paged", "unified"])
+def test_tiny_true_rank_bank_run_has_its_bank_and_pool_columns(tmp_path, bank):
+    """--bank paged | unified: the rows say so, get their own key, and carry the pool shares (a
+    unified bank has no bytes of its own: its adapters' share is of the KV pool)."""
+    payload = _run(tmp_path, "--settings", "s2", "--bank", bank, "--rates", "8@1", "--max-drain-s", "60")
     (row,) = payload["rows"]
-    assert row["bank"] == "paged" and row["completed"] == row["requests"] == 8 and row["page_ins"] > 0
+    assert row["bank"] == bank and row["completed"] == row["requests"] == 8 and row["page_ins"] > 0
     assert 0 < row["pool_adapter_share"] < 1 and 0 < row["pool_kv_share"] < 1
-    assert row["pool_adapter_bytes"] > 0 and row["pool_kv_bytes"] > 0
+    assert (row["pool_adapter_bytes"] > 0) == (bank == "paged") and row["pool_kv_bytes"] > 0
     assert row_key(row) != row_key({**row, "bank": "padded"})
     assert row_key({k: v for k, v in row.items() if k != "bank"}) == row_key({**row, "bank": "padded"})
 

@@ -1,4 +1,5 @@
-"""KV page bookkeeping: random grow/free/register/attach sequences against a model of who owns what.
+"""KV page bookkeeping: random grow/free/register/attach sequences, and adapters taking and giving
+back pages from the same pool (S-LoRA's unified pages), against a model of who owns what.
 
 Invariants after every step: no page is leaked, a page is shared only by sequences that attached it
 from the cache, a sequence holds exactly the pages its length needs (never fewer, and it only grows),
@@ -17,6 +18,7 @@ from jaxlora.engine.kv_pages import PageTable, pages_for
 
 NUM_PAGES, PAGE_SIZE, MAX_PAGES = 12, 4, 5
 SEQS = st.integers(0, 5)
+OWNERS = st.sampled_from(["adapter-a", "adapter-b"])
 
 
 def _key(contents: list[int]) -> bytes:
@@ -32,6 +34,7 @@ class PageMachine(RuleBasedStateMachine):
         self.contents: dict[int, list[int]] = {}  # a label per page a sequence holds: what it wrote there
         self.labels = itertools.count()
         self.registered: list[list[int]] = []  # contents whose full pages were keyed
+        self.adapters: dict[str, list[int]] = {}  # pages each adapter was given
 
     @rule(seq=SEQS, grow_by=st.integers(1, 9))
     def grow(self, seq: int, grow_by: int) -> None:
@@ -77,11 +80,32 @@ class PageMachine(RuleBasedStateMachine):
         self.length[seq] = len(cached) * PAGE_SIZE
         self.contents[seq] = contents[: len(cached)]
 
+    @rule(owner=OWNERS, num=st.integers(1, 6))
+    def take_for_adapter(self, owner: str, num: int) -> None:
+        if owner in self.adapters or num > self.table.num_free:
+            free = self.table.num_free
+            with pytest.raises(RuntimeError):
+                self.table.take_for(owner, num)
+            assert self.table.num_free == free and self.table.owned(owner) == self.adapters.get(owner, [])
+            return
+        held = {p for seq in self.length for p in self.table.pages_of(seq)}
+        pages = self.table.take_for(owner, num).tolist()
+        assert len(set(pages)) == num and not set(pages) & held  # never a sequence's page
+        assert all(self.table.key_of(p) is None for p in pages)  # an evicted cached page loses its key
+        self.adapters[owner] = pages
+
+    @rule(owner=OWNERS)
+    def give_back(self, owner: str) -> None:
+        assert self.table.give_back(owner) == len(self.adapters.pop(owner, []))
+
     @invariant()
     def no_page_leaked_and_only_cached_pages_shared(self) -> None:
         self.table.check()
         owned = [p for seq in self.length for p in self.table.pages_of(seq)]
-        assert len(set(owned)) + self.table.num_free == NUM_PAGES
+        adapters = [p for pages in self.adapters.values() for p in pages]
+        assert not set(adapters) & set(owned)
+        assert self.table.num_owned == len(adapters)
+        assert len(set(owned)) + len(adapters) + self.table.num_free == NUM_PAGES
         shared = {p for p in owned if owned.count(p) > 1}
         assert all(self.table.key_of(p) is not None for p in shared)
 

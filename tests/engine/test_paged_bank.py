@@ -7,43 +7,22 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 import pytest
 
-from jaxlora.adapters import PagedPager, Pager
+from jaxlora.adapters import PagedPager, Pager, UnifiedPager
 from jaxlora.config import TARGET_MODULES, LoraBank, LoraConfig
 from jaxlora.engine import Engine, GenerationRequest, SamplingParams
-from jaxlora.lora.host_adapter import HostAdapter
+from tests.engine.bank_data import MIXED, bank_parts, requests
 from tests.engine.conftest import engine_config
 from tests.factories import char_tokenizer, random_adapter, tiny_model
 
-MAX_TOKENS = 6
 PADDED = LoraConfig(max_slots=7, max_rank=64, target_modules=TARGET_MODULES)
 PAGED = dataclasses.replace(PADDED, bank=LoraBank.PAGED, page_rows=8)
 
 
-def pattern_adapter(name: str, config, rng: int) -> HostAdapter:
-    """A `rank_pattern`-like adapter: a different rank per module, some modules untouched."""
-    ranks = {"q_proj": 2, "v_proj": 16, "gate_proj": 9, "down_proj": 64}
-    gen = np.random.default_rng(rng)
-    weights = {}
-    for m, r in ranks.items():
-        d_in, d_out = config.module_shape(m)
-        a = gen.normal(0, 2 / np.sqrt(d_in), (config.num_layers, d_in, r)).astype(np.float32)
-        b = gen.normal(0, 2, (config.num_layers, r, d_out)).astype(np.float32)
-        weights[m] = (a, b)
-    return HostAdapter(name=name, rank=64, target_modules=tuple(ranks), weights=weights, source=f"random:{name}")
-
-
 @pytest.fixture(scope="module")
 def parts():
-    model, tok = tiny_model(), char_tokenizer()
-    adapters = {
-        f"r{r}": random_adapter(f"r{r}", model.config, modules=TARGET_MODULES, rank=r, rng=r) for r in (4, 8, 16, 64)
-    }
-    adapters["attn8"] = random_adapter("attn8", model.config, modules=("q_proj", "o_proj"), rank=8, rng=11)
-    adapters["pattern"] = pattern_adapter("pattern", model.config, rng=12)
-    return model, tok, adapters
+    return bank_parts()
 
 
 def make_engine(parts, lora: LoraConfig, *, fill: float = float("nan"), **overrides) -> Engine:
@@ -58,22 +37,6 @@ def make_engine(parts, lora: LoraConfig, *, fill: float = float("nan"), **overri
     engine = Engine(model, tok, config, pager)
     engine.warmup()
     return engine
-
-
-def requests(names: list[str | None], seed: int = 0) -> list[GenerationRequest]:
-    rng = np.random.default_rng(seed)
-    return [
-        GenerationRequest(
-            request_id=f"q{i}",
-            prompt_ids=[int(t) for t in rng.integers(4, 60, 3 + i % 4)],
-            adapter=name,
-            sampling=SamplingParams(max_tokens=MAX_TOKENS),
-        )
-        for i, name in enumerate(names)
-    ]
-
-
-MIXED = ["r4", None, "r8", "pattern", "r16", "r64", None, "attn8"]
 
 
 @pytest.fixture(scope="module")
@@ -302,17 +265,20 @@ def test_no_compiles_after_warmup_as_adapters_page_in_and_out(parts, padded_toke
     engine.pager.check()
 
 
-@pytest.mark.parametrize("lora", [PADDED, PAGED], ids=["padded", "paged"])
+@pytest.mark.parametrize(
+    "lora", [PADDED, PAGED, dataclasses.replace(PADDED, bank=LoraBank.UNIFIED)], ids=["padded", "paged", "unified"]
+)
 def test_a_waiting_request_whose_adapter_is_unregistered_fails_alone(parts, lora):
     """B waits for a row while its adapter is unregistered: once a row frees, B fails with an
     unknown-adapter error, and the engine goes on serving (A before it, C after it)."""
     model, tok, adapters = parts
     config = engine_config(max_batch=1, token_budgets=(8, 16), lora=lora)
-    pager = (
-        PagedPager(model.config, lora, dtype=model.dtype)
-        if lora.bank is LoraBank.PAGED
-        else Pager(model.config, lora, dtype=model.dtype)
-    )
+    pagers = {
+        LoraBank.PADDED: lambda: Pager(model.config, lora, dtype=model.dtype),
+        LoraBank.PAGED: lambda: PagedPager(model.config, lora, dtype=model.dtype),
+        LoraBank.UNIFIED: lambda: UnifiedPager(model.config, lora, page_size=config.page_size, dtype=model.dtype),
+    }
+    pager = pagers[lora.bank]()
     pager.register("r4", adapters["r4"])
     engine = Engine(model, tok, config, pager)
     a, b, c = (

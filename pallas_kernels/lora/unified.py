@@ -1,0 +1,291 @@
+"""LoRA shrink and expand that read each row's adapter out of the KV cache's pages (S-LoRA's unified
+pool), at its true rank.
+
+Storage (`jaxlora.lora.unified_layout`): the KV pool's k and v, [L, N, page_size, kv_heads,
+head_dim]; a page id names one K segment and one V segment of E = page_size * kv_heads * head_dim
+elements per layer. An adapter holds whole pages; at layer l its weights are one run of elements
+laid end to end over its segments, segment 2i = k[l, pages[i]], segment 2i + 1 = v[l, pages[i]]. A
+module's factor is `rank` rank-rows of `width` elements starting at `offset` in the run (A^T rows
+are the input wide, B rows the output wide). So element o of the run is at
+
+    page = pages[adapter, (o // E) // 2],   half = (o // E) % 2  (0: k, 1: v),   index o % E
+
+and a rank-row may straddle two segments. Operands, per launch (one module, one factor, one layer):
+
+    k, v      [L, N, page_size, kv_heads, head_dim]   the KV pool (flattened per layer, not copied)
+    layer     int32 scalar                            which layer's segments
+    pages     [S, MP]    int32 page ids of each slot's run (entries past its pages never read)
+    offsets   [S]        int32 where this factor starts in the slot's run
+    ranks     [S]        int32 this module's rank per slot (0: no LoRA on it)
+    adapter_ids [T]      int32 slot of each token row, -1 for the base model (delta 0)
+
+Kernels (MBGMV-style: one program per token row, so a decode batch puts many adapters in one
+launch). A row loops over ceil(rank / rank_block) blocks of rank-rows only, so its work is
+proportional to its rank:
+
+    unified_shrink:  h[t, r] = sum_k x[t, k] * A^T[r, k]        r < rank; h[t, r >= rank] = 0
+    unified_expand:  y[t, o] + sum_r h[t, r] * B[r, o]           r < rank
+
+Every load is masked to the row's rank and the factor's width: free pages, other adapters' pages,
+a run's gaps and its last page's tail are never read, whatever they hold. Triton on GPU;
+interpret=True runs them on CPU. `unified_reference` computes the same by concatenating segments.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.lora.common import F32, is_pow2, pad_pow2
+
+_KNOBS = ("max_rank", "block", "rank_block", "num_warps", "interpret")
+
+
+def check_unified(x_or_y, k, v, pages, offsets, ranks, adapter_ids) -> None:
+    """Clear errors for operands the kernels cannot take."""
+    if k.ndim != 5 or k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError(
+            f"k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must be one KV pool [L, N, page, heads, dim]"
+        )
+    if pages.ndim != 2 or offsets.shape != (pages.shape[0],) or ranks.shape != (pages.shape[0],):
+        raise ValueError(f"pages {pages.shape} must be [S, MP], offsets {offsets.shape} and ranks {ranks.shape} [S]")
+    if x_or_y.ndim != 2 or adapter_ids.shape != (x_or_y.shape[0],):
+        raise ValueError(f"adapter_ids {adapter_ids.shape} must be [T] for rows {x_or_y.shape}")
+    for name, arr in (("pages", pages), ("offsets", offsets), ("ranks", ranks), ("adapter_ids", adapter_ids)):
+        if not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer, got {arr.dtype}")
+    if k.shape[1] * _seg(k) >= 2**31:
+        raise ValueError(f"a layer of the pool ({k.shape[1]} pages of {_seg(k)} elements) must index in int32")
+
+
+def _seg(pool: jax.Array) -> int:
+    """E: elements of one page's K (or V) segment at one layer."""
+    return math.prod(pool.shape[2:])
+
+
+def _flat(pool: jax.Array) -> jax.Array:
+    # [L, N, page, heads, dim] -> [L, N * E]: a bitcast of the row-major pool, no copy.
+    return pool.reshape(pool.shape[0], -1)
+
+
+def _row(ids_ref, ranks_ref, offs_ref, row):
+    """(slot, rank, offset) of token row `row`; a base-model row (-1) has rank 0."""
+    slot = ids_ref[row]
+    safe = jnp.maximum(slot, 0)
+    return safe, jnp.where(slot >= 0, ranks_ref[safe], 0), offs_ref[safe]
+
+
+def _load_run(k_ref, v_ref, pages_ref, slot, layer, offs, ok, seg: int):
+    """The elements at run offsets `offs` (any shape) of `slot`'s run at `layer`, f32; 0 where not ok."""
+    segment = offs // seg
+    page = pltriton.load(pages_ref.at[slot, segment // 2], mask=ok, other=0)
+    index = page * seg + offs % seg
+    in_v = segment % 2 == 1
+    from_k = pltriton.load(k_ref.at[layer, index], mask=ok & ~in_v, other=0)
+    from_v = pltriton.load(v_ref.at[layer, index], mask=ok & in_v, other=0)
+    return jnp.where(in_v, from_v, from_k).astype(F32)
+
+
+def _shrink_kernel(
+    ids_ref,
+    ranks_ref,
+    offs_ref,
+    pages_ref,
+    layer_ref,
+    x_ref,
+    k_ref,
+    v_ref,
+    h_ref,
+    *,
+    seg,
+    hidden,
+    block,
+    rank_block,
+    max_rank,
+):
+    # x_ref [T, D]; k_ref/v_ref [L, N * E]; h_ref [T, max_rank]; one program per token row.
+    row, layer = pl.program_id(0), layer_ref[0]
+    slot, rank, offset = _row(ids_ref, ranks_ref, offs_ref, row)
+    rr = jnp.arange(rank_block, dtype=jnp.int32)
+
+    def rank_step(i, carry):
+        rs = i * rank_block + rr
+        r_ok = rs < rank
+
+        def k_step(s, acc):  # acc [rank_block] f32
+            ks = s * block + jnp.arange(block, dtype=jnp.int32)
+            k_ok = ks < hidden
+            x = pltriton.load(x_ref.at[row, ks], mask=k_ok, other=0).astype(F32)
+            offs = offset + rs[:, None] * hidden + ks[None, :]
+            a = _load_run(k_ref, v_ref, pages_ref, slot, layer, offs, r_ok[:, None] & k_ok[None, :], seg)
+            return acc + jnp.sum(a * x[None, :], axis=1)
+
+        acc = lax.fori_loop(0, pl.cdiv(hidden, block), k_step, jnp.zeros((rank_block,), F32))
+        # Rank-rows past the rank load as 0, so the whole block is stored (exact zeros past it).
+        pltriton.store(h_ref.at[row, rs], acc.astype(h_ref.dtype), mask=rs < max_rank)
+        return carry
+
+    num_blocks = (rank + rank_block - 1) // rank_block
+    lax.fori_loop(0, num_blocks, rank_step, 0)
+    # Columns past the row's blocks, disjoint from the stores above (no write-after-write race).
+    cols = jnp.arange(pad_pow2(max_rank, 1), dtype=jnp.int32)
+    rest = (cols >= num_blocks * rank_block) & (cols < max_rank)
+    pltriton.store(h_ref.at[row, cols], jnp.zeros(cols.shape, h_ref.dtype), mask=rest)
+
+
+def _expand_kernel(
+    ids_ref,
+    ranks_ref,
+    offs_ref,
+    pages_ref,
+    layer_ref,
+    y_ref,
+    h_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    *,
+    seg,
+    out,
+    block,
+    rank_block,
+    rank_cols,
+):
+    # y_ref/o_ref [T, O]; h_ref [T, C]; program (token row, output column block).
+    row, col_block, layer = pl.program_id(0), pl.program_id(1), layer_ref[0]
+    slot, rank, offset = _row(ids_ref, ranks_ref, offs_ref, row)
+    os = col_block * block + jnp.arange(block, dtype=jnp.int32)
+    o_ok = os < out
+    rr = jnp.arange(rank_block, dtype=jnp.int32)
+
+    def rank_step(i, acc):  # acc [block] f32
+        rs = i * rank_block + rr
+        r_ok = (rs < rank) & (rs < rank_cols)
+        h = pltriton.load(h_ref.at[row, rs], mask=r_ok, other=0).astype(F32)
+        offs = offset + rs[:, None] * out + os[None, :]
+        b = _load_run(k_ref, v_ref, pages_ref, slot, layer, offs, r_ok[:, None] & o_ok[None, :], seg)
+        return acc + jnp.sum(h[:, None] * b, axis=0)
+
+    acc = lax.fori_loop(0, (rank + rank_block - 1) // rank_block, rank_step, jnp.zeros((block,), F32))
+    y = pltriton.load(y_ref.at[row, os], mask=o_ok, other=0).astype(F32)
+    pltriton.store(o_ref.at[row, os], (y + acc).astype(o_ref.dtype), mask=o_ok)
+
+
+def _checked_knobs(block: int, rank_block: int) -> None:
+    if not is_pow2(block) or not is_pow2(rank_block):
+        raise ValueError(f"block={block} and rank_block={rank_block} must be powers of two")
+
+
+@functools.partial(jax.jit, static_argnames=_KNOBS)
+def unified_shrink(
+    x: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    layer: jax.Array,
+    pages: jax.Array,
+    offsets: jax.Array,
+    ranks: jax.Array,
+    adapter_ids: jax.Array,
+    *,
+    max_rank: int,
+    block: int = 128,
+    rank_block: int = 16,
+    num_warps: int = 4,
+    interpret: bool = False,
+) -> jax.Array:
+    """h[t] = x[t] @ A for the A of row t's slot, read as rank-rows from the KV pool (module doc).
+
+    Args:
+      x: [T, D] float, D the module's input width (A^T's rank-rows are D wide).
+      k, v: [L, N, page_size, kv_heads, head_dim] the KV pool holding the runs.
+      layer: int32 scalar, the layer whose segments hold this A.
+      pages, offsets, ranks, adapter_ids: the module doc's tables (offsets: A^T's).
+      max_rank: columns of h (static); ranks above it are not checked on device.
+      block: input columns per step; rank_block: rank-rows per step (powers of two).
+
+    Returns:
+      h: [T, max_rank] in x.dtype, accumulated in f32; columns at and past a row's rank are 0.
+    """
+    check_unified(x, k, v, pages, offsets, ranks, adapter_ids)
+    _checked_knobs(block, rank_block)
+    num_tokens, hidden = x.shape
+    kernel = functools.partial(
+        _shrink_kernel,
+        seg=_seg(k),
+        hidden=hidden,
+        block=min(block, pad_pow2(hidden)),
+        rank_block=rank_block,
+        max_rank=max_rank,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_tokens, max_rank), x.dtype),
+        grid=(num_tokens,),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="lora_unified_shrink",
+    )(*_tables(adapter_ids, ranks, offsets, pages, layer), x, _flat(k), _flat(v))
+
+
+@functools.partial(jax.jit, static_argnames=_KNOBS[1:])
+def unified_expand(
+    y: jax.Array,
+    h: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    layer: jax.Array,
+    pages: jax.Array,
+    offsets: jax.Array,
+    ranks: jax.Array,
+    adapter_ids: jax.Array,
+    *,
+    block: int = 128,
+    rank_block: int = 16,
+    num_warps: int = 4,
+    interpret: bool = False,
+) -> jax.Array:
+    """y[t] + h[t, :rank] @ B for the B of row t's slot, read as rank-rows from the KV pool.
+
+    Args:
+      y: [T, O] float, the base output (B's rank-rows are O wide).
+      h: [T, C] the shrink's result (columns at and past a row's rank are never read).
+      k, v, layer, pages, offsets, ranks, adapter_ids: as `unified_shrink` (offsets: B's).
+      block: output columns per program; rank_block: rank-rows per step (powers of two).
+
+    Returns:
+      [T, O] in y.dtype, the delta accumulated in f32; base-model rows unchanged.
+    """
+    check_unified(y, k, v, pages, offsets, ranks, adapter_ids)
+    _checked_knobs(block, rank_block)
+    if h.ndim != 2 or h.shape[0] != y.shape[0]:
+        raise ValueError(f"h {h.shape} must be [T, C] for y {y.shape}")
+    num_tokens, out = y.shape
+    block = min(block, pad_pow2(out))
+    kernel = functools.partial(
+        _expand_kernel, seg=_seg(k), out=out, block=block, rank_block=rank_block, rank_cols=h.shape[1]
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+        grid=(num_tokens, pl.cdiv(out, block)),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="lora_unified_expand",
+    )(*_tables(adapter_ids, ranks, offsets, pages, layer), y, h, _flat(k), _flat(v))
+
+
+def _tables(adapter_ids, ranks, offsets, pages, layer) -> tuple[jax.Array, ...]:
+    i32 = jnp.int32
+    return (
+        adapter_ids.astype(i32),
+        ranks.astype(i32),
+        offsets.astype(i32),
+        pages.astype(i32),
+        jnp.reshape(layer, (1,)).astype(i32),
+    )

@@ -1,0 +1,103 @@
+"""The unified-pool LoRA kernels (interpret mode), which read adapters out of the KV cache's pages,
+against the reference that concatenates each slot's segments: every rank 0-128, `rank_pattern`
+(modules of other widths and ranks in one run), rank-rows straddling K/V segments and pages,
+shuffled pages, NaN in free pages, gaps and tails, the other layer's values, base-model and rank-0
+rows, every row on its own slot, rows sharing slots."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.lora.unified import unified_expand, unified_shrink
+from pallas_kernels.lora.unified_reference import factor, unified_expand_reference, unified_shrink_reference
+from tests.kernels.kernel_data import random_array
+from tests.kernels.paged_lora_data import nan_past_rank
+from tests.kernels.unified_lora_data import unified_pool
+from tests.tolerances import assert_close
+
+LAYER = 1  # of 2: layer 0 holds other values
+
+
+def _check(rng, pool, module, ids, *, hidden, out, max_rank, dtype, rank_block=8):
+    """Shrink then expand of `module` on rows `ids`, each against the reference."""
+    x = random_array(rng, (len(ids), hidden), dtype)
+    y = random_array(rng, (len(ids), out), dtype)
+    ids = jnp.asarray(ids, jnp.int32)
+    layer = jnp.int32(LAYER)
+    a_args = (pool.k, pool.v, layer, pool.pages, module.a_offsets, module.ranks, ids)
+    h = unified_shrink(x, *a_args, max_rank=max_rank, block=16, rank_block=rank_block, interpret=True)
+    assert_close(h, unified_shrink_reference(x, *a_args, max_rank=max_rank), dtype)
+    h_in = nan_past_rank(h, module.ranks, ids)
+    b_args = (pool.k, pool.v, layer, pool.pages, module.b_offsets, module.ranks, ids)
+    got = unified_expand(y, h_in, *b_args, block=16, rank_block=rank_block, interpret=True)
+    assert_close(got, unified_expand_reference(y, h_in, *b_args), dtype)
+    base = np.asarray(ids) < 0
+    np.testing.assert_array_equal(np.asarray(got)[base], np.asarray(y)[base])
+    return h
+
+
+def test_the_reference_reads_back_the_factors_written(rng):
+    """The reference's factors are the generator's: the layout is checked independently of both."""
+    pool = unified_pool(rng, [[3, 17], [0, 5], [9, 0]], [(21, 13), (11, 30)])
+    for module in pool.modules:
+        for s, rank in enumerate(np.asarray(module.ranks)):
+            for offsets, rows in ((module.a_offsets, module.a[s]), (module.b_offsets, module.b[s])):
+                got = factor(
+                    pool.k, pool.v, LAYER, np.asarray(pool.pages[s]), int(offsets[s]), int(rank), rows.shape[2]
+                )
+                np.testing.assert_array_equal(got, rows[LAYER])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_rank_classes_and_rank_pattern_each_row_on_its_own_slot(rng, dtype):
+    """Ranks 1, 7, 8, 9, 128, 0 and a random sample, one row per slot plus base rows, for two modules
+    of other widths and other ranks in the same runs."""
+    first = [1, 7, 8, 9, 128, 0, *rng.choice(np.arange(2, 128), size=4, replace=False).tolist()]
+    second = rng.permutation(first).tolist()
+    widths = [(37, 29), (19, 70)]
+    pool = unified_pool(rng, list(zip(first, second, strict=True)), widths, dtype=dtype)
+    ids = rng.permutation([*range(len(first)), -1, -1])
+    for module, (hidden, out) in zip(pool.modules, widths, strict=True):
+        h = _check(rng, pool, module, ids, hidden=hidden, out=out, max_rank=128, dtype=dtype)
+        ranks = np.asarray(module.ranks)
+        for t, s in enumerate(ids):  # exact zeros at and past the rank, nonzero below it
+            r = ranks[s] if s >= 0 else 0
+            assert not np.asarray(h[t, r:]).any()
+            assert np.asarray(h[t, :r]).all()
+
+
+def test_every_rank_from_0_to_128(rng):
+    """Ranks 0..128 at once, one row each plus base rows (shuffled), narrow factors to keep the
+    interpreter quick; rank_block 16 (a row's last block partly past its rank)."""
+    ranks = np.arange(0, 129)
+    pool = unified_pool(rng, [[r] for r in ranks], [(21, 19)], page_size=8, kv_heads=1, head_dim=16)
+    ids = rng.permutation([*range(129), -1, -1])
+    _check(rng, pool, pool.modules[0], ids, hidden=21, out=19, max_rank=128, dtype=jnp.float32, rank_block=16)
+
+
+def test_rows_sharing_slots_and_a_narrow_h(rng):
+    """Rows repeat slots; h only as wide as the largest rank used (the expand reads no further)."""
+    pool = unified_pool(rng, [[16], [4], [0], [33], [2]], [(48, 40)])
+    ids = rng.choice(np.arange(-1, 5), size=14)
+    ids[:6] = [-1, 0, 1, 2, 3, 4]
+    _check(rng, pool, pool.modules[0], ids, hidden=48, out=40, max_rank=33, dtype=jnp.float32)
+
+
+def test_bad_operands_are_refused(rng):
+    pool = unified_pool(rng, [[4]], [(16, 16)])
+    m = pool.modules[0]
+    x, ids, layer = random_array(rng, (3, 16), jnp.float32), jnp.zeros((3,), jnp.int32), jnp.int32(0)
+    with pytest.raises(ValueError, match="one KV pool"):
+        unified_shrink(x, pool.k, pool.v[:, :1], layer, pool.pages, m.a_offsets, m.ranks, ids, max_rank=8)
+    with pytest.raises(ValueError, match="adapter_ids"):
+        unified_shrink(x, pool.k, pool.v, layer, pool.pages, m.a_offsets, m.ranks, ids[:2], max_rank=8)
+    with pytest.raises(ValueError, match="ranks"):
+        unified_shrink(x, pool.k, pool.v, layer, pool.pages, m.a_offsets, m.ranks[:0], ids, max_rank=8)
+    with pytest.raises(ValueError, match="integer"):
+        unified_shrink(x, pool.k, pool.v, layer, pool.pages.astype(jnp.float32), m.a_offsets, m.ranks, ids, max_rank=8)
+    with pytest.raises(ValueError, match="powers of two"):
+        unified_shrink(x, pool.k, pool.v, layer, pool.pages, m.a_offsets, m.ranks, ids, max_rank=8, rank_block=6)
+    with pytest.raises(ValueError, match=r"must be \[T, C\]"):
+        unified_expand(x, x[:1], pool.k, pool.v, layer, pool.pages, m.b_offsets, m.ranks, ids)
