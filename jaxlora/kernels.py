@@ -205,9 +205,10 @@ class StepKernels:
     """Static kernel choices for one jitted model step (hashable, never traced; nothing here is "auto").
 
     lora: how the LoRA term is computed (pallas_kernels.lora.api's backend) with a padded bank.
-    lora_bank: PAGED or UNIFIED when the steps read a paged or unified bank, whose LoRA term always
-      runs the paged (pallas_kernels.lora.paged) or unified (pallas_kernels.lora.unified) Pallas
-      kernels, interpreted on CPU.
+    lora_bank: PAGED when the steps read a paged bank, whose LoRA term always runs the paged Pallas
+      kernels (pallas_kernels.lora.paged), interpreted on CPU; UNIFIED for a unified bank, whose term
+      runs the unified Pallas kernels when `lora` is PALLAS (pallas_kernels.lora.unified), else their
+      XLA gather (pallas_kernels.lora.unified_xla).
     interpret: run Pallas kernels in interpret mode (CPU).
     attention: PALLAS runs the paged step's attention through `pallas_kernels.ragged_paged_attention`,
       XLA through its plain-XLA twin (a dense KVCache always uses the masked einsum).
@@ -311,7 +312,11 @@ class StepKernels:
     def describe(self, num_tokens: int) -> str:
         """What a step of `num_tokens` tokens (one per row) runs, for the warm-up's log."""
         options = self.compiler_options(num_tokens)
-        lora = self.lora_bank.value if self.lora_bank is not LoraBank.PADDED else self.lora.value
+        lora = {
+            LoraBank.PADDED: self.lora.value,
+            LoraBank.PAGED: "paged",
+            LoraBank.UNIFIED: f"unified-{'pallas' if self.lora is LoraBackend.PALLAS else 'xla'}",
+        }[self.lora_bank]
         return (
             f"lora={lora} attention={self.attention.value} "
             f"layers={'unrolled' if self.unrolls(num_tokens) else 'scan'} "
@@ -436,7 +441,7 @@ class KernelConfig:
             gemm = GemmBackend.CUBLAS if platform == "gpu" and fused_projections else GemmBackend.XLA
         uses_pallas = (
             lora is LoraBackend.PALLAS
-            or lora_bank is not LoraBank.PADDED  # the paged and unified banks run Pallas kernels
+            or lora_bank is LoraBank.PAGED  # always the paged kernels (the unified bank follows `lora`)
             or attention is AttentionBackend.PALLAS
             or quant_matmul in _QUANT_KERNELS
         )

@@ -343,7 +343,9 @@ def make_pager(
     "unified" (`UnifiedPager`: the engine's KV pages; its adapters page in once the engine exists)."""
     lora = lora_config(setting, backend, bank)
     # Page-ins per commit: the pager's default 16, or fewer with fewer slots (each size up to it compiles).
-    kw = dict(dtype=jnp.dtype(size.dtype), host_capacity_bytes=host_bytes, max_page_ins_per_commit=min(16, setting.slots))
+    kw = dict(
+        dtype=jnp.dtype(size.dtype), host_capacity_bytes=host_bytes, max_page_ins_per_commit=min(16, setting.slots)
+    )
     if lora.bank is LoraBank.UNIFIED:
         pager = UnifiedPager(model.config, lora, page_size=size.engine.page_size, **kw)
     else:

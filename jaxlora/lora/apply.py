@@ -19,12 +19,14 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from jaxlora.config import LoraBackend
 from jaxlora.kernels import StepKernels
 from jaxlora.lora.bank import GROUPS
 from jaxlora.lora.paged_bank import is_paged
 from jaxlora.lora.unified_bank import UnifiedGroup, is_unified
 from pallas_kernels.lora.paged import paged_expand, paged_shrink
 from pallas_kernels.lora.unified import unified_expand, unified_shrink
+from pallas_kernels.lora.unified_xla import unified_expand_xla, unified_shrink_xla
 
 GROUP_MODULES: dict[str, tuple[str, ...]] = dict(GROUPS)
 
@@ -154,15 +156,20 @@ def _unified_module(
     layer: jax.Array | None,
 ) -> jax.Array:
     """y [N, out] + each row's term of `module`, read out of the KV pool's pages at `layer` through
-    the unified bank's tables; slot s of the tables is the row's adapter."""
+    the unified bank's tables; slot s of the tables is the row's adapter. The Pallas kernels with the
+    pallas backend, else the XLA gather (`pallas_kernels.lora.unified_xla`: no ragged_dot form)."""
     if group_bank.pool is None or layer is None:
         raise ValueError("a unified bank reads the KV pool at a layer: the decoder layer must pass both")
     k, v = group_bank.pool
     common = (k, v, layer, group_bank.pages)
     offsets, ranks = group_bank.offsets[module], group_bank.ranks[module]
-    interpret = kernels.interpret
-    h = unified_shrink(x, *common, offsets[:, 0], ranks, token_slots, max_rank=group_bank.max_rank, interpret=interpret)
-    return unified_expand(y, h, *common, offsets[:, 1], ranks, token_slots, interpret=interpret)
+    if kernels.lora is LoraBackend.PALLAS:
+        kw = dict(interpret=kernels.interpret)
+        shrink, expand = unified_shrink, unified_expand
+    else:
+        kw, shrink, expand = {}, unified_shrink_xla, unified_expand_xla
+    h = shrink(x, *common, offsets[:, 0], ranks, token_slots, max_rank=group_bank.max_rank, **kw)
+    return expand(y, h, *common, offsets[:, 1], ranks, token_slots, **kw)
 
 
 def step_plan(

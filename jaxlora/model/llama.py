@@ -206,6 +206,11 @@ class Attention(nnx.Module):
         v = qkv["v_proj"].reshape(b, t, -1, cfg.head_dim)
         q = apply_rope(q, s.positions, s.inv_freq)
         k = apply_rope(k, s.positions, s.inv_freq)
+        if is_unified(lora):
+            # q's adapter term read the pool too, yet the KV write below does not depend on q: without
+            # this barrier XLA cannot order that read before the in-place write, and copies the whole
+            # pool every layer to keep it.
+            q, k, v = jax.lax.optimization_barrier((q, k, v))
         if s.ragged is not None:
             kv = _write_pages(kv, layer, k[:, 0], v[:, 0], s.ragged)
             attn = _attend_ragged(q[:, 0], kv, layer, s.ragged, s.kernels).reshape(b, t, -1)

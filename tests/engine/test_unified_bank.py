@@ -8,6 +8,7 @@ out; a lost pool; unregistering from another thread."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 
 import jax
@@ -25,7 +26,8 @@ from tests.engine.bank_data import MIXED, bank_parts, requests
 from tests.engine.conftest import engine_config
 
 PADDED = LoraConfig(max_slots=7, max_rank=64, target_modules=TARGET_MODULES)
-UNIFIED = dataclasses.replace(PADDED, bank=LoraBank.UNIFIED)
+UNIFIED = dataclasses.replace(PADDED, bank=LoraBank.UNIFIED)  # the XLA gather (lora.backend xla)
+UNIFIED_PALLAS = dataclasses.replace(UNIFIED, backend="pallas")  # the Pallas kernels, interpreted
 PAGE_SIZE = 4  # engine_config's
 
 
@@ -64,8 +66,9 @@ def padded_tokens(parts):
     return [out.token_ids for out in make_engine(parts, PADDED, nan_pool=False).generate(requests(MIXED))]
 
 
-def test_mixed_ranks_same_tokens_as_the_padded_bank_with_a_nan_pool(parts, padded_tokens):
-    engine = make_engine(parts, UNIFIED)
+@pytest.mark.parametrize("lora", [UNIFIED, UNIFIED_PALLAS], ids=["xla", "pallas"])
+def test_mixed_ranks_same_tokens_as_the_padded_bank_with_a_nan_pool(parts, padded_tokens, lora):
+    engine = make_engine(parts, lora)
     with jax.no_tracing():
         got = [out.token_ids for out in engine.generate(requests(MIXED))]
     assert got == padded_tokens
@@ -78,6 +81,24 @@ def test_mixed_ranks_same_tokens_as_the_padded_bank_with_a_nan_pool(parts, padde
     assert engine.pages.num_owned == usage["adapter_pages"]
 
 
+@pytest.mark.parametrize("lora", [UNIFIED, UNIFIED_PALLAS], ids=["xla", "pallas"])
+def test_the_compiled_step_never_copies_the_pool(parts, lora):
+    """Adapter terms read the pool before and after each layer's in-place KV write: the compiled step
+    must order those reads, not copy the pool (a copy per layer would cost more than the step). The
+    padded bank's step is the control."""
+    from jaxlora.engine.scheduler import StepPlan
+
+    for bank in (PADDED, lora):
+        engine = make_engine(parts, bank, nan_pool=False, warm=False, num_pages=300)
+        runner = engine.runner
+        inputs = runner.packer.pack(StepPlan(chunks=(), budget=8, needs_commit=False), engine.pages)
+        text = runner._lower(engine.pager.bank, jax.device_put(inputs.buffer), inputs.layout, True).compile().as_text()
+        shape = ",".join(map(str, runner.kv.k.shape))
+        flat = f"{runner.kv.k.shape[0]},{runner.kv.k[0].size}"
+        copies = [line for line in text.splitlines() if re.search(rf"= f32\[({shape}|{flat})\]\S* copy\(", line)]
+        assert not copies, (bank.bank, copies[:4])
+
+
 def test_device_bytes_follow_the_rank(parts):
     engine = make_engine(parts, UNIFIED, nan_pool=False, warm=False)
     pager = engine.pager
@@ -88,7 +109,9 @@ def test_device_bytes_follow_the_rank(parts):
     assert 0 < r8 <= (1 / 8 + 0.05) * r64
     config = parts[0].config
     # rank_pattern: q 2, v 16, gate 9, down 64, every other module 0; one run per layer.
-    run = sum(r * sum(config.module_shape(m)) for m, r in {"q_proj": 2, "v_proj": 16, "gate_proj": 9, "down_proj": 64}.items())
+    run = sum(
+        r * sum(config.module_shape(m)) for m, r in {"q_proj": 2, "v_proj": 16, "gate_proj": 9, "down_proj": 64}.items()
+    )
     seg = PAGE_SIZE * config.num_kv_heads * config.head_dim
     assert pager.device_nbytes("pattern") == -(-run // (2 * seg)) * 2 * seg * config.num_layers * 4
     assert pager.pool_usage()["adapter_bytes"] == r8 + r64 + pager.device_nbytes("pattern")
@@ -118,7 +141,9 @@ def test_sequences_never_reclaim_an_adapter_in_use(parts):
     scheduler preempts sequences (r64's included) instead of taking r64's pages, and every request
     ends with the tokens a padded bank gives."""
     names = ["r64", None, None, None, None]
-    want = [o.token_ids for o in make_engine(parts, PADDED, nan_pool=False).generate(requests(names, seed=7, max_tokens=30))]
+    want = [
+        o.token_ids for o in make_engine(parts, PADDED, nan_pool=False).generate(requests(names, seed=7, max_tokens=30))
+    ]
     engine = make_engine(parts, UNIFIED, num_pages=pages_of(parts, "r64") + 24)
     got = [o.token_ids for o in engine.generate(requests(names, seed=7, max_tokens=30))]
     assert got == want

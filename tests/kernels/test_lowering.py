@@ -166,3 +166,25 @@ def test_paged_kernels_lower_for_cuda(dtype, hidden, out, page_rows):
 
     text = _lower_for_cuda(step, x, y, pool, table, table, ranks, ids)
     assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize(
+    "dtype, hidden, out, max_rank, kv_page",
+    [(jnp.bfloat16, 4096, 11008, 64, (16, 32, 128)), (jnp.float32, 576, 192, 33, (16, 3, 64))],
+)
+def test_unified_kernels_lower_for_cuda(dtype, hidden, out, max_rank, kv_page):
+    """The shrink and expand that read adapters out of the KV pool (7B and SmolLM2 page shapes, a
+    max rank that is not a power of two): the per-element page lookup and the rank loop lower."""
+    from pallas_kernels.lora import unified
+
+    sd = jax.ShapeDtypeStruct
+    pool = sd((4, 300, *kv_page), dtype)
+    pages, offsets, ranks, ids = sd((7, 40), I32), sd((7,), I32), sd((7,), I32), sd((37,), I32)
+    x, y = sd((37, hidden), dtype), sd((37, out), dtype)
+
+    def step(x, y, k, v, layer, pages, a_off, b_off, ranks, ids):
+        h = unified.unified_shrink(x, k, v, layer, pages, a_off, ranks, ids, max_rank=max_rank)
+        return unified.unified_expand(y, h, k, v, layer, pages, b_off, ranks, ids)
+
+    text = _lower_for_cuda(step, x, y, pool, pool, sd((), I32), pages, offsets, offsets, ranks, ids)
+    assert text.count("__gpu$xla.gpu.triton") == 2

@@ -12,6 +12,7 @@ import pytest
 
 from pallas_kernels.lora.unified import unified_expand, unified_shrink
 from pallas_kernels.lora.unified_reference import factor, unified_expand_reference, unified_shrink_reference
+from pallas_kernels.lora.unified_xla import unified_expand_xla, unified_shrink_xla
 from tests.kernels.kernel_data import random_array
 from tests.kernels.paged_lora_data import nan_past_rank
 from tests.kernels.unified_lora_data import unified_pool
@@ -21,18 +22,23 @@ LAYER = 1  # of 2: layer 0 holds other values
 
 
 def _check(rng, pool, module, ids, *, hidden, out, max_rank, dtype, rank_block=8):
-    """Shrink then expand of `module` on rows `ids`, each against the reference."""
+    """Shrink then expand of `module` on rows `ids`, the kernels and the XLA path each against the
+    reference."""
     x = random_array(rng, (len(ids), hidden), dtype)
     y = random_array(rng, (len(ids), out), dtype)
     ids = jnp.asarray(ids, jnp.int32)
     layer = jnp.int32(LAYER)
     a_args = (pool.k, pool.v, layer, pool.pages, module.a_offsets, module.ranks, ids)
     h = unified_shrink(x, *a_args, max_rank=max_rank, block=16, rank_block=rank_block, interpret=True)
-    assert_close(h, unified_shrink_reference(x, *a_args, max_rank=max_rank), dtype)
+    h_want = unified_shrink_reference(x, *a_args, max_rank=max_rank)
+    assert_close(h, h_want, dtype)
     h_in = nan_past_rank(h, module.ranks, ids)
     b_args = (pool.k, pool.v, layer, pool.pages, module.b_offsets, module.ranks, ids)
     got = unified_expand(y, h_in, *b_args, block=16, rank_block=rank_block, interpret=True)
-    assert_close(got, unified_expand_reference(y, h_in, *b_args), dtype)
+    want = unified_expand_reference(y, h_in, *b_args)
+    assert_close(got, want, dtype)
+    assert_close(unified_shrink_xla(x, *a_args, max_rank=max_rank), h_want, dtype)
+    assert_close(unified_expand_xla(y, h_in, *b_args), want, dtype)
     base = np.asarray(ids) < 0
     np.testing.assert_array_equal(np.asarray(got)[base], np.asarray(y)[base])
     return h
