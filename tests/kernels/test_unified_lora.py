@@ -91,6 +91,20 @@ def test_rows_sharing_slots_and_a_narrow_h(rng):
     _check(rng, pool, pool.modules[0], ids, hidden=48, out=40, max_rank=33, dtype=jnp.float32)
 
 
+def test_the_xla_path_gathers_per_row_when_rows_are_fewer_than_slots(rng):
+    """Three rows on ten slots (the XLA path gathers each row's factor, not every slot's)."""
+    pool = unified_pool(rng, [[r] for r in (5, 0, 17, 3, 9, 1, 30, 2, 8, 4)], [(21, 19)])
+    module, ids = pool.modules[0], jnp.asarray([6, -1, 2], jnp.int32)
+    x, y = random_array(rng, (3, 21), jnp.float32), random_array(rng, (3, 19), jnp.float32)
+    layer = jnp.int32(LAYER)
+    a_args = (pool.k, pool.v, layer, pool.pages, module.a_offsets, module.ranks, ids)
+    h = unified_shrink_xla(x, *a_args, max_rank=32)
+    assert_close(h, unified_shrink_reference(x, *a_args, max_rank=32), jnp.float32)
+    b_args = (pool.k, pool.v, layer, pool.pages, module.b_offsets, module.ranks, ids)
+    h_in = nan_past_rank(h, module.ranks, ids)
+    assert_close(unified_expand_xla(y, h_in, *b_args), unified_expand_reference(y, h_in, *b_args), jnp.float32)
+
+
 def test_bad_operands_are_refused(rng):
     pool = unified_pool(rng, [[4]], [(16, 16)])
     m = pool.modules[0]

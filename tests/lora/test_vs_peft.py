@@ -89,11 +89,11 @@ def setup(smollm2_gguf_path, reference):
     # Free pages NaN: a read of a page no adapter owns would show in the tokens.
     paged_bank = model_view(build_paged_bank(model.config, paged, weights, fill=float("nan")), paged)
     rows = [slot_of[a] for _, a in ROWS]
-    return model, prompts, bank, rows, paged_bank, [row["tokens"] for row in ref["rows"]]
+    return model, prompts, bank, rows, paged_bank, [row["tokens"] for row in ref["rows"]], ref["adapters"]
 
 
 def test_peft_adapters_change_the_output(setup):
-    *_, expected = setup
+    *_, expected, _ = setup
     base = {p: expected[i] for i, (p, a) in enumerate(ROWS) if a is None}
     changed = [expected[i] != base[p] for i, (p, a) in enumerate(ROWS) if a is not None and p in base]
     assert all(changed), "an adapter did not change PEFT's output; the comparison would prove little"
@@ -101,7 +101,7 @@ def test_peft_adapters_change_the_output(setup):
 
 @pytest.mark.parametrize("backend", list(LoraBackend))
 def test_mixed_batch_matches_peft_token_for_token(setup, backend):
-    model, prompts, bank, slots, _, expected = setup
+    model, prompts, bank, slots, _, expected, _ = setup
     got = batched_greedy(model, [prompts[p] for p, _ in ROWS], slots, N_NEW, bank=bank, backend=backend)
     for i, (p, a) in enumerate(ROWS):
         assert got[i] == expected[i], f"row {i} (prompt {p}, adapter {a}, backend {backend})"
@@ -110,8 +110,42 @@ def test_mixed_batch_matches_peft_token_for_token(setup, backend):
 def test_paged_bank_mixed_batch_matches_peft_token_for_token(setup):
     """The same batch read from a paged bank: every adapter at its true rank (4, 8, 16 with a rank
     pattern, 64 on some layers), through the paged kernels (interpreted on CPU)."""
-    model, prompts, _, slots, paged_bank, expected = setup
+    model, prompts, _, slots, paged_bank, expected, _ = setup
     kernels = StepKernels.for_platform(LoraBackend.XLA, lora_bank=LoraBank.PAGED)
     got = batched_greedy(model, [prompts[p] for p, _ in ROWS], slots, N_NEW, bank=paged_bank, kernels=kernels)
     for i, (p, a) in enumerate(ROWS):
         assert got[i] == expected[i], f"row {i} (prompt {p}, adapter {a}, paged bank)"
+
+
+def test_unified_bank_engine_matches_peft_token_for_token(setup, smollm2_gguf_path):
+    """The same batch through the engine on a unified bank: the PEFT folders registered as they come,
+    every adapter at its true rank in the KV pool's pages (a GQA model: 3 KV heads of 64), the XLA
+    gather path; the pool starts NaN outside what is written."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxlora.engine import EngineConfig, GenerationRequest, SamplingParams
+    from jaxlora.engine.build import build_engine
+
+    model, prompts, _, _, _, expected, folders = setup
+    _, tok = load_model(smollm2_gguf_path)
+    lora = LoraConfig(max_slots=len(ADAPTERS) + 1, max_rank=64, bank=LoraBank.UNIFIED)
+    # One step shape (16 tokens, always with the bank): one compile of the 30-layer step.
+    config = EngineConfig(
+        max_batch=len(ROWS), max_seq_len=128, token_budgets=(16,), page_size=16, lora=lora, bank_free_steps=False
+    )
+    engine = build_engine(config, model, tok, dict(folders), compile_ahead=False)
+    engine.runner.kv = jax.tree.map(lambda x: x + jnp.nan, engine.runner.kv)
+    requests = [
+        GenerationRequest(
+            request_id=f"row{i}",
+            prompt_ids=prompts[p],
+            adapter=a,
+            sampling=SamplingParams(max_tokens=N_NEW, ignore_eos=True),
+        )
+        for i, (p, a) in enumerate(ROWS)
+    ]
+    got = [list(out.token_ids) for out in engine.generate(requests)]
+    for i, (p, a) in enumerate(ROWS):
+        assert got[i] == expected[i], f"row {i} (prompt {p}, adapter {a}, unified bank)"
+    engine.pager.check()
