@@ -8,4 +8,5 @@ cd "$ROOT"
 export JAXLORA_REF_PYTHON="$ROOT/.venv-ref/bin/python"
 # Two workers (the CI machine has two cores); tests/conftest.py's scheduler sends each module, and each
 # directory whose modules share a session fixture, whole to one worker. `-n 0` after it runs serially.
-exec "$VENV/bin/python" -m pytest -q -n 2 --dist loadscope "$@"
+# --durations: the slowest tests in every run's log, to keep the suite's time in view.
+exec "$VENV/bin/python" -m pytest -q -n 2 --dist loadscope --durations=25 "$@"

@@ -12,7 +12,11 @@ Policy (documented in the README; it cannot thrash and never takes what a step r
     an adapter's page-in  takes free pages, then cached prefix pages (LRU), then evicts idle
                           adapters (LRU). It never takes a sequence's page and leaves the
                           scheduler's reserve (pages running sequences grow into) alone; short of
-                          pages it waits (FIFO), taking nothing.
+                          pages it waits (FIFO), taking nothing. Pinned adapters never hold so
+                          many pages that one max_seq_len sequence and the reserve would not fit
+                          beside them: a request whose adapter is placed can always be admitted
+                          once running sequences end (an adapter larger than that is refused at
+                          registration).
     a sequence's growth   takes free pages, then cached prefix pages, then idle adapters' pages
                           (`reclaim`: the LRU idle adapter is evicted whole), then preempts the
                           newest sequence (the scheduler's rule).
@@ -140,6 +144,7 @@ class UnifiedPager(PagedPager):
         self._runner: Runner | None = None
         self._kv: PageTable | None = None
         self._reserve = 0
+        self._room = 0  # pages pinned adapters leave to sequences: the reserve and one max_seq_len
 
     # ---------------------------------------------------------------- the engine's pool
     def attach(self, runner: Runner, pages: PageTable, *, reserve: int) -> None:
@@ -153,15 +158,23 @@ class UnifiedPager(PagedPager):
             raise ValueError(
                 f"the KV pool's pages hold {runner.config.page_size} positions, the pager's {self.page_size}"
             )
+        room = reserve + runner.pages_per_seq  # never pinned by adapters (module doc)
         with self._lock:
-            self._runner, self._kv, self._reserve = runner, pages, reserve
-            too_big = [a.name for a in map(self._registry.get, self._registry.names()) if not self._fits_pool(a)]
+            names = self._registry.names()
+            too_big = [n for n in names if self._registry.get(n).unified.num_pages > pages.num_pages - room]
+            if not too_big:
+                self._runner, self._kv = runner, pages
+                self._reserve = reserve  # kept free at a page-in, for running sequences to grow into
+                self._room = room
         if too_big:
-            raise AdapterError(f"adapters {too_big} take more pages than the KV pool can give an adapter")
+            raise AdapterError(
+                f"adapters {too_big} take more than the {pages.num_pages - room} KV pages the pool can give an "
+                "adapter beside one max_seq_len sequence (raise num_pages or kv_memory_fraction)"
+            )
         pages.set_reclaimer(self)
 
     def _fits_pool(self, adapter: UnifiedAdapter) -> bool:
-        return self._kv is None or adapter.unified.num_pages <= self._kv.num_pages - self._reserve
+        return self._kv is None or adapter.unified.num_pages <= self._kv.num_pages - self._room
 
     def pool_lost(self) -> None:
         """The runner's KV pool was replaced (a failed step): adapters in use are written again before
@@ -205,7 +218,8 @@ class UnifiedPager(PagedPager):
         if not fits:
             raise AdapterError(
                 f"adapter {name!r} takes {layout.num_pages} KV pages; the pool can give an adapter "
-                f"{self._kv.num_pages - self._reserve} (raise num_pages or kv_memory_fraction)"
+                f"{self._kv.num_pages - self._room} beside one max_seq_len sequence (raise num_pages or "
+                "kv_memory_fraction)"
             )
         return made
 
@@ -294,6 +308,9 @@ class UnifiedPager(PagedPager):
         if self._kv is None:
             return False
         exclude = set(exclude) | {name}
+        pinned = sum(len(p) for n, p in self._pages_of.items() if n != name and self._table.is_pinned(n))
+        if self._kv.num_pages - pinned - needed < self._room:
+            return False  # it would leave no room for a sequence beside the pinned adapters
         evictable = sum(len(p) for n, p in self._pages_of.items() if n not in exclude and not self._table.is_pinned(n))
         return self._kv.num_takeable - self._reserve + evictable >= needed
 

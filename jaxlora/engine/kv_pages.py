@@ -80,6 +80,7 @@ class PageTable:
         self._page_of: dict[bytes, int] = {}  # key -> page
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # no holder, LRU first
         self._owned: dict[str, list[int]] = {}  # pages taken for non-sequence owners (adapters)
+        self._num_owned = 0  # their count: read by metrics threads, never an iteration over _owned
         self._reclaimer: Reclaimer | None = None
         self.num_evictions = 0
 
@@ -107,8 +108,8 @@ class PageTable:
 
     @property
     def num_owned(self) -> int:
-        """Pages taken by owners other than sequences (adapter weights)."""
-        return sum(len(pages) for pages in self._owned.values())
+        """Pages taken by owners other than sequences (adapter weights); safe to read from any thread."""
+        return self._num_owned
 
     def owned(self, owner: str) -> list[int]:
         """The pages `owner` holds, in the order taken (empty if none)."""
@@ -201,14 +202,16 @@ class PageTable:
             raise RuntimeError(f"{owner!r} holds pages already")
         if num < 1 or num > self.num_takeable:
             raise RuntimeError(f"{owner!r} asks for {num} pages; {self.num_takeable} of {self.num_pages} are free")
-        pages = [self._take() for _ in range(num)]
+        pages = [self._take(reclaim=False) for _ in range(num)]
         self._owned[owner] = pages
+        self._num_owned += num
         return np.asarray(pages, np.int32)
 
     def give_back(self, owner: str) -> int:
         """Frees every page `owner` holds (its contents are dead: no key); returns how many."""
         pages = self._owned.pop(owner, [])
         self._free.extend(reversed(pages))
+        self._num_owned -= len(pages)
         return len(pages)
 
     def register(self, seq: int, keys: Sequence[bytes], start: int, stop: int) -> None:
@@ -249,10 +252,12 @@ class PageTable:
         self._key_of.clear()
         self._page_of.clear()
 
-    def _take(self) -> int:
+    def _take(self, *, reclaim: bool = True) -> int:
+        # reclaim=False for owners (`take_for`): the reclaimer is the owners' pager, which calls
+        # take_for under its own lock; reclaiming from there would wait on that lock for good.
         if self._free:
             return self._free.pop()
-        if not self._cached and self._reclaimer is not None:
+        if reclaim and not self._cached and self._reclaimer is not None:
             self._reclaimer.reclaim()  # gives an idle owner's pages back to the free list
             if self._free:
                 return self._free.pop()
@@ -286,6 +291,8 @@ class PageTable:
             )
         if set(owned) & set(self._key_of):
             raise RuntimeError("page table corrupt: an owned page is keyed")
+        if self._num_owned != len(owned):
+            raise RuntimeError("page table corrupt: the owned page count disagrees with the owners' pages")
         if any(self._refs[p] != holders.get(p, 0) for p in range(self.num_pages)):
             raise RuntimeError("page table corrupt: a reference count disagrees with the sequences holding the page")
         if any(len(set(pages)) != len(pages) for pages in self._pages.values()):

@@ -60,7 +60,7 @@ def check_unified(x_or_y, k, v, pages, offsets, ranks, adapter_ids) -> None:
     for name, arr in (("pages", pages), ("offsets", offsets), ("ranks", ranks), ("adapter_ids", adapter_ids)):
         if not jnp.issubdtype(arr.dtype, jnp.integer):
             raise ValueError(f"{name} must be integer, got {arr.dtype}")
-    if k.shape[1] * _seg(k) >= 2**31:
+    if k.shape[1] * _seg(k) >= 2**31:  # indices are per layer: the pool's total may be larger
         raise ValueError(f"a layer of the pool ({k.shape[1]} pages of {_seg(k)} elements) must index in int32")
 
 

@@ -7,11 +7,11 @@ kernels are timed against.
     unified_shrink_xla:  h[t, r]  = sum_c x[t, c] * factor[slot_t, r, c]
     unified_expand_xla:  y[t, o] + sum_r h[t, r] * factor[slot_t, r, o]
 
-The gather reads the pool in place (flat indices into the whole [L, N, ...] array, the layer folded
-in), so it neither copies a layer out of the pool nor blocks the step's in-place KV writes. It
-gathers per slot when there are no more slots than token rows (every slot's factor once, the
-products over all slots, each row keeping its own: S x max_rank x width elements gathered), else
-per token row (T x max_rank x width).
+The gather reads the pool in place ((layer, index) pairs into its [L, N * E] view), so it neither
+copies a layer out of the pool nor blocks the step's in-place KV writes. It gathers per slot when
+there are no more slots than token rows and the products over every slot stay small (every slot's
+factor once, S x max_rank x width elements gathered, then [T, S, ...] products of which each row
+keeps its own), else per token row (T x max_rank x width).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import jax.numpy as jnp
 from pallas_kernels.lora.unified import check_unified
 
 F32 = jnp.float32
+# The largest [T, S, max(rank, width)] product the per-slot gather may build (float32: 64 MB).
+PER_SLOT_MAX_ELEMENTS = 2**24
 
 
 def _row_ranks(ranks, adapter_ids) -> jax.Array:
@@ -41,9 +43,11 @@ def _factors(k, v, layer, pages, offsets, rank, rows: int, width: int) -> jax.Ar
     valid = (r[None, :] < rank[:, None])[:, :, None]
     segment = jnp.where(valid, offs // seg, 0)
     page = jnp.take_along_axis(pages, (segment // 2).reshape(len(pages), -1), axis=1, mode="clip")
-    index = layer * (k.shape[1] * seg) + page.reshape(segment.shape) * seg + offs % seg
-    from_k = jnp.take(k.reshape(-1), index, mode="fill", fill_value=0)
-    from_v = jnp.take(v.reshape(-1), index, mode="fill", fill_value=0)
+    # Indices within one layer ([L, N * E] views): int32 holds them (check_unified), where a flat
+    # index over every layer would not for a pool of 2^31 elements or more.
+    index = page.reshape(segment.shape) * seg + offs % seg
+    from_k = k.reshape(k.shape[0], -1).at[layer, index].get(mode="fill", fill_value=0)
+    from_v = v.reshape(v.shape[0], -1).at[layer, index].get(mode="fill", fill_value=0)
     picked = jnp.where(segment % 2 == 1, from_v, from_k)
     return jnp.where(valid, picked.astype(F32), 0.0)
 
@@ -53,7 +57,7 @@ def _per_row(k, v, layer, pages, offsets, ranks, adapter_ids, rows: int, width: 
     every token row's [T, rows, width]; slot [T] each row's slot (-1 rows: slot 0, masked by callers)."""
     num_rows, num_slots = adapter_ids.shape[0], pages.shape[0]
     slot = jnp.maximum(adapter_ids, 0)
-    if num_slots <= num_rows:
+    if num_slots <= num_rows and num_rows * num_slots * max(rows, width) <= PER_SLOT_MAX_ELEMENTS:
         return _factors(k, v, layer, pages, offsets, ranks, rows, width), True, slot
     rank = _row_ranks(ranks, adapter_ids)
     return _factors(k, v, layer, pages[slot], offsets[slot], rank, rows, width), False, slot

@@ -34,7 +34,18 @@ class PageMachine(RuleBasedStateMachine):
         self.contents: dict[int, list[int]] = {}  # a label per page a sequence holds: what it wrote there
         self.labels = itertools.count()
         self.registered: list[list[int]] = []  # contents whose full pages were keyed
-        self.adapters: dict[str, list[int]] = {}  # pages each adapter was given
+        self.adapters: dict[str, list[int]] = {}  # pages each adapter was given, oldest first
+        self.table.set_reclaimer(self)  # sequences may take idle adapters' pages: every adapter here is idle
+        self.reclaimed = 0
+
+    # The reclaimer (the unified pager's part): the oldest adapter goes first.
+    def reclaimable_pages(self) -> int:
+        return sum(len(p) for p in self.adapters.values())
+
+    def reclaim(self) -> None:
+        owner = next(iter(self.adapters))
+        assert self.table.give_back(owner) == len(self.adapters.pop(owner))
+        self.reclaimed += 1
 
     @rule(seq=SEQS, grow_by=st.integers(1, 9))
     def grow(self, seq: int, grow_by: int) -> None:
@@ -82,7 +93,7 @@ class PageMachine(RuleBasedStateMachine):
 
     @rule(owner=OWNERS, num=st.integers(1, 6))
     def take_for_adapter(self, owner: str, num: int) -> None:
-        if owner in self.adapters or num > self.table.num_free:
+        if owner in self.adapters or num > self.table.num_takeable:  # owners never reclaim each other
             free = self.table.num_free
             with pytest.raises(RuntimeError):
                 self.table.take_for(owner, num)
@@ -99,13 +110,17 @@ class PageMachine(RuleBasedStateMachine):
         assert self.table.give_back(owner) == len(self.adapters.pop(owner, []))
 
     @invariant()
+    def idle_adapters_count_as_free(self) -> None:
+        assert self.table.num_free == self.table.num_takeable + self.reclaimable_pages()
+
+    @invariant()
     def no_page_leaked_and_only_cached_pages_shared(self) -> None:
         self.table.check()
         owned = [p for seq in self.length for p in self.table.pages_of(seq)]
         adapters = [p for pages in self.adapters.values() for p in pages]
         assert not set(adapters) & set(owned)
         assert self.table.num_owned == len(adapters)
-        assert len(set(owned)) + len(adapters) + self.table.num_free == NUM_PAGES
+        assert len(set(owned)) + len(adapters) + self.table.num_takeable == NUM_PAGES
         shared = {p for p in owned if owned.count(p) > 1}
         assert all(self.table.key_of(p) is not None for p in shared)
 
@@ -130,3 +145,39 @@ def test_reserve_and_limits():
     assert not table.can_grow(0, 12, reserve=2) and table.can_grow(0, 8, reserve=2)
     with pytest.raises(ValueError):
         PageTable(0, 4, 1)
+
+
+class _Idle:
+    """A reclaimer whose owners are all idle, the oldest reclaimed first."""
+
+    def __init__(self, table: PageTable) -> None:
+        self.table, self.owners, self.calls = table, [], 0
+
+    def reclaimable_pages(self) -> int:
+        return sum(len(self.table.owned(o)) for o in self.owners)
+
+    def reclaim(self) -> None:
+        self.calls += 1
+        self.table.give_back(self.owners.pop(0))
+
+
+def test_growth_takes_free_then_cached_then_idle_owners_pages():
+    table = PageTable(6, PAGE_SIZE, 6)
+    idle = _Idle(table)
+    table.set_reclaimer(idle)
+    table.grow(0, 4)  # page for a prefix, keyed then freed: cached
+    table.register(0, [b"prefix"], 0, 1)
+    table.free(0)
+    for owner in ("old", "new"):
+        table.take_for(owner, 2)
+        idle.owners.append(owner)
+    assert table.num_takeable == 2 and table.num_free == 6  # 1 free + 1 cached + 4 owned by idle owners
+    table.grow(1, 4)  # the free page
+    assert idle.calls == 0 and table.num_cached == 1
+    table.grow(1, 8)  # the cached page, before any owner
+    assert idle.calls == 0 and table.num_cached == 0 and table.num_evictions == 1
+    table.grow(1, 12)  # now the oldest idle owner's pages
+    assert idle.calls == 1 and idle.owners == ["new"] and not table.owned("old")
+    with pytest.raises(RuntimeError):
+        table.take_for("third", 2)  # an owner never reclaims another: 1 free page only
+    table.check()

@@ -156,11 +156,12 @@ def test_sequences_never_reclaim_an_adapter_in_use(parts):
 def test_an_adapter_waits_for_pages_and_never_takes_a_sequences(parts, padded_tokens):
     """Base-model sequences hold the pages r64 would need: its request waits, taking nothing, and
     runs once they finish, with the padded bank's tokens."""
-    num_pages = pages_of(parts, "r64") + 8  # 3 steps in, the base sequences hold more than 8
+    num_pages = pages_of(parts, "r64") + 20  # 20 steps in, the base sequences hold about 26
     engine = make_engine(parts, UNIFIED, num_pages=num_pages)
     base = [engine.submit(r) for r in requests([None] * 4, seed=5, max_tokens=30)]
-    for _ in range(3):
+    for _ in range(20):
         engine.step()
+    assert engine.pages.num_takeable < pages_of(parts, "r64")  # r64 cannot be placed now
     (r64,) = [r for r in requests(MIXED) if r.adapter == "r64"]
     handle = engine.submit(r64)
     waited = False
@@ -242,6 +243,14 @@ def test_unregistering_on_another_thread_gives_pages_back_on_the_engine_thread(p
     engine.pages.check()
 
 
+def test_an_adapter_that_would_leave_no_room_for_a_sequence_is_refused(parts):
+    """Pinned adapters never take the room of one max_seq_len sequence and the reserve: a request
+    on r64 in a pool of r64's pages and two more would wait for good (its pinned adapter holds the
+    pages its sequence needs), so r64 is refused when the engine is made, with the figures."""
+    with pytest.raises(AdapterError, match="beside one max_seq_len sequence"):
+        make_engine(parts, UNIFIED, num_pages=pages_of(parts, "r64") + 2, warm=False)
+
+
 def test_built_from_a_config_and_an_adapter_larger_than_the_pool_is_refused(parts):
     model, tok, adapters = parts
     config = engine_config(lora=UNIFIED, num_pages=pages_of(parts, "r16") + 8)
@@ -249,5 +258,5 @@ def test_built_from_a_config_and_an_adapter_larger_than_the_pool_is_refused(part
     assert isinstance(engine.pager, UnifiedPager) and engine.pager.max_pages >= pages_of(parts, "r64")
     with pytest.raises(AdapterError, match="KV pages"):
         engine.register_adapter("r64", adapters["r64"])
-    with pytest.raises(AdapterError, match="more pages than the KV pool"):
+    with pytest.raises(AdapterError, match="KV pages the pool can give an adapter beside one max_seq_len"):
         build_engine(config, model, tok, {"r64": adapters["r64"]})

@@ -6,6 +6,7 @@ rows, every row on its own slot, rows sharing slots."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -121,3 +122,25 @@ def test_bad_operands_are_refused(rng):
         unified_shrink(x, pool.k, pool.v, layer, pool.pages, m.a_offsets, m.ranks, ids, max_rank=8, rank_block=6)
     with pytest.raises(ValueError, match=r"must be \[T, C\]"):
         unified_expand(x, x[:1], pool.k, pool.v, layer, pool.pages, m.b_offsets, m.ranks, ids)
+
+
+def test_a_pool_of_more_than_two_billion_elements_traces():
+    """A GPU-sized pool (2^31 elements and more over its layers; each layer indexes in int32): both
+    paths trace, and a layer too large for int32 indices is refused with a clear error."""
+    sd = jax.ShapeDtypeStruct
+    i32 = jnp.int32
+    pool = sd((30, 70_000, 16, 3, 64), jnp.bfloat16)  # 6.5e9 elements; a layer 1.07e9
+    tables = (sd((), i32), sd((8, 40), i32), sd((8,), i32), sd((8,), i32), sd((5,), i32))
+    x, y, h = sd((5, 576), jnp.bfloat16), sd((5, 1536), jnp.bfloat16), sd((5, 64), jnp.bfloat16)
+    for shrink, expand in ((unified_shrink_xla, unified_expand_xla), (unified_shrink, unified_expand)):
+        assert jax.eval_shape(lambda x, k, v, *t: shrink(x, k, v, *t, max_rank=64), x, pool, pool, *tables).shape == (
+            5,
+            64,
+        )
+        assert jax.eval_shape(lambda y, h, k, v, *t: expand(y, h, k, v, *t), y, h, pool, pool, *tables).shape == (
+            5,
+            1536,
+        )
+    huge = sd((2, 150_000, 16, 8, 128), jnp.bfloat16)  # a layer of 2.5e9 elements
+    with pytest.raises(ValueError, match="int32"):
+        jax.eval_shape(lambda x, k, v, *t: unified_shrink_xla(x, k, v, *t, max_rank=64), x, huge, huge, *tables)
