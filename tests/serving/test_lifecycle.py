@@ -77,7 +77,10 @@ def test_many_cancelled_streams_leave_capacity_whole(engine, server, client):
     # last of 40 calls can still be on its way. None can end meanwhile: LONG tokens take seconds and
     # EOS is ignored (greedy decoding on the random model reaches EOS early on some prompts).
     wait_until(lambda: server.admission.num_streams == len(streams))
-    deadlines = [BackgroundStream(client, f"deadline {i}", max_tokens=LONG, timeout=0.2 + 0.05 * i) for i in range(8)]
+    # Deadlines long enough that each call is in its handler before it passes, even on a loaded
+    # machine (a call that expires before its handler starts is never seen by the server).
+    deadlines = [BackgroundStream(client, f"deadline {i}", max_tokens=LONG, timeout=1.5 + 0.1 * i) for i in range(8)]
+    wait_until(lambda: server.admission.num_streams == len(streams) + len(deadlines))
     wait_until(lambda: sum(s.first_chunk.is_set() for s in streams) >= 8)  # some are decoding
     for s in streams:  # at once: none can reach LONG tokens meanwhile
         s.call.cancel()
@@ -91,8 +94,12 @@ def test_many_cancelled_streams_leave_capacity_whole(engine, server, client):
     cancels = lambda reason: server.metrics.registry.get_sample_value(  # noqa: E731
         "jaxlora_client_cancels_total", {"reason": reason}
     )
-    wait_until(lambda: cancels("deadline") == len(deadlines))
-    assert 30 <= cancels("cancelled") <= codes.count(grpc.StatusCode.CANCELLED)
+    # Every cancel the server saw is counted once. Which reason a deadline's cancel gets depends on
+    # when its request reached the server (serving.server's slack): on a loaded machine a late
+    # arrival counts as "cancelled", so the split is bounded, not exact.
+    cancelled = codes.count(grpc.StatusCode.CANCELLED)
+    wait_until(lambda: cancels("deadline") + cancels("cancelled") == len(deadlines) + cancelled)
+    assert cancels("deadline") >= len(deadlines) // 2 and 30 <= cancels("cancelled") <= cancelled + len(deadlines)
     full = [BackgroundStream(client, f"after {i}", max_tokens=20) for i in range(engine.config.max_batch)]
     assert all(len(s.join().token_ids) == 20 for s in full)
     assert_capacity_whole(engine, server)
