@@ -281,13 +281,16 @@ class PagedPager(Pager):
         while short := {w for w, a in self._allocators.items() if a.num_free < needed[w]}:
             # Only a resident with pages in a short pool helps; `_can_fit` promised enough of them.
             idle = {n for n, ids in self._pages_of.items() if not any(len(ids.get(w, ())) for w in short)}
-            victim = self._table.victim(exclude | idle | {name})
-            self._queue_write(self._table.free(victim), _RESET)
-            self._forget(victim)
+            self._evict(self._table.victim(exclude | idle | {name}))
         self._pages_of[name] = {w: a.allocate(needed[w]) for w, a in self._allocators.items() if needed[w]}
         self._queue_write(slot, name)
         self._scheduled_at[name] = time.perf_counter()
         return True
+
+    def _evict(self, name: str) -> None:
+        """Takes an unpinned resident out: its slot is reset at the next commit, its pages freed."""
+        self._queue_write(self._table.free(name), _RESET)
+        self._forget(name)
 
     def _forget(self, name: str) -> None:
         """Bookkeeping of an evicted adapter: its pages go back to the pool."""

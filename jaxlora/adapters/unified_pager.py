@@ -50,13 +50,12 @@ import numpy as np
 
 from jaxlora.adapters.metrics import PagerMetrics
 from jaxlora.adapters.paged_pager import PagedPager
-from jaxlora.adapters.pager import _RESET
 from jaxlora.adapters.registry import RegisteredAdapter, Registry, adapter_identity, load_checked_adapter
 from jaxlora.adapters.slot_table import SlotTable, invariant
 from jaxlora.config import LoraBank, LoraConfig, ModelConfig
 from jaxlora.errors import AdapterError
 from jaxlora.lora.host_adapter import HostAdapter
-from jaxlora.lora.paged_bank import module_ranks
+from jaxlora.lora.paged_bank import module_ranks, padded_size, page_counts
 from jaxlora.lora.unified_bank import Tables, init_unified_tables, model_view, slot_rows, write_slot
 from jaxlora.lora.unified_layout import (
     UnifiedLayout,
@@ -66,7 +65,6 @@ from jaxlora.lora.unified_layout import (
     pack_run,
     segment_elems,
     write_adapter_pages,
-    write_sizes,
 )
 
 # The engine's runner (its `kv` pool, `config.page_size`) and its `jaxlora.engine.kv_pages.PageTable`:
@@ -120,7 +118,7 @@ class UnifiedPager(PagedPager):
         # One KV page across every layer, K and V: what an adapter's page costs.
         self.page_nbytes = 2 * segment_elems(model_config, page_size) * model_config.num_layers * self.dtype.itemsize
         self.slot_nbytes = self.max_pages * self.page_nbytes
-        self._sizes = write_sizes(self.max_pages)
+        self._sizes = page_counts(self.max_pages)
         self._lock = threading.Lock()
         self._released = threading.Condition(self._lock)
         self._registry = Registry(host_capacity_bytes)
@@ -187,8 +185,7 @@ class UnifiedPager(PagedPager):
                     self._queue_write(slot, name)
                     self._scheduled_at[name] = time.perf_counter()
                 else:
-                    self._queue_write(self._table.free(name), _RESET)
-                    self._forget(name)
+                    self._evict(name)
 
     @property
     def bank(self) -> dict:
@@ -289,9 +286,7 @@ class UnifiedPager(PagedPager):
             idle = self._idle()
             if not idle:
                 raise RuntimeError("no idle adapter to reclaim pages from")
-            victim = idle[0]
-            self._queue_write(self._table.free(victim), _RESET)
-            self._forget(victim)
+            self._evict(idle[0])
             self.metrics.reclaimed += 1
 
     # ---------------------------------------------------------------- scheduling (lock held)
@@ -325,9 +320,7 @@ class UnifiedPager(PagedPager):
             self._forget(evicted)
         needed = self._needed(name)
         while self._kv.num_takeable - self._reserve < needed:  # `_can_fit` promised enough evictable pages
-            victim = self._table.victim(exclude | {name})
-            self._queue_write(self._table.free(victim), _RESET)
-            self._forget(victim)
+            self._evict(self._table.victim(exclude | {name}))
         owner = f"{name}#{next(self._owners)}"
         self._pages_of[name] = self._kv.take_for(owner, needed)
         self._owner_of[name] = owner
@@ -374,7 +367,7 @@ class UnifiedPager(PagedPager):
         slot, ids, packed, rows = args
         if ids is None:
             return np.int32(slot), None, None, None, rows
-        size = next(s for s in self._sizes if s >= len(ids))
+        size = padded_size(len(ids), self._sizes)
         padded_ids = np.full((size,), self._kv.num_pages, np.int32)
         padded_ids[: len(ids)] = ids
         padded = np.zeros((packed.shape[0], size, *packed.shape[2:]), packed.dtype)

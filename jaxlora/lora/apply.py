@@ -15,6 +15,8 @@ layer hands the group entries the pool it carries (`with_kv_pool`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -61,9 +63,8 @@ def apply_group(
     """
     if group_bank is None:
         return outputs
-    if is_unified(group_bank) or is_paged(group_bank):
-        per_module = _unified_module if is_unified(group_bank) else _paged_module
-        ranks = group_bank.ranks if is_unified(group_bank) else group_bank["ranks"]
+    if true_rank := _true_rank(group_bank):
+        per_module, ranks = true_rank
         modules = [m for m in GROUP_MODULES[group] if m in ranks]
         return {
             **outputs,
@@ -102,9 +103,8 @@ def apply_group_fused(
     if group_bank is None:
         return y
     modules = GROUP_MODULES[group]
-    if is_unified(group_bank) or is_paged(group_bank):
-        per_module = _unified_module if is_unified(group_bank) else _paged_module
-        ranks = group_bank.ranks if is_unified(group_bank) else group_bank["ranks"]
+    if true_rank := _true_rank(group_bank):
+        per_module, ranks = true_rank
         ends = (*columns[1:], y.shape[1])
         for i, m in enumerate(modules):
             if m in ranks:
@@ -126,6 +126,16 @@ def apply_group_fused(
         out_cols=tuple(columns[i] for i in held),
     )
     return y
+
+
+def _true_rank(group_bank) -> tuple[Callable, dict] | None:
+    """(the per-module term, the group's ranks by module) of a paged or unified bank's group; None
+    for a padded bank's."""
+    if is_unified(group_bank):
+        return _unified_module, group_bank.ranks
+    if is_paged(group_bank):
+        return _paged_module, group_bank["ranks"]
+    return None
 
 
 def _paged_module(

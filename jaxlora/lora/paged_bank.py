@@ -239,7 +239,9 @@ def write_adapter(state: PagedState, slot, page_ids: Mapping, pages: Mapping, ro
 
 
 @functools.cache
-def _padded_sizes(max_pages: int) -> tuple[int, ...]:
+def page_counts(max_pages: int) -> tuple[int, ...]:
+    """The page counts a page write is compiled for: powers of two below `max_pages`, then it (the
+    paged and the unified banks pad each write's count to one, `padded_size`)."""
     sizes, n = [], 1
     while n < max_pages:
         sizes.append(n)
@@ -250,7 +252,7 @@ def _padded_sizes(max_pages: int) -> tuple[int, ...]:
 def write_sizes(model: ModelConfig, lora: LoraConfig) -> dict[int, tuple[int, ...]]:
     """The page counts `write_pool` is compiled for, per pool: powers of two up to the largest
     adapter's pages in that pool."""
-    return {w: _padded_sizes(n) for w, n in full_adapter_pages(model, lora).items()}
+    return {w: page_counts(n) for w, n in full_adapter_pages(model, lora).items()}
 
 
 def padded_size(num_pages: int, sizes: tuple[int, ...]) -> int:

@@ -27,7 +27,6 @@ read a row's factor through (pages, offset, rank); the device bank holds only th
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 
 import jax
@@ -112,15 +111,5 @@ def _write_pages(kv: tuple[jax.Array, jax.Array], page_ids: jax.Array, packed: j
 
 
 # Donated: the pages are written into the pool in place. Callers pad the page count to a few sizes
-# (powers of two up to MP) so that every write program is compiled at warm-up.
+# (`jaxlora.lora.paged_bank.page_counts` up to MP) so that every write program is compiled at warm-up.
 write_adapter_pages = jax.jit(_write_pages, donate_argnums=0)
-
-
-@functools.cache
-def write_sizes(max_pages: int) -> tuple[int, ...]:
-    """The page counts `write_adapter_pages` is compiled for: powers of two, then `max_pages`."""
-    sizes, n = [], 1
-    while n < max_pages:
-        sizes.append(n)
-        n *= 2
-    return (*sizes, max_pages)

@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.common import LLAMA2_7B
 from jaxlora.config import TARGET_MODULES, LoraConfig, ModelConfig
 from jaxlora.engine.kv_pages import PageTable
+from jaxlora.lora.paged_bank import page_counts
 from jaxlora.lora.unified_bank import init_unified_tables, slot_rows, write_slot
 from jaxlora.lora.unified_layout import (
     adapter_layout,
@@ -19,21 +21,11 @@ from jaxlora.lora.unified_layout import (
     pack_run,
     segment_elems,
     write_adapter_pages,
-    write_sizes,
 )
 from pallas_kernels.lora.unified import unified_expand, unified_shrink
 from tests.factories import tiny_config
 from tests.tolerances import assert_close
 
-LLAMA2_7B = ModelConfig(
-    vocab_size=32000,
-    hidden_size=4096,
-    intermediate_size=11008,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=32,
-    head_dim=128,
-)
 PAGE_SIZE = 4
 
 
@@ -76,7 +68,7 @@ def test_layout_offsets_are_consecutive_and_checked():
     assert layout.ranks["k_proj"] == 0
     with pytest.raises(ValueError, match="max_rank"):
         adapter_layout({"q_proj": 9}, model, lora, PAGE_SIZE)
-    assert write_sizes(5) == (1, 2, 4, 5)
+    assert page_counts(5) == (1, 2, 4, 5)
 
 
 def test_adapters_written_into_kv_pages_are_read_back_by_the_kernels():
