@@ -133,7 +133,8 @@ def run_case(rng, mix: str, num_tokens: int, hidden: int, dtype, interpret: bool
 
     def unified_at(block: int, rank_block: int):
         def unified(x, y):
-            common = dict(block=block, rank_block=rank_block, interpret=interpret)
+            # B's rank-rows start at r * hidden: every offset is a multiple of hidden's power of two.
+            common = dict(align=min(128, hidden & -hidden), block=block, rank_block=rank_block, interpret=interpret)
             h = unified_shrink(x, k, v, layer, pages, a_off, rank_arr, ids, max_rank=max_rank, **common)
             return unified_expand(y, h, k, v, layer, pages, b_off, rank_arr, ids, **common)
 

@@ -26,6 +26,7 @@ from jaxlora.kernels import StepKernels
 from jaxlora.lora.bank import GROUPS
 from jaxlora.lora.paged_bank import is_paged
 from jaxlora.lora.unified_bank import UnifiedGroup, is_unified
+from jaxlora.lora.unified_layout import FACTOR_ALIGN
 from pallas_kernels.lora.paged import paged_expand, paged_shrink
 from pallas_kernels.lora.unified import unified_expand, unified_shrink
 from pallas_kernels.lora.unified_xla import unified_expand_xla, unified_shrink_xla
@@ -174,7 +175,7 @@ def _unified_module(
     common = (k, v, layer, group_bank.pages)
     offsets, ranks = group_bank.offsets[module], group_bank.ranks[module]
     if kernels.lora is LoraBackend.PALLAS:
-        kw = dict(interpret=kernels.interpret)
+        kw = dict(align=FACTOR_ALIGN, interpret=kernels.interpret)
         shrink, expand = unified_shrink, unified_expand
     else:
         kw, shrink, expand = {}, unified_shrink_xla, unified_expand_xla

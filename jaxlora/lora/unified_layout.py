@@ -16,9 +16,11 @@ an adapter costs what its ranks weigh:
         A^T's rank-rows [r_m, in_m]  at offsets[m][0]   (row r = A[:, r])
         B's rank-rows   [r_m, out_m] at offsets[m][1]   (row r = B[r, :])
     i.e. element `o` of the run lies in segment o // E at o % E. A rank-row may straddle two
-    segments; nothing is padded but the last page's tail.
+    segments. Each factor starts at a multiple of FACTOR_ALIGN elements, so the kernels load whole
+    aligned chunks (a factor of a 4096-wide model needs no gap; other widths leave gaps of under
+    FACTOR_ALIGN elements); nothing else is padded but the last page's tail.
 
-An adapter of per-layer size S = sum_m r_m (in_m + out_m) takes ceil(S / 2E) pages (`UnifiedLayout`);
+An adapter of per-layer size S = sum_m r_m (in_m + out_m) (plus the gaps) takes ceil(S / 2E) pages (`UnifiedLayout`);
 all layers use the same page ids, as a sequence's KV does. The kernels (`pallas_kernels.lora.unified`)
 read a row's factor through (pages, offset, rank); the device bank holds only those small tables
 (`jaxlora.lora.unified_bank`), the weights are the KV pool's. The adapter's dtype is the pool's.
@@ -33,6 +35,10 @@ import jax
 import numpy as np
 
 from jaxlora.config import LoraConfig, ModelConfig
+
+# Elements: each factor's start in the run is a multiple of this (the kernels' `align`). A power of
+# two; 128 bf16 elements are 256 bytes, whole vector loads for every thread of a chunk.
+FACTOR_ALIGN = 128
 
 Weights = Mapping[str, tuple[np.ndarray, np.ndarray]]  # module -> (a [L, in, r], b [L, r, out])
 
@@ -71,10 +77,16 @@ def adapter_layout(
         if not r:
             continue
         width_in, width_out = model.module_shape(m)
-        offsets[m] = (cursor, cursor + r * width_in)
-        cursor += r * (width_in + width_out)
+        a_off = _align(cursor)
+        b_off = _align(a_off + r * width_in)
+        offsets[m] = (a_off, b_off)
+        cursor = b_off + r * width_out
     per_page = 2 * segment_elems(model, page_size)
     return UnifiedLayout(ranks=ranks, offsets=offsets, run_elems=cursor, num_pages=-(-cursor // per_page))
+
+
+def _align(offset: int) -> int:
+    return -(-offset // FACTOR_ALIGN) * FACTOR_ALIGN
 
 
 def max_adapter_pages(model: ModelConfig, lora: LoraConfig, page_size: int) -> int:

@@ -19,16 +19,24 @@ and a rank-row may straddle two segments. Operands, per launch (one module, one 
     ranks     [S]        int32 this module's rank per slot (0: no LoRA on it)
     adapter_ids [T]      int32 slot of each token row, -1 for the base model (delta 0)
 
-Kernels (MBGMV-style: one program per token row, so a decode batch puts many adapters in one
-launch). A row loops over ceil(rank / rank_block) blocks of rank-rows only, so its work is
-proportional to its rank:
+Kernels (MBGMV-style: programs per token row, so a decode batch puts many adapters in one launch).
+A row's work is proportional to its rank:
 
     unified_shrink:  h[t, r] = sum_k x[t, k] * A^T[r, k]        r < rank; h[t, r >= rank] = 0
+        program (row, rank block): the block's rank-rows over the whole input width; blocks at
+        and past the row's rank only store zeros.
     unified_expand:  y[t, o] + sum_r h[t, r] * B[r, o]           r < rank
+        program (row, output chunk): loops over the row's rank blocks only.
 
-Every load is masked to the row's rank and the factor's width: free pages, other adapters' pages,
-a run's gaps and its last page's tail are never read, whatever they hold. Triton on GPU;
-interpret=True runs them on CPU. `unified_reference` computes the same by concatenating segments.
+Loads move whole chunks: a chunk is `chunk` consecutive elements of a rank-row, chunk the largest
+power of two dividing the width, E and `align` (at most `block`). The caller promises every offset
+is a multiple of `align` (`jaxlora.lora.unified_layout` aligns each factor's start to
+FACTOR_ALIGN), so rank-rows start at chunk multiples, a segment boundary never falls inside a
+chunk, and a chunk's address is page * E + (chunk index mod E / chunk) * chunk: one page lookup a
+chunk, and loads the compiler can vectorize (contiguous, and aligned by construction). Loads are
+masked to the row's rank: free pages, other adapters' pages, a run's gaps and its last page's tail
+are never read, whatever they hold. Triton on GPU; interpret=True runs them on CPU.
+`unified_reference` computes the same by concatenating segments.
 """
 
 from __future__ import annotations
@@ -42,9 +50,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.lora.common import F32, is_pow2, pad_pow2
+from pallas_kernels.lora.common import F32, is_pow2
 
-_KNOBS = ("max_rank", "block", "rank_block", "num_warps", "interpret")
+_KNOBS = ("max_rank", "align", "block", "rank_block", "num_warps", "interpret")
 
 
 def check_unified(x_or_y, k, v, pages, offsets, ranks, adapter_ids) -> None:
@@ -74,6 +82,12 @@ def _flat(pool: jax.Array) -> jax.Array:
     return pool.reshape(pool.shape[0], -1)
 
 
+def chunk_size(width: int, seg: int, align: int, block: int) -> int:
+    """Elements a load moves at once: the largest power of two dividing width, E and align, at most block."""
+    g = math.gcd(math.gcd(width, seg), align)
+    return min(g & -g, block)
+
+
 def _row(ids_ref, ranks_ref, offs_ref, row):
     """(slot, rank, offset) of token row `row`; a base-model row (-1) has rank 0."""
     slot = ids_ref[row]
@@ -81,12 +95,17 @@ def _row(ids_ref, ranks_ref, offs_ref, row):
     return safe, jnp.where(slot >= 0, ranks_ref[safe], 0), offs_ref[safe]
 
 
-def _load_run(k_ref, v_ref, pages_ref, slot, layer, offs, ok, seg: int):
-    """The elements at run offsets `offs` (any shape) of `slot`'s run at `layer`, f32; 0 where not ok."""
-    segment = offs // seg
+def _load_chunks(k_ref, v_ref, pages_ref, slot, layer, first, ok, *, seg: int, chunk: int):
+    """[R, chunk] f32: chunk `first[r]` (in chunks from the run's start) of `slot`'s run at `layer`,
+    row r; 0 where not ok[r]. One page lookup a chunk; the element index is page * E + a chunk
+    multiple + arange(chunk), contiguous and chunk-aligned, so the loads vectorize."""
+    per_seg = seg // chunk
+    segment = first // per_seg
     page = pltriton.load(pages_ref.at[slot, segment // 2], mask=ok, other=0)
-    index = page * seg + offs % seg
-    in_v = segment % 2 == 1
+    base = page * seg + (first % per_seg) * chunk
+    index = base[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
+    in_v = (segment % 2 == 1)[:, None]
+    ok = ok[:, None]
     from_k = pltriton.load(k_ref.at[layer, index], mask=ok & ~in_v, other=0)
     from_v = pltriton.load(v_ref.at[layer, index], mask=ok & in_v, other=0)
     return jnp.where(in_v, from_v, from_k).astype(F32)
@@ -105,38 +124,27 @@ def _shrink_kernel(
     *,
     seg,
     hidden,
-    block,
+    chunk,
     rank_block,
     max_rank,
 ):
-    # x_ref [T, D]; k_ref/v_ref [L, N * E]; h_ref [T, max_rank]; one program per token row.
-    row, layer = pl.program_id(0), layer_ref[0]
+    # x_ref [T, D]; k_ref/v_ref [L, N * E]; h_ref [T, max_rank]; program (token row, rank block).
+    row, blk, layer = pl.program_id(0), pl.program_id(1), layer_ref[0]
     slot, rank, offset = _row(ids_ref, ranks_ref, offs_ref, row)
-    rr = jnp.arange(rank_block, dtype=jnp.int32)
+    rs = blk * rank_block + jnp.arange(rank_block, dtype=jnp.int32)
+    r_ok = rs < rank
+    row_chunks = hidden // chunk
+    first = offset // chunk + rs * row_chunks  # [rank_block] chunk index of each rank-row's start
 
-    def rank_step(i, carry):
-        rs = i * rank_block + rr
-        r_ok = rs < rank
+    def k_step(s, acc):  # acc [rank_block, chunk] f32: reduced once, after the loop
+        x = pltriton.load(x_ref.at[row, pl.ds(s * chunk, chunk)]).astype(F32)
+        a = _load_chunks(k_ref, v_ref, pages_ref, slot, layer, first + s, r_ok, seg=seg, chunk=chunk)
+        return acc + a * x[None, :]
 
-        def k_step(s, acc):  # acc [rank_block] f32
-            ks = s * block + jnp.arange(block, dtype=jnp.int32)
-            k_ok = ks < hidden
-            x = pltriton.load(x_ref.at[row, ks], mask=k_ok, other=0).astype(F32)
-            offs = offset + rs[:, None] * hidden + ks[None, :]
-            a = _load_run(k_ref, v_ref, pages_ref, slot, layer, offs, r_ok[:, None] & k_ok[None, :], seg)
-            return acc + jnp.sum(a * x[None, :], axis=1)
-
-        acc = lax.fori_loop(0, pl.cdiv(hidden, block), k_step, jnp.zeros((rank_block,), F32))
-        # Rank-rows past the rank load as 0, so the whole block is stored (exact zeros past it).
-        pltriton.store(h_ref.at[row, rs], acc.astype(h_ref.dtype), mask=rs < max_rank)
-        return carry
-
-    num_blocks = (rank + rank_block - 1) // rank_block
-    lax.fori_loop(0, num_blocks, rank_step, 0)
-    # Columns past the row's blocks, disjoint from the stores above (no write-after-write race).
-    cols = jnp.arange(pad_pow2(max_rank, 1), dtype=jnp.int32)
-    rest = (cols >= num_blocks * rank_block) & (cols < max_rank)
-    pltriton.store(h_ref.at[row, cols], jnp.zeros(cols.shape, h_ref.dtype), mask=rest)
+    # A block at or past the rank runs no steps and stores zeros (h's exact zeros past the rank).
+    steps = jnp.where(blk * rank_block < rank, row_chunks, 0)
+    acc = lax.fori_loop(0, steps, k_step, jnp.zeros((rank_block, chunk), F32))
+    pltriton.store(h_ref.at[row, rs], jnp.sum(acc, axis=1).astype(h_ref.dtype), mask=rs < max_rank)
 
 
 def _expand_kernel(
@@ -153,33 +161,33 @@ def _expand_kernel(
     *,
     seg,
     out,
-    block,
+    chunk,
     rank_block,
     rank_cols,
 ):
-    # y_ref/o_ref [T, O]; h_ref [T, C]; program (token row, output column block).
-    row, col_block, layer = pl.program_id(0), pl.program_id(1), layer_ref[0]
+    # y_ref/o_ref [T, O]; h_ref [T, C]; program (token row, output chunk).
+    row, col, layer = pl.program_id(0), pl.program_id(1), layer_ref[0]
     slot, rank, offset = _row(ids_ref, ranks_ref, offs_ref, row)
-    os = col_block * block + jnp.arange(block, dtype=jnp.int32)
-    o_ok = os < out
     rr = jnp.arange(rank_block, dtype=jnp.int32)
+    row_chunks = out // chunk
 
-    def rank_step(i, acc):  # acc [block] f32
+    def rank_step(i, acc):  # acc [chunk] f32
         rs = i * rank_block + rr
         r_ok = (rs < rank) & (rs < rank_cols)
         h = pltriton.load(h_ref.at[row, rs], mask=r_ok, other=0).astype(F32)
-        offs = offset + rs[:, None] * out + os[None, :]
-        b = _load_run(k_ref, v_ref, pages_ref, slot, layer, offs, r_ok[:, None] & o_ok[None, :], seg)
+        first = offset // chunk + rs * row_chunks + col
+        b = _load_chunks(k_ref, v_ref, pages_ref, slot, layer, first, r_ok, seg=seg, chunk=chunk)
         return acc + jnp.sum(h[:, None] * b, axis=0)
 
-    acc = lax.fori_loop(0, (rank + rank_block - 1) // rank_block, rank_step, jnp.zeros((block,), F32))
-    y = pltriton.load(y_ref.at[row, os], mask=o_ok, other=0).astype(F32)
-    pltriton.store(o_ref.at[row, os], (y + acc).astype(o_ref.dtype), mask=o_ok)
+    acc = lax.fori_loop(0, (rank + rank_block - 1) // rank_block, rank_step, jnp.zeros((chunk,), F32))
+    cols = pl.ds(col * chunk, chunk)
+    y = pltriton.load(y_ref.at[row, cols]).astype(F32)
+    pltriton.store(o_ref.at[row, cols], (y + acc).astype(o_ref.dtype))
 
 
-def _checked_knobs(block: int, rank_block: int) -> None:
-    if not is_pow2(block) or not is_pow2(rank_block):
-        raise ValueError(f"block={block} and rank_block={rank_block} must be powers of two")
+def _checked_knobs(align: int, block: int, rank_block: int) -> None:
+    if not is_pow2(align) or not is_pow2(block) or not is_pow2(rank_block):
+        raise ValueError(f"align={align}, block={block} and rank_block={rank_block} must be powers of two")
 
 
 @functools.partial(jax.jit, static_argnames=_KNOBS)
@@ -194,6 +202,7 @@ def unified_shrink(
     adapter_ids: jax.Array,
     *,
     max_rank: int,
+    align: int,
     block: int = 128,
     rank_block: int = 16,
     num_warps: int = 4,
@@ -207,26 +216,23 @@ def unified_shrink(
       layer: int32 scalar, the layer whose segments hold this A.
       pages, offsets, ranks, adapter_ids: the module doc's tables (offsets: A^T's).
       max_rank: columns of h (static); ranks above it are not checked on device.
-      block: input columns per step; rank_block: rank-rows per step (powers of two).
+      align: a power of two every offset is a multiple of (the caller's promise: the loads assume it).
+      block: most elements a load moves; rank_block: rank-rows a program takes (powers of two).
 
     Returns:
       h: [T, max_rank] in x.dtype, accumulated in f32; columns at and past a row's rank are 0.
     """
     check_unified(x, k, v, pages, offsets, ranks, adapter_ids)
-    _checked_knobs(block, rank_block)
+    _checked_knobs(align, block, rank_block)
     num_tokens, hidden = x.shape
+    chunk = chunk_size(hidden, _seg(k), align, block)
     kernel = functools.partial(
-        _shrink_kernel,
-        seg=_seg(k),
-        hidden=hidden,
-        block=min(block, pad_pow2(hidden)),
-        rank_block=rank_block,
-        max_rank=max_rank,
+        _shrink_kernel, seg=_seg(k), hidden=hidden, chunk=chunk, rank_block=rank_block, max_rank=max_rank
     )
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_tokens, max_rank), x.dtype),
-        grid=(num_tokens,),
+        grid=(num_tokens, pl.cdiv(max_rank, rank_block)),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="lora_unified_shrink",
@@ -245,6 +251,7 @@ def unified_expand(
     ranks: jax.Array,
     adapter_ids: jax.Array,
     *,
+    align: int,
     block: int = 128,
     rank_block: int = 16,
     num_warps: int = 4,
@@ -255,25 +262,25 @@ def unified_expand(
     Args:
       y: [T, O] float, the base output (B's rank-rows are O wide).
       h: [T, C] the shrink's result (columns at and past a row's rank are never read).
-      k, v, layer, pages, offsets, ranks, adapter_ids: as `unified_shrink` (offsets: B's).
-      block: output columns per program; rank_block: rank-rows per step (powers of two).
+      k, v, layer, pages, offsets, ranks, adapter_ids, align: as `unified_shrink` (offsets: B's).
+      block: most output columns a program takes (a chunk); rank_block: rank-rows per step.
 
     Returns:
       [T, O] in y.dtype, the delta accumulated in f32; base-model rows unchanged.
     """
     check_unified(y, k, v, pages, offsets, ranks, adapter_ids)
-    _checked_knobs(block, rank_block)
+    _checked_knobs(align, block, rank_block)
     if h.ndim != 2 or h.shape[0] != y.shape[0]:
         raise ValueError(f"h {h.shape} must be [T, C] for y {y.shape}")
     num_tokens, out = y.shape
-    block = min(block, pad_pow2(out))
+    chunk = chunk_size(out, _seg(k), align, block)
     kernel = functools.partial(
-        _expand_kernel, seg=_seg(k), out=out, block=block, rank_block=rank_block, rank_cols=h.shape[1]
+        _expand_kernel, seg=_seg(k), out=out, chunk=chunk, rank_block=rank_block, rank_cols=h.shape[1]
     )
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
-        grid=(num_tokens, pl.cdiv(out, block)),
+        grid=(num_tokens, out // chunk),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="lora_unified_expand",

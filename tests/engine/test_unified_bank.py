@@ -21,7 +21,7 @@ from jaxlora.config import TARGET_MODULES, LoraBank, LoraConfig
 from jaxlora.engine import Engine
 from jaxlora.engine.build import build_engine
 from jaxlora.errors import AdapterError
-from jaxlora.lora.unified_layout import adapter_layout
+from jaxlora.lora.unified_layout import FACTOR_ALIGN, adapter_layout
 from tests.engine.bank_data import MIXED, bank_parts, requests
 from tests.engine.conftest import engine_config
 
@@ -108,10 +108,12 @@ def test_device_bytes_follow_the_rank(parts):
     r8, r64 = pager.device_nbytes("r8"), pager.device_nbytes("r64")
     assert 0 < r8 <= (1 / 8 + 0.05) * r64
     config = parts[0].config
-    # rank_pattern: q 2, v 16, gate 9, down 64, every other module 0; one run per layer.
-    run = sum(
-        r * sum(config.module_shape(m)) for m, r in {"q_proj": 2, "v_proj": 16, "gate_proj": 9, "down_proj": 64}.items()
-    )
+    # rank_pattern: q 2, v 16, gate 9, down 64, every other module 0; one run per layer, each factor
+    # starting at the next FACTOR_ALIGN multiple.
+    run = 0
+    for m, r in {"q_proj": 2, "v_proj": 16, "gate_proj": 9, "down_proj": 64}.items():
+        for width in config.module_shape(m):
+            run = -(-run // FACTOR_ALIGN) * FACTOR_ALIGN + r * width
     seg = PAGE_SIZE * config.num_kv_heads * config.head_dim
     assert pager.device_nbytes("pattern") == -(-run // (2 * seg)) * 2 * seg * config.num_layers * 4
     assert pager.pool_usage()["adapter_bytes"] == r8 + r64 + pager.device_nbytes("pattern")

@@ -174,7 +174,7 @@ def test_paged_kernels_lower_for_cuda(dtype, hidden, out, page_rows):
 )
 def test_unified_kernels_lower_for_cuda(dtype, hidden, out, max_rank, kv_page):
     """The shrink and expand that read adapters out of the KV pool (7B and SmolLM2 page shapes, a
-    max rank that is not a power of two): the per-element page lookup and the rank loop lower."""
+    max rank that is not a power of two): the per-chunk page lookup and the rank loops lower."""
     from pallas_kernels.lora import unified
 
     sd = jax.ShapeDtypeStruct
@@ -183,8 +183,8 @@ def test_unified_kernels_lower_for_cuda(dtype, hidden, out, max_rank, kv_page):
     x, y = sd((37, hidden), dtype), sd((37, out), dtype)
 
     def step(x, y, k, v, layer, pages, a_off, b_off, ranks, ids):
-        h = unified.unified_shrink(x, k, v, layer, pages, a_off, ranks, ids, max_rank=max_rank)
-        return unified.unified_expand(y, h, k, v, layer, pages, b_off, ranks, ids)
+        h = unified.unified_shrink(x, k, v, layer, pages, a_off, ranks, ids, max_rank=max_rank, align=128)
+        return unified.unified_expand(y, h, k, v, layer, pages, b_off, ranks, ids, align=128)
 
     text = _lower_for_cuda(step, x, y, pool, pool, sd((), I32), pages, offsets, offsets, ranks, ids)
     assert text.count("__gpu$xla.gpu.triton") == 2

@@ -22,7 +22,7 @@ from tests.tolerances import assert_close
 LAYER = 1  # of 2: layer 0 holds other values
 
 
-def _check(rng, pool, module, ids, *, hidden, out, max_rank, dtype, rank_block=8):
+def _check(rng, pool, module, ids, *, hidden, out, max_rank, dtype, rank_block=8, block=16):
     """Shrink then expand of `module` on rows `ids`, the kernels and the XLA path each against the
     reference."""
     x = random_array(rng, (len(ids), hidden), dtype)
@@ -30,12 +30,13 @@ def _check(rng, pool, module, ids, *, hidden, out, max_rank, dtype, rank_block=8
     ids = jnp.asarray(ids, jnp.int32)
     layer = jnp.int32(LAYER)
     a_args = (pool.k, pool.v, layer, pool.pages, module.a_offsets, module.ranks, ids)
-    h = unified_shrink(x, *a_args, max_rank=max_rank, block=16, rank_block=rank_block, interpret=True)
+    knobs = dict(align=pool.align, block=block, rank_block=rank_block, interpret=True)
+    h = unified_shrink(x, *a_args, max_rank=max_rank, **knobs)
     h_want = unified_shrink_reference(x, *a_args, max_rank=max_rank)
     assert_close(h, h_want, dtype)
     h_in = nan_past_rank(h, module.ranks, ids)
     b_args = (pool.k, pool.v, layer, pool.pages, module.b_offsets, module.ranks, ids)
-    got = unified_expand(y, h_in, *b_args, block=16, rank_block=rank_block, interpret=True)
+    got = unified_expand(y, h_in, *b_args, **knobs)
     want = unified_expand_reference(y, h_in, *b_args)
     assert_close(got, want, dtype)
     assert_close(unified_shrink_xla(x, *a_args, max_rank=max_rank), h_want, dtype)
@@ -75,6 +76,15 @@ def test_rank_classes_and_rank_pattern_each_row_on_its_own_slot(rng, dtype):
             assert np.asarray(h[t, :r]).all()
 
 
+def test_whole_chunks_straddling_segments_and_pages(rng):
+    """Widths with a large power of two (96, 160 on 64-element segments, offsets on 32): the kernels
+    load 32-element chunks, rank-rows cross K/V segments and pages mid-row, ranks mixed with base
+    rows."""
+    pool = unified_pool(rng, [[r] for r in (1, 6, 16, 31, 0, 64)], [(96, 160)], align=32)
+    ids = rng.permutation([0, 1, 2, 3, 4, 5, -1, 3, 5])
+    _check(rng, pool, pool.modules[0], ids, hidden=96, out=160, max_rank=64, dtype=jnp.bfloat16, block=32)
+
+
 def test_every_rank_from_0_to_128(rng):
     """Ranks 0..128 at once, one row each plus base rows (shuffled), narrow factors to keep the
     interpreter quick; rank_block 16 (a row's last block partly past its rank)."""
@@ -111,17 +121,21 @@ def test_bad_operands_are_refused(rng):
     m = pool.modules[0]
     x, ids, layer = random_array(rng, (3, 16), jnp.float32), jnp.zeros((3,), jnp.int32), jnp.int32(0)
     with pytest.raises(ValueError, match="one KV pool"):
-        unified_shrink(x, pool.k, pool.v[:, :1], layer, pool.pages, m.a_offsets, m.ranks, ids, max_rank=8)
+        unified_shrink(x, pool.k, pool.v[:, :1], layer, pool.pages, m.a_offsets, m.ranks, ids, max_rank=8, align=8)
     with pytest.raises(ValueError, match="adapter_ids"):
-        unified_shrink(x, pool.k, pool.v, layer, pool.pages, m.a_offsets, m.ranks, ids[:2], max_rank=8)
+        unified_shrink(x, pool.k, pool.v, layer, pool.pages, m.a_offsets, m.ranks, ids[:2], max_rank=8, align=8)
     with pytest.raises(ValueError, match="ranks"):
-        unified_shrink(x, pool.k, pool.v, layer, pool.pages, m.a_offsets, m.ranks[:0], ids, max_rank=8)
+        unified_shrink(x, pool.k, pool.v, layer, pool.pages, m.a_offsets, m.ranks[:0], ids, max_rank=8, align=8)
     with pytest.raises(ValueError, match="integer"):
-        unified_shrink(x, pool.k, pool.v, layer, pool.pages.astype(jnp.float32), m.a_offsets, m.ranks, ids, max_rank=8)
+        unified_shrink(
+            x, pool.k, pool.v, layer, pool.pages.astype(jnp.float32), m.a_offsets, m.ranks, ids, max_rank=8, align=8
+        )
     with pytest.raises(ValueError, match="powers of two"):
-        unified_shrink(x, pool.k, pool.v, layer, pool.pages, m.a_offsets, m.ranks, ids, max_rank=8, rank_block=6)
+        unified_shrink(
+            x, pool.k, pool.v, layer, pool.pages, m.a_offsets, m.ranks, ids, max_rank=8, align=8, rank_block=6
+        )
     with pytest.raises(ValueError, match=r"must be \[T, C\]"):
-        unified_expand(x, x[:1], pool.k, pool.v, layer, pool.pages, m.b_offsets, m.ranks, ids)
+        unified_expand(x, x[:1], pool.k, pool.v, layer, pool.pages, m.b_offsets, m.ranks, ids, align=8)
 
 
 def test_a_pool_of_more_than_two_billion_elements_traces():
@@ -133,11 +147,14 @@ def test_a_pool_of_more_than_two_billion_elements_traces():
     tables = (sd((), i32), sd((8, 40), i32), sd((8,), i32), sd((8,), i32), sd((5,), i32))
     x, y, h = sd((5, 576), jnp.bfloat16), sd((5, 1536), jnp.bfloat16), sd((5, 64), jnp.bfloat16)
     for shrink, expand in ((unified_shrink_xla, unified_expand_xla), (unified_shrink, unified_expand)):
-        assert jax.eval_shape(lambda x, k, v, *t: shrink(x, k, v, *t, max_rank=64), x, pool, pool, *tables).shape == (
+        kw = {} if shrink is unified_shrink_xla else dict(align=128)
+        assert jax.eval_shape(
+            lambda x, k, v, *t: shrink(x, k, v, *t, max_rank=64, **kw), x, pool, pool, *tables
+        ).shape == (
             5,
             64,
         )
-        assert jax.eval_shape(lambda y, h, k, v, *t: expand(y, h, k, v, *t), y, h, pool, pool, *tables).shape == (
+        assert jax.eval_shape(lambda y, h, k, v, *t: expand(y, h, k, v, *t, **kw), y, h, pool, pool, *tables).shape == (
             5,
             1536,
         )

@@ -1,7 +1,7 @@
 """Random adapters stored in a KV pool's pages as unified runs, NaN wherever a kernel must not read.
 
 Each slot's run holds, per module, a gap, A^T's rank-rows, a gap, B's rank-rows (gaps of random
-length, NaN); its pages come from a shuffled free list; free pages, the gaps and each run's last
+length, NaN, each factor starting at a multiple of `align` as the kernels require); its pages come from a shuffled free list; free pages, the gaps and each run's last
 page's tail hold NaN; page-table entries past a slot's pages are garbage ints (out of range too);
 page 0 is always free. Every layer holds different values, so a read of the wrong layer shows. The
 true factors are kept, to check the reference against them.
@@ -35,6 +35,7 @@ class UnifiedPool:
     v: jax.Array
     pages: jax.Array  # [S, MP] int32
     modules: list[UnifiedModule]
+    align: int  # every offset is a multiple of it (the kernels' `align`)
 
 
 def unified_pool(
@@ -49,6 +50,7 @@ def unified_pool(
     max_pages=None,
     dtype=jnp.float32,
     spare=3,
+    align=8,
 ) -> UnifiedPool:
     """Slots with `module_ranks[s][j]` the rank of module j (widths[j] = (hidden, out)) in a KV pool of
     segments page_size * kv_heads * head_dim long (default 64: rank-rows straddle segments)."""
@@ -59,7 +61,7 @@ def unified_pool(
         for r, (hidden, out) in zip(ranks, widths, strict=True):
             pair_offs, pair = [], []
             for cols in (hidden, out):
-                gap = int(rng.integers(0, 7))
+                gap = -cursor % align + align * int(rng.integers(0, 3))
                 parts.append(np.full((layers, gap), np.nan, np.float32))
                 cursor += gap
                 rows = np.asarray(random_array(rng, (layers, int(r), cols), jnp.float32, 1.0 / np.sqrt(cols)))
@@ -106,4 +108,5 @@ def unified_pool(
         v=jnp.asarray(v.reshape(shape), dtype),
         pages=jnp.asarray(pages),
         modules=modules,
+        align=align,
     )

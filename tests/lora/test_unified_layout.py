@@ -15,6 +15,7 @@ from jaxlora.engine.kv_pages import PageTable
 from jaxlora.lora.paged_bank import page_counts
 from jaxlora.lora.unified_bank import init_unified_tables, slot_rows, write_slot
 from jaxlora.lora.unified_layout import (
+    FACTOR_ALIGN,
     adapter_layout,
     adapter_nbytes,
     max_adapter_pages,
@@ -56,14 +57,22 @@ def test_an_adapters_bytes_follow_its_ranks():
     )
 
 
-def test_layout_offsets_are_consecutive_and_checked():
+def test_layout_offsets_are_aligned_consecutive_and_checked():
+    """Factors in module order, each at the first FACTOR_ALIGN multiple after the one before (the
+    kernels' chunks never straddle a segment), with gaps under FACTOR_ALIGN elements."""
     model = tiny_config()
     lora = LoraConfig(max_slots=4, max_rank=8, target_modules=("q_proj", "k_proj", "down_proj"))
-    layout = adapter_layout({"q_proj": 3, "down_proj": 8}, model, lora, PAGE_SIZE)
+    layout = adapter_layout({"q_proj": 3, "down_proj": 7}, model, lora, PAGE_SIZE)
     q_in, q_out = model.module_shape("q_proj")
     d_in, d_out = model.module_shape("down_proj")
-    assert layout.offsets == {"q_proj": (0, 3 * q_in), "down_proj": (3 * (q_in + q_out), 3 * (q_in + q_out) + 8 * d_in)}
-    assert layout.run_elems == 3 * (q_in + q_out) + 8 * (d_in + d_out)
+    up = lambda n: -(-n // FACTOR_ALIGN) * FACTOR_ALIGN
+    q_b = up(3 * q_in)
+    d_a = up(q_b + 3 * q_out)
+    d_b = up(d_a + 7 * d_in)
+    assert layout.offsets == {"q_proj": (0, q_b), "down_proj": (d_a, d_b)}
+    assert layout.run_elems == d_b + 7 * d_out
+    assert layout.run_elems - (3 * (q_in + q_out) + 7 * (d_in + d_out)) < 3 * FACTOR_ALIGN
+    assert (3 * q_in) % FACTOR_ALIGN, "the tiny model's widths must exercise a gap"
     assert layout.num_pages == -(-layout.run_elems // (2 * segment_elems(model, PAGE_SIZE)))
     assert layout.ranks["k_proj"] == 0
     with pytest.raises(ValueError, match="max_rank"):
@@ -103,8 +112,9 @@ def test_adapters_written_into_kv_pages_are_read_back_by_the_kernels():
             y = jnp.asarray(rng.standard_normal((len(ids), d_out)), jnp.float32)
             common = (k, v, jnp.int32(layer), tables["pages"])
             off, rk = tables["offsets"][m], tables["ranks"][m]
-            h = unified_shrink(x, *common, off[:, 0], rk, jnp.asarray(ids), max_rank=8, block=16, interpret=True)
-            got = unified_expand(y, h, *common, off[:, 1], rk, jnp.asarray(ids), block=16, interpret=True)
+            kw = dict(align=FACTOR_ALIGN, block=16, interpret=True)
+            h = unified_shrink(x, *common, off[:, 0], rk, jnp.asarray(ids), max_rank=8, **kw)
+            got = unified_expand(y, h, *common, off[:, 1], rk, jnp.asarray(ids), **kw)
             want = np.asarray(y).copy()
             for t, s in enumerate(ids):
                 name = {1: "first", 3: "second"}.get(int(s))
