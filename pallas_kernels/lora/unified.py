@@ -142,7 +142,7 @@ def _shrink_kernel(
         return acc + a * x[None, :]
 
     # A block at or past the rank runs no steps and stores zeros (h's exact zeros past the rank).
-    steps = jnp.where(blk * rank_block < rank, row_chunks, 0)
+    steps = jnp.where(blk * rank_block < rank, jnp.int32(row_chunks), jnp.int32(0))
     acc = lax.fori_loop(0, steps, k_step, jnp.zeros((rank_block, chunk), F32))
     pltriton.store(h_ref.at[row, rs], jnp.sum(acc, axis=1).astype(h_ref.dtype), mask=rs < max_rank)
 

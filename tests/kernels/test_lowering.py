@@ -1,7 +1,12 @@
 """Lower every Triton kernel for CUDA on the CPU machine: catches what interpret mode does not check
-(power-of-two sizes, dot shapes, unsupported ops), with an abstract H200 standing in for the GPU."""
+(power-of-two sizes, dot shapes, unsupported ops), with an abstract H200 standing in for the GPU.
+Every Triton module is also run through the MLIR verifier, as XLA does when it parses the module on
+the GPU (a loop whose bounds differ in type lowers, and fails only there)."""
 
 from __future__ import annotations
+
+import contextlib
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +21,29 @@ H200 = AbstractMesh(
 I32 = jnp.int32
 
 
+@contextlib.contextmanager
+def _verified_triton_modules():
+    """Every Triton module lowered inside is verified (raises on an invalid one); yields the count."""
+    from jax._src.pallas.triton import lowering
+
+    lower, count = lowering.lower_jaxpr_to_triton_module, [0]
+
+    def verified(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        result.module.operation.verify()
+        count[0] += 1
+        return result
+
+    with mock.patch.object(lowering, "lower_jaxpr_to_triton_module", verified):
+        yield count
+
+
 def _lower_for_cuda(fn, *args) -> str:
-    with jax.sharding.use_abstract_mesh(H200):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with jax.sharding.use_abstract_mesh(H200), _verified_triton_modules() as verified:
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    if text.count("__gpu$xla.gpu.triton") and not verified[0]:
+        raise AssertionError("Triton modules were lowered without passing through the verifier")
+    return text
 
 
 def _specs(dtype, num_tokens, hidden, rank, out_dim, num_slots=5, num_segments=3):
