@@ -1,12 +1,16 @@
 """Paged true-rank LoRA kernels against the padded bank, on the serving benchmark's rank mixes.
 
-One decode shrink + expand (4096 -> 4096, bf16), every row on its own adapter. `padded`: the shipped
-Pallas kernels over a bank padded to the mix's max rank; `paged`: `pallas_kernels.lora.paged` reading
-each adapter's true-rank pages through its page table; `unified`: `pallas_kernels.lora.unified`
-reading each adapter out of a 7B-layer KV pool's pages (16 positions, 32 KV heads of 128: S-LoRA's
-unified pool). All run on the same factors (the padded bank holds them zero-padded), and their
+One shrink + expand (4096 -> 4096, bf16): decode steps with every row on its own adapter, and a
+mixed 2,048-token step (seven prefill chunks of one adapter each, then 64 decode rows). `padded`: the
+shipped Pallas kernels over a bank padded to the mix's max rank (the step's row plan built outside
+the timing, as the engine shares it across layers); `paged`: `pallas_kernels.lora.paged` reading each
+adapter's true-rank pages through its page table; `unified`: `pallas_kernels.lora.unified`, one
+program per row, reading each adapter out of a 7B-layer KV pool's pages (16 positions, 32 KV heads
+of 128: S-LoRA's unified pool); `tiled`: `pallas_kernels.lora.unified_tiled`, the same pool read once
+per tile of rows sharing an adapter, on the tensor cores. All run on the same factors (the padded bank holds them zero-padded), and their
 results are compared before timing. Bytes: the device bytes the adapters of the case take in each
-layout.
+layout (unified: this one module's pages alone; the engine lays every module of an adapter in one
+run, so a q/k/v/o rank-8 adapter takes 2 pages, not 4 x 1).
 
     python -m benchmarks.kernels.paged_lora --out DIR     # GPU -> DIR/paged_lora.{json,md}
     python -m benchmarks.kernels.paged_lora --smoke       # tiny shapes in interpret mode (CPU)
@@ -24,13 +28,17 @@ import numpy as np
 
 import pallas_kernels as pk
 from benchmarks.common import best_ms
+from pallas_kernels.lora.common import make_row_groups
 from pallas_kernels.lora.paged import PagedLayout, paged_expand, paged_shrink
 from pallas_kernels.lora.unified import unified_expand, unified_shrink
+from pallas_kernels.lora.unified_tiled import unified_tiled_expand, unified_tiled_shrink
 
 MIXES = {"s1": (8,), "s2": (8, 16, 32, 64)}  # the serving benchmark's rank settings
 PAGE_ROWS = 8
 BLOCKS = (128, 256, 512)  # the paged kernels' column block, swept on the GPU
-RANK_BLOCKS = (8, 16, 32)  # the unified kernels' rank-rows per step, swept with the column block
+RANK_BLOCKS = (8, 16, 32)  # the unified kernels' rank-rows per step, swept (the tiled ones from 16)
+TILE_ROWS = 16  # the tiled unified kernels' rows a tile (jaxlora.lora.apply.UNIFIED_TILE_ROWS)
+MIXED_RUNS, MIXED_DECODE_ROWS = 7, 64  # the mixed step: prefill chunks of one adapter each, decode rows
 KV_PAGE = (16, 32, 128)  # positions, KV heads, head_dim of one page of the 7B shape's KV pool
 
 
@@ -101,24 +109,33 @@ def _unified_case(a: jax.Array, b: jax.Array, ranks: np.ndarray, kv_page: tuple[
     )
 
 
-def _best_unified(unified_at, x, y, reps: int, knobs) -> dict:
-    timed = {knob: 1e3 * best_ms(unified_at(*knob), x, y, reps=reps) for knob in knobs}
-    knob = min(timed, key=timed.get)
-    return {"unified_us": timed[knob], "unified_block": knob[0], "unified_rank_block": knob[1]}
+def _rows(rng, mix: str, num_tokens: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ranks [N] of the case's adapters, adapter [T] of each row). decode: every row its own
+    adapter; mixed: a 2,048-token step as the serving engine runs it, MIXED_RUNS prefill chunks of
+    one adapter each, then decode rows on their own adapters."""
+    if kind == "decode":
+        return rng.choice(np.asarray(MIXES[mix]), size=num_tokens).astype(np.int32), np.arange(num_tokens)
+    run = (num_tokens - min(MIXED_DECODE_ROWS, num_tokens // 4)) // MIXED_RUNS
+    decode = num_tokens - run * MIXED_RUNS
+    ids = np.concatenate([np.repeat(np.arange(MIXED_RUNS), run), MIXED_RUNS + np.arange(decode)])
+    return rng.choice(np.asarray(MIXES[mix]), size=MIXED_RUNS + decode).astype(np.int32), ids
 
 
-def run_case(rng, mix: str, num_tokens: int, hidden: int, dtype, interpret: bool, reps: int) -> dict:
-    ranks = rng.choice(np.asarray(MIXES[mix]), size=num_tokens).astype(np.int32)
+def run_case(rng, mix: str, num_tokens: int, kind: str, hidden: int, dtype, interpret: bool, reps: int) -> dict:
+    ranks, rows = _rows(rng, mix, num_tokens, kind)
     a, b, pool, a_table, b_table = _case(rng, ranks, hidden, dtype)
     x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), dtype)
     y = jnp.asarray(rng.standard_normal((num_tokens, hidden)), dtype)
-    ids = jnp.arange(num_tokens, dtype=jnp.int32)
+    ids = jnp.asarray(rows, jnp.int32)
     rank_arr = jnp.asarray(ranks)
+    # The step's row grouping is built once per step and shared by every layer's ops: outside the timing.
+    plan = pk.lora_plan(ids + 1, num_slots=len(ranks) + 1, backend="pallas")
+    groups = make_row_groups(ids, num_slots=len(ranks), seg_len=None, block_rows=(TILE_ROWS,))
 
     @jax.jit
-    def padded(x, y):
-        h = pk.lora_shrink(x, a, ids + 1, backend="pallas", interpret=interpret)
-        return pk.lora_expand(y, h, b, ids + 1, backend="pallas", interpret=interpret)
+    def padded(x, y, plan):
+        h = pk.lora_shrink(x, a, ids + 1, backend="pallas", interpret=interpret, plan=plan)
+        return pk.lora_expand(y, h, b, ids + 1, backend="pallas", interpret=interpret, plan=plan)
 
     def paged_at(block: int):
         def paged(x, y):
@@ -130,35 +147,56 @@ def run_case(rng, mix: str, num_tokens: int, hidden: int, dtype, interpret: bool
     kv_page = KV_PAGE if not interpret else (2, 2, 8)
     k, v, pages, a_off, b_off, unified_bytes = _unified_case(a, b, ranks, kv_page, dtype)
     layer, max_rank = jnp.int32(0), int(ranks.max())
+    # B's rank-rows start at r * hidden: every offset is a multiple of hidden's power of two.
+    align = min(128, hidden & -hidden)
 
-    def unified_at(block: int, rank_block: int):
+    def unified_at(rank_block: int):
         def unified(x, y):
-            # B's rank-rows start at r * hidden: every offset is a multiple of hidden's power of two.
-            common = dict(align=min(128, hidden & -hidden), block=block, rank_block=rank_block, interpret=interpret)
+            common = dict(align=align, rank_block=rank_block, interpret=interpret)
             h = unified_shrink(x, k, v, layer, pages, a_off, rank_arr, ids, max_rank=max_rank, **common)
             return unified_expand(y, h, k, v, layer, pages, b_off, rank_arr, ids, **common)
 
         return jax.jit(unified)
 
-    want = np.asarray(padded(x, y), np.float32)
+    def tiled_at(rank_block: int):
+        def tiled(x, y, groups):
+            common = dict(align=align, block_rows=TILE_ROWS, rank_block=rank_block, interpret=interpret)
+            h = unified_tiled_shrink(x, k, v, layer, pages, a_off, rank_arr, groups, max_rank=max_rank, **common)
+            return unified_tiled_expand(y, h, k, v, layer, pages, b_off, rank_arr, groups, **common)
+
+        return jax.jit(tiled)
+
+    want = np.asarray(padded(x, y, plan), np.float32)
     err = 0.0
-    for name, fn in (("paged", paged_at(BLOCKS[0])), ("unified", unified_at(BLOCKS[0], RANK_BLOCKS[1]))):
-        got = np.asarray(fn(x, y), np.float32)
+    candidates = (
+        ("paged", paged_at(BLOCKS[0]), ()),
+        ("unified", unified_at(16), ()),
+        ("tiled", tiled_at(16), (groups,)),
+    )
+    for name, fn, extra in candidates:
+        got = np.asarray(fn(x, y, *extra), np.float32)
         err_of = float(np.max(np.abs(want - got)) / (np.max(np.abs(want)) + 1e-6))
         if not np.isfinite(got).all() or err_of > 2e-2:
             raise RuntimeError(f"{mix} T={num_tokens}: {name} differs from padded (relative max error {err_of:.3g})")
         err = max(err, err_of)
-    knobs = [(BLOCKS[0], RANK_BLOCKS[1])] if interpret else [(bl, rb) for bl in BLOCKS[:2] for rb in RANK_BLOCKS]
+    rank_blocks = (16,) if interpret else RANK_BLOCKS
+    unified_us = {rb: 1e3 * best_ms(unified_at(rb), x, y, reps=reps) for rb in rank_blocks}
+    tiled_us = {rb: 1e3 * best_ms(tiled_at(rb), x, y, groups, reps=reps) for rb in rank_blocks if rb >= 16}
     itemsize = jnp.dtype(dtype).itemsize
     layout = PagedLayout(page_rows=PAGE_ROWS, width=hidden, itemsize=itemsize, max_pages=a_table.shape[1])
     return {
         "mix": mix,
+        "kind": kind,
         "T": num_tokens,
+        "adapters": len(ranks),
         "hidden": hidden,
         "ranks": sorted(set(ranks.tolist())),
-        "padded_us": 1e3 * best_ms(padded, x, y, reps=reps),
-        **_best_paged(paged_at, x, y, reps, blocks=BLOCKS[:1] if interpret else BLOCKS),
-        **_best_unified(unified_at, x, y, reps, knobs),
+        "padded_us": 1e3 * best_ms(padded, x, y, plan, reps=reps),
+        **_best_paged(paged_at, x, y, reps, blocks=BLOCKS[:1] if interpret else BLOCKS[:2]),
+        "unified_us": min(unified_us.values()),
+        "unified_rank_block": min(unified_us, key=unified_us.get),
+        "tiled_us": min(tiled_us.values()),
+        "tiled_rank_block": min(tiled_us, key=tiled_us.get),
         "padded_bytes": int((a.size - a[0].size + b.size - b[0].size) * itemsize),
         "paged_bytes": int(sum(layout.module_bytes(int(r)) for r in ranks)),
         "unified_bytes": unified_bytes,
@@ -170,19 +208,31 @@ def _markdown(rows: list[dict], device: str) -> str:
     lines = [
         f"# Paged true-rank LoRA kernels vs the padded bank on {device}",
         "",
-        "Decode shrink + expand, every row on its own adapter; microseconds per call (paged: best column block); bytes of the adapters.",
+        "Shrink + expand of one 4096-wide module; microseconds per call (best knob: paged column block, "
+        "unified / tiled rank block); time against padded; bytes of the adapters.",
         "",
-        "| mix | T | ranks | padded us | paged us (block) | unified us (block, rank block) | paged / unified time vs padded | padded MB | paged MB | unified MB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mix | step | T | adapters | ranks | padded us | paged us | unified us | tiled us | paged / unified / tiled vs padded | padded MB | paged MB | unified MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        p = r["padded_us"]
         lines.append(
-            f"| {r['mix']} | {r['T']} | {r['ranks']} | {r['padded_us']:.1f} | {r['paged_us']:.1f} ({r['paged_block']}) | "
-            f"{r['unified_us']:.1f} ({r['unified_block']}, {r['unified_rank_block']}) | "
-            f"{r['paged_us'] / r['padded_us']:.2f} / {r['unified_us'] / r['padded_us']:.2f} | "
+            f"| {r['mix']} | {r['kind']} | {r['T']} | {r['adapters']} | {r['ranks']} | {p:.1f} | "
+            f"{r['paged_us']:.1f} ({r['paged_block']}) | {r['unified_us']:.1f} ({r['unified_rank_block']}) | "
+            f"{r['tiled_us']:.1f} ({r['tiled_rank_block']}) | "
+            f"{r['paged_us'] / p:.2f} / {r['unified_us'] / p:.2f} / {r['tiled_us'] / p:.2f} | "
             f"{r['padded_bytes'] / 1e6:.1f} | {r['paged_bytes'] / 1e6:.1f} | {r['unified_bytes'] / 1e6:.1f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _write(rows: list[dict], out: Path | None) -> str:
+    text = _markdown(rows, jax.devices()[0].device_kind)
+    if out is not None:  # after every case: a run cut short keeps what it measured
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "paged_lora.json").write_text(json.dumps(rows, indent=1))
+        (out / "paged_lora.md").write_text(text)
+    return text
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -192,17 +242,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     if args.smoke:
-        cases, hidden, dtype, interpret, reps = [("s1", 4), ("s2", 6)], 64, jnp.float32, True, 1
+        cases = [("s1", 4, "decode"), ("s2", 6, "decode"), ("s2", 24, "mixed")]
+        hidden, dtype, interpret, reps = 64, jnp.float32, True, 1
     else:
-        cases = [(m, t) for m in MIXES for t in (64, 256)]
+        cases = [("s2", 2048, "mixed"), *((m, t, "decode") for m in MIXES for t in (64, 256))]
         hidden, dtype, interpret, reps = 4096, jnp.bfloat16, False, 20
-    rows = [run_case(rng, m, t, hidden, dtype, interpret, reps) for m, t in cases]
-    text = _markdown(rows, jax.devices()[0].device_kind)
+    rows = []
+    for mix, num_tokens, kind in cases:
+        rows.append(run_case(rng, mix, num_tokens, kind, hidden, dtype, interpret, reps))
+        text = _write(rows, args.out)
+        print(f"{mix} {kind} T={num_tokens}: done", flush=True)
     print(text)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "paged_lora.json").write_text(json.dumps(rows, indent=1))
-        (args.out / "paged_lora.md").write_text(text)
 
 
 if __name__ == "__main__":

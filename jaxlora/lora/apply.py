@@ -27,9 +27,16 @@ from jaxlora.lora.bank import GROUPS
 from jaxlora.lora.paged_bank import is_paged
 from jaxlora.lora.unified_bank import UnifiedGroup, is_unified
 from jaxlora.lora.unified_layout import FACTOR_ALIGN
+from pallas_kernels.lora.common import make_row_groups
 from pallas_kernels.lora.paged import paged_expand, paged_shrink
 from pallas_kernels.lora.unified import unified_expand, unified_shrink
+from pallas_kernels.lora.unified_tiled import tiled_fits, unified_tiled_expand, unified_tiled_shrink
 from pallas_kernels.lora.unified_xla import unified_expand_xla, unified_shrink_xla
+
+# Unified bank, pallas: steps of at least this many token rows run the tiled kernels (rows grouped by
+# slot, UNIFIED_TILE_ROWS a tile), smaller ones the per-row kernels (see `_unified_module`).
+UNIFIED_TILED_MIN_TOKENS = 128
+UNIFIED_TILE_ROWS = 16
 
 GROUP_MODULES: dict[str, tuple[str, ...]] = dict(GROUPS)
 
@@ -69,7 +76,7 @@ def apply_group(
         modules = [m for m in GROUP_MODULES[group] if m in ranks]
         return {
             **outputs,
-            **{m: per_module(group_bank, m, x, outputs[m], token_slots, kernels, layer) for m in modules},
+            **{m: per_module(group_bank, m, x, outputs[m], token_slots, kernels, layer, plan) for m in modules},
         }
     # Pytrees sort dict keys, so the rank-axis order comes from GROUPS, never from the dict.
     modules = tuple(m for m in GROUP_MODULES[group] if m in group_bank["b"])
@@ -109,7 +116,7 @@ def apply_group_fused(
         ends = (*columns[1:], y.shape[1])
         for i, m in enumerate(modules):
             if m in ranks:
-                part = per_module(group_bank, m, x, y[:, columns[i] : ends[i]], token_slots, kernels, layer)
+                part = per_module(group_bank, m, x, y[:, columns[i] : ends[i]], token_slots, kernels, layer, plan)
                 y = y.at[:, columns[i] : ends[i]].set(part)
         return y
     held = [i for i, m in enumerate(modules) if m in group_bank["b"]]
@@ -147,6 +154,7 @@ def _paged_module(
     token_slots: jax.Array,
     kernels: StepKernels,
     layer: jax.Array | None,
+    plan: pallas_kernels.LoraPlan | None = None,  # unused: the paged kernels read page tables per row
 ) -> jax.Array:
     """y [N, out] + each row's term of `module` from a paged bank's group entries (tables [2, L, S, M],
     or [2, S, M] without `layer`); slot s of the page tables is the row's adapter. A^T's pages lie in
@@ -165,22 +173,37 @@ def _unified_module(
     token_slots: jax.Array,
     kernels: StepKernels,
     layer: jax.Array | None,
+    plan: pallas_kernels.LoraPlan | None = None,
 ) -> jax.Array:
     """y [N, out] + each row's term of `module`, read out of the KV pool's pages at `layer` through
-    the unified bank's tables; slot s of the tables is the row's adapter. The Pallas kernels with the
-    pallas backend, else the XLA gather (`pallas_kernels.lora.unified_xla`: no ragged_dot form)."""
+    the unified bank's tables; slot s of the tables is the row's adapter.
+
+    With the pallas backend: the tiled kernels (rows grouped by slot, `step_plan`'s groups; each
+    adapter chunk read once per tile of rows) from UNIFIED_TILED_MIN_TOKENS rows up, where prefill
+    runs share adapters, and the per-row kernels below it (decode batches, a program per row), or
+    where a width's chunks are too narrow for tensor-core dots. Otherwise the XLA gather
+    (`pallas_kernels.lora.unified_xla`: no ragged_dot form)."""
     if group_bank.pool is None or layer is None:
         raise ValueError("a unified bank reads the KV pool at a layer: the decoder layer must pass both")
     k, v = group_bank.pool
     common = (k, v, layer, group_bank.pages)
-    offsets, ranks = group_bank.offsets[module], group_bank.ranks[module]
-    if kernels.lora is LoraBackend.PALLAS:
-        kw = dict(align=FACTOR_ALIGN, interpret=kernels.interpret)
-        shrink, expand = unified_shrink, unified_expand
-    else:
-        kw, shrink, expand = {}, unified_shrink_xla, unified_expand_xla
-    h = shrink(x, *common, offsets[:, 0], ranks, token_slots, max_rank=group_bank.max_rank, **kw)
-    return expand(y, h, *common, offsets[:, 1], ranks, token_slots, **kw)
+    (a_off, b_off), ranks = group_bank.offsets[module].T, group_bank.ranks[module]
+    if kernels.lora is not LoraBackend.PALLAS:
+        h = unified_shrink_xla(x, *common, a_off, ranks, token_slots, max_rank=group_bank.max_rank)
+        return unified_expand_xla(y, h, *common, b_off, ranks, token_slots)
+    kw = dict(align=FACTOR_ALIGN, interpret=kernels.interpret)
+    groups = plan.groups if plan is not None else None
+    tiled = (
+        groups is not None
+        and x.shape[0] >= UNIFIED_TILED_MIN_TOKENS
+        and all(tiled_fits(width, k, FACTOR_ALIGN) for width in (x.shape[1], y.shape[1]))
+    )
+    if tiled:
+        kw["block_rows"] = UNIFIED_TILE_ROWS
+        h = unified_tiled_shrink(x, *common, a_off, ranks, groups, max_rank=group_bank.max_rank, **kw)
+        return unified_tiled_expand(y, h, *common, b_off, ranks, groups, **kw)
+    h = unified_shrink(x, *common, a_off, ranks, token_slots, max_rank=group_bank.max_rank, **kw)
+    return unified_expand(y, h, *common, b_off, ranks, token_slots, **kw)
 
 
 def step_plan(
@@ -188,12 +211,35 @@ def step_plan(
 ) -> pallas_kernels.LoraPlan | None:
     """The row grouping shared by every LoRA op of one step (all layers, all groups); None without a bank.
 
-    bank leaves are stacked over layers, [L, S, ...], so axis 1 is the slot count.
+    bank leaves are stacked over layers, [L, S, ...], so axis 1 is the slot count. A unified bank's
+    plan holds only the tiled kernels' groups (pallas, from UNIFIED_TILED_MIN_TOKENS rows up).
     """
-    if not bank or is_paged(bank) or is_unified(bank):
-        return None  # the paged and unified kernels read each row's page table themselves
+    if not bank or is_paged(bank):
+        return None  # the paged kernels read each row's page table themselves
+    if is_unified(bank):
+        return _unified_plan(bank, token_slots, kernels, seg_len)
     num_slots = jax.tree.leaves(bank)[0].shape[1]
     return pallas_kernels.lora_plan(token_slots, num_slots=num_slots, seg_len=seg_len, backend=kernels.lora.value)
+
+
+def _unified_plan(
+    bank: dict, token_slots: jax.Array, kernels: StepKernels, seg_len: int | None
+) -> pallas_kernels.LoraPlan | None:
+    num_tokens = token_slots.shape[0]
+    if kernels.lora is not LoraBackend.PALLAS or num_tokens < UNIFIED_TILED_MIN_TOKENS:
+        return None
+    num_slots = next(iter(bank.values())).pages.shape[0]
+    slots = token_slots.astype(jnp.int32)
+    groups = make_row_groups(slots, num_slots=num_slots, seg_len=seg_len, block_rows=(UNIFIED_TILE_ROWS,))
+    return pallas_kernels.LoraPlan(
+        slot_ids=slots,
+        groups=groups,
+        sort_order=None,
+        group_sizes=None,
+        backend="pallas",
+        seg_len=seg_len,
+        num_slots=num_slots,
+    )
 
 
 def token_slots_for(slot_ids: jax.Array, tokens_per_row: int) -> jax.Array:

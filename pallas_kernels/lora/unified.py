@@ -68,16 +68,16 @@ def check_unified(x_or_y, k, v, pages, offsets, ranks, adapter_ids) -> None:
     for name, arr in (("pages", pages), ("offsets", offsets), ("ranks", ranks), ("adapter_ids", adapter_ids)):
         if not jnp.issubdtype(arr.dtype, jnp.integer):
             raise ValueError(f"{name} must be integer, got {arr.dtype}")
-    if k.shape[1] * _seg(k) >= 2**31:  # indices are per layer: the pool's total may be larger
-        raise ValueError(f"a layer of the pool ({k.shape[1]} pages of {_seg(k)} elements) must index in int32")
+    if k.shape[1] * segment_size(k) >= 2**31:  # indices are per layer: the pool's total may be larger
+        raise ValueError(f"a layer of the pool ({k.shape[1]} pages of {segment_size(k)} elements) must index in int32")
 
 
-def _seg(pool: jax.Array) -> int:
+def segment_size(pool: jax.Array) -> int:
     """E: elements of one page's K (or V) segment at one layer."""
     return math.prod(pool.shape[2:])
 
 
-def _flat(pool: jax.Array) -> jax.Array:
+def flat_pool(pool: jax.Array) -> jax.Array:
     # [L, N, page, heads, dim] -> [L, N * E]: a bitcast of the row-major pool, no copy.
     return pool.reshape(pool.shape[0], -1)
 
@@ -95,8 +95,8 @@ def _row(ids_ref, ranks_ref, offs_ref, row):
     return safe, jnp.where(slot >= 0, ranks_ref[safe], 0), offs_ref[safe]
 
 
-def _load_chunks(k_ref, v_ref, pages_ref, slot, layer, first, ok, *, seg: int, chunk: int):
-    """[R, chunk] f32: chunk `first[r]` (in chunks from the run's start) of `slot`'s run at `layer`,
+def load_chunks(k_ref, v_ref, pages_ref, slot, layer, first, ok, *, seg: int, chunk: int, dtype=F32):
+    """[R, chunk] in `dtype`: chunk `first[r]` (in chunks from the run's start) of `slot`'s run at `layer`,
     row r; 0 where not ok[r]. One page lookup a chunk; the element index is page * E + a chunk
     multiple + arange(chunk), contiguous and chunk-aligned, so the loads vectorize."""
     per_seg = seg // chunk
@@ -108,7 +108,7 @@ def _load_chunks(k_ref, v_ref, pages_ref, slot, layer, first, ok, *, seg: int, c
     ok = ok[:, None]
     from_k = pltriton.load(k_ref.at[layer, index], mask=ok & ~in_v, other=0)
     from_v = pltriton.load(v_ref.at[layer, index], mask=ok & in_v, other=0)
-    return jnp.where(in_v, from_v, from_k).astype(F32)
+    return jnp.where(in_v, from_v, from_k).astype(dtype)
 
 
 def _shrink_kernel(
@@ -138,7 +138,7 @@ def _shrink_kernel(
 
     def k_step(s, acc):  # acc [rank_block, chunk] f32: reduced once, after the loop
         x = pltriton.load(x_ref.at[row, pl.ds(s * chunk, chunk)]).astype(F32)
-        a = _load_chunks(k_ref, v_ref, pages_ref, slot, layer, first + s, r_ok, seg=seg, chunk=chunk)
+        a = load_chunks(k_ref, v_ref, pages_ref, slot, layer, first + s, r_ok, seg=seg, chunk=chunk)
         return acc + a * x[None, :]
 
     # A block at or past the rank runs no steps and stores zeros (h's exact zeros past the rank).
@@ -176,7 +176,7 @@ def _expand_kernel(
         r_ok = (rs < rank) & (rs < rank_cols)
         h = pltriton.load(h_ref.at[row, rs], mask=r_ok, other=0).astype(F32)
         first = offset // chunk + rs * row_chunks + col
-        b = _load_chunks(k_ref, v_ref, pages_ref, slot, layer, first, r_ok, seg=seg, chunk=chunk)
+        b = load_chunks(k_ref, v_ref, pages_ref, slot, layer, first, r_ok, seg=seg, chunk=chunk)
         return acc + jnp.sum(h[:, None] * b, axis=0)
 
     acc = lax.fori_loop(0, (rank + rank_block - 1) // rank_block, rank_step, jnp.zeros((chunk,), F32))
@@ -185,7 +185,7 @@ def _expand_kernel(
     pltriton.store(o_ref.at[row, cols], (y + acc).astype(o_ref.dtype))
 
 
-def _checked_knobs(align: int, block: int, rank_block: int) -> None:
+def checked_knobs(align: int, block: int, rank_block: int) -> None:
     if not is_pow2(align) or not is_pow2(block) or not is_pow2(rank_block):
         raise ValueError(f"align={align}, block={block} and rank_block={rank_block} must be powers of two")
 
@@ -223,11 +223,11 @@ def unified_shrink(
       h: [T, max_rank] in x.dtype, accumulated in f32; columns at and past a row's rank are 0.
     """
     check_unified(x, k, v, pages, offsets, ranks, adapter_ids)
-    _checked_knobs(align, block, rank_block)
+    checked_knobs(align, block, rank_block)
     num_tokens, hidden = x.shape
-    chunk = chunk_size(hidden, _seg(k), align, block)
+    chunk = chunk_size(hidden, segment_size(k), align, block)
     kernel = functools.partial(
-        _shrink_kernel, seg=_seg(k), hidden=hidden, chunk=chunk, rank_block=rank_block, max_rank=max_rank
+        _shrink_kernel, seg=segment_size(k), hidden=hidden, chunk=chunk, rank_block=rank_block, max_rank=max_rank
     )
     return pl.pallas_call(
         kernel,
@@ -236,7 +236,7 @@ def unified_shrink(
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="lora_unified_shrink",
-    )(*_tables(adapter_ids, ranks, offsets, pages, layer), x, _flat(k), _flat(v))
+    )(*_tables(adapter_ids, ranks, offsets, pages, layer), x, flat_pool(k), flat_pool(v))
 
 
 @functools.partial(jax.jit, static_argnames=_KNOBS[1:])
@@ -269,13 +269,13 @@ def unified_expand(
       [T, O] in y.dtype, the delta accumulated in f32; base-model rows unchanged.
     """
     check_unified(y, k, v, pages, offsets, ranks, adapter_ids)
-    _checked_knobs(align, block, rank_block)
+    checked_knobs(align, block, rank_block)
     if h.ndim != 2 or h.shape[0] != y.shape[0]:
         raise ValueError(f"h {h.shape} must be [T, C] for y {y.shape}")
     num_tokens, out = y.shape
-    chunk = chunk_size(out, _seg(k), align, block)
+    chunk = chunk_size(out, segment_size(k), align, block)
     kernel = functools.partial(
-        _expand_kernel, seg=_seg(k), out=out, chunk=chunk, rank_block=rank_block, rank_cols=h.shape[1]
+        _expand_kernel, seg=segment_size(k), out=out, chunk=chunk, rank_block=rank_block, rank_cols=h.shape[1]
     )
     return pl.pallas_call(
         kernel,
@@ -284,7 +284,7 @@ def unified_expand(
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="lora_unified_expand",
-    )(*_tables(adapter_ids, ranks, offsets, pages, layer), y, h, _flat(k), _flat(v))
+    )(*_tables(adapter_ids, ranks, offsets, pages, layer), y, h, flat_pool(k), flat_pool(v))
 
 
 def _tables(adapter_ids, ranks, offsets, pages, layer) -> tuple[jax.Array, ...]:

@@ -1,6 +1,6 @@
 """python -m benchmarks.kernels.paged_lora runs end to end on tiny shapes in interpret mode (the GPU run is
-the real one): the paged and unified (KV-pool) kernels agree with the padded bank, and neither layout
-costs more bytes."""
+the real one): the paged, unified (KV-pool, per row) and tiled unified kernels agree with the padded
+bank on decode and mixed steps, and neither layout costs more bytes."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ def test_paged_lora_bench_smoke(tmp_path):
     run = run_benchmark("kernels.paged_lora", "--smoke", "--out", str(tmp_path))
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads((tmp_path / "paged_lora.json").read_text())
-    assert {r["mix"] for r in rows} == {"s1", "s2"}
+    assert {(r["mix"], r["kind"]) for r in rows} == {("s1", "decode"), ("s2", "decode"), ("s2", "mixed")}
     for r in rows:
-        assert r["max_rel_err"] < 2e-2 and r["padded_us"] > 0 and r["paged_us"] > 0 and r["unified_us"] > 0
+        assert r["max_rel_err"] < 2e-2 and min(r[f"{k}_us"] for k in ("padded", "paged", "unified", "tiled")) > 0
         for layout in ("paged", "unified"):
             ratio = r[f"{layout}_bytes"] / r["padded_bytes"]
             assert ratio <= 1.01 if r["ranks"] == [max(r["ranks"])] else ratio < 0.95, (layout, r)

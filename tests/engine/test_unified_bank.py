@@ -21,6 +21,7 @@ from jaxlora.config import TARGET_MODULES, LoraBank, LoraConfig
 from jaxlora.engine import Engine
 from jaxlora.engine.build import build_engine
 from jaxlora.errors import AdapterError
+from jaxlora.lora import apply
 from jaxlora.lora.unified_layout import FACTOR_ALIGN, adapter_layout
 from tests.engine.bank_data import MIXED, bank_parts, requests
 from tests.engine.conftest import engine_config
@@ -66,8 +67,24 @@ def padded_tokens(parts):
     return [out.token_ids for out in make_engine(parts, PADDED, nan_pool=False).generate(requests(MIXED))]
 
 
-@pytest.mark.parametrize("lora", [UNIFIED, UNIFIED_PALLAS], ids=["xla", "pallas"])
-def test_mixed_ranks_same_tokens_as_the_padded_bank_with_a_nan_pool(parts, padded_tokens, lora):
+@pytest.mark.parametrize(
+    "lora, tiled_from",
+    [(UNIFIED, None), (UNIFIED_PALLAS, None), (UNIFIED_PALLAS, 16)],
+    ids=["xla", "pallas", "pallas-tiled"],
+)
+def test_mixed_ranks_same_tokens_as_the_padded_bank_with_a_nan_pool(
+    parts, padded_tokens, lora, tiled_from, monkeypatch, request
+):
+    """pallas-tiled: steps of 16 and 32 token rows run the tiled kernels (rows grouped by adapter),
+    steps of 8 the per-row ones, in one engine."""
+    if tiled_from is not None:
+        # Steps traced under another threshold would be reused (it is not in their key), both ways.
+        jax.clear_caches()
+        request.addfinalizer(jax.clear_caches)
+        monkeypatch.setattr(apply, "UNIFIED_TILED_MIN_TOKENS", tiled_from)
+        calls = []
+        real = apply.unified_tiled_shrink
+        monkeypatch.setattr(apply, "unified_tiled_shrink", lambda *a, **k: calls.append(1) or real(*a, **k))
     engine = make_engine(parts, lora)
     with jax.no_tracing():
         got = [out.token_ids for out in engine.generate(requests(MIXED))]
@@ -79,6 +96,8 @@ def test_mixed_ranks_same_tokens_as_the_padded_bank_with_a_nan_pool(parts, padde
     usage = engine.pager.pool_usage()
     assert usage["adapter_pages"] == sum(pages_of(parts, n) for n in set(MIXED) - {None})
     assert engine.pages.num_owned == usage["adapter_pages"]
+    if tiled_from is not None:
+        assert calls, "no step traced the tiled kernels"
 
 
 @pytest.mark.parametrize("lora", [UNIFIED, UNIFIED_PALLAS], ids=["xla", "pallas"])

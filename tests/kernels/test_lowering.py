@@ -213,3 +213,26 @@ def test_unified_kernels_lower_for_cuda(dtype, hidden, out, max_rank, kv_page):
 
     text = _lower_for_cuda(step, x, y, pool, pool, sd((), I32), pages, offsets, offsets, ranks, ids)
     assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize(
+    "dtype, hidden, out, max_rank, kv_page, tokens",
+    [(jnp.bfloat16, 4096, 11008, 64, (16, 32, 128), 2048), (jnp.float32, 576, 192, 33, (16, 3, 64), 37)],
+)
+def test_unified_tiled_kernels_lower_for_cuda(dtype, hidden, out, max_rank, kv_page, tokens):
+    """The tiled unified shrink and expand (rows grouped by slot, tensor-core dots) lower and verify."""
+    from pallas_kernels.lora import common, unified_tiled
+
+    sd = jax.ShapeDtypeStruct
+    pool = sd((4, 300, *kv_page), dtype)
+    pages, offsets, ranks, ids = sd((7, 40), I32), sd((7,), I32), sd((7,), I32), sd((tokens,), I32)
+    x, y = sd((tokens, hidden), dtype), sd((tokens, out), dtype)
+
+    def step(x, y, k, v, layer, pages, a_off, b_off, ranks, ids):
+        groups = common.make_row_groups(ids, num_slots=7, seg_len=None, block_rows=(16,))
+        kw = dict(align=128, block_rows=16)
+        h = unified_tiled.unified_tiled_shrink(x, k, v, layer, pages, a_off, ranks, groups, max_rank=max_rank, **kw)
+        return unified_tiled.unified_tiled_expand(y, h, k, v, layer, pages, b_off, ranks, groups, **kw)
+
+    text = _lower_for_cuda(step, x, y, pool, pool, sd((), I32), pages, offsets, offsets, ranks, ids)
+    assert text.count("__gpu$xla.gpu.triton") == 2

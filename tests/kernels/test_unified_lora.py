@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.lora.common import make_row_groups
 from pallas_kernels.lora.unified import unified_expand, unified_shrink
 from pallas_kernels.lora.unified_reference import factor, unified_expand_reference, unified_shrink_reference
+from pallas_kernels.lora.unified_tiled import tiled_fits, unified_tiled_expand, unified_tiled_shrink
 from pallas_kernels.lora.unified_xla import unified_expand_xla, unified_shrink_xla
 from tests.kernels.kernel_data import random_array
 from tests.kernels.paged_lora_data import nan_past_rank
@@ -161,3 +163,46 @@ def test_a_pool_of_more_than_two_billion_elements_traces():
     huge = sd((2, 150_000, 16, 8, 128), jnp.bfloat16)  # a layer of 2.5e9 elements
     with pytest.raises(ValueError, match="int32"):
         jax.eval_shape(lambda x, k, v, *t: unified_shrink_xla(x, k, v, *t, max_rank=64), x, huge, huge, *tables)
+
+
+def _check_tiled(rng, pool, module, ids, *, hidden, out, max_rank, dtype, block_rows=16):
+    """The tiled kernels on rows grouped by slot, against the reference (h exact zeros past ranks)."""
+    x = random_array(rng, (len(ids), hidden), dtype)
+    y = random_array(rng, (len(ids), out), dtype)
+    ids = jnp.asarray(ids, jnp.int32)
+    groups = make_row_groups(ids, num_slots=pool.pages.shape[0] + 1, seg_len=None, block_rows=(block_rows,))
+    common = (pool.k, pool.v, jnp.int32(LAYER), pool.pages)
+    knobs = dict(align=pool.align, block_rows=block_rows, interpret=True)
+    h = unified_tiled_shrink(x, *common, module.a_offsets, module.ranks, groups, max_rank=max_rank, **knobs)
+    h_want = unified_shrink_reference(x, *common, module.a_offsets, module.ranks, ids, max_rank=max_rank)
+    assert_close(h, h_want, dtype)
+    h_in = nan_past_rank(h, module.ranks, ids)
+    got = unified_tiled_expand(y, h_in, *common, module.b_offsets, module.ranks, groups, **knobs)
+    assert_close(got, unified_expand_reference(y, h_in, *common, module.b_offsets, module.ranks, ids), dtype)
+    base = np.asarray(ids) < 0
+    np.testing.assert_array_equal(np.asarray(got)[base], np.asarray(y)[base])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_tiled_kernels_on_prefill_runs_and_decode_rows(rng, dtype):
+    """Runs of rows sharing a slot (prefill chunks of 1-40 rows, tiles cut mid-run), single rows on
+    their own slots, base rows and rank-0 slots, shuffled; ranks 1-128 with rank-rows crossing
+    segments and pages, NaN in every gap, free page and tail."""
+    ranks = [1, 16, 33, 128, 0, 8, 64, 5]
+    pool = unified_pool(rng, [[r, (r * 7) % 50] for r in ranks], [(96, 160), (48, 80)], align=16)
+    runs = [(2, 40), (6, 17), (-1, 5), (3, 1), (0, 3), (4, 2), (7, 19), (1, 1), (5, 1)]
+    ids = np.concatenate([np.full(n, s) for s, n in runs])
+    ids = np.concatenate([ids[:30], rng.permutation(ids[30:])])  # a run, then rows in any order
+    for module, (hidden, out) in zip(pool.modules, [(96, 160), (48, 80)], strict=True):
+        _check_tiled(rng, pool, module, ids, hidden=hidden, out=out, max_rank=128, dtype=dtype)
+
+
+def test_tiled_kernels_refuse_chunks_too_small_for_a_dot(rng):
+    pool = unified_pool(rng, [[4]], [(24, 40)], align=8)
+    m, x = pool.modules[0], random_array(rng, (5, 24), jnp.float32)
+    groups = make_row_groups(jnp.zeros((5,), jnp.int32), num_slots=2, seg_len=None, block_rows=(16,))
+    assert not tiled_fits(24, pool.k, 8)
+    with pytest.raises(ValueError, match="at least 16"):
+        unified_tiled_shrink(
+            x, pool.k, pool.v, jnp.int32(0), pool.pages, m.a_offsets, m.ranks, groups, max_rank=8, align=8
+        )
