@@ -136,7 +136,12 @@ class PageTable:
         """Whether `grow(seq, num_positions)` would succeed and still leave `reserve` pages free."""
         if pages_for(num_positions, self.page_size) > self.max_pages_per_seq:
             return False
-        return self.pages_to_grow(seq, num_positions) + reserve <= self.num_free
+        return self._has_free(self.pages_to_grow(seq, num_positions) + reserve)
+
+    def _has_free(self, num: int) -> bool:
+        """num <= num_free, asking the reclaimer (a walk over its owners) only when free and cached
+        pages fall short: every running sequence asks once a step, and almost always needs 0 or 1."""
+        return num <= len(self._free) + len(self._cached) or num <= self.num_free
 
     def key_of(self, page: int) -> bytes | None:
         """The key of a page's contents, if it is keyed."""
@@ -160,7 +165,7 @@ class PageTable:
         if num > self.max_pages_per_seq:
             return False
         unheld = sum(not self._refs[p] for p in cached)
-        return max(0, num - len(cached)) + unheld + reserve <= self.num_free
+        return self._has_free(max(0, num - len(cached)) + unheld + reserve)
 
     # Mutations.
     def attach(self, seq: int, cached: Sequence[int]) -> None:

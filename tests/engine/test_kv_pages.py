@@ -151,9 +151,10 @@ class _Idle:
     """A reclaimer whose owners are all idle, the oldest reclaimed first."""
 
     def __init__(self, table: PageTable) -> None:
-        self.table, self.owners, self.calls = table, [], 0
+        self.table, self.owners, self.calls, self.asked = table, [], 0, 0
 
     def reclaimable_pages(self) -> int:
+        self.asked += 1
         return sum(len(self.table.owned(o)) for o in self.owners)
 
     def reclaim(self) -> None:
@@ -181,3 +182,18 @@ def test_growth_takes_free_then_cached_then_idle_owners_pages():
     with pytest.raises(RuntimeError):
         table.take_for("third", 2)  # an owner never reclaims another: 1 free page only
     table.check()
+
+
+def test_admission_checks_ask_the_reclaimer_only_when_free_pages_fall_short():
+    """Every running sequence checks its growth each step: free and cached pages answer it without
+    a walk over the reclaimer's owners, unless they fall short."""
+    table = PageTable(8, PAGE_SIZE, 8)
+    idle = _Idle(table)
+    table.set_reclaimer(idle)
+    table.take_for("adapter", 4)
+    idle.owners.append("adapter")
+    assert table.can_grow(0, 16) and table.can_admit([], 16, reserve=0)  # 4 free pages suffice
+    assert idle.asked == 0
+    assert table.can_grow(0, 20) and table.can_admit([], 32)  # 5 and 8 pages: the adapter's count
+    assert idle.asked == 2
+    assert not table.can_grow(0, 36)
