@@ -193,6 +193,11 @@ def _unified_module(
         return unified_expand_xla(y, h, *common, b_off, ranks, token_slots)
     kw = dict(align=FACTOR_ALIGN, interpret=kernels.interpret)
     groups = plan.groups if plan is not None else None
+    if groups is not None and (plan.num_tokens != x.shape[0] or plan.num_slots != group_bank.pages.shape[0]):
+        raise ValueError(
+            f"the step's plan ({plan.num_tokens} rows, {plan.num_slots} slots) is not for these "
+            f"{x.shape[0]} rows on {group_bank.pages.shape[0]} slots"
+        )
     tiled = (
         groups is not None
         and x.shape[0] >= UNIFIED_TILED_MIN_TOKENS

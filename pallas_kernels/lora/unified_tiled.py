@@ -145,8 +145,9 @@ def unified_tiled_shrink(
 
     Args:
       x: [T, D] float; k, v, layer, pages, offsets, ranks, max_rank, align: as `unified.unified_shrink`.
-      groups: the rows grouped by slot (`common.make_row_groups` of the [T] slot ids; a slot whose
-        rank is 0 or below 0 gives h = 0).
+      groups: the rows grouped by slot (`common.make_row_groups` of the [T] slot ids, its num_slots
+        counting every distinct id, -1 included: rows of a slot past that count get no work item
+        and are left unwritten). A slot of rank 0, or -1, gives h = 0.
       block_rows: rows a tile holds; block: most elements a load moves; rank_block: rank-rows a
         program takes (powers of two, at least 16 each with the chunk).
 

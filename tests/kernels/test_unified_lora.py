@@ -176,6 +176,9 @@ def _check_tiled(rng, pool, module, ids, *, hidden, out, max_rank, dtype, block_
     h = unified_tiled_shrink(x, *common, module.a_offsets, module.ranks, groups, max_rank=max_rank, **knobs)
     h_want = unified_shrink_reference(x, *common, module.a_offsets, module.ranks, ids, max_rank=max_rank)
     assert_close(h, h_want, dtype)
+    ranks = np.asarray(module.ranks)
+    for t, s in enumerate(np.asarray(ids)):  # exact zeros at and past the rank
+        assert not np.asarray(h[t, ranks[s] if s >= 0 else 0 :]).any()
     h_in = nan_past_rank(h, module.ranks, ids)
     got = unified_tiled_expand(y, h_in, *common, module.b_offsets, module.ranks, groups, **knobs)
     assert_close(got, unified_expand_reference(y, h_in, *common, module.b_offsets, module.ranks, ids), dtype)
