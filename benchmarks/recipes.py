@@ -342,12 +342,12 @@ RECIPES: dict[str, Recipe] = {
         parts=_trace_arms("--lora-groups", ("split", "tuned")),
     ),
     "paged_bank": Recipe(
-        doc="Issue 38's rows: S-LoRA's trace on the padded bank, then on the paged (true-rank pools) bank, then "
-        "on the unified bank (true rank in the KV pool's pages), one process per arm, the same draw, the clock "
-        "split evenly (s2's mixed ranks are where the padded bank pays most; rows carry `bank` and the pool "
-        "column).",
-        variables={"setting": "s2 s1", "rate": "40 10", "setup_s": "200"},
-        parts=_trace_arms("--bank", ("padded", "paged", "unified")),
+        doc="Issue 38's rows: S-LoRA's trace on the padded bank, then on the unified bank (true rank in the KV "
+        "pool's pages), one process per arm, the same draw, the clock split evenly; one setting a call (s2's set-up "
+        "takes ~80 s an arm on an H100). s2's mixed ranks are where the padded bank pays most; rows carry `bank` "
+        "and the pool column (the paged bank, true-rank pools of its own: `serving.trace --bank paged`).",
+        variables={"setting": "s2", "rate": "40 10", "setup_s": "90"},
+        parts=_trace_arms("--bank", ("padded", "unified")),
     ),
     "prefix_cache": Recipe(
         doc="The prefix cache on and off from one engine per setting: the multi-turn chat trace at 10 "
