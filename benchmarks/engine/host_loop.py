@@ -27,6 +27,9 @@ Per case, over `--steps` steps after `--warmup-steps`:
                      time ("XLA Modules" line of the GPU plane) and the device idle gap between
                      consecutive steps, plus the host->device copies per step. Needs a GPU plane
                      in the trace: on CPU the entry says it is not available.
+`--bank unified` runs the same loop on the unified bank (adapters at their rank in the KV pool's
+pages, `jaxlora.adapters.UnifiedPager`, paged in by the loop's first requests); the padded bank's
+adapters are drawn into their slots for good.
 The loop must compile nothing after warm-up (`compiles_after_warmup` is recorded and checked).
 `token_digest` hashes every token id the loop streamed (warm-up and measured steps): two runs of
 the same case and seed that compute the same agree on it (e.g. under different XLA_FLAGS).
@@ -46,6 +49,8 @@ import gc
 import glob
 import hashlib
 import json
+import math
+import re
 import shlex
 import sys
 import tempfile
@@ -57,8 +62,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import LLAMA2_7B, TINY, adapter_name, random_bank, word_tokenizer
-from jaxlora.adapters import ResidentBank
-from jaxlora.config import LoraConfig
+from benchmarks.engine.paging import pool_adapters, register_copies, weight_pool
+from jaxlora.adapters import ResidentBank, UnifiedPager
+from jaxlora.config import TARGET_MODULES, LoraBank, LoraConfig
 from jaxlora.engine.compiles import backend_compiles, check_no_compiles
 from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.engine import Engine
@@ -67,6 +73,7 @@ from jaxlora.engine.request import GenerationRequest, SamplingParams
 from jaxlora.engine.runner import ragged_step
 from jaxlora.engine.step_inputs import HostInputs
 from jaxlora.kernels import CONCURRENT_MIN_TOKENS, KernelConfig
+from jaxlora.lora.unified_layout import adapter_layout
 from jaxlora.model.params import random_model
 
 PAGE_SIZE = 16
@@ -108,6 +115,7 @@ class Options:
     seed: int = 0
     concurrent_min_tokens: int = CONCURRENT_MIN_TOKENS
     prefix_caching: bool = True
+    bank: str = LoraBank.PADDED
 
 
 # -- the closed loop ------------------------------------------------------------------------------
@@ -183,8 +191,8 @@ def measure_loop(loop: ClosedLoop, steps: int) -> dict:
 def device_intervals(trace_dir: str) -> dict | None:
     """From the xplane files under trace_dir: {"steps": [(start_ns, end_ns)] of each run of the
     engine's step on the first GPU ("XLA Modules" line), "h2d": [(start_ns, end_ns)] of host->device
-    copies on its streams, "lines": the GPU plane's line names}; None when the trace has no GPU plane
-    (CPU)."""
+    copies on its streams, "ops": the other stream events' spans, "names": their names, "lines": the
+    GPU plane's line names}; None when the trace has no GPU plane (CPU)."""
     from jax.profiler import ProfileData
 
     for path in sorted(glob.glob(trace_dir + "/**/*.xplane.pb", recursive=True)):
@@ -192,7 +200,7 @@ def device_intervals(trace_dir: str) -> dict | None:
             if not plane.name.startswith("/device:GPU:0"):
                 continue
             lines = list(plane.lines)
-            steps, h2d, ops = [], [], []
+            steps, h2d, ops, names = [], [], [], []
             for line in lines:
                 for ev in line.events:
                     span = (ev.start_ns, ev.start_ns + ev.duration_ns)
@@ -202,7 +210,14 @@ def device_intervals(trace_dir: str) -> dict | None:
                         h2d.append(span)
                     elif "Stream" in line.name:
                         ops.append(span)
-            return {"steps": sorted(steps), "h2d": sorted(h2d), "ops": sorted(ops), "lines": [ln.name for ln in lines]}
+                        names.append((ev.name, ev.duration_ns))
+            return {
+                "steps": sorted(steps),
+                "h2d": sorted(h2d),
+                "ops": sorted(ops),
+                "names": names,
+                "lines": [ln.name for ln in lines],
+            }
     return None
 
 
@@ -237,7 +252,11 @@ def profile_loop(loop: ClosedLoop, steps: int) -> dict:
     found = device_intervals(trace_dir)
     if found is None:
         return {"available": False, "reason": "the trace has no GPU plane (device time is only traced on GPU)"}
-    kernels = {**kernel_summary(found["ops"], steps), "host_events": host_events}
+    kernels = {
+        **kernel_summary(found["ops"], steps),
+        "top_ops": top_ops(found["names"], steps),
+        "host_events": host_events,
+    }
     if len(found["steps"]) < 2:
         return {
             "available": False,
@@ -270,6 +289,18 @@ def host_event_summary(trace_dir: str, steps: int, top: int = 25) -> list[tuple[
                     entry[1] += 1
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
     return [(name, round(ms / steps, 4), round(n / steps, 1)) for name, (ms, n) in ranked]
+
+
+def top_ops(names: list[tuple[str, int]], steps: int, top: int = 20) -> list[tuple[str, float, float]]:
+    """The GPU ops with the most time over the traced loop: (name, ms a step, launches a step). What
+    a step spends its time on (a copy of the KV pool would lead the list)."""
+    totals: dict[str, list[float]] = {}
+    for name, ns in names:
+        entry = totals.setdefault(name[:80], [0.0, 0.0])
+        entry[0] += ns / 1e6
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [(name, round(ms / steps, 4), round(n / steps, 2)) for name, (ms, n) in ranked]
 
 
 def kernel_summary(ops: list[tuple[float, float]], steps: int) -> dict:
@@ -381,17 +412,24 @@ def budgets(case: Case, opts: Options) -> tuple[int, ...]:
 
 
 def build_engine(model, tokenizer, case: Case, opts: Options) -> Engine:
+    """The padded bank: every adapter drawn into its device slot for good (`ResidentBank`). The
+    unified bank: the adapters registered with a `UnifiedPager` at their rank, paged into the KV
+    pool (which gets their pages on top of the sequences') by the loop's first requests."""
     cfg = model.config
     max_seq_len = opts.prompt_len + opts.gen_len + opts.gen_len // 2 + 1
     pages_per_seq = -(-max_seq_len // PAGE_SIZE)
     num_adapters = max(1, case.distinct)  # d = 0 still has a bank: base rows run the bank-free step
-    lora = LoraConfig(max_slots=num_adapters + 1, max_rank=opts.rank, backend=opts.backend)
+    lora = LoraConfig(max_slots=num_adapters + 1, max_rank=opts.rank, backend=opts.backend, bank=opts.bank)
+    num_pages = case.batch * pages_per_seq * 21 // 20 + 1  # every row at full length, + the reserve
+    if lora.bank is LoraBank.UNIFIED:
+        ranks = dict.fromkeys(TARGET_MODULES, opts.rank)
+        num_pages += num_adapters * adapter_layout(ranks, cfg, lora, PAGE_SIZE).num_pages
     config = EngineConfig(
         max_batch=case.batch,
         max_seq_len=max_seq_len,
         token_budgets=budgets(case, opts),
         page_size=PAGE_SIZE,
-        num_pages=case.batch * pages_per_seq * 21 // 20 + 1,  # every row at full length, + the reserve
+        num_pages=num_pages,
         max_new_tokens_limit=opts.gen_len + opts.gen_len // 2,
         max_queue=4 * case.batch,
         lora=lora,
@@ -399,6 +437,11 @@ def build_engine(model, tokenizer, case: Case, opts: Options) -> Engine:
         enable_prefix_caching=opts.prefix_caching,
         kernels=KernelConfig(concurrent_min_tokens=opts.concurrent_min_tokens),
     )
+    if lora.bank is LoraBank.UNIFIED:
+        pager = UnifiedPager(cfg, lora, page_size=PAGE_SIZE, dtype=model.dtype)
+        pool = weight_pool(cfg, opts.rank, TARGET_MODULES, min(4, num_adapters), seed=opts.seed)
+        register_copies(pager, pool_adapters(pool, opts.rank, TARGET_MODULES), num_adapters)
+        return Engine(model, tokenizer, config, pager)
     bank = random_bank(cfg, lora, num_adapters, model.dtype, seed=opts.seed)
     source = ResidentBank(bank, [adapter_name(i) for i in range(num_adapters)])
     return Engine(model, tokenizer, config, source)
@@ -413,7 +456,12 @@ def run_case(model, tokenizer, case: Case, opts: Options) -> dict:
     loop = ClosedLoop(engine, case, opts)
     loop.fill()
     loop.run(opts.warmup_steps)
-    result: dict = {"batch": case.batch, "distinct": case.distinct, "setup_s": round(setup_s, 2)}
+    result: dict = {
+        "batch": case.batch,
+        "distinct": case.distinct,
+        "bank": opts.bank.value,
+        "setup_s": round(setup_s, 2),
+    }
     result.update(measure_loop(loop, opts.steps))
     if opts.profile_steps:
         result["profile"] = profile_loop(loop, opts.profile_steps)
@@ -426,9 +474,27 @@ def run_case(model, tokenizer, case: Case, opts: Options) -> dict:
     # From here the page pool gets replayed writes: the requests still in flight are abandoned.
     bank = engine.pager.bank
     result["device_step_ms"] = round(time_replay(engine.runner, bank, capture.inputs, opts.replay_steps), 4)
+    result["pool_copies"] = pool_copies(engine.runner, bank, capture.inputs)
     if opts.probe_reps:
         result["dispatch_probe"] = dispatch_probe(engine.runner, bank, capture.inputs, opts.probe_reps)
     return result
+
+
+_COPY = re.compile(r"= \w+\[([\d,]*)\]\S* copy(?:-start)?\(")
+
+
+def pool_copies(runner, bank, inputs: HostInputs) -> dict:
+    """Copies of the KV pool (whole, or one layer of it) in the compiled decode step, as this backend
+    compiles it: a unified bank's adapter reads must be ordered around the in-place KV write, and a
+    step that copies the pool instead pays for its bytes on every layer. `large`: every copy at
+    least one pool layer large (gathers of attention's keys included), for the reader."""
+    lora = inputs.has_adapter
+    text = runner._lower(bank, jax.device_put(inputs.buffer), inputs.layout, lora).compile().as_text()
+    shape = tuple(runner.kv.k.shape)
+    dims = [(m.group(0), tuple(int(d) for d in m.group(1).split(",") if d)) for m in _COPY.finditer(text)]
+    pool = [line for line, d in dims if d in (shape, shape[1:])]
+    large = [line for line, d in dims if math.prod(d) >= math.prod(shape[1:])]
+    return {"count": len(pool), "pool_shape": list(shape), "large": len(large), "first_large": large[:4]}
 
 
 # -- driver ---------------------------------------------------------------------------------------
@@ -502,6 +568,12 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path]:
         help="step programs of fewer tokens compile without CONCURRENT command-buffer scheduling (kernels.concurrent_min_tokens)",
     )
     p.add_argument(
+        "--bank",
+        choices=[LoraBank.PADDED.value, LoraBank.UNIFIED.value],
+        default=LoraBank.PADDED.value,
+        help="the device adapter bank (lora.bank): padded slots, or true-rank pages in the KV pool",
+    )
+    p.add_argument(
         "--no-prefix-cache",
         action="store_true",
         help="run the engine without prefix caching (the prompts are random: it only costs host time)",
@@ -527,6 +599,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path]:
         one_budget=a.one_budget,
         concurrent_min_tokens=a.concurrent_min_tokens,
         prefix_caching=not a.no_prefix_cache,
+        bank=LoraBank(a.bank),
     )
     if opts.concurrent_min_tokens < 1:
         p.error(f"--concurrent-min-tokens {opts.concurrent_min_tokens} must be >= 1")

@@ -14,6 +14,7 @@ run, so a q/k/v/o rank-8 adapter takes 2 pages, not 4 x 1).
 
     python -m benchmarks.kernels.paged_lora --out DIR     # GPU -> DIR/paged_lora.{json,md}
     python -m benchmarks.kernels.paged_lora --smoke       # tiny shapes in interpret mode (CPU)
+    python -m benchmarks.kernels.paged_lora --out DIR --cases s1:64:decode s2:64:decode   # some cases
 """
 
 from __future__ import annotations
@@ -30,13 +31,16 @@ import pallas_kernels as pk
 from benchmarks.common import best_ms
 from pallas_kernels.lora.common import make_row_groups
 from pallas_kernels.lora.paged import PagedLayout, paged_expand, paged_shrink
-from pallas_kernels.lora.unified import unified_expand, unified_shrink
+from pallas_kernels.lora.unified import chunk_size, unified_expand, unified_shrink
 from pallas_kernels.lora.unified_tiled import unified_tiled_expand, unified_tiled_shrink
 
 MIXES = {"s1": (8,), "s2": (8, 16, 32, 64)}  # the serving benchmark's rank settings
 PAGE_ROWS = 8
 BLOCKS = (128, 256, 512)  # the paged kernels' column block, swept on the GPU
 RANK_BLOCKS = (8, 16, 32)  # the unified kernels' rank-rows per step, swept (the tiled ones from 16)
+# The per-row unified shrink's (k_splits, unroll), swept with each rank block: (1, 1) is one program
+# a rank block, one chunk a loop step.
+SHRINK_SPLITS = ((1, 1), (1, 4), (4, 1), (4, 4), (8, 2), (2, 8))
 TILE_ROWS = 16  # the tiled unified kernels' rows a tile (jaxlora.lora.apply.UNIFIED_TILE_ROWS)
 MIXED_RUNS, MIXED_DECODE_ROWS = 7, 64  # the mixed step: prefill chunks of one adapter each, decode rows
 KV_PAGE = (16, 32, 128)  # positions, KV heads, head_dim of one page of the 7B shape's KV pool
@@ -150,10 +154,11 @@ def run_case(rng, mix: str, num_tokens: int, kind: str, hidden: int, dtype, inte
     # B's rank-rows start at r * hidden: every offset is a multiple of hidden's power of two.
     align = min(128, hidden & -hidden)
 
-    def unified_at(rank_block: int):
+    def unified_at(rank_block: int, k_splits: int = 1, unroll: int = 1, num_stages: int = 1):
         def unified(x, y):
             common = dict(align=align, rank_block=rank_block, interpret=interpret)
-            h = unified_shrink(x, k, v, layer, pages, a_off, rank_arr, ids, max_rank=max_rank, **common)
+            split = dict(k_splits=k_splits, unroll=unroll, num_stages=num_stages)
+            h = unified_shrink(x, k, v, layer, pages, a_off, rank_arr, ids, max_rank=max_rank, **common, **split)
             return unified_expand(y, h, k, v, layer, pages, b_off, rank_arr, ids, **common)
 
         return jax.jit(unified)
@@ -166,11 +171,17 @@ def run_case(rng, mix: str, num_tokens: int, kind: str, hidden: int, dtype, inte
 
         return jax.jit(tiled)
 
+    # The shrink's loads: chunks of a rank-row the (k_splits, unroll) must divide.
+    chunks = hidden // chunk_size(hidden, int(np.prod(kv_page)), align, 128)
+    splits = [(ks, un) for ks, un in SHRINK_SPLITS if chunks % (ks * un) == 0]
+    if interpret:
+        splits = splits[:1] + splits[-1:]
     want = np.asarray(padded(x, y, plan), np.float32)
     err = 0.0
     candidates = (
         ("paged", paged_at(BLOCKS[0]), ()),
         ("unified", unified_at(16), ()),
+        ("unified split", unified_at(16, *splits[-1]), ()),
         ("tiled", tiled_at(16), (groups,)),
     )
     for name, fn, extra in candidates:
@@ -180,7 +191,16 @@ def run_case(rng, mix: str, num_tokens: int, kind: str, hidden: int, dtype, inte
             raise RuntimeError(f"{mix} T={num_tokens}: {name} differs from padded (relative max error {err_of:.3g})")
         err = max(err, err_of)
     rank_blocks = (16,) if interpret else RANK_BLOCKS
-    unified_us = {rb: 1e3 * best_ms(unified_at(rb), x, y, reps=reps) for rb in rank_blocks}
+    unified_us = {
+        (rb, ks, un, 1): 1e3 * best_ms(unified_at(rb, ks, un), x, y, reps=reps)
+        for rb in rank_blocks
+        for ks, un in splits
+    }
+    plain = {key: t for key, t in unified_us.items() if key[1:] == (1, 1, 1)}
+    best = min(unified_us, key=unified_us.get)
+    for stages in () if interpret else (2, 3):  # software pipelining, on the best split
+        unified_us[(*best[:3], stages)] = 1e3 * best_ms(unified_at(*best[:3], stages), x, y, reps=reps)
+    best = min(unified_us, key=unified_us.get)
     tiled_us = {rb: 1e3 * best_ms(tiled_at(rb), x, y, groups, reps=reps) for rb in rank_blocks if rb >= 16}
     itemsize = jnp.dtype(dtype).itemsize
     layout = PagedLayout(page_rows=PAGE_ROWS, width=hidden, itemsize=itemsize, max_pages=a_table.shape[1])
@@ -194,7 +214,12 @@ def run_case(rng, mix: str, num_tokens: int, kind: str, hidden: int, dtype, inte
         "padded_us": 1e3 * best_ms(padded, x, y, plan, reps=reps),
         **_best_paged(paged_at, x, y, reps, blocks=BLOCKS[:1] if interpret else BLOCKS[:2]),
         "unified_us": min(unified_us.values()),
-        "unified_rank_block": min(unified_us, key=unified_us.get),
+        "unified_rank_block": best[0],
+        "unified_k_splits": best[1],
+        "unified_unroll": best[2],
+        "unified_num_stages": best[3],
+        "unified_unsplit_us": min(plain.values()),
+        "unified_knobs_us": {f"rb{rb}/ks{ks}/u{un}/st{st}": round(t, 2) for (rb, ks, un, st), t in unified_us.items()},
         "tiled_us": min(tiled_us.values()),
         "tiled_rank_block": min(tiled_us, key=tiled_us.get),
         "padded_bytes": int((a.size - a[0].size + b.size - b[0].size) * itemsize),
@@ -209,16 +234,20 @@ def _markdown(rows: list[dict], device: str) -> str:
         f"# Paged true-rank LoRA kernels vs the padded bank on {device}",
         "",
         "Shrink + expand of one 4096-wide module; microseconds per call (best knob: paged column block, "
-        "unified / tiled rank block); time against padded; bytes of the adapters.",
+        "unified rank block, shrink k-splits and unroll; unsplit: the best with one program a rank block "
+        "and one chunk a step; tiled rank block); time against padded; bytes of the adapters.",
         "",
-        "| mix | step | T | adapters | ranks | padded us | paged us | unified us | tiled us | paged / unified / tiled vs padded | padded MB | paged MB | unified MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mix | step | T | adapters | ranks | padded us | paged us | unified us | unified unsplit us | tiled us | paged / unified / tiled vs padded | padded MB | paged MB | unified MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p = r["padded_us"]
         lines.append(
             f"| {r['mix']} | {r['kind']} | {r['T']} | {r['adapters']} | {r['ranks']} | {p:.1f} | "
-            f"{r['paged_us']:.1f} ({r['paged_block']}) | {r['unified_us']:.1f} ({r['unified_rank_block']}) | "
+            f"{r['paged_us']:.1f} ({r['paged_block']}) | "
+            f"{r['unified_us']:.1f} (rb {r['unified_rank_block']}, ks {r['unified_k_splits']}, "
+            f"u {r['unified_unroll']}, st {r['unified_num_stages']}) | "
+            f"{r['unified_unsplit_us']:.1f} | "
             f"{r['tiled_us']:.1f} ({r['tiled_rank_block']}) | "
             f"{r['paged_us'] / p:.2f} / {r['unified_us'] / p:.2f} / {r['tiled_us'] / p:.2f} | "
             f"{r['padded_bytes'] / 1e6:.1f} | {r['paged_bytes'] / 1e6:.1f} | {r['unified_bytes'] / 1e6:.1f} |"
@@ -235,10 +264,20 @@ def _write(rows: list[dict], out: Path | None) -> str:
     return text
 
 
+def _parse_case(text: str) -> tuple[str, int, str]:
+    mix, tokens, kind = text.split(":")
+    if mix not in MIXES or kind not in ("decode", "mixed") or int(tokens) < 1:
+        raise SystemExit(f"case {text!r}: need MIX:T:KIND with MIX in {sorted(MIXES)}, KIND decode or mixed")
+    return mix, int(tokens), kind
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="folder for paged_lora.{json,md}")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
+    parser.add_argument(
+        "--cases", nargs="+", default=None, help="MIX:T:KIND cases (e.g. s1:64:decode s2:2048:mixed); default all"
+    )
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     if args.smoke:
@@ -247,6 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         cases = [("s2", 2048, "mixed"), *((m, t, "decode") for m in MIXES for t in (64, 256))]
         hidden, dtype, interpret, reps = 4096, jnp.bfloat16, False, 20
+    if args.cases:
+        cases = [_parse_case(c) for c in args.cases]
     rows = []
     for mix, num_tokens, kind in cases:
         rows.append(run_case(rng, mix, num_tokens, kind, hidden, dtype, interpret, reps))

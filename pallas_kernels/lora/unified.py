@@ -23,8 +23,10 @@ Kernels (MBGMV-style: programs per token row, so a decode batch puts many adapte
 A row's work is proportional to its rank:
 
     unified_shrink:  h[t, r] = sum_k x[t, k] * A^T[r, k]        r < rank; h[t, r >= rank] = 0
-        program (row, rank block): the block's rank-rows over the whole input width; blocks at
-        and past the row's rank only store zeros.
+        program (row, rank block, input split): the block's rank-rows over 1/k_splits of the input
+        width, `unroll` chunks a loop step (independent loads in flight: a decode program is bound by
+        the latency of its dependent page-lookup-then-load chain, not by bytes); the splits' partial
+        sums are added after the launch. Blocks at and past the row's rank only store zeros.
     unified_expand:  y[t, o] + sum_r h[t, r] * B[r, o]           r < rank
         program (row, output chunk): loops over the row's rank blocks only.
 
@@ -52,7 +54,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.lora.common import F32, is_pow2
 
-_KNOBS = ("max_rank", "align", "block", "rank_block", "num_warps", "interpret")
+_EXPAND_KNOBS = ("align", "block", "rank_block", "num_warps", "interpret")
+_SHRINK_KNOBS = ("max_rank", *_EXPAND_KNOBS, "k_splits", "unroll", "num_stages")
 
 
 def check_unified(x_or_y, k, v, pages, offsets, ranks, adapter_ids) -> None:
@@ -127,24 +130,40 @@ def _shrink_kernel(
     chunk,
     rank_block,
     max_rank,
+    k_splits,
+    unroll,
 ):
-    # x_ref [T, D]; k_ref/v_ref [L, N * E]; h_ref [T, max_rank]; program (token row, rank block).
-    row, blk, layer = pl.program_id(0), pl.program_id(1), layer_ref[0]
+    # x_ref [T, D]; k_ref/v_ref [L, N * E]; h_ref [T, max_rank], or [T, k_splits, max_rank] f32
+    # partial sums when k_splits > 1; program (token row, rank block, input split).
+    row, blk, split, layer = pl.program_id(0), pl.program_id(1), pl.program_id(2), layer_ref[0]
     slot, rank, offset = _row(ids_ref, ranks_ref, offs_ref, row)
     rs = blk * rank_block + jnp.arange(rank_block, dtype=jnp.int32)
     r_ok = rs < rank
     row_chunks = hidden // chunk
-    first = offset // chunk + rs * row_chunks  # [rank_block] chunk index of each rank-row's start
+    per_split = row_chunks // k_splits
+    start = split * per_split
+    first = offset // chunk + rs * row_chunks + start  # [rank_block] chunk index of the split's start
 
-    def k_step(s, acc):  # acc [rank_block, chunk] f32: reduced once, after the loop
-        x = pltriton.load(x_ref.at[row, pl.ds(s * chunk, chunk)]).astype(F32)
-        a = load_chunks(k_ref, v_ref, pages_ref, slot, layer, first + s, r_ok, seg=seg, chunk=chunk)
-        return acc + a * x[None, :]
+    def k_step(i, acc):  # acc [rank_block, chunk] f32: reduced once, after the loop
+        # `unroll` chunks: every load of the step is issued before the first is used.
+        s = i * unroll
+        xs = [pltriton.load(x_ref.at[row, pl.ds((start + s + u) * chunk, chunk)]) for u in range(unroll)]
+        a_s = [
+            load_chunks(k_ref, v_ref, pages_ref, slot, layer, first + s + u, r_ok, seg=seg, chunk=chunk)
+            for u in range(unroll)
+        ]
+        for x, a in zip(xs, a_s):
+            acc = acc + a * x.astype(F32)[None, :]
+        return acc
 
     # A block at or past the rank runs no steps and stores zeros (h's exact zeros past the rank).
-    steps = jnp.where(blk * rank_block < rank, jnp.int32(row_chunks), jnp.int32(0))
+    steps = jnp.where(blk * rank_block < rank, jnp.int32(per_split // unroll), jnp.int32(0))
     acc = lax.fori_loop(0, steps, k_step, jnp.zeros((rank_block, chunk), F32))
-    pltriton.store(h_ref.at[row, rs], jnp.sum(acc, axis=1).astype(h_ref.dtype), mask=rs < max_rank)
+    total = jnp.sum(acc, axis=1)
+    if k_splits == 1:
+        pltriton.store(h_ref.at[row, rs], total.astype(h_ref.dtype), mask=rs < max_rank)
+    else:
+        pltriton.store(h_ref.at[row, split, rs], total, mask=rs < max_rank)
 
 
 def _expand_kernel(
@@ -190,7 +209,7 @@ def checked_knobs(align: int, block: int, rank_block: int) -> None:
         raise ValueError(f"align={align}, block={block} and rank_block={rank_block} must be powers of two")
 
 
-@functools.partial(jax.jit, static_argnames=_KNOBS)
+@functools.partial(jax.jit, static_argnames=_SHRINK_KNOBS)
 def unified_shrink(
     x: jax.Array,
     k: jax.Array,
@@ -207,6 +226,9 @@ def unified_shrink(
     rank_block: int = 16,
     num_warps: int = 4,
     interpret: bool = False,
+    k_splits: int = 1,
+    unroll: int = 1,
+    num_stages: int = 1,
 ) -> jax.Array:
     """h[t] = x[t] @ A for the A of row t's slot, read as rank-rows from the KV pool (module doc).
 
@@ -218,6 +240,9 @@ def unified_shrink(
       max_rank: columns of h (static); ranks above it are not checked on device.
       align: a power of two every offset is a multiple of (the caller's promise: the loads assume it).
       block: most elements a load moves; rank_block: rank-rows a program takes (powers of two).
+      k_splits: programs that share a rank block's input width (their f32 partial sums are added
+        after the launch); unroll: chunks a loop step loads. Both must divide the width's chunks.
+      num_stages: Triton's software pipelining of the loop's loads (1: none).
 
     Returns:
       h: [T, max_rank] in x.dtype, accumulated in f32; columns at and past a row's rank are 0.
@@ -226,20 +251,34 @@ def unified_shrink(
     checked_knobs(align, block, rank_block)
     num_tokens, hidden = x.shape
     chunk = chunk_size(hidden, segment_size(k), align, block)
+    row_chunks = hidden // chunk
+    if k_splits < 1 or unroll < 1 or row_chunks % (k_splits * unroll):
+        raise ValueError(
+            f"k_splits={k_splits} x unroll={unroll} must divide the {row_chunks} chunks of {chunk} of width {hidden}"
+        )
     kernel = functools.partial(
-        _shrink_kernel, seg=segment_size(k), hidden=hidden, chunk=chunk, rank_block=rank_block, max_rank=max_rank
+        _shrink_kernel,
+        seg=segment_size(k),
+        hidden=hidden,
+        chunk=chunk,
+        rank_block=rank_block,
+        max_rank=max_rank,
+        k_splits=k_splits,
+        unroll=unroll,
     )
-    return pl.pallas_call(
+    shape = (num_tokens, max_rank) if k_splits == 1 else (num_tokens, k_splits, max_rank)
+    h = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_tokens, max_rank), x.dtype),
-        grid=(num_tokens, pl.cdiv(max_rank, rank_block)),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        out_shape=jax.ShapeDtypeStruct(shape, x.dtype if k_splits == 1 else F32),
+        grid=(num_tokens, pl.cdiv(max_rank, rank_block), k_splits),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="lora_unified_shrink",
     )(*_tables(adapter_ids, ranks, offsets, pages, layer), x, flat_pool(k), flat_pool(v))
+    return h if k_splits == 1 else jnp.sum(h, axis=1).astype(x.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=_KNOBS[1:])
+@functools.partial(jax.jit, static_argnames=_EXPAND_KNOBS)
 def unified_expand(
     y: jax.Array,
     h: jax.Array,

@@ -7,11 +7,12 @@ import json
 
 import pytest
 
-from benchmarks.engine.host_loop import Case, gaps_summary
+from benchmarks.engine.host_loop import Case, gaps_summary, top_ops
 from tests.bench.run_module import run_benchmark
 
 
-def test_host_loop_smoke(tmp_path):
+@pytest.mark.parametrize("bank", ["padded", "unified"])
+def test_host_loop_smoke(tmp_path, bank):
     cmd = [
         "engine.host_loop",
         "--tiny",
@@ -34,6 +35,8 @@ def test_host_loop_smoke(tmp_path):
         "2",
         "--probe-reps",
         "1",
+        "--bank",
+        bank,
         "--out",
         str(tmp_path),
     ]
@@ -42,7 +45,7 @@ def test_host_loop_smoke(tmp_path):
     result = json.loads((tmp_path / "host_loop.json").read_text())
     assert not result["failed"] and len(result["cases"]) == 1
     case = result["cases"][0]
-    assert case["batch"] == 4 and case["steps"] >= 10 and case["compiles_after_warmup"] == 0
+    assert case["bank"] == bank and case["batch"] == 4 and case["steps"] >= 10 and case["compiles_after_warmup"] == 0
     host = case["host_ms_per_step"]
     assert all(host[k] > 0 for k in ("schedule_ms", "inputs_ms", "dispatch_ms", "stream_ms"))
     assert host["host_ms"] == pytest.approx(
@@ -63,6 +66,12 @@ def test_gaps_come_from_step_intervals():
     assert out["idle_share"] == round(4 / 34, 4) and out["h2d_copies_per_step"] == round(2 / 3, 2)
     with pytest.raises(ValueError, match="two steps"):
         gaps_summary(steps[:1], [])
+
+
+def test_top_ops_rank_by_time_per_step():
+    ms = 1_000_000
+    names = [("copy.1", 5 * ms), ("gemm", 2 * ms), ("copy.1", 5 * ms), ("gemm", 2 * ms), ("rope", ms)]
+    assert top_ops(names, steps=2, top=2) == [("copy.1", 5.0, 1.0), ("gemm", 2.0, 1.0)]
 
 
 def test_case_parsing():

@@ -194,12 +194,18 @@ def test_paged_kernels_lower_for_cuda(dtype, hidden, out, page_rows):
 
 
 @pytest.mark.parametrize(
-    "dtype, hidden, out, max_rank, kv_page",
-    [(jnp.bfloat16, 4096, 11008, 64, (16, 32, 128)), (jnp.float32, 576, 192, 33, (16, 3, 64))],
+    "dtype, hidden, out, max_rank, kv_page, k_splits, unroll",
+    [
+        (jnp.bfloat16, 4096, 11008, 64, (16, 32, 128), 1, 1),
+        (jnp.bfloat16, 4096, 11008, 64, (16, 32, 128), 4, 4),
+        (jnp.float32, 576, 192, 33, (16, 3, 64), 1, 1),
+        (jnp.float32, 576, 192, 33, (16, 3, 64), 3, 3),
+    ],
 )
-def test_unified_kernels_lower_for_cuda(dtype, hidden, out, max_rank, kv_page):
+def test_unified_kernels_lower_for_cuda(dtype, hidden, out, max_rank, kv_page, k_splits, unroll):
     """The shrink and expand that read adapters out of the KV pool (7B and SmolLM2 page shapes, a
-    max rank that is not a power of two): the per-chunk page lookup and the rank loops lower."""
+    max rank that is not a power of two): the per-chunk page lookup and the rank loops lower, with
+    the shrink's width split over programs and its loop steps unrolled."""
     from pallas_kernels.lora import unified
 
     sd = jax.ShapeDtypeStruct
@@ -208,7 +214,8 @@ def test_unified_kernels_lower_for_cuda(dtype, hidden, out, max_rank, kv_page):
     x, y = sd((37, hidden), dtype), sd((37, out), dtype)
 
     def step(x, y, k, v, layer, pages, a_off, b_off, ranks, ids):
-        h = unified.unified_shrink(x, k, v, layer, pages, a_off, ranks, ids, max_rank=max_rank, align=128)
+        kw = dict(k_splits=k_splits, unroll=unroll)
+        h = unified.unified_shrink(x, k, v, layer, pages, a_off, ranks, ids, max_rank=max_rank, align=128, **kw)
         return unified.unified_expand(y, h, k, v, layer, pages, b_off, ranks, ids, align=128)
 
     text = _lower_for_cuda(step, x, y, pool, pool, sd((), I32), pages, offsets, offsets, ranks, ids)

@@ -24,16 +24,16 @@ from tests.tolerances import assert_close
 LAYER = 1  # of 2: layer 0 holds other values
 
 
-def _check(rng, pool, module, ids, *, hidden, out, max_rank, dtype, rank_block=8, block=16):
+def _check(rng, pool, module, ids, *, hidden, out, max_rank, dtype, rank_block=8, block=16, **shrink_knobs):
     """Shrink then expand of `module` on rows `ids`, the kernels and the XLA path each against the
-    reference."""
+    reference. shrink_knobs: k_splits, unroll."""
     x = random_array(rng, (len(ids), hidden), dtype)
     y = random_array(rng, (len(ids), out), dtype)
     ids = jnp.asarray(ids, jnp.int32)
     layer = jnp.int32(LAYER)
     a_args = (pool.k, pool.v, layer, pool.pages, module.a_offsets, module.ranks, ids)
     knobs = dict(align=pool.align, block=block, rank_block=rank_block, interpret=True)
-    h = unified_shrink(x, *a_args, max_rank=max_rank, **knobs)
+    h = unified_shrink(x, *a_args, max_rank=max_rank, **knobs, **shrink_knobs)
     h_want = unified_shrink_reference(x, *a_args, max_rank=max_rank)
     assert_close(h, h_want, dtype)
     h_in = nan_past_rank(h, module.ranks, ids)
@@ -78,13 +78,15 @@ def test_rank_classes_and_rank_pattern_each_row_on_its_own_slot(rng, dtype):
             assert np.asarray(h[t, :r]).all()
 
 
-def test_whole_chunks_straddling_segments_and_pages(rng):
-    """Widths with a large power of two (96, 160 on 64-element segments, offsets on 32): the kernels
+@pytest.mark.parametrize("k_splits, unroll", [(1, 1), (3, 1), (1, 3), (3, 2)])
+def test_whole_chunks_straddling_segments_and_pages(rng, k_splits, unroll):
+    """Widths with a large power of two (192, 160 on 64-element segments, offsets on 32): the kernels
     load 32-element chunks, rank-rows cross K/V segments and pages mid-row, ranks mixed with base
-    rows."""
-    pool = unified_pool(rng, [[r] for r in (1, 6, 16, 31, 0, 64)], [(96, 160)], align=32)
+    rows; the shrink's six chunks a rank-row split over programs and unrolled in a loop step."""
+    pool = unified_pool(rng, [[r] for r in (1, 6, 16, 31, 0, 64)], [(192, 160)], align=32)
     ids = rng.permutation([0, 1, 2, 3, 4, 5, -1, 3, 5])
-    _check(rng, pool, pool.modules[0], ids, hidden=96, out=160, max_rank=64, dtype=jnp.bfloat16, block=32)
+    kw = dict(k_splits=k_splits, unroll=unroll)
+    _check(rng, pool, pool.modules[0], ids, hidden=192, out=160, max_rank=64, dtype=jnp.bfloat16, block=32, **kw)
 
 
 def test_every_rank_from_0_to_128(rng):
@@ -135,6 +137,10 @@ def test_bad_operands_are_refused(rng):
     with pytest.raises(ValueError, match="powers of two"):
         unified_shrink(
             x, pool.k, pool.v, layer, pool.pages, m.a_offsets, m.ranks, ids, max_rank=8, align=8, rank_block=6
+        )
+    with pytest.raises(ValueError, match="must divide the 2 chunks"):
+        unified_shrink(
+            x, pool.k, pool.v, layer, pool.pages, m.a_offsets, m.ranks, ids, max_rank=8, align=8, k_splits=2, unroll=2
         )
     with pytest.raises(ValueError, match=r"must be \[T, C\]"):
         unified_expand(x, x[:1], pool.k, pool.v, layer, pool.pages, m.b_offsets, m.ranks, ids, align=8)
@@ -209,3 +215,15 @@ def test_tiled_kernels_refuse_chunks_too_small_for_a_dot(rng):
         unified_tiled_shrink(
             x, pool.k, pool.v, jnp.int32(0), pool.pages, m.a_offsets, m.ranks, groups, max_rank=8, align=8
         )
+
+
+def test_the_engines_shrink_knobs_divide_every_width(monkeypatch):
+    """The tuning table's k_splits and unroll are cut to divisors of a width's chunks: 7B's 4096 (32
+    chunks of 128) keeps them, 11,008 (86) and SmolLM2's 576 (9 of 64) take what divides."""
+    from pallas_kernels.lora import tuning
+
+    monkeypatch.setitem(tuning.UNIFIED_SHRINK, 1 << 30, dict(k_splits=8, unroll=4, num_stages=1))
+    assert tuning.unified_shrink_knobs(64, 32) == dict(k_splits=8, unroll=4, num_stages=1)
+    assert tuning.unified_shrink_knobs(64, 86) == dict(k_splits=2, unroll=1, num_stages=1)
+    assert tuning.unified_shrink_knobs(64, 9) == dict(k_splits=1, unroll=1, num_stages=1)
+    assert tuning.unified_shrink_knobs(64, 12) == dict(k_splits=4, unroll=1, num_stages=1)
