@@ -157,7 +157,8 @@ def run_case(rng, mix: str, num_tokens: int, kind: str, hidden: int, dtype, inte
     def unified_at(rank_block: int, k_splits: int = 1, unroll: int = 1, num_stages: int = 1):
         def unified(x, y):
             common = dict(align=align, rank_block=rank_block, interpret=interpret)
-            split = dict(k_splits=k_splits, unroll=unroll, num_stages=num_stages)
+            # As the engine calls it: the expand adds the splits' partial sums.
+            split = dict(k_splits=k_splits, unroll=unroll, num_stages=num_stages, partials=k_splits > 1)
             h = unified_shrink(x, k, v, layer, pages, a_off, rank_arr, ids, max_rank=max_rank, **common, **split)
             return unified_expand(y, h, k, v, layer, pages, b_off, rank_arr, ids, **common)
 

@@ -30,7 +30,7 @@ from jaxlora.lora.unified_layout import FACTOR_ALIGN
 from pallas_kernels.lora.common import make_row_groups
 from pallas_kernels.lora.paged import paged_expand, paged_shrink
 from pallas_kernels.lora.tuning import unified_shrink_knobs
-from pallas_kernels.lora.unified import chunk_size, segment_size, unified_expand, unified_shrink
+from pallas_kernels.lora.unified import unified_expand, unified_shrink
 from pallas_kernels.lora.unified_tiled import tiled_fits, unified_tiled_expand, unified_tiled_shrink
 from pallas_kernels.lora.unified_xla import unified_expand_xla, unified_shrink_xla
 
@@ -38,7 +38,6 @@ from pallas_kernels.lora.unified_xla import unified_expand_xla, unified_shrink_x
 # slot, UNIFIED_TILE_ROWS a tile), smaller ones the per-row kernels (see `_unified_module`).
 UNIFIED_TILED_MIN_TOKENS = 128
 UNIFIED_TILE_ROWS = 16
-UNIFIED_BLOCK = 128  # the per-row kernels' `block`: the most elements a load moves
 
 GROUP_MODULES: dict[str, tuple[str, ...]] = dict(GROUPS)
 
@@ -209,10 +208,11 @@ def _unified_module(
         kw["block_rows"] = UNIFIED_TILE_ROWS
         h = unified_tiled_shrink(x, *common, a_off, ranks, groups, max_rank=group_bank.max_rank, **kw)
         return unified_tiled_expand(y, h, *common, b_off, ranks, groups, **kw)
-    kw["block"] = UNIFIED_BLOCK
-    chunks = x.shape[1] // chunk_size(x.shape[1], segment_size(k), FACTOR_ALIGN, UNIFIED_BLOCK)
-    split = unified_shrink_knobs(x.shape[0], chunks)  # the shrink's serial loop, cut (tuning table)
-    h = unified_shrink(x, *common, a_off, ranks, token_slots, max_rank=group_bank.max_rank, **kw, **split)
+    # The shrink's serial loop cut over programs (tuning table); the expand adds their partial sums.
+    split = unified_shrink_knobs(x.shape[0])
+    h = unified_shrink(
+        x, *common, a_off, ranks, token_slots, max_rank=group_bank.max_rank, partials=True, **kw, **split
+    )
     return unified_expand(y, h, *common, b_off, ranks, token_slots, **kw)
 
 

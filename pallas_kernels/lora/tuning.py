@@ -21,8 +21,6 @@ per tile: `expand.grouped_expand(mode="decode")`); it lost in every bucket, so n
 
 from __future__ import annotations
 
-import math
-
 # Decode (BGMV), from `benchmarks/kernels/lora.py tune` (summed over 16 and T distinct adapters,
 # rank 16, D = O = 4096): the timings are in benchmarks/DECISIONS.md#lora-expand-decode.
 SHRINK_DECODE: dict[int, dict[str, int | str]] = {
@@ -112,21 +110,19 @@ def group_tile_heights(mode: str, num_tokens: int) -> tuple[int, ...]:
 # programs share a rank block's input width and each loop step loads `unroll` chunks. A decode
 # program is bound by the latency of its serial page-lookup-then-load chain (one chunk a step over
 # the whole width), as the padded decode shrink's split_k above is. From
-# `benchmarks/kernels/paged_lora.py` (s1 and s2 decode, 64 and 256 rows, 4096 wide); the timings
-# are in benchmarks/DECISIONS.md#unified-shrink-splits. Widths whose chunk count the knobs do not
-# divide take their largest divisors (`unified_shrink_knobs`).
+# `benchmarks/kernels/paged_lora.py` (s1 and s2 decode, 64 and 256 rows, 4096 wide, rank block 16:
+# the knobs with the smallest summed shrink + expand time of the two mixes at that row count); the
+# timings are in benchmarks/DECISIONS.md#unified-shrink-splits. A width whose chunks k_splits does not
+# divide gives its last splits fewer chunks (7B's down_proj: 86 chunks of 128).
 UNIFIED_SHRINK: dict[int, dict[str, int]] = {
+    64: dict(k_splits=4, unroll=4, num_stages=1),
     1 << 30: dict(k_splits=8, unroll=2, num_stages=1),
 }
 
 
-def unified_shrink_knobs(num_tokens: int, chunks: int) -> dict[str, int]:
-    """The per-row unified shrink's knobs at `num_tokens` rows for a width of `chunks` chunks: the
-    table's, k_splits and unroll cut to divisors of the chunks (k_splits first)."""
-    knobs = dict(_bucket(UNIFIED_SHRINK, num_tokens))
-    knobs["k_splits"] = math.gcd(knobs["k_splits"], chunks)
-    knobs["unroll"] = math.gcd(knobs["unroll"], chunks // knobs["k_splits"])
-    return knobs
+def unified_shrink_knobs(num_tokens: int) -> dict[str, int]:
+    """The per-row unified shrink's knobs at `num_tokens` rows."""
+    return dict(_bucket(UNIFIED_SHRINK, num_tokens))
 
 
 TABLES: dict[tuple[str, str], dict[int, dict[str, int | str]]] = {

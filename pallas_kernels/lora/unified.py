@@ -26,7 +26,8 @@ A row's work is proportional to its rank:
         program (row, rank block, input split): the block's rank-rows over 1/k_splits of the input
         width, `unroll` chunks a loop step (independent loads in flight: a decode program is bound by
         the latency of its dependent page-lookup-then-load chain, not by bytes); the splits' partial
-        sums are added after the launch. Blocks at and past the row's rank only store zeros.
+        sums are added after the launch, or by the expand as it reads them (`partials`). Blocks at
+        and past the row's rank only store zeros.
     unified_expand:  y[t, o] + sum_r h[t, r] * B[r, o]           r < rank
         program (row, output chunk): loops over the row's rank blocks only.
 
@@ -55,7 +56,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.lora.common import F32, is_pow2
 
 _EXPAND_KNOBS = ("align", "block", "rank_block", "num_warps", "interpret")
-_SHRINK_KNOBS = ("max_rank", *_EXPAND_KNOBS, "k_splits", "unroll", "num_stages")
+_SHRINK_KNOBS = ("max_rank", *_EXPAND_KNOBS, "k_splits", "unroll", "num_stages", "partials")
 
 
 def check_unified(x_or_y, k, v, pages, offsets, ranks, adapter_ids) -> None:
@@ -133,19 +134,23 @@ def _shrink_kernel(
     k_splits,
     unroll,
 ):
-    # x_ref [T, D]; k_ref/v_ref [L, N * E]; h_ref [T, max_rank], or [T, k_splits, max_rank] f32
-    # partial sums when k_splits > 1; program (token row, rank block, input split).
+    # x_ref [T, D]; k_ref/v_ref [L, N * E]; h_ref [T, max_rank], or with k_splits > 1 the f32 partial
+    # sums flattened [T, k_splits * max_rank]; program (token row, rank block, input split).
     row, blk, split, layer = pl.program_id(0), pl.program_id(1), pl.program_id(2), layer_ref[0]
     slot, rank, offset = _row(ids_ref, ranks_ref, offs_ref, row)
     rs = blk * rank_block + jnp.arange(rank_block, dtype=jnp.int32)
     r_ok = rs < rank
     row_chunks = hidden // chunk
-    per_split = row_chunks // k_splits
+    per_split = -(-row_chunks // k_splits)  # the last splits may take fewer chunks, or none
     start = split * per_split
     first = offset // chunk + rs * row_chunks + start  # [rank_block] chunk index of the split's start
 
-    def k_step(i, acc):  # acc [rank_block, chunk] f32: reduced once, after the loop
-        # `unroll` chunks: every load of the step is issued before the first is used.
+    def chunk_term(s, acc):  # chunk `start + s` of the block's rank-rows, into acc [rank_block, chunk]
+        x = pltriton.load(x_ref.at[row, pl.ds((start + s) * chunk, chunk)]).astype(F32)
+        a = load_chunks(k_ref, v_ref, pages_ref, slot, layer, first + s, r_ok, seg=seg, chunk=chunk)
+        return acc + a * x[None, :]
+
+    def unrolled(i, acc):  # `unroll` chunks, every load issued before the first is used
         s = i * unroll
         xs = [pltriton.load(x_ref.at[row, pl.ds((start + s + u) * chunk, chunk)]) for u in range(unroll)]
         a_s = [
@@ -157,13 +162,16 @@ def _shrink_kernel(
         return acc
 
     # A block at or past the rank runs no steps and stores zeros (h's exact zeros past the rank).
-    steps = jnp.where(blk * rank_block < rank, jnp.int32(per_split // unroll), jnp.int32(0))
-    acc = lax.fori_loop(0, steps, k_step, jnp.zeros((rank_block, chunk), F32))
+    count = jnp.clip(row_chunks - start, 0, per_split)
+    count = jnp.where(blk * rank_block < rank, count, 0).astype(jnp.int32)
+    acc = lax.fori_loop(0, count // unroll, unrolled, jnp.zeros((rank_block, chunk), F32))
+    done = (count // unroll) * unroll
+    acc = lax.fori_loop(0, count - done, lambda i, acc: chunk_term(done + i, acc), acc)
     total = jnp.sum(acc, axis=1)
     if k_splits == 1:
         pltriton.store(h_ref.at[row, rs], total.astype(h_ref.dtype), mask=rs < max_rank)
     else:
-        pltriton.store(h_ref.at[row, split, rs], total, mask=rs < max_rank)
+        pltriton.store(h_ref.at[row, split * max_rank + rs], total, mask=rs < max_rank)
 
 
 def _expand_kernel(
@@ -183,8 +191,10 @@ def _expand_kernel(
     chunk,
     rank_block,
     rank_cols,
+    parts,
 ):
-    # y_ref/o_ref [T, O]; h_ref [T, C]; program (token row, output chunk).
+    # y_ref/o_ref [T, O]; h_ref [T, parts * C] (parts > 1: the shrink's partial sums, added here);
+    # program (token row, output chunk).
     row, col, layer = pl.program_id(0), pl.program_id(1), layer_ref[0]
     slot, rank, offset = _row(ids_ref, ranks_ref, offs_ref, row)
     rr = jnp.arange(rank_block, dtype=jnp.int32)
@@ -193,7 +203,11 @@ def _expand_kernel(
     def rank_step(i, acc):  # acc [chunk] f32
         rs = i * rank_block + rr
         r_ok = (rs < rank) & (rs < rank_cols)
-        h = pltriton.load(h_ref.at[row, rs], mask=r_ok, other=0).astype(F32)
+        if parts == 1:
+            h = pltriton.load(h_ref.at[row, rs], mask=r_ok, other=0).astype(F32)
+        else:
+            index = jnp.arange(parts, dtype=jnp.int32)[:, None] * rank_cols + rs[None, :]
+            h = jnp.sum(pltriton.load(h_ref.at[row, index], mask=r_ok[None, :], other=0).astype(F32), axis=0)
         first = offset // chunk + rs * row_chunks + col
         b = load_chunks(k_ref, v_ref, pages_ref, slot, layer, first, r_ok, seg=seg, chunk=chunk)
         return acc + jnp.sum(h[:, None] * b, axis=0)
@@ -229,6 +243,7 @@ def unified_shrink(
     k_splits: int = 1,
     unroll: int = 1,
     num_stages: int = 1,
+    partials: bool = False,
 ) -> jax.Array:
     """h[t] = x[t] @ A for the A of row t's slot, read as rank-rows from the KV pool (module doc).
 
@@ -240,22 +255,23 @@ def unified_shrink(
       max_rank: columns of h (static); ranks above it are not checked on device.
       align: a power of two every offset is a multiple of (the caller's promise: the loads assume it).
       block: most elements a load moves; rank_block: rank-rows a program takes (powers of two).
-      k_splits: programs that share a rank block's input width (their f32 partial sums are added
-        after the launch); unroll: chunks a loop step loads. Both must divide the width's chunks.
+      k_splits: programs that share a rank block's input width, a power of two (each takes
+        ceil(chunks / k_splits) of the width's chunks, the last ones fewer); unroll: chunks a loop
+        step loads (a shorter loop takes the rest).
       num_stages: Triton's software pipelining of the loop's loads (1: none).
+      partials: with k_splits > 1, return the splits' f32 partial sums [T, k_splits, max_rank]
+        unadded, for `unified_expand` to add as it reads them (no launch to add them).
 
     Returns:
-      h: [T, max_rank] in x.dtype, accumulated in f32; columns at and past a row's rank are 0.
+      h: [T, max_rank] in x.dtype, accumulated in f32; columns at and past a row's rank are 0 (or
+      the partial sums, as above).
     """
     check_unified(x, k, v, pages, offsets, ranks, adapter_ids)
     checked_knobs(align, block, rank_block)
+    if not is_pow2(k_splits) or unroll < 1:
+        raise ValueError(f"k_splits={k_splits} must be a power of two and unroll={unroll} >= 1")
     num_tokens, hidden = x.shape
     chunk = chunk_size(hidden, segment_size(k), align, block)
-    row_chunks = hidden // chunk
-    if k_splits < 1 or unroll < 1 or row_chunks % (k_splits * unroll):
-        raise ValueError(
-            f"k_splits={k_splits} x unroll={unroll} must divide the {row_chunks} chunks of {chunk} of width {hidden}"
-        )
     kernel = functools.partial(
         _shrink_kernel,
         seg=segment_size(k),
@@ -266,7 +282,7 @@ def unified_shrink(
         k_splits=k_splits,
         unroll=unroll,
     )
-    shape = (num_tokens, max_rank) if k_splits == 1 else (num_tokens, k_splits, max_rank)
+    shape = (num_tokens, max_rank) if k_splits == 1 else (num_tokens, k_splits * max_rank)
     h = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(shape, x.dtype if k_splits == 1 else F32),
@@ -275,7 +291,10 @@ def unified_shrink(
         interpret=interpret,
         name="lora_unified_shrink",
     )(*_tables(adapter_ids, ranks, offsets, pages, layer), x, flat_pool(k), flat_pool(v))
-    return h if k_splits == 1 else jnp.sum(h, axis=1).astype(x.dtype)
+    if k_splits == 1:
+        return h
+    h = h.reshape(num_tokens, k_splits, max_rank)
+    return h if partials else jnp.sum(h, axis=1).astype(x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=_EXPAND_KNOBS)
@@ -300,7 +319,8 @@ def unified_expand(
 
     Args:
       y: [T, O] float, the base output (B's rank-rows are O wide).
-      h: [T, C] the shrink's result (columns at and past a row's rank are never read).
+      h: [T, C] the shrink's result (columns at and past a row's rank are never read), or its
+        partial sums [T, P, C] (`unified_shrink(partials=True)`, P a power of two), added here.
       k, v, layer, pages, offsets, ranks, adapter_ids, align: as `unified_shrink` (offsets: B's).
       block: most output columns a program takes (a chunk); rank_block: rank-rows per step.
 
@@ -309,12 +329,21 @@ def unified_expand(
     """
     check_unified(y, k, v, pages, offsets, ranks, adapter_ids)
     checked_knobs(align, block, rank_block)
-    if h.ndim != 2 or h.shape[0] != y.shape[0]:
-        raise ValueError(f"h {h.shape} must be [T, C] for y {y.shape}")
+    if h.ndim not in (2, 3) or h.shape[0] != y.shape[0] or (h.ndim == 3 and not is_pow2(h.shape[1])):
+        raise ValueError(f"h {h.shape} must be [T, C] or [T, P, C] (P a power of two) for y {y.shape}")
     num_tokens, out = y.shape
+    parts = 1 if h.ndim == 2 else h.shape[1]
+    rank_cols = h.shape[-1]
+    h = h.reshape(num_tokens, parts * rank_cols)
     chunk = chunk_size(out, segment_size(k), align, block)
     kernel = functools.partial(
-        _expand_kernel, seg=segment_size(k), out=out, chunk=chunk, rank_block=rank_block, rank_cols=h.shape[1]
+        _expand_kernel,
+        seg=segment_size(k),
+        out=out,
+        chunk=chunk,
+        rank_block=rank_block,
+        rank_cols=rank_cols,
+        parts=parts,
     )
     return pl.pallas_call(
         kernel,

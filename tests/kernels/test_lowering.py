@@ -199,13 +199,14 @@ def test_paged_kernels_lower_for_cuda(dtype, hidden, out, page_rows):
         (jnp.bfloat16, 4096, 11008, 64, (16, 32, 128), 1, 1),
         (jnp.bfloat16, 4096, 11008, 64, (16, 32, 128), 4, 4),
         (jnp.float32, 576, 192, 33, (16, 3, 64), 1, 1),
-        (jnp.float32, 576, 192, 33, (16, 3, 64), 3, 3),
+        (jnp.float32, 576, 192, 33, (16, 3, 64), 2, 3),
     ],
 )
 def test_unified_kernels_lower_for_cuda(dtype, hidden, out, max_rank, kv_page, k_splits, unroll):
     """The shrink and expand that read adapters out of the KV pool (7B and SmolLM2 page shapes, a
     max rank that is not a power of two): the per-chunk page lookup and the rank loops lower, with
-    the shrink's width split over programs and its loop steps unrolled."""
+    the shrink's width split over programs (uneven: 9 chunks over 2) and its loop steps unrolled
+    (with a tail), its partial sums added by the expand."""
     from pallas_kernels.lora import unified
 
     sd = jax.ShapeDtypeStruct
@@ -214,7 +215,7 @@ def test_unified_kernels_lower_for_cuda(dtype, hidden, out, max_rank, kv_page, k
     x, y = sd((37, hidden), dtype), sd((37, out), dtype)
 
     def step(x, y, k, v, layer, pages, a_off, b_off, ranks, ids):
-        kw = dict(k_splits=k_splits, unroll=unroll)
+        kw = dict(k_splits=k_splits, unroll=unroll, partials=k_splits > 1)
         h = unified.unified_shrink(x, k, v, layer, pages, a_off, ranks, ids, max_rank=max_rank, align=128, **kw)
         return unified.unified_expand(y, h, k, v, layer, pages, b_off, ranks, ids, align=128)
 

@@ -41,6 +41,12 @@ def _check(rng, pool, module, ids, *, hidden, out, max_rank, dtype, rank_block=8
     got = unified_expand(y, h_in, *b_args, **knobs)
     want = unified_expand_reference(y, h_in, *b_args)
     assert_close(got, want, dtype)
+    if shrink_knobs.get("k_splits", 1) > 1:  # the splits' partial sums, added by the expand
+        parts = unified_shrink(x, *a_args, max_rank=max_rank, **knobs, **shrink_knobs, partials=True)
+        assert parts.shape == (len(ids), shrink_knobs["k_splits"], max_rank) and parts.dtype == jnp.float32
+        assert_close(jnp.sum(parts, axis=1).astype(dtype), h_want, dtype)
+        got_parts = unified_expand(y, parts, *b_args, **knobs)
+        assert_close(got_parts, unified_expand_reference(y, h_want, *b_args), dtype)
     assert_close(unified_shrink_xla(x, *a_args, max_rank=max_rank), h_want, dtype)
     assert_close(unified_expand_xla(y, h_in, *b_args), want, dtype)
     base = np.asarray(ids) < 0
@@ -78,11 +84,12 @@ def test_rank_classes_and_rank_pattern_each_row_on_its_own_slot(rng, dtype):
             assert np.asarray(h[t, :r]).all()
 
 
-@pytest.mark.parametrize("k_splits, unroll", [(1, 1), (3, 1), (1, 3), (3, 2)])
+@pytest.mark.parametrize("k_splits, unroll", [(1, 1), (2, 1), (4, 1), (8, 1), (1, 4), (4, 4), (2, 2)])
 def test_whole_chunks_straddling_segments_and_pages(rng, k_splits, unroll):
     """Widths with a large power of two (192, 160 on 64-element segments, offsets on 32): the kernels
     load 32-element chunks, rank-rows cross K/V segments and pages mid-row, ranks mixed with base
-    rows; the shrink's six chunks a rank-row split over programs and unrolled in a loop step."""
+    rows; the shrink's six chunks a rank-row split over programs (4: two of two chunks and two of
+    one; 8: two idle) and unrolled in a loop step (4: a step of four and a tail of two)."""
     pool = unified_pool(rng, [[r] for r in (1, 6, 16, 31, 0, 64)], [(192, 160)], align=32)
     ids = rng.permutation([0, 1, 2, 3, 4, 5, -1, 3, 5])
     kw = dict(k_splits=k_splits, unroll=unroll)
@@ -138,9 +145,11 @@ def test_bad_operands_are_refused(rng):
         unified_shrink(
             x, pool.k, pool.v, layer, pool.pages, m.a_offsets, m.ranks, ids, max_rank=8, align=8, rank_block=6
         )
-    with pytest.raises(ValueError, match="must divide the 2 chunks"):
-        unified_shrink(
-            x, pool.k, pool.v, layer, pool.pages, m.a_offsets, m.ranks, ids, max_rank=8, align=8, k_splits=2, unroll=2
+    with pytest.raises(ValueError, match="power of two"):
+        unified_shrink(x, pool.k, pool.v, layer, pool.pages, m.a_offsets, m.ranks, ids, max_rank=8, align=8, k_splits=3)
+    with pytest.raises(ValueError, match=r"\[T, P, C\]"):
+        unified_expand(
+            x, x[:, None, :3].repeat(3, 1), pool.k, pool.v, layer, pool.pages, m.b_offsets, m.ranks, ids, align=8
         )
     with pytest.raises(ValueError, match=r"must be \[T, C\]"):
         unified_expand(x, x[:1], pool.k, pool.v, layer, pool.pages, m.b_offsets, m.ranks, ids, align=8)
@@ -217,13 +226,10 @@ def test_tiled_kernels_refuse_chunks_too_small_for_a_dot(rng):
         )
 
 
-def test_the_engines_shrink_knobs_divide_every_width(monkeypatch):
-    """The tuning table's k_splits and unroll are cut to divisors of a width's chunks: 7B's 4096 (32
-    chunks of 128) keeps them, 11,008 (86) and SmolLM2's 576 (9 of 64) take what divides."""
+def test_the_engines_shrink_knobs_come_from_the_tuning_table(monkeypatch):
     from pallas_kernels.lora import tuning
 
-    monkeypatch.setitem(tuning.UNIFIED_SHRINK, 1 << 30, dict(k_splits=8, unroll=4, num_stages=1))
-    assert tuning.unified_shrink_knobs(64, 32) == dict(k_splits=8, unroll=4, num_stages=1)
-    assert tuning.unified_shrink_knobs(64, 86) == dict(k_splits=2, unroll=1, num_stages=1)
-    assert tuning.unified_shrink_knobs(64, 9) == dict(k_splits=1, unroll=1, num_stages=1)
-    assert tuning.unified_shrink_knobs(64, 12) == dict(k_splits=4, unroll=1, num_stages=1)
+    monkeypatch.setitem(tuning.UNIFIED_SHRINK, 64, dict(k_splits=4, unroll=4, num_stages=1))
+    monkeypatch.setitem(tuning.UNIFIED_SHRINK, 1 << 30, dict(k_splits=8, unroll=2, num_stages=3))
+    assert tuning.unified_shrink_knobs(40) == dict(k_splits=4, unroll=4, num_stages=1)
+    assert tuning.unified_shrink_knobs(65) == dict(k_splits=8, unroll=2, num_stages=3)
