@@ -89,6 +89,7 @@ import dataclasses
 import gc
 import json
 import math
+import shutil
 import subprocess
 import sys
 import threading
@@ -1292,14 +1293,19 @@ def run_setting_api(
     adapters = serving_api.write_adapter_folders(sets, ranks=ranks, n=n, out=folder / "adapters")
     engine = dataclasses.replace(engine_config(setting, size, lora), host_capacity_bytes=host)
     preset = serving_api.write_preset(engine, folder / "engine.yaml")
-    cache = work / "compilation-cache"
+    # The setting's own compilation cache, emptied first: the first start compiles ("first"), the
+    # second reads what it wrote ("second"). A cache left by an earlier run on this --work-dir (a
+    # machine kept warm between calls) would make the first start a second one under the wrong
+    # label, and its rows would then take the second start's key.
+    cache = work / "compilation-cache" / setting.name
+    if cache.exists():
+        print(f"[{setting.name}] emptying {cache} (left by an earlier run): the first start compiles", flush=True)
+        shutil.rmtree(cache)
     key = dict(
         engine=ENGINE_KIND, setting=setting.name, n=n, cv=args.cv, alpha=args.alpha, temperature=args.temperature
     )
     for k in range(args.starts):
-        # "second": the compilation cache holds this setting's programs already (an earlier start,
-        # of this invocation or of an earlier one on the same --work-dir).
-        start = "second" if cache.is_dir() and any(cache.iterdir()) else "first"
+        start = ("first", "second")[k]
         if not clock.fits(args.setup_s):
             print(f"[{setting.name}] time budget spent: no {start} server start", flush=True)
             break
@@ -1331,6 +1337,7 @@ def run_setting_api(
                         "api": api,
                         "start": start,
                         "bank": args.bank,
+                        "prefix_cache": engine.enable_prefix_caching,  # the preset's: the server runs it
                         "server_ready_s": round(server.ready_s, 2),
                         "startup": startup,
                         "rate": rate,

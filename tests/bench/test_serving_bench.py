@@ -294,14 +294,19 @@ def test_smoke_through_the_server(tmp_path):
         assert set(r["startup"]) == {"import", "load", "register", "compile", "warm-up run", "total"}
         assert r["startup"]["total"] <= r["server_ready_s"]
         assert r["ttft_ms_p50"] > 0 and r["tpot_ms_p50"] > 0 and r["steps"] is None  # engine counters: not seen
+        assert r["prefix_cache"] is True  # the preset's engine, which the server runs
 
 
 def test_smoke_through_the_server_on_the_paged_bank_with_other_code(tmp_path):
     """--bank paged with a server api: the preset asks for the paged bank, the server runs the paged
     kernels (its warm-up log says so), and the rows say "paged". --server-code: the server runs
-    another source tree (here an export of this one, holding a marker module), rows record its commit."""
+    another source tree (here an export of this one, holding a marker module), rows record its commit.
+    A compilation cache an earlier run left in --work-dir is emptied: the first start is "first"."""
     work, code = tmp_path / "work", tmp_path / "code"
     code.mkdir()
+    stale = work / "compilation-cache" / "s1" / "left-by-an-earlier-run"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("x")
     root = Path(__file__).resolve().parents[2]
     for package in ("jaxlora", "serving"):
         shutil.copytree(root / package, code / package, ignore=shutil.ignore_patterns("__pycache__"))
@@ -312,7 +317,10 @@ def test_smoke_through_the_server_on_the_paged_bank_with_other_code(tmp_path):
     )
     argv = ["--smoke", "--api", "http", "--starts", "1", "--bank", "paged", "--work-dir", str(work)]
     rows = _run(tmp_path, *argv, "--server-code", str(code), "--server-commit", "exported")["rows"]
-    assert [(r["api"], r["bank"], r["engine_commit"]) for r in rows] == [("http", "paged", "exported")]
+    assert [(r["api"], r["bank"], r["engine_commit"], r["start"]) for r in rows] == [
+        ("http", "paged", "exported", "first")
+    ]
+    assert not stale.exists()
     assert rows[0]["completed"] == rows[0]["requests"] > 0 and rows[0]["errors"] == []
     assert "bank: paged" in (work / "s1" / "engine.yaml").read_text()
     log = (work / "s1" / "serve-1-first-code.log").read_text()
