@@ -190,8 +190,8 @@ def _unified_module(
     common = (k, v, layer, group_bank.pages)
     (a_off, b_off), ranks = group_bank.offsets[module].T, group_bank.ranks[module]
     if kernels.lora is not LoraBackend.PALLAS:
-        h = unified_shrink_xla(x, *common, a_off, ranks, token_slots, max_rank=group_bank.max_rank)
-        return unified_expand_xla(y, h, *common, b_off, ranks, token_slots)
+        h = unified_shrink_xla(x, *common, a_off, ranks, token_slots, max_rank=group_bank.max_rank, align=FACTOR_ALIGN)
+        return unified_expand_xla(y, h, *common, b_off, ranks, token_slots, align=FACTOR_ALIGN)
     kw = dict(align=FACTOR_ALIGN, interpret=kernels.interpret)
     groups = plan.groups if plan is not None else None
     if groups is not None and (plan.num_tokens != x.shape[0] or plan.num_slots != group_bank.pages.shape[0]):

@@ -47,8 +47,9 @@ def _check(rng, pool, module, ids, *, hidden, out, max_rank, dtype, rank_block=8
         assert_close(jnp.sum(parts, axis=1).astype(dtype), h_want, dtype)
         got_parts = unified_expand(y, parts, *b_args, **knobs)
         assert_close(got_parts, unified_expand_reference(y, h_want, *b_args), dtype)
-    assert_close(unified_shrink_xla(x, *a_args, max_rank=max_rank), h_want, dtype)
-    assert_close(unified_expand_xla(y, h_in, *b_args), want, dtype)
+    for align in (1, pool.align):  # element by element, and in the chunks the offsets allow
+        assert_close(unified_shrink_xla(x, *a_args, max_rank=max_rank, align=align), h_want, dtype)
+        assert_close(unified_expand_xla(y, h_in, *b_args, align=align), want, dtype)
     base = np.asarray(ids) < 0
     np.testing.assert_array_equal(np.asarray(got)[base], np.asarray(y)[base])
     return h
@@ -145,6 +146,8 @@ def test_bad_operands_are_refused(rng):
         unified_shrink(
             x, pool.k, pool.v, layer, pool.pages, m.a_offsets, m.ranks, ids, max_rank=8, align=8, rank_block=6
         )
+    with pytest.raises(ValueError, match="power of two"):
+        unified_shrink_xla(x, pool.k, pool.v, layer, pool.pages, m.a_offsets, m.ranks, ids, max_rank=8, align=3)
     with pytest.raises(ValueError, match="power of two"):
         unified_shrink(x, pool.k, pool.v, layer, pool.pages, m.a_offsets, m.ranks, ids, max_rank=8, align=8, k_splits=3)
     with pytest.raises(ValueError, match=r"\[T, P, C\]"):
