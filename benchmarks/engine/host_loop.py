@@ -70,7 +70,7 @@ from jaxlora.engine.config import EngineConfig
 from jaxlora.engine.engine import Engine
 from jaxlora.engine.host_timing import per_step
 from jaxlora.engine.request import GenerationRequest, SamplingParams
-from jaxlora.engine.runner import ragged_step
+from jaxlora.engine.runner import Runner, ragged_step
 from jaxlora.engine.step_inputs import HostInputs
 from jaxlora.kernels import CONCURRENT_MIN_TOKENS, KernelConfig
 from jaxlora.lora.unified_layout import adapter_layout
@@ -480,20 +480,26 @@ def run_case(model, tokenizer, case: Case, opts: Options) -> dict:
     return result
 
 
-_COPY = re.compile(r"= \w+\[([\d,]*)\]\S* copy(?:-start)?\(")
+_COPY = re.compile(r"= \w+\[([\d,]*)\]\S* copy\(")
 
 
-def pool_copies(runner, bank, inputs: HostInputs) -> dict:
-    """Copies of the KV pool (whole, or one layer of it) in the compiled decode step, as this backend
-    compiles it: a unified bank's adapter reads must be ordered around the in-place KV write, and a
-    step that copies the pool instead pays for its bytes on every layer. `large`: every copy at
-    least one pool layer large (gathers of attention's keys included), for the reader."""
+def pool_copies(runner: Runner, bank: object, inputs: HostInputs) -> dict:
+    """Copies of the KV pool (whole, one layer, or the kernels' [L, N * E] view of it) in the
+    compiled decode step, as this backend compiles it: a unified bank's adapter reads must be ordered
+    around the in-place KV write, and a step that copies the pool instead pays for its bytes on every
+    layer. `large`: every copy at least one pool layer large (gathers of attention's keys included),
+    its first instructions whole, for the reader."""
     lora = inputs.has_adapter
     text = runner._lower(bank, jax.device_put(inputs.buffer), inputs.layout, lora).compile().as_text()
     shape = tuple(runner.kv.k.shape)
-    dims = [(m.group(0), tuple(int(d) for d in m.group(1).split(",") if d)) for m in _COPY.finditer(text)]
-    pool = [line for line, d in dims if d in (shape, shape[1:])]
-    large = [line for line, d in dims if math.prod(d) >= math.prod(shape[1:])]
+    flat = (shape[0], math.prod(shape[1:]))
+    copies = []  # (instruction, dims)
+    for line in text.splitlines():
+        m = _COPY.search(line)
+        if m:
+            copies.append((line.strip()[:300], tuple(int(d) for d in m.group(1).split(",") if d)))
+    pool = [line for line, d in copies if d in (shape, shape[1:], flat)]
+    large = [line for line, d in copies if math.prod(d) >= math.prod(shape[1:])]
     return {"count": len(pool), "pool_shape": list(shape), "large": len(large), "first_large": large[:4]}
 
 

@@ -1069,6 +1069,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--server-code and --server-commit go together")
     if args.server_code is not None and set(args.api) == {"inprocess"}:
         p.error("--server-code needs a server api (--api http or grpc)")
+    if args.prefix_cache != "on" and set(args.api) - {"inprocess"}:
+        p.error("--prefix-cache off|both is in-process only: the server runs the preset's engine (prefix cache on)")
     return args
 
 

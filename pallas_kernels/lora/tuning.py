@@ -113,7 +113,9 @@ def group_tile_heights(mode: str, num_tokens: int) -> tuple[int, ...]:
 # `benchmarks/kernels/paged_lora.py` (s1 and s2 decode, 64 and 256 rows, 4096 wide, rank block 16:
 # the knobs with the smallest summed shrink + expand time of the two mixes at that row count); the
 # timings are in benchmarks/DECISIONS.md#unified-shrink-splits. A width whose chunks k_splits does not
-# divide gives its last splits fewer chunks (7B's down_proj: 86 chunks of 128).
+# divide gives each split ceil(chunks / k_splits) in turn, the last one with any the rest (7B's
+# down_proj: 86 chunks of 128 over 8, seven of 11 and one of 9). Above 64 rows k_splits 8, unroll 2
+# ties with k_splits 4, unroll 1 (DECISIONS.md).
 UNIFIED_SHRINK: dict[int, dict[str, int]] = {
     64: dict(k_splits=4, unroll=4, num_stages=1),
     1 << 30: dict(k_splits=8, unroll=2, num_stages=1),

@@ -141,7 +141,7 @@ def _shrink_kernel(
     rs = blk * rank_block + jnp.arange(rank_block, dtype=jnp.int32)
     r_ok = rs < rank
     row_chunks = hidden // chunk
-    per_split = -(-row_chunks // k_splits)  # the last splits may take fewer chunks, or none
+    per_split = -(-row_chunks // k_splits)  # the last split with chunks takes the rest; any after it none
     start = split * per_split
     first = offset // chunk + rs * row_chunks + start  # [rank_block] chunk index of the split's start
 
@@ -256,7 +256,8 @@ def unified_shrink(
       align: a power of two every offset is a multiple of (the caller's promise: the loads assume it).
       block: most elements a load moves; rank_block: rank-rows a program takes (powers of two).
       k_splits: programs that share a rank block's input width, a power of two (each takes
-        ceil(chunks / k_splits) of the width's chunks, the last ones fewer); unroll: chunks a loop
+        ceil(chunks / k_splits) of the width's chunks in turn: the last split with any takes the
+        rest, any after it none and store zeros); unroll: chunks a loop
         step loads (a shorter loop takes the rest).
       num_stages: Triton's software pipelining of the loop's loads (1: none).
       partials: with k_splits > 1, return the splits' f32 partial sums [T, k_splits, max_rank]

@@ -55,6 +55,8 @@ def test_host_loop_smoke(tmp_path, bank):
     assert case["decode_tokens_per_step"] > 0
     assert case["profile"] == {"available": False, "reason": case["profile"]["reason"]}  # no GPU plane on CPU
     assert all(case["dispatch_probe"][f"{k}_ms_median"] > 0 for k in ("packed", "fields"))
+    # The compiled step orders the adapter reads around the in-place KV write: no pool copy.
+    assert case["pool_copies"]["count"] == 0 and len(case["pool_copies"]["pool_shape"]) == 5
 
 
 def test_gaps_come_from_step_intervals():

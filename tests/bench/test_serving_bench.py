@@ -325,3 +325,15 @@ def test_smoke_through_the_server_on_the_paged_bank_with_other_code(tmp_path):
     assert "bank: paged" in (work / "s1" / "engine.yaml").read_text()
     log = (work / "s1" / "serve-1-first-code.log").read_text()
     assert "lora=paged" in log and "running the exported tree" in log
+
+
+def test_flags_the_server_would_not_honour_are_refused(capsys):
+    """The server runs the preset's engine: a prefix cache asked off for a server api is an error,
+    not a row that says off while the server ran it on."""
+    from benchmarks.serving.trace import parse_args
+
+    for cache in ("off", "both"):
+        with pytest.raises(SystemExit):
+            parse_args(["--smoke", "--api", "http", "--prefix-cache", cache])
+        assert "in-process only" in capsys.readouterr().err
+    assert parse_args(["--smoke", "--api", "inprocess", "--prefix-cache", "off"]).prefix_cache == "off"

@@ -45,7 +45,9 @@ def _check(rng, pool, module, ids, *, hidden, out, max_rank, dtype, rank_block=8
         parts = unified_shrink(x, *a_args, max_rank=max_rank, **knobs, **shrink_knobs, partials=True)
         assert parts.shape == (len(ids), shrink_knobs["k_splits"], max_rank) and parts.dtype == jnp.float32
         assert_close(jnp.sum(parts, axis=1).astype(dtype), h_want, dtype)
-        got_parts = unified_expand(y, parts, *b_args, **knobs)
+        # Columns past a row's rank, in every part, are never read: NaN there must not show.
+        poisoned = jnp.stack([nan_past_rank(parts[:, i], module.ranks, ids) for i in range(parts.shape[1])], axis=1)
+        got_parts = unified_expand(y, poisoned, *b_args, **knobs)
         assert_close(got_parts, unified_expand_reference(y, h_want, *b_args), dtype)
     for align in (1, pool.align):  # element by element, and in the chunks the offsets allow
         assert_close(unified_shrink_xla(x, *a_args, max_rank=max_rank, align=align), h_want, dtype)
@@ -87,14 +89,15 @@ def test_rank_classes_and_rank_pattern_each_row_on_its_own_slot(rng, dtype):
 
 @pytest.mark.parametrize("k_splits, unroll", [(1, 1), (2, 1), (4, 1), (8, 1), (1, 4), (4, 4), (2, 2)])
 def test_whole_chunks_straddling_segments_and_pages(rng, k_splits, unroll):
-    """Widths with a large power of two (192, 160 on 64-element segments, offsets on 32): the kernels
+    """Widths with a large power of two (224, 160 on 64-element segments, offsets on 32): the kernels
     load 32-element chunks, rank-rows cross K/V segments and pages mid-row, ranks mixed with base
-    rows; the shrink's six chunks a rank-row split over programs (4: two of two chunks and two of
-    one; 8: two idle) and unrolled in a loop step (4: a step of four and a tail of two)."""
-    pool = unified_pool(rng, [[r] for r in (1, 6, 16, 31, 0, 64)], [(192, 160)], align=32)
+    rows; the shrink's seven chunks a rank-row split over programs, ceil(7 / k_splits) each (2: 4
+    and 3; 4: 2, 2, 2 and 1; 8: one each, the last idle), and unrolled in a loop step with a tail
+    (4: a step of four, then three single chunks)."""
+    pool = unified_pool(rng, [[r] for r in (1, 6, 16, 31, 0, 64)], [(224, 160)], align=32)
     ids = rng.permutation([0, 1, 2, 3, 4, 5, -1, 3, 5])
     kw = dict(k_splits=k_splits, unroll=unroll)
-    _check(rng, pool, pool.modules[0], ids, hidden=192, out=160, max_rank=64, dtype=jnp.bfloat16, block=32, **kw)
+    _check(rng, pool, pool.modules[0], ids, hidden=224, out=160, max_rank=64, dtype=jnp.bfloat16, block=32, **kw)
 
 
 def test_every_rank_from_0_to_128(rng):
