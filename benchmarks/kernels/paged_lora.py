@@ -46,13 +46,13 @@ MIXED_RUNS, MIXED_DECODE_ROWS = 7, 64  # the mixed step: prefill chunks of one a
 KV_PAGE = (16, 32, 128)  # positions, KV heads, head_dim of one page of the 7B shape's KV pool
 
 
-def _checked(fn, want: np.ndarray, *args):
-    """`fn`, once its result on `args` is within the table's tolerance of the padded bank's `want`."""
+def _error(label: str, fn, want: np.ndarray, *args) -> float:
+    """`fn(*args)`'s relative max error against the padded bank's `want`; raises past the tolerance."""
     got = np.asarray(fn(*args), np.float32)
     err = float(np.max(np.abs(want - got)) / (np.max(np.abs(want)) + 1e-6))
     if not np.isfinite(got).all() or err > 2e-2:
-        raise RuntimeError(f"a unified knob set differs from padded (relative max error {err:.3g})")
-    return fn
+        raise RuntimeError(f"{label} differs from padded (relative max error {err:.3g})")
+    return err
 
 
 def _best_paged(paged_at, x, y, reps: int, blocks) -> dict:
@@ -184,29 +184,23 @@ def run_case(rng, mix: str, num_tokens: int, kind: str, hidden: int, dtype, inte
     # Any split and unroll takes any width (uneven splits, a tail loop); the smoke run takes two.
     splits = SHRINK_SPLITS[:1] + SHRINK_SPLITS[-1:] if interpret else SHRINK_SPLITS
     want = np.asarray(padded(x, y, plan), np.float32)
-    err = 0.0
-    candidates = (
-        ("paged", paged_at(BLOCKS[0]), ()),
-        ("unified", unified_at(16), ()),
-        ("unified split", unified_at(16, *splits[-1]), ()),
-        ("tiled", tiled_at(16), (groups,)),
+    case = f"{mix} T={num_tokens}"
+    err = max(
+        _error(f"{case}: paged", paged_at(BLOCKS[0]), want, x, y),
+        _error(f"{case}: tiled", tiled_at(16), want, x, y, groups),
     )
-    for name, fn, extra in candidates:
-        got = np.asarray(fn(x, y, *extra), np.float32)
-        err_of = float(np.max(np.abs(want - got)) / (np.max(np.abs(want)) + 1e-6))
-        if not np.isfinite(got).all() or err_of > 2e-2:
-            raise RuntimeError(f"{mix} T={num_tokens}: {name} differs from padded (relative max error {err_of:.3g})")
-        err = max(err, err_of)
     rank_blocks = (16,) if interpret else RANK_BLOCKS
-    unified_us = {
-        (rb, ks, un, 1): 1e3 * best_ms(_checked(unified_at(rb, ks, un), want, x, y), x, y, reps=reps)
-        for rb in rank_blocks
-        for ks, un in splits
-    }
+    unified_us = {}
+    for rb in rank_blocks:  # every knob set is checked before it is timed
+        for ks, un in splits:
+            fn = unified_at(rb, ks, un)
+            err = max(err, _error(f"{case}: unified rb{rb}/ks{ks}/u{un}", fn, want, x, y))
+            unified_us[(rb, ks, un, 1)] = 1e3 * best_ms(fn, x, y, reps=reps)
     plain = {key: t for key, t in unified_us.items() if key[1:] == (1, 1, 1)}
     best = min(unified_us, key=unified_us.get)
     for stages in () if interpret else (2, 3):  # software pipelining, on the best split
-        fn = _checked(unified_at(*best[:3], stages), want, x, y)
+        fn = unified_at(*best[:3], stages)
+        err = max(err, _error(f"{case}: unified stages {stages}", fn, want, x, y))
         unified_us[(*best[:3], stages)] = 1e3 * best_ms(fn, x, y, reps=reps)
     best = min(unified_us, key=unified_us.get)
     tiled_us = {rb: 1e3 * best_ms(tiled_at(rb), x, y, groups, reps=reps) for rb in rank_blocks if rb >= 16}

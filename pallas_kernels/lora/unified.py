@@ -145,20 +145,17 @@ def _shrink_kernel(
     start = split * per_split
     first = offset // chunk + rs * row_chunks + start  # [rank_block] chunk index of the split's start
 
-    def chunk_term(s, acc):  # chunk `start + s` of the block's rank-rows, into acc [rank_block, chunk]
-        x = pltriton.load(x_ref.at[row, pl.ds((start + s) * chunk, chunk)]).astype(F32)
-        a = load_chunks(k_ref, v_ref, pages_ref, slot, layer, first + s, r_ok, seg=seg, chunk=chunk)
-        return acc + a * x[None, :]
+    def load(s):  # chunk `start + s` of x ([chunk]) and of the block's rank-rows ([rank_block, chunk])
+        x = pltriton.load(x_ref.at[row, pl.ds((start + s) * chunk, chunk)])
+        return x, load_chunks(k_ref, v_ref, pages_ref, slot, layer, first + s, r_ok, seg=seg, chunk=chunk)
+
+    def add(acc, x, a):  # acc [rank_block, chunk] f32: reduced once, after the loop
+        return acc + a * x.astype(F32)[None, :]
 
     def unrolled(i, acc):  # `unroll` chunks, every load issued before the first is used
-        s = i * unroll
-        xs = [pltriton.load(x_ref.at[row, pl.ds((start + s + u) * chunk, chunk)]) for u in range(unroll)]
-        a_s = [
-            load_chunks(k_ref, v_ref, pages_ref, slot, layer, first + s + u, r_ok, seg=seg, chunk=chunk)
-            for u in range(unroll)
-        ]
-        for x, a in zip(xs, a_s):
-            acc = acc + a * x.astype(F32)[None, :]
+        loaded = [load(i * unroll + u) for u in range(unroll)]
+        for x, a in loaded:
+            acc = add(acc, x, a)
         return acc
 
     # A block at or past the rank runs no steps and stores zeros (h's exact zeros past the rank).
@@ -166,7 +163,7 @@ def _shrink_kernel(
     count = jnp.where(blk * rank_block < rank, count, 0).astype(jnp.int32)
     acc = lax.fori_loop(0, count // unroll, unrolled, jnp.zeros((rank_block, chunk), F32))
     done = (count // unroll) * unroll
-    acc = lax.fori_loop(0, count - done, lambda i, acc: chunk_term(done + i, acc), acc)
+    acc = lax.fori_loop(0, count - done, lambda i, acc: add(acc, *load(done + i)), acc)
     total = jnp.sum(acc, axis=1)
     if k_splits == 1:
         pltriton.store(h_ref.at[row, rs], total.astype(h_ref.dtype), mask=rs < max_rank)
