@@ -35,7 +35,8 @@ from pallas_kernels.lora.unified_tiled import tiled_fits, unified_tiled_expand, 
 from pallas_kernels.lora.unified_xla import unified_expand_xla, unified_shrink_xla
 
 # Unified bank, pallas: steps of at least this many token rows run the tiled kernels (rows grouped by
-# slot, UNIFIED_TILE_ROWS a tile), smaller ones the per-row kernels (see `_unified_module`).
+# slot, UNIFIED_TILE_ROWS a tile), smaller ones the per-row kernels (see `_unified_per_row`), which take
+# a fused projection's whole group in one launch each way (`_unified_group`).
 UNIFIED_TILED_MIN_TOKENS = 128
 UNIFIED_TILE_ROWS = 16
 
@@ -112,6 +113,8 @@ def apply_group_fused(
     if group_bank is None:
         return y
     modules = GROUP_MODULES[group]
+    if is_unified(group_bank) and _unified_per_row(group_bank, x, y.shape[1], kernels, plan, layer):
+        return _unified_group(group_bank, x, y, columns, token_slots, kernels, layer)
     if true_rank := _true_rank(group_bank):
         per_module, ranks = true_rank
         ends = (*columns[1:], y.shape[1])
@@ -182,38 +185,86 @@ def _unified_module(
     With the pallas backend: the tiled kernels (rows grouped by slot, `step_plan`'s groups; each
     adapter chunk read once per tile of rows) from UNIFIED_TILED_MIN_TOKENS rows up, where prefill
     runs share adapters, and the per-row kernels below it (decode batches, a program per row), or
-    where a width's chunks are too narrow for tensor-core dots. Otherwise the XLA gather
+    where a width's chunks are too narrow for tensor-core dots (a fused projection's group takes
+    those in one launch each way instead: `_unified_group`). Otherwise the XLA gather
     (`pallas_kernels.lora.unified_xla`: no ragged_dot form)."""
-    if group_bank.pool is None or layer is None:
-        raise ValueError("a unified bank reads the KV pool at a layer: the decoder layer must pass both")
-    k, v = group_bank.pool
+    k, v = _pool(group_bank, layer)
     common = (k, v, layer, group_bank.pages)
     (a_off, b_off), ranks = group_bank.offsets[module].T, group_bank.ranks[module]
     if kernels.lora is not LoraBackend.PALLAS:
         h = unified_shrink_xla(x, *common, a_off, ranks, token_slots, max_rank=group_bank.max_rank, align=FACTOR_ALIGN)
         return unified_expand_xla(y, h, *common, b_off, ranks, token_slots, align=FACTOR_ALIGN)
-    kw = dict(align=FACTOR_ALIGN, interpret=kernels.interpret)
+    if _unified_per_row(group_bank, x, y.shape[1], kernels, plan, layer):
+        return _unified_per_row_term(group_bank, x, y, (a_off, b_off, ranks), (0,), token_slots, kernels, layer)
+    kw = dict(align=FACTOR_ALIGN, interpret=kernels.interpret, block_rows=UNIFIED_TILE_ROWS)
+    h = unified_tiled_shrink(x, *common, a_off, ranks, plan.groups, max_rank=group_bank.max_rank, **kw)
+    return unified_tiled_expand(y, h, *common, b_off, ranks, plan.groups, **kw)
+
+
+def _pool(group_bank: UnifiedGroup, layer: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    if group_bank.pool is None or layer is None:
+        raise ValueError("a unified bank reads the KV pool at a layer: the decoder layer must pass both")
+    return group_bank.pool
+
+
+def _unified_per_row(
+    group_bank: UnifiedGroup,
+    x: jax.Array,
+    out: int,
+    kernels: StepKernels,
+    plan: pallas_kernels.LoraPlan | None,
+    layer: jax.Array | None,
+) -> bool:
+    """Whether the pallas backend runs a unified term on the per-row kernels (decode batches, a
+    program per row): below UNIFIED_TILED_MIN_TOKENS rows, or where a width's chunks are too narrow
+    for the tiled kernels' tensor-core dots. False for the XLA backend and for steps the tiled
+    kernels take (rows grouped by slot in `plan`: prefill runs share adapters)."""
+    if kernels.lora is not LoraBackend.PALLAS:
+        return False
     groups = plan.groups if plan is not None else None
     if groups is not None and (plan.num_tokens != x.shape[0] or plan.num_slots != group_bank.pages.shape[0]):
         raise ValueError(
             f"the step's plan ({plan.num_tokens} rows, {plan.num_slots} slots) is not for these "
             f"{x.shape[0]} rows on {group_bank.pages.shape[0]} slots"
         )
+    k, _ = _pool(group_bank, layer)
     tiled = (
         groups is not None
         and x.shape[0] >= UNIFIED_TILED_MIN_TOKENS
-        and all(tiled_fits(width, k, FACTOR_ALIGN) for width in (x.shape[1], y.shape[1]))
+        and all(tiled_fits(width, k, FACTOR_ALIGN) for width in (x.shape[1], out))
     )
-    if tiled:
-        kw["block_rows"] = UNIFIED_TILE_ROWS
-        h = unified_tiled_shrink(x, *common, a_off, ranks, groups, max_rank=group_bank.max_rank, **kw)
-        return unified_tiled_expand(y, h, *common, b_off, ranks, groups, **kw)
-    # The shrink's serial loop cut over programs (tuning table); the expand adds their partial sums.
+    return not tiled
+
+
+def _unified_group(
+    group_bank: UnifiedGroup,
+    x: jax.Array,
+    y: jax.Array,
+    columns: tuple[int, ...],
+    token_slots: jax.Array,
+    kernels: StepKernels,
+    layer: jax.Array | None,
+) -> jax.Array:
+    """y [N, W] + every module's term of a fused group (module GROUP_MODULES[group][i] in the columns
+    from columns[i]): one per-row shrink and one expand for the whole group, through the stacked
+    tables (`unified_bank.with_stacked_tables`)."""
+    if group_bank.stacked is None:
+        raise ValueError("a unified group's stacked tables are set once a step (unified_bank.with_stacked_tables)")
+    return _unified_per_row_term(group_bank, x, y, group_bank.stacked, columns, token_slots, kernels, layer)
+
+
+def _unified_per_row_term(group_bank, x, y, tables, columns, token_slots, kernels, layer) -> jax.Array:
+    """The per-row kernels on tables (A^T offsets, B offsets, ranks), each [S] (one module) or [S, G]
+    (a group in y's columns): the shrink's serial loop cut over programs (tuning table), the expand
+    adding their partial sums."""
+    a_off, b_off, ranks = tables
+    common = (*_pool(group_bank, layer), layer, group_bank.pages)
+    kw = dict(align=FACTOR_ALIGN, interpret=kernels.interpret)
     split = unified_shrink_knobs(x.shape[0])
     h = unified_shrink(
         x, *common, a_off, ranks, token_slots, max_rank=group_bank.max_rank, partials=True, **kw, **split
     )
-    return unified_expand(y, h, *common, b_off, ranks, token_slots, **kw)
+    return unified_expand(y, h, *common, b_off, ranks, token_slots, columns=tuple(columns), **kw)
 
 
 def step_plan(

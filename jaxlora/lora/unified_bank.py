@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlora.config import LoraConfig
-from jaxlora.lora.bank import bank_groups
+from jaxlora.lora.bank import GROUPS, bank_groups
 from jaxlora.lora.unified_layout import UnifiedLayout
 
 Tables = dict  # {"pages": [S, MP], "offsets": {m: [S, 2]}, "ranks": {m: [S]}}
@@ -32,7 +32,10 @@ class UnifiedGroup:
 
     pages [S, MP], offsets {m: [S, 2]}, ranks {m: [S]} (the group's modules); pool: the KV pool's
     (k, v), each [L, N, page_size, kv_heads, head_dim], None until the layer sets it; max_rank: the
-    width of the shrink's output (static).
+    width of the shrink's output (static). stacked: the same tables over every module of the group
+    in `bank.GROUPS` order, a module the bank does not target at rank 0: (A^T offsets [S, G],
+    B offsets [S, G], ranks [S, G]), for the kernels that take a group in one launch; None until
+    `with_stacked_tables` (once a step, in the step's program) sets it.
     """
 
     pages: jax.Array
@@ -40,6 +43,7 @@ class UnifiedGroup:
     ranks: dict[str, jax.Array]
     pool: tuple[jax.Array, jax.Array] | None
     max_rank: int = dataclasses.field(metadata=dict(static=True))
+    stacked: tuple[jax.Array, jax.Array, jax.Array] | None = None
 
 
 def init_unified_tables(lora: LoraConfig, max_pages: int) -> Tables:
@@ -78,6 +82,22 @@ def with_kv_pool(bank: dict, k: jax.Array, v: jax.Array) -> dict:
     if not is_unified(bank):
         return bank
     return {g: dataclasses.replace(entries, pool=(k, v)) for g, entries in bank.items()}
+
+
+def with_stacked_tables(bank: dict) -> dict:
+    """`bank` with every unified group's `stacked` tables set (UnifiedGroup); any other bank unchanged.
+    Traced once a step, not once a layer: the layers share them."""
+    if not is_unified(bank):
+        return bank
+    return {g: dataclasses.replace(entries, stacked=_stack(g, entries)) for g, entries in bank.items()}
+
+
+def _stack(group: str, entries: UnifiedGroup) -> tuple[jax.Array, jax.Array, jax.Array]:
+    zeros = jnp.zeros(entries.pages.shape[:1], jnp.int32)
+    modules = dict(GROUPS)[group]
+    offsets = [entries.offsets.get(m, jnp.zeros((zeros.shape[0], 2), jnp.int32)) for m in modules]
+    ranks = jnp.stack([entries.ranks.get(m, zeros) for m in modules], axis=1)
+    return jnp.stack([o[:, 0] for o in offsets], axis=1), jnp.stack([o[:, 1] for o in offsets], axis=1), ranks
 
 
 def slot_rows(layout: UnifiedLayout | None, page_ids: np.ndarray, lora: LoraConfig, max_pages: int) -> dict:

@@ -32,7 +32,7 @@ from jaxlora.lora.apply import (
     step_plan,
     token_slots_for,
 )
-from jaxlora.lora.unified_bank import is_unified, with_kv_pool
+from jaxlora.lora.unified_bank import is_unified, with_kv_pool, with_stacked_tables
 from jaxlora.model.fused import module_columns
 from jaxlora.model.kv_cache import KVCache, PagedKVCache
 from jaxlora.model.quant import Quantization, QuantLinear, project, serving_kmajor
@@ -471,6 +471,7 @@ class Llama(nnx.Module):
         seg_len = t if t > 1 else None
         # Which rows use which slot is the same in every layer: group them once, not per op.
         plan = step_plan(bank, token_slots, kernels, seg_len)
+        bank = with_stacked_tables(bank) if bank else bank  # a unified bank's group tables, once a step
         s = StepInputs(
             positions=positions.astype(jnp.int32),
             row_ids=row_ids,

@@ -16,23 +16,30 @@ and a rank-row may straddle two segments. Operands, per launch (one module, one 
     layer     int32 scalar                            which layer's segments
     pages     [S, MP]    int32 page ids of each slot's run (entries past its pages never read)
     offsets   [S]        int32 where this factor starts in the slot's run
-    ranks     [S]        int32 this module's rank per slot (0: no LoRA on it)
+              or [S, G]  the factor of each of G modules of a group (below)
+    ranks     [S]        int32 this module's rank per slot (0: no LoRA on it), or [S, G]
     adapter_ids [T]      int32 slot of each token row, -1 for the base model (delta 0)
+
+A group: the modules that share x (q/k/v, gate/up) in one launch each way, with [S, G] tables. The
+shrink writes module m's h into columns m * max_rank onward; the expand takes y holding every
+module's output side by side (the serving layout's fused projection; `columns` says where module m's
+begins) and adds each column chunk's module's term. One launch a group instead of one a module: a
+decode step's LoRA time is mostly per-launch cost.
 
 Kernels (MBGMV-style: programs per token row, so a decode batch puts many adapters in one launch).
 A row's work is proportional to its rank:
 
     unified_shrink:  h[t, r] = sum_k x[t, k] * A^T[r, k]        r < rank; h[t, r >= rank] = 0
-        program (row, rank block, input split): the block's rank-rows over 1/k_splits of the input
+        program (row, module and rank block, input split): the block's rank-rows over 1/k_splits of the input
         width, `unroll` chunks a loop step (independent loads in flight: a decode program is bound by
         the latency of its dependent page-lookup-then-load chain, not by bytes); the splits' partial
         sums are added after the launch, or by the expand as it reads them (`partials`). Blocks at
         and past the row's rank only store zeros.
     unified_expand:  y[t, o] + sum_r h[t, r] * B[r, o]           r < rank
-        program (row, output chunk): loops over the row's rank blocks only.
+        program (row, output chunk): loops over the row's rank blocks only (of the chunk's module).
 
 Loads move whole chunks: a chunk is `chunk` consecutive elements of a rank-row, chunk the largest
-power of two dividing the width, E and `align` (at most `block`). The caller promises every offset
+power of two dividing the width (every module's, in a group), E and `align` (at most `block`). The caller promises every offset
 is a multiple of `align` (`jaxlora.lora.unified_layout` aligns each factor's start to
 FACTOR_ALIGN), so rank-rows start at chunk multiples, a segment boundary never falls inside a
 chunk, and a chunk's address is page * E + (chunk index mod E / chunk) * chunk: one page lookup a
@@ -55,8 +62,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.lora.common import F32, is_pow2
 
-_EXPAND_KNOBS = ("align", "block", "rank_block", "num_warps", "interpret")
-_SHRINK_KNOBS = ("max_rank", *_EXPAND_KNOBS, "k_splits", "unroll", "num_stages", "partials")
+_KNOBS = ("align", "block", "rank_block", "num_warps", "interpret")
+_SHRINK_KNOBS = ("max_rank", *_KNOBS, "k_splits", "unroll", "num_stages", "partials")
+_EXPAND_KNOBS = (*_KNOBS, "columns")
 
 
 def check_unified(x_or_y, k, v, pages, offsets, ranks, adapter_ids) -> None:
@@ -65,8 +73,16 @@ def check_unified(x_or_y, k, v, pages, offsets, ranks, adapter_ids) -> None:
         raise ValueError(
             f"k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must be one KV pool [L, N, page, heads, dim]"
         )
-    if pages.ndim != 2 or offsets.shape != (pages.shape[0],) or ranks.shape != (pages.shape[0],):
-        raise ValueError(f"pages {pages.shape} must be [S, MP], offsets {offsets.shape} and ranks {ranks.shape} [S]")
+    if (
+        pages.ndim != 2
+        or offsets.shape != ranks.shape
+        or offsets.ndim not in (1, 2)
+        or offsets.shape[0] != pages.shape[0]
+        or 0 in offsets.shape
+    ):
+        raise ValueError(
+            f"pages {pages.shape} must be [S, MP], offsets {offsets.shape} and ranks {ranks.shape} both [S] or [S, G]"
+        )
     if x_or_y.ndim != 2 or adapter_ids.shape != (x_or_y.shape[0],):
         raise ValueError(f"adapter_ids {adapter_ids.shape} must be [T] for rows {x_or_y.shape}")
     for name, arr in (("pages", pages), ("offsets", offsets), ("ranks", ranks), ("adapter_ids", adapter_ids)):
@@ -92,11 +108,11 @@ def chunk_size(width: int, seg: int, align: int, block: int) -> int:
     return min(g & -g, block)
 
 
-def _row(ids_ref, ranks_ref, offs_ref, row):
-    """(slot, rank, offset) of token row `row`; a base-model row (-1) has rank 0."""
+def _row(ids_ref, ranks_ref, offs_ref, row, module):
+    """(slot, rank, offset) of token row `row` in `module` (tables [S, G]); a base-model row (-1) has rank 0."""
     slot = ids_ref[row]
     safe = jnp.maximum(slot, 0)
-    return safe, jnp.where(slot >= 0, ranks_ref[safe], 0), offs_ref[safe]
+    return safe, jnp.where(slot >= 0, ranks_ref[safe, module], 0), offs_ref[safe, module]
 
 
 def load_chunks(k_ref, v_ref, pages_ref, slot, layer, first, ok, *, seg: int, chunk: int, dtype=F32):
@@ -133,11 +149,15 @@ def _shrink_kernel(
     max_rank,
     k_splits,
     unroll,
+    modules,
 ):
-    # x_ref [T, D]; k_ref/v_ref [L, N * E]; h_ref [T, max_rank], or with k_splits > 1 the f32 partial
-    # sums flattened [T, k_splits * max_rank]; program (token row, rank block, input split).
-    row, blk, split, layer = pl.program_id(0), pl.program_id(1), pl.program_id(2), layer_ref[0]
-    slot, rank, offset = _row(ids_ref, ranks_ref, offs_ref, row)
+    # x_ref [T, D]; tables [S, G]; k_ref/v_ref [L, N * E]; h_ref [T, G * max_rank], or with k_splits > 1
+    # the f32 partial sums flattened [T, k_splits * G * max_rank]; program (token row, module * rank
+    # blocks + rank block, input split).
+    row, split, layer = pl.program_id(0), pl.program_id(2), layer_ref[0]
+    blocks = pl.cdiv(max_rank, rank_block)
+    module, blk = pl.program_id(1) // blocks, pl.program_id(1) % blocks
+    slot, rank, offset = _row(ids_ref, ranks_ref, offs_ref, row, module)
     rs = blk * rank_block + jnp.arange(rank_block, dtype=jnp.int32)
     r_ok = rs < rank
     row_chunks = hidden // chunk
@@ -165,10 +185,8 @@ def _shrink_kernel(
     done = (count // unroll) * unroll
     acc = lax.fori_loop(0, count - done, lambda i, acc: add(acc, *load(done + i)), acc)
     total = jnp.sum(acc, axis=1)
-    if k_splits == 1:
-        pltriton.store(h_ref.at[row, rs], total.astype(h_ref.dtype), mask=rs < max_rank)
-    else:
-        pltriton.store(h_ref.at[row, split * max_rank + rs], total, mask=rs < max_rank)
+    cols = split * (modules * max_rank) + module * max_rank + rs
+    pltriton.store(h_ref.at[row, cols], total.astype(h_ref.dtype), mask=rs < max_rank)
 
 
 def _expand_kernel(
@@ -184,28 +202,30 @@ def _expand_kernel(
     o_ref,
     *,
     seg,
-    out,
+    columns,
+    widths,
     chunk,
     rank_block,
     rank_cols,
     parts,
 ):
-    # y_ref/o_ref [T, O]; h_ref [T, parts * C] (parts > 1: the shrink's partial sums, added here);
-    # program (token row, output chunk).
+    # y_ref/o_ref [T, O], module m in columns[m] .. + widths[m]; tables [S, G]; h_ref
+    # [T, parts * G * C] (parts > 1: the shrink's partial sums, added here); program (token row,
+    # output chunk).
     row, col, layer = pl.program_id(0), pl.program_id(1), layer_ref[0]
-    slot, rank, offset = _row(ids_ref, ranks_ref, offs_ref, row)
+    module, start, width = _chunk_module(col * chunk, columns, widths)
+    slot, rank, offset = _row(ids_ref, ranks_ref, offs_ref, row, module)
     rr = jnp.arange(rank_block, dtype=jnp.int32)
-    row_chunks = out // chunk
+    row_chunks = width // chunk  # B's rank-rows are the module's output wide
+    local = (col * chunk - start) // chunk
+    h_cols = module * rank_cols + jnp.arange(parts, dtype=jnp.int32)[:, None] * (len(columns) * rank_cols)
 
     def rank_step(i, acc):  # acc [chunk] f32
         rs = i * rank_block + rr
         r_ok = (rs < rank) & (rs < rank_cols)
-        if parts == 1:
-            h = pltriton.load(h_ref.at[row, rs], mask=r_ok, other=0).astype(F32)
-        else:
-            index = jnp.arange(parts, dtype=jnp.int32)[:, None] * rank_cols + rs[None, :]
-            h = jnp.sum(pltriton.load(h_ref.at[row, index], mask=r_ok[None, :], other=0).astype(F32), axis=0)
-        first = offset // chunk + rs * row_chunks + col
+        h = pltriton.load(h_ref.at[row, h_cols + rs[None, :]], mask=r_ok[None, :], other=0).astype(F32)
+        h = jnp.sum(h, axis=0)  # the shrink's partial sums (one part: the sum of one)
+        first = offset // chunk + rs * row_chunks + local
         b = load_chunks(k_ref, v_ref, pages_ref, slot, layer, first, r_ok, seg=seg, chunk=chunk)
         return acc + jnp.sum(h[:, None] * b, axis=0)
 
@@ -213,6 +233,28 @@ def _expand_kernel(
     cols = pl.ds(col * chunk, chunk)
     y = pltriton.load(y_ref.at[row, cols]).astype(F32)
     pltriton.store(o_ref.at[row, cols], (y + acc).astype(o_ref.dtype))
+
+
+def _chunk_module(first_col, columns: tuple[int, ...], widths: tuple[int, ...]):
+    """(module, its first column, its width) of the output column `first_col` (int32 scalars): columns
+    ascend, so the last start at or below it wins. Static tables, a compare per module."""
+    module, start, width = jnp.int32(0), jnp.int32(columns[0]), jnp.int32(widths[0])
+    for m in range(1, len(columns)):
+        inside = first_col >= columns[m]
+        module = jnp.where(inside, m, module)
+        start = jnp.where(inside, columns[m], start)
+        width = jnp.where(inside, widths[m], width)
+    return module, start, width
+
+
+def module_widths(columns: tuple[int, ...], out: int) -> tuple[int, ...]:
+    """The output widths of the modules whose columns start at `columns` in an output `out` wide;
+    ValueError unless they start at 0 and ascend."""
+    columns = tuple(int(c) for c in columns)
+    ends = (*columns[1:], out)
+    if not columns or columns[0] != 0 or any(e <= c for c, e in zip(columns, ends, strict=True)):
+        raise ValueError(f"columns {columns} must start at 0 and ascend below the output width {out}")
+    return tuple(e - c for c, e in zip(columns, ends, strict=True))
 
 
 def checked_knobs(align: int, block: int, rank_block: int) -> None:
@@ -248,8 +290,9 @@ def unified_shrink(
       x: [T, D] float, D the module's input width (A^T's rank-rows are D wide).
       k, v: [L, N, page_size, kv_heads, head_dim] the KV pool holding the runs.
       layer: int32 scalar, the layer whose segments hold this A.
-      pages, offsets, ranks, adapter_ids: the module doc's tables (offsets: A^T's).
-      max_rank: columns of h (static); ranks above it are not checked on device.
+      pages, offsets, ranks, adapter_ids: the module doc's tables (offsets: A^T's); offsets and
+        ranks [S, G] for a group of G modules sharing x (one launch).
+      max_rank: columns of h per module (static); ranks above it are not checked on device.
       align: a power of two every offset is a multiple of (the caller's promise: the loads assume it).
       block: most elements a load moves; rank_block: rank-rows a program takes (powers of two).
       k_splits: programs that share a rank block's input width, a power of two (each takes
@@ -262,9 +305,12 @@ def unified_shrink(
 
     Returns:
       h: [T, max_rank] in x.dtype, accumulated in f32; columns at and past a row's rank are 0 (or
-      the partial sums, as above).
+      the partial sums, as above). A group's: [T, G * max_rank] (module m in columns m * max_rank
+      onward), or its partial sums [T, k_splits, G * max_rank].
     """
     check_unified(x, k, v, pages, offsets, ranks, adapter_ids)
+    offsets, ranks = _as_group(offsets), _as_group(ranks)
+    modules = offsets.shape[1]
     checked_knobs(align, block, rank_block)
     if not is_pow2(k_splits) or unroll < 1:
         raise ValueError(f"k_splits={k_splits} must be a power of two and unroll={unroll} >= 1")
@@ -279,19 +325,20 @@ def unified_shrink(
         max_rank=max_rank,
         k_splits=k_splits,
         unroll=unroll,
+        modules=modules,
     )
-    shape = (num_tokens, max_rank) if k_splits == 1 else (num_tokens, k_splits * max_rank)
+    width = modules * max_rank
     h = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(shape, x.dtype if k_splits == 1 else F32),
-        grid=(num_tokens, pl.cdiv(max_rank, rank_block), k_splits),
+        out_shape=jax.ShapeDtypeStruct((num_tokens, k_splits * width), x.dtype if k_splits == 1 else F32),
+        grid=(num_tokens, modules * pl.cdiv(max_rank, rank_block), k_splits),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="lora_unified_shrink",
     )(*_tables(adapter_ids, ranks, offsets, pages, layer), x, flat_pool(k), flat_pool(v))
     if k_splits == 1:
         return h
-    h = h.reshape(num_tokens, k_splits, max_rank)
+    h = h.reshape(num_tokens, k_splits, width)
     return h if partials else jnp.sum(h, axis=1).astype(x.dtype)
 
 
@@ -312,32 +359,43 @@ def unified_expand(
     rank_block: int = 16,
     num_warps: int = 4,
     interpret: bool = False,
+    columns: tuple[int, ...] = (0,),
 ) -> jax.Array:
     """y[t] + h[t, :rank] @ B for the B of row t's slot, read as rank-rows from the KV pool.
 
     Args:
       y: [T, O] float, the base output (B's rank-rows are O wide).
       h: [T, C] the shrink's result (columns at and past a row's rank are never read), or its
-        partial sums [T, P, C] (`unified_shrink(partials=True)`, P a power of two), added here.
-      k, v, layer, pages, offsets, ranks, adapter_ids, align: as `unified_shrink` (offsets: B's).
+        partial sums [T, P, C] (`unified_shrink(partials=True)`, P a power of two), added here. A
+        group's: [T, G * C] or [T, P, G * C], module m's in columns m * C onward.
+      k, v, layer, pages, offsets, ranks, adapter_ids, align: as `unified_shrink` (offsets: B's;
+        [S, G] for a group).
       block: most output columns a program takes (a chunk); rank_block: rank-rows per step.
+      columns: a group's: where module m's output starts in y (static, ascending from 0; module m
+        is columns[m + 1] - columns[m] wide, the last to y's end). One module: (0,).
 
     Returns:
       [T, O] in y.dtype, the delta accumulated in f32; base-model rows unchanged.
     """
     check_unified(y, k, v, pages, offsets, ranks, adapter_ids)
     checked_knobs(align, block, rank_block)
+    offsets, ranks = _as_group(offsets), _as_group(ranks)
+    modules = offsets.shape[1]
     if h.ndim not in (2, 3) or h.shape[0] != y.shape[0] or (h.ndim == 3 and not is_pow2(h.shape[1])):
         raise ValueError(f"h {h.shape} must be [T, C] or [T, P, C] (P a power of two) for y {y.shape}")
+    if len(columns) != modules or h.shape[-1] % modules:
+        raise ValueError(f"{modules} modules need {modules} columns (got {columns}) and h {h.shape} of G * C columns")
     num_tokens, out = y.shape
+    widths = module_widths(columns, out)
     parts = 1 if h.ndim == 2 else h.shape[1]
-    rank_cols = h.shape[-1]
-    h = h.reshape(num_tokens, parts * rank_cols)
-    chunk = chunk_size(out, segment_size(k), align, block)
+    rank_cols = h.shape[-1] // modules
+    h = h.reshape(num_tokens, parts * modules * rank_cols)
+    chunk = chunk_size(functools.reduce(math.gcd, widths), segment_size(k), align, block)
     kernel = functools.partial(
         _expand_kernel,
         seg=segment_size(k),
-        out=out,
+        columns=tuple(int(c) for c in columns),
+        widths=widths,
         chunk=chunk,
         rank_block=rank_block,
         rank_cols=rank_cols,
@@ -351,6 +409,11 @@ def unified_expand(
         interpret=interpret,
         name="lora_unified_expand",
     )(*_tables(adapter_ids, ranks, offsets, pages, layer), y, h, flat_pool(k), flat_pool(v))
+
+
+def _as_group(table: jax.Array) -> jax.Array:
+    """[S] (one module) -> [S, 1]; [S, G] as given."""
+    return table[:, None] if table.ndim == 1 else table
 
 
 def _tables(adapter_ids, ranks, offsets, pages, layer) -> tuple[jax.Array, ...]:

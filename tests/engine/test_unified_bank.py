@@ -23,6 +23,7 @@ from jaxlora.engine.build import build_engine
 from jaxlora.errors import AdapterError
 from jaxlora.lora import apply
 from jaxlora.lora.unified_layout import FACTOR_ALIGN, adapter_layout
+from jaxlora.model.params import build_model
 from tests.engine.bank_data import MIXED, bank_parts, requests
 from tests.engine.conftest import engine_config
 
@@ -37,10 +38,15 @@ def parts():
     return bank_parts()
 
 
-def make_engine(parts, lora: LoraConfig, *, nan_pool: bool = True, warm: bool = True, **overrides) -> Engine:
+def make_engine(
+    parts, lora: LoraConfig, *, nan_pool: bool = True, warm: bool = True, fused: bool = False, **overrides
+) -> Engine:
     """An engine over `parts`' adapters; a unified one's KV pool starts NaN (a read of a free page,
-    or of a page past an adapter's, would poison the tokens)."""
+    or of a page past an adapter's, would poison the tokens). fused: the model in the serving layout
+    (q|k|v and gate|up one projection each)."""
     model, tok, adapters = parts
+    if fused:
+        model = build_model(model.config, model.flat_params(), fused=True)
     config = engine_config(max_batch=8, token_budgets=(8, 16, 32), lora=lora, **overrides)
     if lora.bank is LoraBank.UNIFIED:
         pager = UnifiedPager(model.config, lora, page_size=config.page_size, dtype=model.dtype)
@@ -68,15 +74,16 @@ def padded_tokens(parts):
 
 
 @pytest.mark.parametrize(
-    "lora, tiled_from",
-    [(UNIFIED, None), (UNIFIED_PALLAS, None), (UNIFIED_PALLAS, 16)],
-    ids=["xla", "pallas", "pallas-tiled"],
+    "lora, tiled_from, fused",
+    [(UNIFIED, None, False), (UNIFIED_PALLAS, None, False), (UNIFIED_PALLAS, 16, False), (UNIFIED_PALLAS, None, True)],
+    ids=["xla", "pallas", "pallas-tiled", "pallas-fused"],
 )
 def test_mixed_ranks_same_tokens_as_the_padded_bank_with_a_nan_pool(
-    parts, padded_tokens, lora, tiled_from, monkeypatch, request
+    parts, padded_tokens, lora, tiled_from, fused, monkeypatch, request
 ):
     """pallas-tiled: steps of 16 and 32 token rows run the tiled kernels (rows grouped by adapter),
-    steps of 8 the per-row ones, in one engine."""
+    steps of 8 the per-row ones, in one engine. pallas-fused: the serving layout, whose q|k|v and
+    gate|up groups take one per-row shrink and one expand each (every module's columns in one y)."""
     if tiled_from is not None:
         # Steps traced under another threshold would be reused (it is not in their key), both ways.
         jax.clear_caches()
@@ -85,7 +92,15 @@ def test_mixed_ranks_same_tokens_as_the_padded_bank_with_a_nan_pool(
         calls = []
         real = apply.unified_tiled_shrink
         monkeypatch.setattr(apply, "unified_tiled_shrink", lambda *a, **k: calls.append(1) or real(*a, **k))
-    engine = make_engine(parts, lora)
+    groups = []
+    if fused:
+        jax.clear_caches()
+        request.addfinalizer(jax.clear_caches)
+        real_expand = apply.unified_expand
+        monkeypatch.setattr(
+            apply, "unified_expand", lambda *a, **k: groups.append(len(k["columns"])) or real_expand(*a, **k)
+        )
+    engine = make_engine(parts, lora, fused=fused)
     with jax.no_tracing():
         got = [out.token_ids for out in engine.generate(requests(MIXED))]
     assert got == padded_tokens
@@ -98,6 +113,8 @@ def test_mixed_ranks_same_tokens_as_the_padded_bank_with_a_nan_pool(
     assert engine.pages.num_owned == usage["adapter_pages"]
     if tiled_from is not None:
         assert calls, "no step traced the tiled kernels"
+    if fused:  # q|k|v (3 modules) and gate|up (2) each in one expand, o and down alone
+        assert sorted(set(groups)) == [1, 2, 3], groups
 
 
 @pytest.mark.parametrize("lora", [UNIFIED, UNIFIED_PALLAS], ids=["xla", "pallas"])

@@ -194,30 +194,35 @@ def test_paged_kernels_lower_for_cuda(dtype, hidden, out, page_rows):
 
 
 @pytest.mark.parametrize(
-    "dtype, hidden, out, max_rank, kv_page, k_splits, unroll",
+    "dtype, hidden, outs, max_rank, kv_page, k_splits, unroll",
     [
-        (jnp.bfloat16, 4096, 11008, 64, (16, 32, 128), 1, 1),
-        (jnp.bfloat16, 4096, 11008, 64, (16, 32, 128), 4, 4),
-        (jnp.float32, 576, 192, 33, (16, 3, 64), 1, 1),
-        (jnp.float32, 576, 192, 33, (16, 3, 64), 2, 3),
+        (jnp.bfloat16, 4096, (11008,), 64, (16, 32, 128), 1, 1),
+        (jnp.bfloat16, 4096, (11008,), 64, (16, 32, 128), 4, 4),
+        (jnp.float32, 576, (192,), 33, (16, 3, 64), 1, 1),
+        (jnp.float32, 576, (192,), 33, (16, 3, 64), 2, 3),
+        (jnp.bfloat16, 4096, (4096, 1024, 1024), 16, (16, 8, 128), 4, 4),
+        (jnp.float32, 576, (576, 192, 192), 33, (16, 3, 64), 8, 2),
     ],
 )
-def test_unified_kernels_lower_for_cuda(dtype, hidden, out, max_rank, kv_page, k_splits, unroll):
+def test_unified_kernels_lower_for_cuda(dtype, hidden, outs, max_rank, kv_page, k_splits, unroll):
     """The shrink and expand that read adapters out of the KV pool (7B and SmolLM2 page shapes, a
     max rank that is not a power of two): the per-chunk page lookup and the rank loops lower, with
     the shrink's width split over programs (uneven: 9 chunks over 2) and its loop steps unrolled
-    (with a tail), its partial sums added by the expand."""
+    (with a tail), its partial sums added by the expand; and a q|k|v group (GQA widths) in one
+    launch each way, [S, G] tables."""
     from pallas_kernels.lora import unified
 
     sd = jax.ShapeDtypeStruct
     pool = sd((4, 300, *kv_page), dtype)
-    pages, offsets, ranks, ids = sd((7, 40), I32), sd((7,), I32), sd((7,), I32), sd((37,), I32)
-    x, y = sd((37, hidden), dtype), sd((37, out), dtype)
+    table = (7,) if len(outs) == 1 else (7, len(outs))
+    pages, offsets, ranks, ids = sd((7, 40), I32), sd(table, I32), sd(table, I32), sd((37,), I32)
+    x, y = sd((37, hidden), dtype), sd((37, sum(outs)), dtype)
+    columns = tuple(sum(outs[:i]) for i in range(len(outs)))
 
     def step(x, y, k, v, layer, pages, a_off, b_off, ranks, ids):
         kw = dict(k_splits=k_splits, unroll=unroll, partials=k_splits > 1)
         h = unified.unified_shrink(x, k, v, layer, pages, a_off, ranks, ids, max_rank=max_rank, align=128, **kw)
-        return unified.unified_expand(y, h, k, v, layer, pages, b_off, ranks, ids, align=128)
+        return unified.unified_expand(y, h, k, v, layer, pages, b_off, ranks, ids, align=128, columns=columns)
 
     text = _lower_for_cuda(step, x, y, pool, pool, sd((), I32), pages, offsets, offsets, ranks, ids)
     assert text.count("__gpu$xla.gpu.triton") == 2

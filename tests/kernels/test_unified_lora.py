@@ -239,3 +239,62 @@ def test_the_engines_shrink_knobs_come_from_the_tuning_table(monkeypatch):
     monkeypatch.setitem(tuning.UNIFIED_SHRINK, 1 << 30, dict(k_splits=8, unroll=2, num_stages=3))
     assert tuning.unified_shrink_knobs(40) == dict(k_splits=4, unroll=4, num_stages=1)
     assert tuning.unified_shrink_knobs(65) == dict(k_splits=8, unroll=2, num_stages=3)
+
+
+@pytest.mark.parametrize("dtype, k_splits, unroll", [(jnp.bfloat16, 1, 1), (jnp.float32, 4, 2), (jnp.bfloat16, 2, 3)])
+def test_a_group_of_modules_in_one_launch_each_way(rng, dtype, k_splits, unroll):
+    """q/k/v-like modules sharing x (outputs 96, 32 and 64 wide side by side in one y, as the serving
+    layout's fused projection holds them), each slot with its own rank per module (0 included), base
+    rows: one shrink and one expand for the group equal the reference module by module, and NaN past
+    each module's rank in every part of h is never read."""
+    hidden, outs = 64, (96, 32, 64)
+    module_ranks = [[5, 0, 3], [16, 8, 1], [0, 0, 0], [1, 12, 16], [9, 2, 0]]
+    pool = unified_pool(rng, module_ranks, [(hidden, o) for o in outs], align=16)
+    ids = jnp.asarray(rng.permutation([0, 1, 2, 3, 4, -1, 3, 1]), jnp.int32)
+    x = random_array(rng, (len(ids), hidden), dtype)
+    y = random_array(rng, (len(ids), sum(outs)), dtype)
+    columns = (0, outs[0], outs[0] + outs[1])
+    stack = lambda name: jnp.stack([getattr(m, name) for m in pool.modules], axis=1)  # noqa: E731
+    common = (pool.k, pool.v, jnp.int32(LAYER), pool.pages)
+    knobs = dict(align=pool.align, block=16, rank_block=8, interpret=True)
+    max_rank = 16
+    parts = unified_shrink(
+        x, *common, stack("a_offsets"), stack("ranks"), ids, max_rank=max_rank, k_splits=k_splits, unroll=unroll,
+        partials=k_splits > 1, **knobs,
+    )  # fmt: skip
+    assert parts.shape == ((len(ids), 3 * max_rank) if k_splits == 1 else (len(ids), k_splits, 3 * max_rank))
+    summed = parts if k_splits == 1 else jnp.sum(parts, axis=1).astype(dtype)
+    want_y = []
+    for m, module in enumerate(pool.modules):
+        a_args = (*common, module.a_offsets, module.ranks, ids)
+        h_want = unified_shrink_reference(x, *a_args, max_rank=max_rank)
+        assert_close(summed[:, m * max_rank : (m + 1) * max_rank], h_want, dtype)
+        b_args = (*common, module.b_offsets, module.ranks, ids)
+        want_y.append(unified_expand_reference(y[:, columns[m] : columns[m] + outs[m]], h_want, *b_args))
+    # Columns past each module's rank, in every part, must not be read.
+    poisoned = parts
+    for m, module in enumerate(pool.modules):
+        cols = slice(m * max_rank, (m + 1) * max_rank)
+        if k_splits == 1:
+            poisoned = poisoned.at[:, cols].set(nan_past_rank(parts[:, cols], module.ranks, ids))
+        else:
+            for p in range(k_splits):
+                poisoned = poisoned.at[:, p, cols].set(nan_past_rank(parts[:, p, cols], module.ranks, ids))
+    got = unified_expand(y, poisoned, *common, stack("b_offsets"), stack("ranks"), ids, columns=columns, **knobs)
+    assert_close(got, jnp.concatenate(want_y, axis=1), dtype)
+    base = np.asarray(ids) < 0
+    np.testing.assert_array_equal(np.asarray(got)[base], np.asarray(y)[base])
+
+
+def test_a_group_refuses_columns_that_do_not_fit(rng):
+    pool = unified_pool(rng, [[4, 4]], [(16, 16), (16, 16)])
+    offs = jnp.stack([m.b_offsets for m in pool.modules], axis=1)
+    ranks = jnp.stack([m.ranks for m in pool.modules], axis=1)
+    y, h, ids = random_array(rng, (3, 32), jnp.float32), jnp.zeros((3, 16)), jnp.zeros((3,), jnp.int32)
+    args = (pool.k, pool.v, jnp.int32(0), pool.pages, offs, ranks, ids)
+    with pytest.raises(ValueError, match="2 modules need 2 columns"):
+        unified_expand(y, h, *args, align=8)
+    with pytest.raises(ValueError, match="ascend"):
+        unified_expand(y, h, *args, align=8, columns=(0, 40))
+    with pytest.raises(ValueError, match=r"\[S\] or \[S, G\]"):
+        unified_expand(y, h, *args[:4], offs, ranks[:, :1], ids, align=8, columns=(0, 16))
