@@ -109,7 +109,7 @@ def random_fp8_model(config: ModelConfig, *, dtype: jnp.dtype = jnp.bfloat16, se
     """A model in the serving layout with FP8 projections, drawn on the device in that format: no
     dense copy of a projection ever exists (a 70B shape's would need 140 GB).
 
-    Each stacked FP8 leaf [L, in, out] is drawn one layer at a time as random bytes with the top
+    Each stacked FP8 leaf [L, in, out] (or K-major [L, out, in], the serving layout's default) is drawn one layer at a time as random bytes with the top
     exponent bit cleared (|q| <= 1.875: no NaN pattern, 0x7F / 0xFF, can occur), with per-channel
     scales 1 / sqrt(in) so that a projection keeps its input's scale; the rest (embeddings, norms,
     head) is N(0, 0.02) in `dtype`, norm scales 1.
@@ -128,8 +128,10 @@ def random_fp8_model(config: ModelConfig, *, dtype: jnp.dtype = jnp.bfloat16, se
         leaf = expected[name]
         if leaf.dtype == jnp.float8_e4m3fn:
             return fp8_layers(key, leaf.shape)
-        if name.endswith(".qscale"):
-            depth = expected[name.removesuffix(".qscale") + ".qkernel"].shape[-2]
+        if name.endswith(".qscale"):  # the serving layout may store the weights K-major ([L, out, in])
+            prefix = name.removesuffix(".qscale")
+            kmajor = f"{prefix}.qkernel_t" in expected
+            depth = expected[f"{prefix}.qkernel_t" if kmajor else f"{prefix}.qkernel"].shape[-1 if kmajor else -2]
             return jnp.full(leaf.shape, 1.0 / math.sqrt(depth), leaf.dtype)
         if name.endswith(".scale"):
             return jnp.ones(leaf.shape, leaf.dtype)

@@ -161,6 +161,16 @@ def test_tiny_true_rank_bank_run_has_its_bank_and_pool_columns(tmp_path, bank):
     assert row_key({k: v for k, v in row.items() if k != "bank"}) == row_key({**row, "bank": "padded"})
 
 
+def test_tiny_s70_serves_its_fp8_base_and_bounds_every_row(tmp_path):
+    """s70's FP8 base drawn in the serving layout (K-major FP8 by default): the rows say "fp8" and
+    carry the bound, the smaller of its compute and bytes parts."""
+    payload = _run(tmp_path, "--settings", "s70", "--rates", "4@1", "--max-drain-s", "60", "--probe-steps", "0")
+    (row,) = payload["rows"]
+    assert row["setting"] == "s70" and row["weights"] == "fp8" and row["completed"] == row["requests"] == 4
+    assert row["bound_req_s"] == min(row["bound_compute_req_s"], row["bound_bytes_req_s"]) > 0
+    assert row["hbm_GBps"] > 0 and row["fp8_TFLOPs"] > 0
+
+
 def test_host_budget_counts_each_adapter_at_its_rank_class():
     pager = Pager(tiny_config(), LoraConfig(max_slots=3, max_rank=8, target_modules=ATTENTION_MODULES))
     ranks = (8, 4, 2, 1)  # classes 8, 4, 4, 4
