@@ -29,7 +29,7 @@ from jaxlora.lora.unified_bank import UnifiedGroup, is_unified
 from jaxlora.lora.unified_layout import FACTOR_ALIGN
 from pallas_kernels.lora.common import make_row_groups
 from pallas_kernels.lora.paged import paged_expand, paged_shrink
-from pallas_kernels.lora.tuning import unified_shrink_knobs
+from pallas_kernels.lora.tuning import unified_expand_knobs, unified_shrink_knobs
 from pallas_kernels.lora.unified import unified_expand, unified_shrink
 from pallas_kernels.lora.unified_tiled import tiled_fits, unified_tiled_expand, unified_tiled_shrink
 from pallas_kernels.lora.unified_xla import unified_expand_xla, unified_shrink_xla
@@ -260,11 +260,11 @@ def _unified_per_row_term(group_bank, x, y, tables, columns, token_slots, kernel
     a_off, b_off, ranks = tables
     common = (*_pool(group_bank, layer), layer, group_bank.pages)
     kw = dict(align=FACTOR_ALIGN, interpret=kernels.interpret)
-    split = unified_shrink_knobs(x.shape[0])
+    shrink, expand = unified_shrink_knobs(x.shape[0]), unified_expand_knobs(x.shape[0])
     h = unified_shrink(
-        x, *common, a_off, ranks, token_slots, max_rank=group_bank.max_rank, partials=True, **kw, **split
+        x, *common, a_off, ranks, token_slots, max_rank=group_bank.max_rank, partials=True, **kw, **shrink
     )
-    return unified_expand(y, h, *common, b_off, ranks, token_slots, columns=tuple(columns), **kw)
+    return unified_expand(y, h, *common, b_off, ranks, token_slots, columns=tuple(columns), **kw, **expand)
 
 
 def step_plan(

@@ -120,11 +120,21 @@ UNIFIED_SHRINK: dict[int, dict[str, int]] = {
     64: dict(k_splits=4, unroll=4, num_stages=1),
     1 << 30: dict(k_splits=8, unroll=2, num_stages=1),
 }
+# The per-row unified expand (`unified.unified_expand`), by T bucket: output columns a program takes
+# (block), rank-rows a step (rank_block, shared with the shrink so that h's blocks line up), warps.
+UNIFIED_EXPAND: dict[int, dict[str, int]] = {
+    1 << 30: dict(block=128, rank_block=16, num_warps=4),
+}
 
 
 def unified_shrink_knobs(num_tokens: int) -> dict[str, int]:
-    """The per-row unified shrink's knobs at `num_tokens` rows."""
-    return dict(_bucket(UNIFIED_SHRINK, num_tokens))
+    """The per-row unified shrink's knobs at `num_tokens` rows (its rank block: the expand's)."""
+    return dict(_bucket(UNIFIED_SHRINK, num_tokens)) | {"rank_block": unified_expand_knobs(num_tokens)["rank_block"]}
+
+
+def unified_expand_knobs(num_tokens: int) -> dict[str, int]:
+    """The per-row unified expand's knobs at `num_tokens` rows."""
+    return dict(_bucket(UNIFIED_EXPAND, num_tokens))
 
 
 TABLES: dict[tuple[str, str], dict[int, dict[str, int | str]]] = {

@@ -237,8 +237,10 @@ def test_the_engines_shrink_knobs_come_from_the_tuning_table(monkeypatch):
 
     monkeypatch.setitem(tuning.UNIFIED_SHRINK, 64, dict(k_splits=4, unroll=4, num_stages=1))
     monkeypatch.setitem(tuning.UNIFIED_SHRINK, 1 << 30, dict(k_splits=8, unroll=2, num_stages=3))
-    assert tuning.unified_shrink_knobs(40) == dict(k_splits=4, unroll=4, num_stages=1)
-    assert tuning.unified_shrink_knobs(65) == dict(k_splits=8, unroll=2, num_stages=3)
+    monkeypatch.setitem(tuning.UNIFIED_EXPAND, 1 << 30, dict(block=256, rank_block=8, num_warps=8))
+    assert tuning.unified_shrink_knobs(40) == dict(k_splits=4, unroll=4, num_stages=1, rank_block=8)
+    assert tuning.unified_shrink_knobs(65) == dict(k_splits=8, unroll=2, num_stages=3, rank_block=8)
+    assert tuning.unified_expand_knobs(65) == dict(block=256, rank_block=8, num_warps=8)
 
 
 @pytest.mark.parametrize("dtype, k_splits, unroll", [(jnp.bfloat16, 1, 1), (jnp.float32, 4, 2), (jnp.bfloat16, 2, 3)])
