@@ -113,7 +113,8 @@ def apply_group_fused(
     if group_bank is None:
         return y
     modules = GROUP_MODULES[group]
-    if is_unified(group_bank) and _unified_per_row(group_bank, x, y.shape[1], kernels, plan, layer):
+    widths = tuple(e - c for c, e in zip(columns, (*columns[1:], y.shape[1])))
+    if is_unified(group_bank) and _unified_per_row(group_bank, x, widths, kernels, plan, layer):
         return _unified_group(group_bank, x, y, columns, token_slots, kernels, layer)
     if true_rank := _true_rank(group_bank):
         per_module, ranks = true_rank
@@ -194,7 +195,7 @@ def _unified_module(
     if kernels.lora is not LoraBackend.PALLAS:
         h = unified_shrink_xla(x, *common, a_off, ranks, token_slots, max_rank=group_bank.max_rank, align=FACTOR_ALIGN)
         return unified_expand_xla(y, h, *common, b_off, ranks, token_slots, align=FACTOR_ALIGN)
-    if _unified_per_row(group_bank, x, y.shape[1], kernels, plan, layer):
+    if _unified_per_row(group_bank, x, (y.shape[1],), kernels, plan, layer):
         return _unified_per_row_term(group_bank, x, y, (a_off, b_off, ranks), (0,), token_slots, kernels, layer)
     kw = dict(align=FACTOR_ALIGN, interpret=kernels.interpret, block_rows=UNIFIED_TILE_ROWS)
     h = unified_tiled_shrink(x, *common, a_off, ranks, plan.groups, max_rank=group_bank.max_rank, **kw)
@@ -210,14 +211,14 @@ def _pool(group_bank: UnifiedGroup, layer: jax.Array | None) -> tuple[jax.Array,
 def _unified_per_row(
     group_bank: UnifiedGroup,
     x: jax.Array,
-    out: int,
+    outs: tuple[int, ...],
     kernels: StepKernels,
     plan: pallas_kernels.LoraPlan | None,
     layer: jax.Array | None,
 ) -> bool:
-    """Whether the pallas backend runs a unified term on the per-row kernels (decode batches, a
-    program per row): below UNIFIED_TILED_MIN_TOKENS rows, or where a width's chunks are too narrow
-    for the tiled kernels' tensor-core dots. False for the XLA backend and for steps the tiled
+    """Whether the pallas backend runs a unified term (modules of output widths `outs`, sharing x) on
+    the per-row kernels (decode batches, a program per row): below UNIFIED_TILED_MIN_TOKENS rows, or
+    where a width's chunks are too narrow for the tiled kernels' tensor-core dots. False for the XLA backend and for steps the tiled
     kernels take (rows grouped by slot in `plan`: prefill runs share adapters)."""
     if kernels.lora is not LoraBackend.PALLAS:
         return False
@@ -231,7 +232,7 @@ def _unified_per_row(
     tiled = (
         groups is not None
         and x.shape[0] >= UNIFIED_TILED_MIN_TOKENS
-        and all(tiled_fits(width, k, FACTOR_ALIGN) for width in (x.shape[1], out))
+        and all(tiled_fits(width, k, FACTOR_ALIGN) for width in (x.shape[1], *outs))
     )
     return not tiled
 

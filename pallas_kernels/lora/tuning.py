@@ -117,19 +117,19 @@ def group_tile_heights(mode: str, num_tokens: int) -> tuple[int, ...]:
 # down_proj: 86 chunks of 128 over 8, seven of 11 and one of 9). Above 64 rows k_splits 8, unroll 2
 # ties with k_splits 4, unroll 1 (DECISIONS.md).
 UNIFIED_SHRINK: dict[int, dict[str, int]] = {
-    64: dict(k_splits=4, unroll=4, num_stages=1),
-    1 << 30: dict(k_splits=8, unroll=2, num_stages=1),
+    64: dict(k_splits=4, unroll=4, num_stages=1, rank_block=16),
+    1 << 30: dict(k_splits=8, unroll=2, num_stages=1, rank_block=16),
 }
 # The per-row unified expand (`unified.unified_expand`), by T bucket: output columns a program takes
-# (block), rank-rows a step (rank_block, shared with the shrink so that h's blocks line up), warps.
+# (block), rank-rows a loop step (rank_block: h's layout does not depend on it), warps.
 UNIFIED_EXPAND: dict[int, dict[str, int]] = {
     1 << 30: dict(block=128, rank_block=16, num_warps=4),
 }
 
 
 def unified_shrink_knobs(num_tokens: int) -> dict[str, int]:
-    """The per-row unified shrink's knobs at `num_tokens` rows (its rank block: the expand's)."""
-    return dict(_bucket(UNIFIED_SHRINK, num_tokens)) | {"rank_block": unified_expand_knobs(num_tokens)["rank_block"]}
+    """The per-row unified shrink's knobs at `num_tokens` rows."""
+    return dict(_bucket(UNIFIED_SHRINK, num_tokens))
 
 
 def unified_expand_knobs(num_tokens: int) -> dict[str, int]:

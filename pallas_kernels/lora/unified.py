@@ -10,7 +10,8 @@ are the input wide, B rows the output wide). So element o of the run is at
 
     page = pages[adapter, (o // E) // 2],   half = (o // E) % 2  (0: k, 1: v),   index o % E
 
-and a rank-row may straddle two segments. Operands, per launch (one module, one factor, one layer):
+and a rank-row may straddle two segments. Operands, per launch (one factor of one module, or of a
+group's modules, at one layer):
 
     k, v      [L, N, page_size, kv_heads, head_dim]   the KV pool (flattened per layer, not copied)
     layer     int32 scalar                            which layer's segments
@@ -67,8 +68,9 @@ _SHRINK_KNOBS = ("max_rank", *_KNOBS, "k_splits", "unroll", "num_stages", "parti
 _EXPAND_KNOBS = (*_KNOBS, "columns")
 
 
-def check_unified(x_or_y, k, v, pages, offsets, ranks, adapter_ids) -> None:
-    """Clear errors for operands the kernels cannot take."""
+def check_unified(x_or_y, k, v, pages, offsets, ranks, adapter_ids, *, group: bool = False) -> None:
+    """Clear errors for operands the kernels cannot take; group: [S, G] tables allowed (these
+    per-row kernels), else [S] only (the tiled kernels, the XLA path: one module a call)."""
     if k.ndim != 5 or k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(
             f"k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must be one KV pool [L, N, page, heads, dim]"
@@ -76,12 +78,13 @@ def check_unified(x_or_y, k, v, pages, offsets, ranks, adapter_ids) -> None:
     if (
         pages.ndim != 2
         or offsets.shape != ranks.shape
-        or offsets.ndim not in (1, 2)
+        or offsets.ndim not in ((1, 2) if group else (1,))
         or offsets.shape[0] != pages.shape[0]
         or 0 in offsets.shape
     ):
+        tables = "both [S] or [S, G]" if group else "both [S] (one module a call)"
         raise ValueError(
-            f"pages {pages.shape} must be [S, MP], offsets {offsets.shape} and ranks {ranks.shape} both [S] or [S, G]"
+            f"pages {pages.shape} must be [S, MP], offsets {offsets.shape} and ranks {ranks.shape} {tables}"
         )
     if x_or_y.ndim != 2 or adapter_ids.shape != (x_or_y.shape[0],):
         raise ValueError(f"adapter_ids {adapter_ids.shape} must be [T] for rows {x_or_y.shape}")
@@ -300,15 +303,16 @@ def unified_shrink(
         rest, any after it none and store zeros); unroll: chunks a loop
         step loads (a shorter loop takes the rest).
       num_stages: Triton's software pipelining of the loop's loads (1: none).
-      partials: with k_splits > 1, return the splits' f32 partial sums [T, k_splits, max_rank]
-        unadded, for `unified_expand` to add as it reads them (no launch to add them).
+      partials: with k_splits > 1, return the splits' f32 partial sums [T, k_splits, G * max_rank]
+        (G = 1 for [S] tables) unadded, for `unified_expand` to add as it reads them (no launch
+        to add them).
 
     Returns:
       h: [T, max_rank] in x.dtype, accumulated in f32; columns at and past a row's rank are 0 (or
       the partial sums, as above). A group's: [T, G * max_rank] (module m in columns m * max_rank
       onward), or its partial sums [T, k_splits, G * max_rank].
     """
-    check_unified(x, k, v, pages, offsets, ranks, adapter_ids)
+    check_unified(x, k, v, pages, offsets, ranks, adapter_ids, group=True)
     offsets, ranks = _as_group(offsets), _as_group(ranks)
     modules = offsets.shape[1]
     checked_knobs(align, block, rank_block)
@@ -364,7 +368,7 @@ def unified_expand(
     """y[t] + h[t, :rank] @ B for the B of row t's slot, read as rank-rows from the KV pool.
 
     Args:
-      y: [T, O] float, the base output (B's rank-rows are O wide).
+      y: [T, O] float, the base output (B's rank-rows are O wide; a group's: each module's width).
       h: [T, C] the shrink's result (columns at and past a row's rank are never read), or its
         partial sums [T, P, C] (`unified_shrink(partials=True)`, P a power of two), added here. A
         group's: [T, G * C] or [T, P, G * C], module m's in columns m * C onward.
@@ -377,7 +381,7 @@ def unified_expand(
     Returns:
       [T, O] in y.dtype, the delta accumulated in f32; base-model rows unchanged.
     """
-    check_unified(y, k, v, pages, offsets, ranks, adapter_ids)
+    check_unified(y, k, v, pages, offsets, ranks, adapter_ids, group=True)
     checked_knobs(align, block, rank_block)
     offsets, ranks = _as_group(offsets), _as_group(ranks)
     modules = offsets.shape[1]

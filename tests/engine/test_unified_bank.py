@@ -75,15 +75,23 @@ def padded_tokens(parts):
 
 @pytest.mark.parametrize(
     "lora, tiled_from, fused",
-    [(UNIFIED, None, False), (UNIFIED_PALLAS, None, False), (UNIFIED_PALLAS, 16, False), (UNIFIED_PALLAS, None, True)],
-    ids=["xla", "pallas", "pallas-tiled", "pallas-fused"],
+    [
+        (UNIFIED, None, False),
+        (UNIFIED_PALLAS, None, False),
+        (UNIFIED_PALLAS, 16, False),
+        (UNIFIED_PALLAS, None, True),
+        (UNIFIED_PALLAS, 16, True),
+    ],
+    ids=["xla", "pallas", "pallas-tiled", "pallas-fused", "pallas-fused-tiled"],
 )
 def test_mixed_ranks_same_tokens_as_the_padded_bank_with_a_nan_pool(
     parts, padded_tokens, lora, tiled_from, fused, monkeypatch, request
 ):
     """pallas-tiled: steps of 16 and 32 token rows run the tiled kernels (rows grouped by adapter),
     steps of 8 the per-row ones, in one engine. pallas-fused: the serving layout, whose q|k|v and
-    gate|up groups take one per-row shrink and one expand each (every module's columns in one y)."""
+    gate|up groups take one per-row shrink and one expand each (every module's columns in one y);
+    pallas-fused-tiled: the same layout with steps of 16 and 32 rows on the tiled kernels, a module
+    at a time in its columns of the fused output."""
     if tiled_from is not None:
         # Steps traced under another threshold would be reused (it is not in their key), both ways.
         jax.clear_caches()

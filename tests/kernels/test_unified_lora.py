@@ -235,36 +235,48 @@ def test_tiled_kernels_refuse_chunks_too_small_for_a_dot(rng):
 def test_the_engines_shrink_knobs_come_from_the_tuning_table(monkeypatch):
     from pallas_kernels.lora import tuning
 
-    monkeypatch.setitem(tuning.UNIFIED_SHRINK, 64, dict(k_splits=4, unroll=4, num_stages=1))
-    monkeypatch.setitem(tuning.UNIFIED_SHRINK, 1 << 30, dict(k_splits=8, unroll=2, num_stages=3))
+    monkeypatch.setitem(tuning.UNIFIED_SHRINK, 64, dict(k_splits=4, unroll=4, num_stages=1, rank_block=16))
+    monkeypatch.setitem(tuning.UNIFIED_SHRINK, 1 << 30, dict(k_splits=8, unroll=2, num_stages=3, rank_block=32))
     monkeypatch.setitem(tuning.UNIFIED_EXPAND, 1 << 30, dict(block=256, rank_block=8, num_warps=8))
-    assert tuning.unified_shrink_knobs(40) == dict(k_splits=4, unroll=4, num_stages=1, rank_block=8)
-    assert tuning.unified_shrink_knobs(65) == dict(k_splits=8, unroll=2, num_stages=3, rank_block=8)
+    assert tuning.unified_shrink_knobs(40) == dict(k_splits=4, unroll=4, num_stages=1, rank_block=16)
+    assert tuning.unified_shrink_knobs(65) == dict(k_splits=8, unroll=2, num_stages=3, rank_block=32)
     assert tuning.unified_expand_knobs(65) == dict(block=256, rank_block=8, num_warps=8)
 
 
-@pytest.mark.parametrize("dtype, k_splits, unroll", [(jnp.bfloat16, 1, 1), (jnp.float32, 4, 2), (jnp.bfloat16, 2, 3)])
-def test_a_group_of_modules_in_one_launch_each_way(rng, dtype, k_splits, unroll):
-    """q/k/v-like modules sharing x (outputs 96, 32 and 64 wide side by side in one y, as the serving
-    layout's fused projection holds them), each slot with its own rank per module (0 included), base
-    rows: one shrink and one expand for the group equal the reference module by module, and NaN past
-    each module's rank in every part of h is never read."""
-    hidden, outs = 64, (96, 32, 64)
+@pytest.mark.parametrize(
+    "dtype, k_splits, unroll, outs, max_rank, rank_block, align",
+    [
+        (jnp.bfloat16, 1, 1, (96, 32, 64), 16, 8, 16),
+        (jnp.float32, 4, 2, (96, 32, 64), 16, 8, 16),
+        (jnp.bfloat16, 2, 3, (96, 32, 64), 16, 8, 16),
+        (jnp.float32, 2, 1, (12, 20, 4), 13, 8, 4),  # widths of other powers of two; blocks past max_rank
+        (jnp.float32, 1, 2, (24, 40), 5, 16, 8),  # two modules (gate/up); a rank block wider than max_rank
+    ],
+)
+def test_a_group_of_modules_in_one_launch_each_way(rng, dtype, k_splits, unroll, outs, max_rank, rank_block, align):
+    """q/k/v-like modules sharing x (outputs side by side in one y, as the serving layout's fused
+    projection holds them), each slot with its own rank per module (0 included), base rows: one shrink
+    and one expand for the group equal the reference module by module, and NaN past each module's
+    rank in every part of h is never read. Rank blocks reaching past max_rank must not write into the
+    next module's columns."""
+    hidden = 64
     module_ranks = [[5, 0, 3], [16, 8, 1], [0, 0, 0], [1, 12, 16], [9, 2, 0]]
-    pool = unified_pool(rng, module_ranks, [(hidden, o) for o in outs], align=16)
+    module_ranks = [[min(r, max_rank) for r in ranks[: len(outs)]] for ranks in module_ranks]
+    module_ranks[1][0] = max_rank  # a module at the full max_rank
+    pool = unified_pool(rng, module_ranks, [(hidden, o) for o in outs], align=align)
     ids = jnp.asarray(rng.permutation([0, 1, 2, 3, 4, -1, 3, 1]), jnp.int32)
     x = random_array(rng, (len(ids), hidden), dtype)
     y = random_array(rng, (len(ids), sum(outs)), dtype)
-    columns = (0, outs[0], outs[0] + outs[1])
+    columns = tuple(sum(outs[:i]) for i in range(len(outs)))
     stack = lambda name: jnp.stack([getattr(m, name) for m in pool.modules], axis=1)  # noqa: E731
     common = (pool.k, pool.v, jnp.int32(LAYER), pool.pages)
-    knobs = dict(align=pool.align, block=16, rank_block=8, interpret=True)
-    max_rank = 16
+    knobs = dict(align=pool.align, block=16, rank_block=rank_block, interpret=True)
     parts = unified_shrink(
         x, *common, stack("a_offsets"), stack("ranks"), ids, max_rank=max_rank, k_splits=k_splits, unroll=unroll,
         partials=k_splits > 1, **knobs,
     )  # fmt: skip
-    assert parts.shape == ((len(ids), 3 * max_rank) if k_splits == 1 else (len(ids), k_splits, 3 * max_rank))
+    width = len(outs) * max_rank
+    assert parts.shape == ((len(ids), width) if k_splits == 1 else (len(ids), k_splits, width))
     summed = parts if k_splits == 1 else jnp.sum(parts, axis=1).astype(dtype)
     want_y = []
     for m, module in enumerate(pool.modules):
@@ -300,3 +312,9 @@ def test_a_group_refuses_columns_that_do_not_fit(rng):
         unified_expand(y, h, *args, align=8, columns=(0, 40))
     with pytest.raises(ValueError, match=r"\[S\] or \[S, G\]"):
         unified_expand(y, h, *args[:4], offs, ranks[:, :1], ids, align=8, columns=(0, 16))
+    # The XLA path and the tiled kernels take one module a call: [S, G] tables are refused by name.
+    with pytest.raises(ValueError, match="one module a call"):
+        unified_expand_xla(y, h, *args)
+    groups = make_row_groups(ids, num_slots=2, seg_len=None, block_rows=(16,))
+    with pytest.raises(ValueError, match="one module a call"):
+        unified_tiled_expand(y, h, *args[:6], groups, align=8)
