@@ -109,10 +109,11 @@ def random_fp8_model(config: ModelConfig, *, dtype: jnp.dtype = jnp.bfloat16, se
     """A model in the serving layout with FP8 projections, drawn on the device in that format: no
     dense copy of a projection ever exists (a 70B shape's would need 140 GB).
 
-    Each stacked FP8 leaf [L, in, out] (or K-major [L, out, in], the serving layout's default) is drawn one layer at a time as random bytes with the top
-    exponent bit cleared (|q| <= 1.875: no NaN pattern, 0x7F / 0xFF, can occur), with per-channel
-    scales 1 / sqrt(in) so that a projection keeps its input's scale; the rest (embeddings, norms,
-    head) is N(0, 0.02) in `dtype`, norm scales 1.
+    Each stacked FP8 leaf [L, in, out] (or K-major [L, out, in], the serving layout's default) is
+    drawn one layer at a time as random bytes with the top exponent bit cleared (|q| <= 1.875: no
+    NaN pattern, 0x7F / 0xFF, can occur), with per-channel scales 1 / sqrt(in) so that a projection
+    keeps its input's scale; the rest (embeddings, norms, head) is N(0, 0.02) in `dtype`, norm
+    scales 1.
     """
     _, expected = abstract_model(config, dtype, "fp8", fused=True)
     names = sorted(expected)

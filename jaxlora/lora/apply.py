@@ -30,7 +30,7 @@ from jaxlora.lora.unified_layout import FACTOR_ALIGN
 from pallas_kernels.lora.common import make_row_groups
 from pallas_kernels.lora.paged import paged_expand, paged_shrink
 from pallas_kernels.lora.tuning import unified_expand_knobs, unified_shrink_knobs
-from pallas_kernels.lora.unified import unified_expand, unified_shrink
+from pallas_kernels.lora.unified import module_widths, unified_expand, unified_shrink
 from pallas_kernels.lora.unified_tiled import tiled_fits, unified_tiled_expand, unified_tiled_shrink
 from pallas_kernels.lora.unified_xla import unified_expand_xla, unified_shrink_xla
 
@@ -113,16 +113,16 @@ def apply_group_fused(
     if group_bank is None:
         return y
     modules = GROUP_MODULES[group]
-    widths = tuple(e - c for c, e in zip(columns, (*columns[1:], y.shape[1])))
-    if is_unified(group_bank) and _unified_per_row(group_bank, x, widths, kernels, plan, layer):
-        return _unified_group(group_bank, x, y, columns, token_slots, kernels, layer)
     if true_rank := _true_rank(group_bank):
+        widths = module_widths(columns, y.shape[1])
+        if is_unified(group_bank) and _unified_per_row(group_bank, x, widths, kernels, plan, layer):
+            return _unified_group(group_bank, x, y, columns, token_slots, kernels, layer)
         per_module, ranks = true_rank
-        ends = (*columns[1:], y.shape[1])
         for i, m in enumerate(modules):
             if m in ranks:
-                part = per_module(group_bank, m, x, y[:, columns[i] : ends[i]], token_slots, kernels, layer, plan)
-                y = y.at[:, columns[i] : ends[i]].set(part)
+                cols = slice(columns[i], columns[i] + widths[i])
+                part = per_module(group_bank, m, x, y[:, cols], token_slots, kernels, layer, plan)
+                y = y.at[:, cols].set(part)
         return y
     held = [i for i, m in enumerate(modules) if m in group_bank["b"]]
     (y,) = pallas_kernels.lora_group(
@@ -218,8 +218,9 @@ def _unified_per_row(
 ) -> bool:
     """Whether the pallas backend runs a unified term (modules of output widths `outs`, sharing x) on
     the per-row kernels (decode batches, a program per row): below UNIFIED_TILED_MIN_TOKENS rows, or
-    where a width's chunks are too narrow for the tiled kernels' tensor-core dots. False for the XLA backend and for steps the tiled
-    kernels take (rows grouped by slot in `plan`: prefill runs share adapters)."""
+    where a width's chunks are too narrow for the tiled kernels' tensor-core dots. False for the XLA
+    backend and for steps the tiled kernels take (rows grouped by slot in `plan`: prefill runs share
+    adapters)."""
     if kernels.lora is not LoraBackend.PALLAS:
         return False
     groups = plan.groups if plan is not None else None

@@ -93,11 +93,10 @@ def with_stacked_tables(bank: dict) -> dict:
 
 
 def _stack(group: str, entries: UnifiedGroup) -> tuple[jax.Array, jax.Array, jax.Array]:
-    zeros = jnp.zeros(entries.pages.shape[:1], jnp.int32)
-    modules = dict(GROUPS)[group]
-    offsets = [entries.offsets.get(m, jnp.zeros((zeros.shape[0], 2), jnp.int32)) for m in modules]
-    ranks = jnp.stack([entries.ranks.get(m, zeros) for m in modules], axis=1)
-    return jnp.stack([o[:, 0] for o in offsets], axis=1), jnp.stack([o[:, 1] for o in offsets], axis=1), ranks
+    num_slots, modules = entries.pages.shape[0], dict(GROUPS)[group]
+    offsets = jnp.stack([entries.offsets.get(m, jnp.zeros((num_slots, 2), jnp.int32)) for m in modules], axis=1)
+    ranks = jnp.stack([entries.ranks.get(m, jnp.zeros((num_slots,), jnp.int32)) for m in modules], axis=1)
+    return offsets[..., 0], offsets[..., 1], ranks  # [S, G, 2] -> A^T's, B's; [S, G]
 
 
 def slot_rows(layout: UnifiedLayout | None, page_ids: np.ndarray, lora: LoraConfig, max_pages: int) -> dict:

@@ -31,8 +31,8 @@ Kernels (MBGMV-style: programs per token row, so a decode batch puts many adapte
 A row's work is proportional to its rank:
 
     unified_shrink:  h[t, r] = sum_k x[t, k] * A^T[r, k]        r < rank; h[t, r >= rank] = 0
-        program (row, module and rank block, input split): the block's rank-rows over 1/k_splits of the input
-        width, `unroll` chunks a loop step (independent loads in flight: a decode program is bound by
+        program (row, module and rank block, input split): the block's rank-rows over 1/k_splits of
+        the input width, `unroll` chunks a loop step (independent loads in flight: a decode program is bound by
         the latency of its dependent page-lookup-then-load chain, not by bytes); the splits' partial
         sums are added after the launch, or by the expand as it reads them (`partials`). Blocks at
         and past the row's rank only store zeros.
@@ -40,8 +40,8 @@ A row's work is proportional to its rank:
         program (row, output chunk): loops over the row's rank blocks only (of the chunk's module).
 
 Loads move whole chunks: a chunk is `chunk` consecutive elements of a rank-row, chunk the largest
-power of two dividing the width (every module's, in a group), E and `align` (at most `block`). The caller promises every offset
-is a multiple of `align` (`jaxlora.lora.unified_layout` aligns each factor's start to
+power of two dividing the width (every module's, in a group), E and `align` (at most `block`). The
+caller promises every offset is a multiple of `align` (`jaxlora.lora.unified_layout` aligns each factor's start to
 FACTOR_ALIGN), so rank-rows start at chunk multiples, a segment boundary never falls inside a
 chunk, and a chunk's address is page * E + (chunk index mod E / chunk) * chunk: one page lookup a
 chunk, and loads the compiler can vectorize (contiguous, and aligned by construction). Loads are
@@ -112,7 +112,8 @@ def chunk_size(width: int, seg: int, align: int, block: int) -> int:
 
 
 def _row(ids_ref, ranks_ref, offs_ref, row, module):
-    """(slot, rank, offset) of token row `row` in `module` (tables [S, G]); a base-model row (-1) has rank 0."""
+    """(slot, rank, offset) of token row `row` in `module` (tables [S, G]); a base-model row (-1) has
+    rank 0."""
     slot = ids_ref[row]
     safe = jnp.maximum(slot, 0)
     return safe, jnp.where(slot >= 0, ranks_ref[safe, module], 0), offs_ref[safe, module]
