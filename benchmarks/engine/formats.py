@@ -384,7 +384,26 @@ def run_cell(variant, case, cfg, models, runners, bank, dtype, opts, hbm, rates,
     }
     if variant.gemm == "w8a8" and jax.default_backend() == "gpu" and case.tokens == max(c.tokens for c in GPU_CASES):
         row["fp8_gemm"] = fp8_gemm_report(runner, bank, layout, packed)
+    if case.label in opts.profile:
+        row["ops_ms"] = profile_step(runner, bank, layout, packed)
     return row
+
+
+def profile_step(runner: Runner, bank, layout: StepLayout, packed: jax.Array) -> dict:
+    """The step's device time by op kind and its top ops (`benchmarks.step.profile.op_split`); run
+    with XLA_FLAGS=--xla_gpu_enable_command_buffer= so that kernels show one by one."""
+    from benchmarks.step.profile import op_split
+
+    static = runner.step_static
+
+    def step() -> jax.Array:
+        ids, runner.kv, _ = packed_step(
+            runner.params, bank, runner.kv, packed, runner.last_ids, layout=layout, **static
+        )
+        runner.last_ids = ids
+        return ids
+
+    return op_split(step)
 
 
 def write(payload: dict, out: Path) -> None:
@@ -409,6 +428,13 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=[],
         help=f"run only these variants, in this order (default all: {' '.join(v.label for v in VARIANTS)})",
+    )
+    p.add_argument(
+        "--profile",
+        nargs="*",
+        default=[],
+        help="cases whose rows get a per-op device-time split (`ops_ms`); set "
+        "XLA_FLAGS=--xla_gpu_enable_command_buffer= so that the profiler sees each kernel",
     )
     opts = p.parse_args(argv)
     payload = run(opts)

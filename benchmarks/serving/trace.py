@@ -47,6 +47,8 @@ Per run (one offered rate) a row records:
     rejected submission or one still waiting at the drain cap is a miss);
   unfinished: requests not finished `--max-drain-s` after the last arrival (then cancelled; the
     engine is idle again before the next run starts);
+  loop_ms_per_step: the engine loop's ms per step by phase (`_loop_ms_per_step`): where a step's
+    time went on the host, and how long the loop waited on the device;
   steps, prefill_tokens_per_step, decode_tokens_per_step, padding_share: from `engine.stats()`
     (`TokenCounter`): each step computes its padded token budget; padding_share is the share of
     those token slots that held no request's token. (The "bucketed" rows came from the engine
@@ -119,6 +121,7 @@ from jaxlora.adapters import PagedPager, Pager, UnifiedPager
 from jaxlora.config import ATTENTION_MODULES, TARGET_MODULES, LoraBackend, LoraBank, LoraConfig, ModelConfig
 from jaxlora.engine.config import ENGINE_KIND, EngineConfig
 from jaxlora.engine.engine import Engine
+from jaxlora.engine.host_timing import PHASES
 from jaxlora.engine.request import FinishReason, GenerationRequest, RequestOutput, SamplingParams
 from jaxlora.errors import JaxloraError
 from jaxlora.model.params import LoadedModel, random_model
@@ -448,13 +451,30 @@ class _Recorder:
             self.all_done.set()
 
 
+# The engine loop's cumulative host time by phase (jaxlora.engine.host_timing), and the calls it covers.
+HOST_PHASE_KEYS = tuple(f"{p}_ms" for p in PHASES) + ("calls",)
+
+
 def _engine_counts(engine: Engine, tokens: TokenCounter) -> dict[str, int]:
     s = engine.stats()
     out = {k: s[k] for k in ("steps", "preemptions")}
     out.update({f"prefix_cache_{k}": s["prefix_cache"][k] for k in ("queries", "hits", "evictions")})
     out["compiles"] = s["compiles"]
+    out.update({f"host_{k}": s["host"][k] for k in HOST_PHASE_KEYS})
     out.update(tokens.snapshot())
     out.update({f"pager_{k}": v for k, v in s.get("pager", {}).items()})
+    return out
+
+
+def _loop_ms_per_step(counts: Mapping[str, float]) -> dict[str, float] | None:
+    """The engine loop's ms per dispatched step by phase over the run (schedule, inputs, dispatch,
+    stream: host time; wait: blocked on the device for the step before), and its idle calls (no
+    step dispatched) per step. None when no step ran or the counts predate the field."""
+    steps = counts.get("steps", 0)
+    if not steps or "host_wait_ms" not in counts:
+        return None
+    out = {p: round(counts[f"host_{p}_ms"] / steps, 3) for p in PHASES}
+    out["idle_calls_per_step"] = round((counts["host_calls"] - steps) / steps, 3)
     return out
 
 
@@ -607,6 +627,7 @@ def summarize(
         "prefill_padding_share": share(counts["prefill_slots"] - counts["prefill_tokens"], counts["prefill_slots"]),
         "decode_padding_share": share(counts["decode_slots"] - counts["decode_tokens"], counts["decode_slots"]),
         "page_ins": counts.get("pager_page_ins"),
+        "loop_ms_per_step": _loop_ms_per_step(counts),
         "prefix_cache_hit_share": share(counts.get("prefix_cache_hits", 0), counts.get("prefix_cache_queries", 0)),
         "prefix_cache_evictions": counts.get("prefix_cache_evictions"),
         "compiles_during_run": counts["compiles"],
@@ -1371,7 +1392,7 @@ _API_PRINTED = (
 # Engine-side counters a client cannot see: None in the rows of --api http|grpc.
 _ENGINE_FIELDS = (
     "steps", "preemptions", "prefill_tokens_per_step", "decode_tokens_per_step", "padding_share",
-    "prefill_padding_share", "decode_padding_share", "page_ins", "compiles_during_run",
+    "prefill_padding_share", "decode_padding_share", "page_ins", "compiles_during_run", "loop_ms_per_step",
 )  # fmt: skip
 
 

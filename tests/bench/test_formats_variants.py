@@ -4,6 +4,7 @@ models each one gets, vs_bf16 whatever the order). The timed run itself is its -
 from __future__ import annotations
 
 import argparse
+import json
 
 import jax.numpy as jnp
 import pytest
@@ -66,3 +67,14 @@ def test_only_the_mosaic_variant_skips_steps_above_its_limit():
     skipped = {c.label for c in GPU_CASES if skip_reason(mgpu, c)}
     assert skipped == {"mixed-512", "mixed-2048"}
     assert not any(skip_reason(v, c) for v in VARIANTS if v.kernel == "auto" for c in GPU_CASES)
+
+
+def test_profiled_cases_get_an_op_split_and_the_others_none(tmp_path):
+    from benchmarks.engine.formats import main
+
+    argv = ["--smoke", "--out", str(tmp_path), "--cases", "decode-4", "mixed-24", "--variants", "bf16-dense"]
+    assert main([*argv, "--profile", "mixed-24"]) == 0
+    rows = {r["case_label"]: r for r in json.loads((tmp_path / "formats.json").read_text())["rows"]}
+    assert "ops_ms" not in rows["decode-4"]
+    # On the CPU the trace has no GPU plane: the split is there, with nothing in it.
+    assert set(rows["mixed-24"]["ops_ms"]) == {"attention", "gemm", "lora", "other", "launches", "top"}

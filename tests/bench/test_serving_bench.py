@@ -204,6 +204,12 @@ def test_tiny_open_loop_run_accounts_for_every_request(tmp_path):
     assert 0 < row["arrival_span_s"] <= row["window_s"] and row["served_req_s"] <= row["realized_rate"]
     assert row["steps"] > 0 and row["decode_tokens_per_step"] > 0 and row["prefill_tokens_per_step"] > 0
     assert 0 < row["padding_share"] < 1 and row["compiles_during_run"] == 0
+    loop = row["loop_ms_per_step"]  # the loop's time a step by phase: within the run's wall time a step
+    assert set(loop) == {"schedule", "inputs", "dispatch", "stream", "wait", "idle_calls_per_step"}
+    assert all(v >= 0 for v in loop.values()) and loop["dispatch"] > 0 and loop["inputs"] > 0
+    assert sum(loop[p] for p in ("schedule", "inputs", "dispatch", "stream", "wait")) * row["steps"] <= (
+        row["run_s"] * 1e3
+    )
     # The decode-only step at the run's batch, on the run's engine, padded as the scheduler pads it.
     assert row["decode_step_rows"] == min(max(1, round(row["decode_tokens_per_step"])), 8)
     assert row["decode_step_budget"] == min(b for b in (8, 16, 32) if b >= row["decode_step_rows"])
@@ -304,6 +310,7 @@ def test_smoke_through_the_server(tmp_path):
         assert set(r["startup"]) == {"import", "load", "register", "compile", "warm-up run", "total"}
         assert r["startup"]["total"] <= r["server_ready_s"]
         assert r["ttft_ms_p50"] > 0 and r["tpot_ms_p50"] > 0 and r["steps"] is None  # engine counters: not seen
+        assert r["loop_ms_per_step"] is None
         assert r["prefix_cache"] is True  # the preset's engine, which the server runs
 
 
