@@ -41,7 +41,9 @@ RANK_BLOCKS = (8, 16, 32)  # the unified kernels' rank-rows per step, swept (the
 # The per-row unified shrink's (k_splits, unroll), swept with each rank block: (1, 1) is one program
 # a rank block, one chunk a loop step.
 SHRINK_SPLITS = ((1, 1), (1, 4), (4, 1), (4, 4), (8, 2), (2, 8))
-TILE_ROWS = 16  # the tiled unified kernels' rows a tile (jaxlora.lora.apply.UNIFIED_TILE_ROWS)
+# The tiled unified kernels' rows a tile (pallas_kernels.lora.tuning.UNIFIED_TILED), swept: a taller tile
+# reads a prefill chunk's adapter fewer times, and wastes rows of tiles that hold a decode row or two.
+TILE_ROWS = (16, 32, 64)
 MIXED_RUNS, MIXED_DECODE_ROWS = 7, 64  # the mixed step: prefill chunks of one adapter each, decode rows
 KV_PAGE = (16, 32, 128)  # positions, KV heads, head_dim of one page of the 7B shape's KV pool
 
@@ -134,7 +136,9 @@ def _rows(rng, mix: str, num_tokens: int, kind: str) -> tuple[np.ndarray, np.nda
     return rng.choice(np.asarray(MIXES[mix]), size=MIXED_RUNS + decode).astype(np.int32), ids
 
 
-def run_case(rng, mix: str, num_tokens: int, kind: str, hidden: int, dtype, interpret: bool, reps: int) -> dict:
+def run_case(
+    rng, mix: str, num_tokens: int, kind: str, hidden: int, dtype, interpret: bool, reps: int, tile_rows=TILE_ROWS
+) -> dict:
     ranks, rows = _rows(rng, mix, num_tokens, kind)
     a, b, pool, a_table, b_table = _case(rng, ranks, hidden, dtype)
     x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), dtype)
@@ -143,7 +147,7 @@ def run_case(rng, mix: str, num_tokens: int, kind: str, hidden: int, dtype, inte
     rank_arr = jnp.asarray(ranks)
     # The step's row grouping is built once per step and shared by every layer's ops: outside the timing.
     plan = pk.lora_plan(ids + 1, num_slots=len(ranks) + 1, backend="pallas")
-    groups = make_row_groups(ids, num_slots=len(ranks), seg_len=None, block_rows=(TILE_ROWS,))
+    groups = make_row_groups(ids, num_slots=len(ranks), seg_len=None, block_rows=tuple(tile_rows))
 
     @jax.jit
     def padded(x, y, plan):
@@ -173,9 +177,9 @@ def run_case(rng, mix: str, num_tokens: int, kind: str, hidden: int, dtype, inte
 
         return jax.jit(unified)
 
-    def tiled_at(rank_block: int):
+    def tiled_at(rank_block: int, block_rows: int):
         def tiled(x, y, groups):
-            common = dict(align=align, block_rows=TILE_ROWS, rank_block=rank_block, interpret=interpret)
+            common = dict(align=align, block_rows=block_rows, rank_block=rank_block, interpret=interpret)
             h = unified_tiled_shrink(x, k, v, layer, pages, a_off, rank_arr, groups, max_rank=max_rank, **common)
             return unified_tiled_expand(y, h, k, v, layer, pages, b_off, rank_arr, groups, **common)
 
@@ -187,7 +191,7 @@ def run_case(rng, mix: str, num_tokens: int, kind: str, hidden: int, dtype, inte
     case = f"{mix} T={num_tokens}"
     err = max(
         _error(f"{case}: paged", paged_at(BLOCKS[0]), want, x, y),
-        _error(f"{case}: tiled", tiled_at(16), want, x, y, groups),
+        *(_error(f"{case}: tiled {br} rows", tiled_at(16, br), want, x, y, groups) for br in tile_rows),
     )
     rank_blocks = (16,) if interpret else RANK_BLOCKS
     unified_us = {}
@@ -203,7 +207,13 @@ def run_case(rng, mix: str, num_tokens: int, kind: str, hidden: int, dtype, inte
         err = max(err, _error(f"{case}: unified stages {stages}", fn, want, x, y))
         unified_us[(*best[:3], stages)] = 1e3 * best_ms(fn, x, y, reps=reps)
     best = min(unified_us, key=unified_us.get)
-    tiled_us = {rb: 1e3 * best_ms(tiled_at(rb), x, y, groups, reps=reps) for rb in rank_blocks if rb >= 16}
+    tiled_us = {
+        (rb, br): 1e3 * best_ms(tiled_at(rb, br), x, y, groups, reps=reps)
+        for rb in rank_blocks
+        if rb >= 16
+        for br in tile_rows
+    }
+    tiled_best = min(tiled_us, key=tiled_us.get)
     itemsize = jnp.dtype(dtype).itemsize
     layout = PagedLayout(page_rows=PAGE_ROWS, width=hidden, itemsize=itemsize, max_pages=a_table.shape[1])
     return {
@@ -222,8 +232,10 @@ def run_case(rng, mix: str, num_tokens: int, kind: str, hidden: int, dtype, inte
         "unified_num_stages": best[3],
         "unified_unsplit_us": min(plain.values()),
         "unified_knobs_us": {f"rb{rb}/ks{ks}/u{un}/st{st}": round(t, 2) for (rb, ks, un, st), t in unified_us.items()},
-        "tiled_us": min(tiled_us.values()),
-        "tiled_rank_block": min(tiled_us, key=tiled_us.get),
+        "tiled_us": tiled_us[tiled_best],
+        "tiled_rank_block": tiled_best[0],
+        "tiled_tile_rows": tiled_best[1],
+        "tiled_knobs_us": {f"rb{rb}/rows{br}": round(t, 2) for (rb, br), t in tiled_us.items()},
         "padded_bytes": int((a.size - a[0].size + b.size - b[0].size) * itemsize),
         "paged_bytes": int(sum(layout.module_bytes(int(r)) for r in ranks)),
         "unified_bytes": unified_bytes,
@@ -237,7 +249,7 @@ def _markdown(rows: list[dict], device: str) -> str:
         "",
         "Shrink + expand of one 4096-wide module; microseconds per call (best knob: paged column block, "
         "unified rank block, shrink k-splits and unroll; unsplit: the best with one program a rank block "
-        "and one chunk a step; tiled rank block); time against padded; bytes of the adapters.",
+        "and one chunk a step; tiled rank block and rows a tile); time against padded; bytes of the adapters.",
         "",
         "| mix | step | T | adapters | ranks | padded us | paged us | unified us | unified unsplit us | tiled us | paged / unified / tiled vs padded | padded MB | paged MB | unified MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -250,7 +262,7 @@ def _markdown(rows: list[dict], device: str) -> str:
             f"{r['unified_us']:.1f} (rb {r['unified_rank_block']}, ks {r['unified_k_splits']}, "
             f"u {r['unified_unroll']}, st {r['unified_num_stages']}) | "
             f"{r['unified_unsplit_us']:.1f} | "
-            f"{r['tiled_us']:.1f} ({r['tiled_rank_block']}) | "
+            f"{r['tiled_us']:.1f} (rb {r['tiled_rank_block']}, {r.get('tiled_tile_rows', 16)} rows) | "
             f"{r['paged_us'] / p:.2f} / {r['unified_us'] / p:.2f} / {r['tiled_us'] / p:.2f} | "
             f"{r['padded_bytes'] / 1e6:.1f} | {r['paged_bytes'] / 1e6:.1f} | {r['unified_bytes'] / 1e6:.1f} |"
         )
@@ -280,6 +292,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--cases", nargs="+", default=None, help="MIX:T:KIND cases (e.g. s1:64:decode s2:2048:mixed); default all"
     )
+    parser.add_argument(
+        "--tile-rows",
+        nargs="+",
+        type=int,
+        default=None,
+        help=f"the tiled kernels' rows a tile, swept (default {TILE_ROWS}; smoke 16 32)",
+    )
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     if args.smoke:
@@ -292,7 +311,8 @@ def main(argv: list[str] | None = None) -> None:
         cases = [_parse_case(c) for c in args.cases]
     rows = []
     for mix, num_tokens, kind in cases:
-        rows.append(run_case(rng, mix, num_tokens, kind, hidden, dtype, interpret, reps))
+        tile_rows = args.tile_rows or (TILE_ROWS[:2] if args.smoke else TILE_ROWS)
+        rows.append(run_case(rng, mix, num_tokens, kind, hidden, dtype, interpret, reps, tile_rows))
         text = _write(rows, args.out)
         print(f"{mix} {kind} T={num_tokens}: done", flush=True)
     print(text)

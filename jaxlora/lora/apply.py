@@ -29,16 +29,16 @@ from jaxlora.lora.unified_bank import UnifiedGroup, is_unified
 from jaxlora.lora.unified_layout import FACTOR_ALIGN
 from pallas_kernels.lora.common import make_row_groups
 from pallas_kernels.lora.paged import paged_expand, paged_shrink
-from pallas_kernels.lora.tuning import unified_expand_knobs, unified_shrink_knobs
+from pallas_kernels.lora.tuning import unified_expand_knobs, unified_shrink_knobs, unified_tiled_knobs
 from pallas_kernels.lora.unified import module_widths, unified_expand, unified_shrink
 from pallas_kernels.lora.unified_tiled import tiled_fits, unified_tiled_expand, unified_tiled_shrink
 from pallas_kernels.lora.unified_xla import unified_expand_xla, unified_shrink_xla
 
 # Unified bank, pallas: steps of at least this many token rows run the tiled kernels (rows grouped by
-# slot, UNIFIED_TILE_ROWS a tile), smaller ones the per-row kernels (see `_unified_per_row`), which take
-# a fused projection's whole group in one launch each way (`_unified_group`).
+# slot, `tuning.unified_tiled_knobs`' rows a tile), smaller ones the per-row kernels (see
+# `_unified_per_row`), which take a fused projection's whole group in one launch each way
+# (`_unified_group`).
 UNIFIED_TILED_MIN_TOKENS = 128
-UNIFIED_TILE_ROWS = 16
 
 GROUP_MODULES: dict[str, tuple[str, ...]] = dict(GROUPS)
 
@@ -197,7 +197,7 @@ def _unified_module(
         return unified_expand_xla(y, h, *common, b_off, ranks, token_slots, align=FACTOR_ALIGN)
     if _unified_per_row(group_bank, x, (y.shape[1],), kernels, plan, layer):
         return _unified_per_row_term(group_bank, x, y, (a_off, b_off, ranks), (0,), token_slots, kernels, layer)
-    kw = dict(align=FACTOR_ALIGN, interpret=kernels.interpret, block_rows=UNIFIED_TILE_ROWS)
+    kw = dict(align=FACTOR_ALIGN, interpret=kernels.interpret, **unified_tiled_knobs(x.shape[0]))
     h = unified_tiled_shrink(x, *common, a_off, ranks, plan.groups, max_rank=group_bank.max_rank, **kw)
     return unified_tiled_expand(y, h, *common, b_off, ranks, plan.groups, **kw)
 
@@ -293,7 +293,8 @@ def _unified_plan(
         return None
     num_slots = next(iter(bank.values())).pages.shape[0]
     slots = token_slots.astype(jnp.int32)
-    groups = make_row_groups(slots, num_slots=num_slots, seg_len=seg_len, block_rows=(UNIFIED_TILE_ROWS,))
+    tile_rows = unified_tiled_knobs(num_tokens)["block_rows"]
+    groups = make_row_groups(slots, num_slots=num_slots, seg_len=seg_len, block_rows=(tile_rows,))
     return pallas_kernels.LoraPlan(
         slot_ids=slots,
         groups=groups,

@@ -127,6 +127,21 @@ UNIFIED_EXPAND: dict[int, dict[str, int]] = {
 }
 
 
+# The unified bank's tiled kernels (`unified_tiled`, steps of at least
+# jaxlora.lora.apply.UNIFIED_TILED_MIN_TOKENS rows), by T bucket: rows a tile (block_rows, >= 16 for
+# the tensor-core dots). A work item reads its adapter's factors once for its tile, so a prefill
+# chunk of n rows reads them n / block_rows times; a decode row alone on its adapter fills one row of
+# its tile whatever the height. `benchmarks/kernels/paged_lora.py` sweeps 16, 32 and 64.
+UNIFIED_TILED: dict[int, dict[str, int]] = {
+    1 << 30: dict(block_rows=16),
+}
+
+
+def unified_tiled_knobs(num_tokens: int) -> dict[str, int]:
+    """The tiled unified kernels' knobs at `num_tokens` rows."""
+    return dict(_bucket(UNIFIED_TILED, num_tokens))
+
+
 def unified_shrink_knobs(num_tokens: int) -> dict[str, int]:
     """The per-row unified shrink's knobs at `num_tokens` rows."""
     return dict(_bucket(UNIFIED_SHRINK, num_tokens))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.bench.run_module import run_benchmark
 
 
@@ -16,6 +18,11 @@ def test_paged_lora_bench_smoke(tmp_path):
     assert {(r["mix"], r["kind"]) for r in rows} == {("s1", "decode"), ("s2", "decode"), ("s2", "mixed")}
     for r in rows:
         assert r["max_rel_err"] < 2e-2 and min(r[f"{k}_us"] for k in ("padded", "paged", "unified", "tiled")) > 0
+        assert set(r["tiled_knobs_us"]) == {"rb16/rows16", "rb16/rows32"}  # each tile height checked, then timed
+        assert r["tiled_us"] == pytest.approx(min(r["tiled_knobs_us"].values()), abs=0.01) and r["tiled_tile_rows"] in (
+            16,
+            32,
+        )
         for layout in ("paged", "unified"):
             ratio = r[f"{layout}_bytes"] / r["padded_bytes"]
             assert ratio <= 1.01 if r["ranks"] == [max(r["ranks"])] else ratio < 0.95, (layout, r)
