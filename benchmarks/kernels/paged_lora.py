@@ -29,6 +29,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from benchmarks.common import best_ms
+from pallas_kernels.lora import tuning
 from pallas_kernels.lora.common import make_row_groups
 from pallas_kernels.lora.paged import PagedLayout, paged_expand, paged_shrink
 from pallas_kernels.lora.unified import unified_expand, unified_shrink
@@ -137,7 +138,16 @@ def _rows(rng, mix: str, num_tokens: int, kind: str) -> tuple[np.ndarray, np.nda
 
 
 def run_case(
-    rng, mix: str, num_tokens: int, kind: str, hidden: int, dtype, interpret: bool, reps: int, tile_rows=TILE_ROWS
+    rng,
+    mix: str,
+    num_tokens: int,
+    kind: str,
+    hidden: int,
+    dtype,
+    interpret: bool,
+    reps: int,
+    tile_rows=TILE_ROWS,
+    quick: bool = False,
 ) -> dict:
     ranks, rows = _rows(rng, mix, num_tokens, kind)
     a, b, pool, a_table, b_table = _case(rng, ranks, hidden, dtype)
@@ -187,13 +197,16 @@ def run_case(
 
     # Any split and unroll takes any width (uneven splits, a tail loop); the smoke run takes two.
     splits = SHRINK_SPLITS[:1] + SHRINK_SPLITS[-1:] if interpret else SHRINK_SPLITS
+    if quick:  # the per-row shrink at the engine's knobs for this row count, one paged block
+        knobs = tuning.unified_shrink_knobs(num_tokens)
+        splits = ((knobs["k_splits"], knobs["unroll"]),)
     want = np.asarray(padded(x, y, plan), np.float32)
     case = f"{mix} T={num_tokens}"
     err = max(
         _error(f"{case}: paged", paged_at(BLOCKS[0]), want, x, y),
         *(_error(f"{case}: tiled {br} rows", tiled_at(16, br), want, x, y, groups) for br in tile_rows),
     )
-    rank_blocks = (16,) if interpret else RANK_BLOCKS
+    rank_blocks = (16,) if interpret or quick else RANK_BLOCKS
     unified_us = {}
     for rb in rank_blocks:  # every knob set is checked before it is timed
         for ks, un in splits:
@@ -202,7 +215,7 @@ def run_case(
             unified_us[(rb, ks, un, 1)] = 1e3 * best_ms(fn, x, y, reps=reps)
     plain = {key: t for key, t in unified_us.items() if key[1:] == (1, 1, 1)}
     best = min(unified_us, key=unified_us.get)
-    for stages in () if interpret else (2, 3):  # software pipelining, on the best split
+    for stages in () if interpret or quick else (2, 3):  # software pipelining, on the best split
         fn = unified_at(*best[:3], stages)
         err = max(err, _error(f"{case}: unified stages {stages}", fn, want, x, y))
         unified_us[(*best[:3], stages)] = 1e3 * best_ms(fn, x, y, reps=reps)
@@ -224,13 +237,13 @@ def run_case(
         "hidden": hidden,
         "ranks": sorted(set(ranks.tolist())),
         "padded_us": 1e3 * best_ms(padded, x, y, plan, reps=reps),
-        **_best_paged(paged_at, x, y, reps, blocks=BLOCKS[:1] if interpret else BLOCKS[:2]),
+        **_best_paged(paged_at, x, y, reps, blocks=BLOCKS[:1] if interpret or quick else BLOCKS[:2]),
         "unified_us": min(unified_us.values()),
         "unified_rank_block": best[0],
         "unified_k_splits": best[1],
         "unified_unroll": best[2],
         "unified_num_stages": best[3],
-        "unified_unsplit_us": min(plain.values()),
+        "unified_unsplit_us": min(plain.values(), default=None),
         "unified_knobs_us": {f"rb{rb}/ks{ks}/u{un}/st{st}": round(t, 2) for (rb, ks, un, st), t in unified_us.items()},
         "tiled_us": tiled_us[tiled_best],
         "tiled_rank_block": tiled_best[0],
@@ -261,7 +274,7 @@ def _markdown(rows: list[dict], device: str) -> str:
             f"{r['paged_us']:.1f} ({r['paged_block']}) | "
             f"{r['unified_us']:.1f} (rb {r['unified_rank_block']}, ks {r['unified_k_splits']}, "
             f"u {r['unified_unroll']}, st {r['unified_num_stages']}) | "
-            f"{r['unified_unsplit_us']:.1f} | "
+            f"{'-' if r['unified_unsplit_us'] is None else format(r['unified_unsplit_us'], '.1f')} | "
             f"{r['tiled_us']:.1f} (rb {r['tiled_rank_block']}, {r.get('tiled_tile_rows', 16)} rows) | "
             f"{r['paged_us'] / p:.2f} / {r['unified_us'] / p:.2f} / {r['tiled_us'] / p:.2f} | "
             f"{r['padded_bytes'] / 1e6:.1f} | {r['paged_bytes'] / 1e6:.1f} | {r['unified_bytes'] / 1e6:.1f} |"
@@ -293,6 +306,12 @@ def main(argv: list[str] | None = None) -> None:
         "--cases", nargs="+", default=None, help="MIX:T:KIND cases (e.g. s1:64:decode s2:2048:mixed); default all"
     )
     parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="no knob sweep but the tiled kernels' rows a tile: rank block 16, the per-row shrink's tuned splits, "
+        "the paged kernels' first column block",
+    )
+    parser.add_argument(
         "--tile-rows",
         nargs="+",
         type=int,
@@ -312,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for mix, num_tokens, kind in cases:
         tile_rows = args.tile_rows or (TILE_ROWS[:2] if args.smoke else TILE_ROWS)
-        rows.append(run_case(rng, mix, num_tokens, kind, hidden, dtype, interpret, reps, tile_rows))
+        rows.append(run_case(rng, mix, num_tokens, kind, hidden, dtype, interpret, reps, tile_rows, args.quick))
         text = _write(rows, args.out)
         print(f"{mix} {kind} T={num_tokens}: done", flush=True)
     print(text)

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from pallas_kernels.lora.tuning import unified_shrink_knobs
 from tests.bench.run_module import run_benchmark
 
 
@@ -27,3 +28,13 @@ def test_paged_lora_bench_smoke(tmp_path):
             ratio = r[f"{layout}_bytes"] / r["padded_bytes"]
             assert ratio <= 1.01 if r["ranks"] == [max(r["ranks"])] else ratio < 0.95, (layout, r)
     assert "| s2 |" in (tmp_path / "paged_lora.md").read_text()
+
+
+def test_quick_run_times_the_engine_knobs_and_every_tile_height(tmp_path):
+    run = run_benchmark("kernels.paged_lora", "--smoke", "--quick", "--cases", "s2:24:mixed", "--out", str(tmp_path))
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "paged_lora.json").read_text())
+    knobs = unified_shrink_knobs(24)
+    assert list(row["unified_knobs_us"]) == [f"rb16/ks{knobs['k_splits']}/u{knobs['unroll']}/st1"]
+    assert row["unified_unsplit_us"] is None
+    assert set(row["tiled_knobs_us"]) == {"rb16/rows16", "rb16/rows32"} and row["max_rel_err"] < 2e-2
