@@ -25,7 +25,11 @@ Policy (documented in the README; it cannot thrash and never takes what a step r
                           the step, and a prefetched one is about to be, so neither is ever taken.
 
 Device writes go into the runner's KV pool (`runner.kv`, donated) and the slot tables: a page-in
-is one `write_adapter_pages` call (its page count padded to a compiled size) and one `write_slot`.
+is one `write_adapter_pages` call per run of its pages and one `write_slot`. The host copy is kept
+cut into those runs, each of a compiled page count (`paged_bank.page_runs`) and each in pinned_host
+memory on accelerators, so a page-in copies nothing on the host: each run's transfer is a DMA that
+the engine thread only starts (padding a run to a compiled count at page-in cost a host copy of the
+whole adapter, tens of ms for a rank-64 7B adapter, on the engine thread before every dispatch).
 A staged page-in whose adapter was evicted before the commit is dropped, so no stale write can land
 on pages a sequence took in between (a step writes its KV before the commit that follows it).
 
@@ -50,12 +54,19 @@ import numpy as np
 
 from jaxlora.adapters.metrics import PagerMetrics
 from jaxlora.adapters.paged_pager import PagedPager
-from jaxlora.adapters.registry import RegisteredAdapter, Registry, adapter_identity, load_checked_adapter
+from jaxlora.adapters.registry import (
+    HostMemory,
+    RegisteredAdapter,
+    Registry,
+    adapter_identity,
+    host_sharding,
+    load_checked_adapter,
+)
 from jaxlora.adapters.slot_table import SlotTable, invariant
 from jaxlora.config import LoraBank, LoraConfig, ModelConfig
 from jaxlora.errors import AdapterError
 from jaxlora.lora.host_adapter import HostAdapter
-from jaxlora.lora.paged_bank import module_ranks, padded_size, page_counts
+from jaxlora.lora.paged_bank import module_ranks, page_counts, page_runs
 from jaxlora.lora.unified_bank import Tables, init_unified_tables, model_view, slot_rows, write_slot
 from jaxlora.lora.unified_layout import (
     UnifiedLayout,
@@ -75,10 +86,17 @@ PageTable = Any
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class UnifiedAdapter(RegisteredAdapter):
-    """A registered adapter of a unified bank: `flat` is its pages as the KV pool holds them,
-    [L, num_pages, 2, page_size, kv_heads, head_dim] (`unified_layout.pack_run`), at true rank."""
+    """A registered adapter of a unified bank: `flat` is its pages as the KV pool holds them
+    (`unified_layout.pack_run`, at true rank), cut along the page axis into runs of compiled page
+    counts (`paged_bank.page_runs`): a tuple of [L, run, 2, page_size, kv_heads, head_dim] arrays in
+    page order, numpy or in pinned_host memory (where registered adapters live)."""
 
+    flat: tuple[np.ndarray | jax.Array, ...]
     unified: UnifiedLayout
+
+    def pages(self) -> np.ndarray:
+        """All its pages, [L, num_pages, 2, page_size, kv_heads, head_dim], as one numpy array."""
+        return np.concatenate([np.asarray(run) for run in self.flat], axis=1)
 
 
 class UnifiedPager(PagedPager):
@@ -90,6 +108,8 @@ class UnifiedPager(PagedPager):
       host_capacity_bytes: budget for registered adapters in host memory; None = unbounded.
       dtype: the KV pool's dtype; host copies are kept in it.
       max_page_ins_per_commit: cap on page-ins issued by one `commit`.
+      host_memory: where host copies live (`HostMemory`; pinned_host on accelerators by default), as
+        `Pager`'s.
     """
 
     def __init__(
@@ -101,6 +121,7 @@ class UnifiedPager(PagedPager):
         host_capacity_bytes: int | None = None,
         dtype: jnp.dtype = jnp.float32,
         max_page_ins_per_commit: int = 16,
+        host_memory: HostMemory | str = HostMemory.AUTO,
     ) -> None:
         # Not PagedPager.__init__: there are no pools of its own; the KV pool is the runner's.
         if lora_config.bank is not LoraBank.UNIFIED:
@@ -138,6 +159,7 @@ class UnifiedPager(PagedPager):
         self._unregistering: set[str] = set()
         self._device = jax.devices()[0]
         self._device_sharding = jax.sharding.SingleDeviceSharding(self._device)
+        self._host_sharding = host_sharding(self._device, HostMemory(host_memory))
         self.state: Tables = jax.device_put(init_unified_tables(lora_config, self.max_pages), self._device_sharding)
         self._runner: Runner | None = None
         self._kv: PageTable | None = None
@@ -203,7 +225,7 @@ class UnifiedPager(PagedPager):
             rank=adapter.rank,
             target_modules=adapter.target_modules,
             source=(adapter.source if isinstance(source, HostAdapter) else str(source)) or "<memory>",
-            flat=packed,
+            flat=self._host_runs(packed),
             layout=None,
             max_rank=lora.max_rank,
             nbytes=packed.nbytes,
@@ -219,6 +241,18 @@ class UnifiedPager(PagedPager):
                 "kv_memory_fraction)"
             )
         return made
+
+    def _host_runs(self, packed: np.ndarray) -> tuple[np.ndarray | jax.Array, ...]:
+        """`packed`'s pages cut into runs of compiled counts, each contiguous and where registered
+        adapters live (pinned_host on accelerators: its page-in is then a DMA, no host copy)."""
+        runs, start = [], 0
+        for size in page_runs(packed.shape[1], self._sizes):
+            run = np.ascontiguousarray(packed[:, start : start + size])
+            start += size
+            if self._host_sharding is not None:
+                run = jax.block_until_ready(jax.device_put(run, self._host_sharding))
+            runs.append(run)
+        return tuple(runs)
 
     def host_nbytes(self, rank: int) -> int:
         layout = adapter_layout(
@@ -363,16 +397,19 @@ class UnifiedPager(PagedPager):
         return slot, ids, adapter.flat, slot_rows(adapter.unified, ids, self.lora_config, self.max_pages)
 
     def _to_device(self, args: tuple) -> tuple:
-        """Pads the pages to a compiled count (padding ids past the pool: dropped) and starts their copy."""
-        slot, ids, packed, rows = args
+        """Starts the copy of each run of the host copy: (slot, page ids, [(the run's page ids, its
+        pages on the device)], table rows)."""
+        slot, ids, runs, rows = args
         if ids is None:
-            return np.int32(slot), None, None, None, rows
-        size = padded_size(len(ids), self._sizes)
-        padded_ids = np.full((size,), self._kv.num_pages, np.int32)
-        padded_ids[: len(ids)] = ids
-        padded = np.zeros((packed.shape[0], size, *packed.shape[2:]), packed.dtype)
-        padded[:, : len(ids)] = packed
-        return np.int32(slot), ids, padded_ids, jax.device_put(padded, self._device_sharding), rows
+            return np.int32(slot), None, [], rows
+        writes, start = [], 0
+        for run in runs:
+            size = run.shape[1]
+            writes.append((ids[start : start + size], jax.device_put(run, self._device_sharding)))
+            start += size
+        if start != len(ids):
+            raise RuntimeError(f"the host copy has {start} pages, its placement {len(ids)}")
+        return np.int32(slot), ids, writes, rows
 
     def _stage(self) -> None:
         with self._lock:
@@ -389,10 +426,10 @@ class UnifiedPager(PagedPager):
             live = [
                 (slot, name, args) for slot, name, args in staged if name is None or self._pages_of.get(name) is args[1]
             ]
-        for _, _, (slot, _, padded_ids, pages, rows) in live:
-            if pages is not None:
+        for _, _, (slot, _, writes, rows) in live:
+            for run_ids, pages in writes:
                 kv = self._runner.kv
-                k, v = write_adapter_pages((kv.k, kv.v), padded_ids, pages)
+                k, v = write_adapter_pages((kv.k, kv.v), run_ids, pages)
                 self._runner.kv = dataclasses.replace(kv, k=k, v=v)
             self.state = write_slot(self.state, slot, rows)
         with self._lock:

@@ -255,6 +255,18 @@ def write_sizes(model: ModelConfig, lora: LoraConfig) -> dict[int, tuple[int, ..
     return {w: page_counts(n) for w, n in full_adapter_pages(model, lora).items()}
 
 
+def page_runs(num_pages: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """`num_pages` cut into runs of compiled page counts, largest first (greedy: 75 pages over sizes
+    1, 2, 4, ..., 64, 76 are runs of 64, 8, 2 and 1), so that each run is written without padding."""
+    if num_pages < 1 or num_pages > max(sizes):
+        raise ValueError(f"{num_pages} pages: need 1 to {max(sizes)}")
+    runs, left = [], num_pages
+    while left:
+        runs.append(max(s for s in sizes if s <= left))
+        left -= runs[-1]
+    return tuple(runs)
+
+
 def padded_size(num_pages: int, sizes: tuple[int, ...]) -> int:
     """The smallest compiled page count that holds `num_pages`."""
     return next(s for s in sizes if s >= num_pages)

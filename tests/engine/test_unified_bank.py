@@ -22,7 +22,8 @@ from jaxlora.engine import Engine
 from jaxlora.engine.build import build_engine
 from jaxlora.errors import AdapterError
 from jaxlora.lora import apply
-from jaxlora.lora.unified_layout import FACTOR_ALIGN, adapter_layout
+from jaxlora.lora.paged_bank import page_counts, page_runs
+from jaxlora.lora.unified_layout import FACTOR_ALIGN, adapter_layout, pack_run
 from jaxlora.model.params import build_model
 from tests.engine.bank_data import MIXED, bank_parts, requests
 from tests.engine.conftest import engine_config
@@ -249,7 +250,7 @@ def test_a_lost_pool_rewrites_pinned_adapters_and_evicts_idle_ones(parts, padded
     pager.commit()
     assert pager.is_ready("r8")
     pages = pager._pages_of["r8"]
-    flat = np.asarray(pager.host_adapter("r8").flat)
+    flat = pager.host_adapter("r8").pages()
     kv = engine.runner.kv
     np.testing.assert_array_equal(np.asarray(kv.k[:, pages]), flat[:, :, 0])
     np.testing.assert_array_equal(np.asarray(kv.v[:, pages]), flat[:, :, 1])
@@ -306,3 +307,39 @@ def test_built_from_a_config_and_an_adapter_larger_than_the_pool_is_refused(part
         engine.register_adapter("r64", adapters["r64"])
     with pytest.raises(AdapterError, match="KV pages the pool can give an adapter beside one max_seq_len"):
         build_engine(config, model, tok, {"r64": adapters["r64"]})
+
+
+def test_host_copies_are_runs_of_compiled_page_counts_and_page_in_as_they_are(parts):
+    """Each adapter's host copy is its packed pages cut into runs the page write is compiled for
+    (no padding copy at page-in), and its pages land in the pool as packed, whatever the run count."""
+    engine = make_engine(parts, UNIFIED, warm=False)
+    pager, (model, _, adapters) = engine.pager, parts
+    counts = {name: pages_of(parts, name) for name in adapters}
+    assert any(len(page_runs(n, pager._sizes)) > 1 for n in counts.values())  # some adapter takes several runs
+    for name, n in counts.items():
+        stored = pager.host_adapter(name)
+        assert tuple(run.shape[1] for run in stored.flat) == page_runs(n, pager._sizes)
+        assert all(run.flags.c_contiguous for run in stored.flat)  # numpy on the CPU ("auto")
+        packed = pack_run(adapters[name].weights, stored.unified, model.config, PAGE_SIZE, pager.dtype)
+        np.testing.assert_array_equal(stored.pages(), packed)
+        assert stored.nbytes == packed.nbytes
+    for name in counts:
+        pager.acquire(name)
+    pager.commit()
+    kv = engine.runner.kv
+    for name in counts:
+        pages, want = pager._pages_of[name], pager.host_adapter(name).pages()
+        np.testing.assert_array_equal(np.asarray(kv.k[:, pages]), want[:, :, 0])
+        np.testing.assert_array_equal(np.asarray(kv.v[:, pages]), want[:, :, 1])
+    pager.check()
+
+
+def test_page_runs_cut_a_count_into_compiled_counts_largest_first():
+    sizes = page_counts(76)
+    assert sizes == (1, 2, 4, 8, 16, 32, 64, 76)
+    assert page_runs(76, sizes) == (76,) and page_runs(75, sizes) == (64, 8, 2, 1)
+    assert page_runs(1, sizes) == (1,) and page_runs(64, sizes) == (64,)
+    assert all(sum(page_runs(n, sizes)) == n and set(page_runs(n, sizes)) <= set(sizes) for n in range(1, 77))
+    for bad in (0, 77):
+        with pytest.raises(ValueError, match="pages: need 1 to 76"):
+            page_runs(bad, sizes)
