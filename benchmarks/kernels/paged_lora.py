@@ -267,14 +267,14 @@ def _markdown(rows: list[dict], device: str) -> str:
         "| mix | step | T | adapters | ranks | padded us | paged us | unified us | unified unsplit us | tiled us | paged / unified / tiled vs padded | padded MB | paged MB | unified MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
+    for r in rows:  # rows of older runs lack the knobs added since: "-"
         p = r["padded_us"]
         lines.append(
             f"| {r['mix']} | {r['kind']} | {r['T']} | {r['adapters']} | {r['ranks']} | {p:.1f} | "
             f"{r['paged_us']:.1f} ({r['paged_block']}) | "
-            f"{r['unified_us']:.1f} (rb {r['unified_rank_block']}, ks {r['unified_k_splits']}, "
-            f"u {r['unified_unroll']}, st {r['unified_num_stages']}) | "
-            f"{'-' if r['unified_unsplit_us'] is None else format(r['unified_unsplit_us'], '.1f')} | "
+            f"{r['unified_us']:.1f} (rb {r['unified_rank_block']}, ks {r.get('unified_k_splits', '-')}, "
+            f"u {r.get('unified_unroll', '-')}, st {r.get('unified_num_stages', '-')}) | "
+            f"{'-' if r.get('unified_unsplit_us') is None else format(r['unified_unsplit_us'], '.1f')} | "
             f"{r['tiled_us']:.1f} (rb {r['tiled_rank_block']}, {r.get('tiled_tile_rows', 16)} rows) | "
             f"{r['paged_us'] / p:.2f} / {r['unified_us'] / p:.2f} / {r['tiled_us'] / p:.2f} | "
             f"{r['padded_bytes'] / 1e6:.1f} | {r['paged_bytes'] / 1e6:.1f} | {r['unified_bytes'] / 1e6:.1f} |"

@@ -29,7 +29,7 @@ is one `write_adapter_pages` call per run of its pages and one `write_slot`. The
 cut into those runs, each of a compiled page count (`paged_bank.page_runs`) and each in pinned_host
 memory on accelerators, so a page-in copies nothing on the host: each run's transfer is a DMA that
 the engine thread only starts (padding a run to a compiled count at page-in cost a host copy of the
-whole adapter, tens of ms for a rank-64 7B adapter, on the engine thread before every dispatch).
+whole adapter on the engine thread before every dispatch: benchmarks/DECISIONS.md#unified-host-runs).
 A staged page-in whose adapter was evicted before the commit is dropped, so no stale write can land
 on pages a sequence took in between (a step writes its KV before the commit that follows it).
 

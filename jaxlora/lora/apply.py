@@ -37,8 +37,9 @@ from pallas_kernels.lora.unified_xla import unified_expand_xla, unified_shrink_x
 # Unified bank, pallas: steps of at least this many token rows run the tiled kernels (rows grouped by
 # slot, `tuning.unified_tiled_knobs`' rows a tile), smaller ones the per-row kernels (see
 # `_unified_per_row`), which take a fused projection's whole group in one launch each way
-# (`_unified_group`).
-UNIFIED_TILED_MIN_TOKENS = 128
+# (`_unified_group`). The per-row kernels win at 256 rows, decode or mixed, the tiled ones at 512
+# mixed rows; between the two it is unmeasured (benchmarks/DECISIONS.md#unified-tiled-from).
+UNIFIED_TILED_MIN_TOKENS = 512
 
 GROUP_MODULES: dict[str, tuple[str, ...]] = dict(GROUPS)
 
