@@ -437,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         "XLA_FLAGS=--xla_gpu_enable_command_buffer= so that the profiler sees each kernel",
     )
     opts = p.parse_args(argv)
+    _by_label(selected_cases(opts), opts.profile, "--profile")  # a profiled case must be one that runs
     payload = run(opts)
     print(f"wrote {opts.out / 'formats.json'} ({len(payload['rows'])} rows, {len(payload['not_run'])} not run)")
     return 0

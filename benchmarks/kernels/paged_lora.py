@@ -197,22 +197,23 @@ def run_case(
 
     # Any split and unroll takes any width (uneven splits, a tail loop); the smoke run takes two.
     splits = SHRINK_SPLITS[:1] + SHRINK_SPLITS[-1:] if interpret else SHRINK_SPLITS
+    rank_blocks, first_stages = (16,) if interpret else RANK_BLOCKS, 1
     if quick:  # the per-row shrink at the engine's knobs for this row count, one paged block
         knobs = tuning.unified_shrink_knobs(num_tokens)
         splits = ((knobs["k_splits"], knobs["unroll"]),)
+        rank_blocks, first_stages = (knobs["rank_block"],), knobs["num_stages"]
     want = np.asarray(padded(x, y, plan), np.float32)
     case = f"{mix} T={num_tokens}"
     err = max(
         _error(f"{case}: paged", paged_at(BLOCKS[0]), want, x, y),
         *(_error(f"{case}: tiled {br} rows", tiled_at(16, br), want, x, y, groups) for br in tile_rows),
     )
-    rank_blocks = (16,) if interpret or quick else RANK_BLOCKS
     unified_us = {}
     for rb in rank_blocks:  # every knob set is checked before it is timed
         for ks, un in splits:
-            fn = unified_at(rb, ks, un)
+            fn = unified_at(rb, ks, un, first_stages)
             err = max(err, _error(f"{case}: unified rb{rb}/ks{ks}/u{un}", fn, want, x, y))
-            unified_us[(rb, ks, un, 1)] = 1e3 * best_ms(fn, x, y, reps=reps)
+            unified_us[(rb, ks, un, first_stages)] = 1e3 * best_ms(fn, x, y, reps=reps)
     plain = {key: t for key, t in unified_us.items() if key[1:] == (1, 1, 1)}
     best = min(unified_us, key=unified_us.get)
     for stages in () if interpret or quick else (2, 3):  # software pipelining, on the best split
@@ -222,7 +223,7 @@ def run_case(
     best = min(unified_us, key=unified_us.get)
     tiled_us = {
         (rb, br): 1e3 * best_ms(tiled_at(rb, br), x, y, groups, reps=reps)
-        for rb in rank_blocks
+        for rb in ((16,) if interpret or quick else RANK_BLOCKS)
         if rb >= 16
         for br in tile_rows
     }

@@ -267,6 +267,9 @@ class UnifiedPager(PagedPager):
             return adapter_nbytes(layout, self.model_config, self.page_size, self.dtype.itemsize)
         return self.slot_nbytes
 
+    def host_entries(self, name: str):
+        raise NotImplementedError("a unified bank keeps pages, not slot entries: read host_adapter(name).pages()")
+
     # ---------------------------------------------------------------- device memory, for tests and metrics
     def device_nbytes(self, name: str) -> int:
         """KV-pool bytes the resident adapter `name` holds (0 when it is not resident)."""
@@ -390,7 +393,7 @@ class UnifiedPager(PagedPager):
 
     # ---------------------------------------------------------------- device work (engine thread)
     def _write_args(self, slot: int, name: str | None) -> tuple:
-        """(slot, page ids, packed pages, table rows) of one write; a reset has no pages."""
+        """(slot, page ids, the host copy's runs, table rows) of one write; a reset has no pages."""
         if name is None:
             return slot, None, None, slot_rows(None, np.zeros(0, np.int32), self.lora_config, self.max_pages)
         adapter, ids = self._registry.get(name), self._pages_of[name]
@@ -436,8 +439,8 @@ class UnifiedPager(PagedPager):
             self._finish_writes([(slot, name) for slot, name, _ in live], None)
 
     def warmup(self) -> None:
-        """Compiles the page write at every padded count and the slot write, writing pages past the
-        pool and a slot past the tables (dropped: nothing changes). Needs `attach`."""
+        """Compiles the page write at every run size (`page_counts`) and the slot write, writing pages
+        past the pool and a slot past the tables (dropped: nothing changes). Needs `attach`."""
         if self._runner is None:
             raise RuntimeError("attach the unified pager to an engine before warming it up")
         model, kv = self.model_config, self._runner.kv

@@ -241,7 +241,8 @@ def write_adapter(state: PagedState, slot, page_ids: Mapping, pages: Mapping, ro
 @functools.cache
 def page_counts(max_pages: int) -> tuple[int, ...]:
     """The page counts a page write is compiled for: powers of two below `max_pages`, then it (the
-    paged and the unified banks pad each write's count to one, `padded_size`)."""
+    paged bank pads each write's count to one, `padded_size`; the unified bank cuts its adapters'
+    pages into runs of them, `page_runs`)."""
     sizes, n = [], 1
     while n < max_pages:
         sizes.append(n)

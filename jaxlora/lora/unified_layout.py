@@ -115,13 +115,14 @@ def pack_run(weights: Weights, layout: UnifiedLayout, model: ModelConfig, page_s
 
 
 def _write_pages(kv: tuple[jax.Array, jax.Array], page_ids: jax.Array, packed: jax.Array):
-    # kv: the pool's (k, v); out-of-range ids (padding of a compiled page count) are dropped, not clamped.
+    # kv: the pool's (k, v); out-of-range ids (warm-up's writes past the pool) are dropped, not clamped.
     k, v = kv
     k = k.at[:, page_ids].set(packed[:, :, 0].astype(k.dtype), mode="drop")
     v = v.at[:, page_ids].set(packed[:, :, 1].astype(v.dtype), mode="drop")
     return k, v
 
 
-# Donated: the pages are written into the pool in place. Callers pad the page count to a few sizes
-# (`jaxlora.lora.paged_bank.page_counts` up to MP) so that every write program is compiled at warm-up.
+# Donated: the pages are written into the pool in place. Callers write runs of a few page counts
+# (`jaxlora.lora.paged_bank.page_counts` up to MP, `page_runs`) so that every write program is
+# compiled at warm-up.
 write_adapter_pages = jax.jit(_write_pages, donate_argnums=0)

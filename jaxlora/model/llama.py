@@ -102,7 +102,8 @@ class RaggedBatch:
     kv_len: [S] int32 positions of s cached after this step (its tokens are the last q_len).
     block_tables: [S, pages_per_seq] int32 page of each page-sized span of s's positions.
     write_page: [T] int32 page each token's key/value goes to (out of range for padding: dropped).
-    write_offset: [T] int32 offset in that page.
+    write_offset: [T] int32 offset in that page. Each in-range (write_page, write_offset) is written
+      by at most one token of the step: the scatter promises XLA unique indices (`_write_pages`).
     """
 
     q_start: jax.Array

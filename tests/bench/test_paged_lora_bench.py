@@ -35,6 +35,7 @@ def test_quick_run_times_the_engine_knobs_and_every_tile_height(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     (row,) = json.loads((tmp_path / "paged_lora.json").read_text())
     knobs = unified_shrink_knobs(24)
-    assert list(row["unified_knobs_us"]) == [f"rb16/ks{knobs['k_splits']}/u{knobs['unroll']}/st1"]
+    k = f"rb{knobs['rank_block']}/ks{knobs['k_splits']}/u{knobs['unroll']}/st{knobs['num_stages']}"
+    assert list(row["unified_knobs_us"]) == [k]
     assert row["unified_unsplit_us"] is None
     assert set(row["tiled_knobs_us"]) == {"rb16/rows16", "rb16/rows32"} and row["max_rel_err"] < 2e-2

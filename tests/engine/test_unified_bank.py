@@ -40,7 +40,14 @@ def parts():
 
 
 def make_engine(
-    parts, lora: LoraConfig, *, nan_pool: bool = True, warm: bool = True, fused: bool = False, **overrides
+    parts,
+    lora: LoraConfig,
+    *,
+    nan_pool: bool = True,
+    warm: bool = True,
+    fused: bool = False,
+    host_memory: str = "auto",
+    **overrides,
 ) -> Engine:
     """An engine over `parts`' adapters; a unified one's KV pool starts NaN (a read of a free page,
     or of a page past an adapter's, would poison the tokens). fused: the model in the serving layout
@@ -50,7 +57,7 @@ def make_engine(
         model = build_model(model.config, model.flat_params(), fused=True)
     config = engine_config(max_batch=8, token_budgets=(8, 16, 32), lora=lora, **overrides)
     if lora.bank is LoraBank.UNIFIED:
-        pager = UnifiedPager(model.config, lora, page_size=config.page_size, dtype=model.dtype)
+        pager = UnifiedPager(model.config, lora, page_size=config.page_size, dtype=model.dtype, host_memory=host_memory)
     else:
         pager = Pager(model.config, lora, dtype=model.dtype)
     for name, adapter in adapters.items():
@@ -309,23 +316,29 @@ def test_built_from_a_config_and_an_adapter_larger_than_the_pool_is_refused(part
         build_engine(config, model, tok, {"r64": adapters["r64"]})
 
 
-def test_host_copies_are_runs_of_compiled_page_counts_and_page_in_as_they_are(parts):
+@pytest.mark.parametrize("host_memory", ["auto", "pinned"])
+def test_host_copies_are_runs_of_compiled_page_counts_and_page_in_as_they_are(parts, host_memory):
     """Each adapter's host copy is its packed pages cut into runs the page write is compiled for
-    (no padding copy at page-in), and its pages land in the pool as packed, whatever the run count."""
-    engine = make_engine(parts, UNIFIED, warm=False)
+    (no padding copy at page-in), numpy or pinned_host as asked (the GPU default), and its pages
+    land in the pool as packed, whatever the run count, with no compile after warm-up."""
+    engine = make_engine(parts, UNIFIED, host_memory=host_memory)
     pager, (model, _, adapters) = engine.pager, parts
     counts = {name: pages_of(parts, name) for name in adapters}
     assert any(len(page_runs(n, pager._sizes)) > 1 for n in counts.values())  # some adapter takes several runs
     for name, n in counts.items():
         stored = pager.host_adapter(name)
         assert tuple(run.shape[1] for run in stored.flat) == page_runs(n, pager._sizes)
-        assert all(run.flags.c_contiguous for run in stored.flat)  # numpy on the CPU ("auto")
+        if host_memory == "auto":  # numpy on the CPU
+            assert all(isinstance(run, np.ndarray) and run.flags.c_contiguous for run in stored.flat)
+        else:
+            assert all(run.sharding.memory_kind == "pinned_host" for run in stored.flat)
         packed = pack_run(adapters[name].weights, stored.unified, model.config, PAGE_SIZE, pager.dtype)
         np.testing.assert_array_equal(stored.pages(), packed)
         assert stored.nbytes == packed.nbytes
-    for name in counts:
-        pager.acquire(name)
-    pager.commit()
+    with jax.no_tracing():  # every run's write was compiled at warm-up
+        for name in counts:
+            pager.acquire(name)
+        pager.commit()
     kv = engine.runner.kv
     for name in counts:
         pages, want = pager._pages_of[name], pager.host_adapter(name).pages()
